@@ -1,0 +1,32 @@
+"""gss: remove verbatim memorization from fine-tuned language models at inference time.
+
+Gated Subspace Steering calibrates, at one decoder layer, probe directions (when to act) and
+steer directions (how to act) from a token-level memorization signal, and applies them with a
+forward hook that subtracts the steer only on tokens whose probe response passes a threshold.
+"""
+
+__version__ = "0.1.0"
+
+from .artifact import SteeringArtifact, SteeringConfig, load, steer
+from .calibrate import calibrate, calibrate_thresholds
+from .errors import GSSError
+from .layers import find_decoder_blocks
+from .signal import SignalStatistics, memorization_signal, signal_statistics
+from .solve import ProbeSteer, solve_probe_steer
+
+__all__ = [
+    "GSSError",
+    "ProbeSteer",
+    "SignalStatistics",
+    "SteeringArtifact",
+    "SteeringConfig",
+    "__version__",
+    "calibrate",
+    "calibrate_thresholds",
+    "find_decoder_blocks",
+    "load",
+    "memorization_signal",
+    "signal_statistics",
+    "solve_probe_steer",
+    "steer",
+]

@@ -1,0 +1,514 @@
+"""Calibration: text -> omega -> (Sigma_gen, M) -> probe/steer solve -> gate thresholds.
+
+One pass over the calibration text runs the reference forward, the model forward with the
+layer-L output tapped, and a backward from the objective of the memorized tokens down to that
+tap only (the model's weights are frozen, so no weight gradients are computed and nothing
+below layer L is differentiated). A second, partial forward (stopped after block L) measures
+the probe responses on general tokens to set the thresholds. Statistics stream; activations
+are never kept.
+
+Gradient sign: g is the gradient of the *log-likelihood* (``-grad CE``) of the memorized
+tokens, so the update ``h - s v`` lowers their likelihood (METHOD-NOTES 2.1). With
+``gradient="summed"`` one backward of the summed objective gives each position the gradient
+of all later memorized tokens' objectives too (METHOD-NOTES 2.5); at the last block that is
+exact, at earlier blocks an approximation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from .artifact import SteeringArtifact, SteeringConfig, model_fingerprint
+from .data import Batch, TextsOrIds, batches, count_batches, encode
+from .errors import GSSError
+from .forward import (
+    check_same_vocab,
+    forward_logits,
+    target_mask,
+    token_logprobs,
+)
+from .hook import COEFFICIENT_MODES, GATE_MODES, split_block_output
+from .layers import resolve_layer
+from .solve import solve_probe_steer
+from .statistics import CovarianceAccumulator, CrossMomentAccumulator
+
+Centering = Literal["covariance", "full", "none"]
+Target = Literal["loglik", "toward-reference"]
+CENTERINGS = ("covariance", "full", "none")
+TARGETS = ("loglik", "toward-reference")
+
+
+class _StopForward(Exception):
+    """Raised by the tap to end a forward pass once layer L has run."""
+
+
+class _Tap:
+    """Forward hook on block L: records its output, optionally as a leaf for gradients, and
+    optionally stops the forward pass right there."""
+
+    def __init__(self, stop: bool, leaf: bool) -> None:
+        self.stop = stop
+        self.leaf = leaf
+        self.hidden: Tensor | None = None
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        hidden, rebuild = split_block_output(output)
+        if self.leaf:
+            hidden = hidden.detach().requires_grad_(True)
+        self.hidden = hidden
+        if self.stop:
+            raise _StopForward
+        return rebuild(hidden) if self.leaf else None
+
+
+@contextmanager
+def _tapped(block: nn.Module, stop: bool, leaf: bool) -> Iterator[_Tap]:
+    tap = _Tap(stop=stop, leaf=leaf)
+    handle = block.register_forward_hook(tap)
+    try:
+        yield tap
+    finally:
+        handle.remove()
+
+
+@contextmanager
+def _calibration_mode(*models: nn.Module) -> Iterator[None]:
+    """Eval mode and frozen weights for the duration; both restored afterwards."""
+    states = [(m, m.training, [(p, p.requires_grad) for p in m.parameters()]) for m in models]
+    try:
+        for m in models:
+            m.eval()
+            for p in m.parameters():
+                p.requires_grad_(False)
+        yield
+    finally:
+        for m, training, params in states:
+            m.train(training)
+            for p, flag in params:
+                p.requires_grad_(flag)
+
+
+def layer_activations(model: nn.Module, block: nn.Module, batch: Batch) -> Tensor:
+    """Output of ``block`` for ``batch``, running the model only up to that block."""
+    with torch.no_grad(), _tapped(block, stop=True, leaf=False) as tap, suppress(_StopForward):
+        forward_logits(model, batch.input_ids, batch.attention_mask)
+    if tap.hidden is None:
+        raise GSSError("the hooked block never ran: is it part of this model's forward pass?")
+    return tap.hidden
+
+
+@dataclass
+class _Reservoir:
+    """A uniform random sample of at most ``cap`` rows (rows with the smallest random keys)."""
+
+    cap: int
+    generator: torch.Generator
+    rows: Tensor | None = None
+    keys: Tensor | None = None
+    seen: int = 0
+
+    def add(self, rows: Tensor) -> None:
+        rows = rows.detach().float().cpu()
+        self.seen += rows.shape[0]
+        keys = torch.rand(rows.shape[0], generator=self.generator)
+        if self.rows is not None and self.keys is not None:
+            rows = torch.cat([self.rows, rows])
+            keys = torch.cat([self.keys, keys])
+        if rows.shape[0] > self.cap:
+            keep = torch.topk(keys, self.cap, largest=False).indices
+            rows, keys = rows[keep], keys[keep]
+        self.rows, self.keys = rows, keys
+
+
+def thresholds_from_responses(
+    responses: Tensor,
+    gate: str = "hard",
+    percentile: float | None = 95.0,
+    gate_share: float | None = None,
+) -> tuple[Tensor, dict[str, Any]]:
+    """Gate thresholds from probe responses (N, K) of general tokens.
+
+    Either each direction's ``percentile`` of |s_k| (s_k for the one-sided ReLU gate), or one
+    common percentile chosen so that the *union* of the K gates opens on ``gate_share`` of the
+    tokens. Returns the thresholds and the measured open shares.
+    """
+    if responses.ndim != 2 or responses.shape[0] == 0:
+        raise GSSError("no probe responses on general tokens: cannot set gate thresholds.")
+    values = responses.abs() if gate != "relu" else responses
+    values = values.double()
+
+    def at(level: float) -> Tensor:
+        return torch.quantile(values, level, dim=0)
+
+    def union_share(eps: Tensor) -> float:
+        return float((values > eps).any(-1).double().mean())
+
+    if gate_share is not None:
+        if not 0 < gate_share < 1:
+            raise GSSError(f"gate_share must be in (0, 1), got {gate_share}.")
+        lo, hi = 0.0, 1.0  # union share decreases as the level rises
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            if union_share(at(mid)) > gate_share:
+                lo = mid
+            else:
+                hi = mid
+        eps = at(hi)
+        rule: dict[str, Any] = {"kind": "gate_share", "target": gate_share, "level": hi * 100}
+    else:
+        if percentile is None or not 0 < percentile < 100:
+            raise GSSError(f"threshold_percentile must be in (0, 100), got {percentile}.")
+        eps = at(percentile / 100)
+        rule = {"kind": "percentile", "percentile": percentile}
+    shares = {
+        "per_direction": (values > eps).double().mean(0).tolist(),
+        "union": union_share(eps),
+        "tokens": int(values.shape[0]),
+    }
+    return eps.float(), {"rule": rule, "open_share": shares}
+
+
+def _objective(
+    target: str, logits: Tensor, lp_model: Tensor, ref_logits: Tensor | None, mem: Tensor
+) -> Tensor:
+    """Sum over memorized targets of the quantity whose gradient defines g."""
+    if target == "loglik":
+        per_token = lp_model
+    else:  # toward-reference: log p(x_t) - sum_y p_ref(y) log p(y); logits grad e_x - p_ref
+        assert ref_logits is not None
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        p_ref = torch.softmax(ref_logits[:, :-1].float(), dim=-1)
+        per_token = lp_model - (p_ref * logp).sum(-1)
+    return (per_token * mem).sum()
+
+
+def calibrate(
+    model: nn.Module,
+    reference: nn.Module,
+    texts: TextsOrIds,
+    *,
+    layer: int,
+    tokenizer: Any | None = None,
+    rank: int = 4,
+    delta: float = 1.0,
+    threshold_percentile: float = 95.0,
+    gate_share: float | None = None,
+    omega_threshold: float = 0.0,
+    memorized_quantile: float | None = None,
+    gen_texts: TextsOrIds | None = None,
+    gate: str = "hard",
+    coefficient: str = "projection",
+    centering: str = "covariance",
+    target: str = "loglik",
+    batch_size: int = 8,
+    max_length: int | None = None,
+    block_path: str | None = None,
+    jitter: float = 1e-6,
+    solve_method: str = "auto",
+    max_threshold_samples: int = 2_000_000,
+    seed: int = 0,
+    progress: bool = True,
+) -> SteeringArtifact:
+    """Calibrate Gated Subspace Steering for ``model`` at decoder block ``layer``.
+
+    Args:
+        model: the fine-tuned causal LM whose memorization is to be removed.
+        reference: a model with the same tokenizer that did not see the fine-tuning data
+            (e.g. the base model); omega = log p_model - log p_ref per token.
+        texts: calibration text (strings with ``tokenizer``, or token id lists / a tensor),
+            usually including the data the model may have memorized.
+        layer: 0-based decoder block whose output is read and steered (negative counts from
+            the end).
+        rank: number of probe/steer directions K.
+        delta: variance budget of each probe on general tokens: the steering strength.
+        threshold_percentile: per-direction percentile of |u_k . h| on general tokens used as
+            gate threshold (95, as in the paper's experiments).
+        gate_share: instead, set thresholds so the union of the K gates opens on this share of
+            general tokens.
+        omega_threshold: a token is memorized when omega > this (nats); 0 is the paper's rule.
+        memorized_quantile: instead, mark the top ``memorized_quantile`` share of tokens by
+            omega as memorized (costs one more forward of each model).
+        gen_texts: held-out text for Sigma_gen and the thresholds (as in the paper's
+            experiments); default: the calibration tokens not marked memorized.
+        gate, coefficient: how the steer is applied (see :class:`gss.hook.GatedSteer`).
+        centering: ``"covariance"`` (Sigma centred, probe on h: the paper), ``"full"``
+            (Sigma centred and probe on h - mu) or ``"none"`` (second moment, probe on h).
+        target: ``"loglik"`` (the paper) or ``"toward-reference"`` (gradient of
+            log p(x_t) - E_{y~p_ref} log p(y): a named variant, not GSS as published).
+    """
+    started = time.perf_counter()
+    _validate(gate, coefficient, centering, target, rank, delta, memorized_quantile)
+    check_same_vocab(model, reference)
+    layer_index, block = resolve_layer(model, layer, block_path)
+    seqs = encode(texts, tokenizer, max_length)
+    gen_seqs = encode(gen_texts, tokenizer, max_length) if gen_texts is not None else None
+    dim = int(model.get_input_embeddings().weight.shape[1])
+    stats_device = next(block.parameters(), model.get_input_embeddings().weight).device
+    sigma_acc = CovarianceAccumulator(dim, stats_device)
+    m_acc = CrossMomentAccumulator(dim, stats_device)
+    timings = {"signal": 0.0, "statistics": 0.0, "solve": 0.0, "thresholds": 0.0}
+    counts = {"sequences": len(seqs), "tokens": 0, "memorized": 0, "general": 0}
+    n_batches = count_batches(len(seqs), batch_size)
+
+    def bar(it: Any, desc: str, total: int) -> Any:
+        return tqdm(it, desc=desc, total=total, disable=not progress, leave=False)
+
+    with _calibration_mode(model, reference):
+        # Optional pre-pass: the global omega cut of the top-quantile rule.
+        ref_logp: dict[int, Tensor] = {}
+        cut = omega_threshold
+        if memorized_quantile is not None:
+            t0 = time.perf_counter()
+            all_omega = []
+            for b, batch in enumerate(
+                bar(batches(seqs, batch_size), "gss: omega (quantile rule)", n_batches)
+            ):
+                with torch.no_grad():
+                    lp_ref = token_logprobs(
+                        forward_logits(reference, batch.input_ids, batch.attention_mask),
+                        batch.input_ids,
+                    )
+                    lp = token_logprobs(
+                        forward_logits(model, batch.input_ids, batch.attention_mask),
+                        batch.input_ids,
+                    )
+                ref_logp[b] = lp_ref
+                valid = target_mask(batch.attention_mask).to(lp.device)
+                all_omega.append((lp - lp_ref.to(lp.device))[valid].float().cpu())
+            values = torch.cat(all_omega)
+            cut = float(torch.quantile(values[: 2**24].double(), 1 - memorized_quantile))
+            timings["signal"] += time.perf_counter() - t0
+
+        gen_masks: dict[int, Tensor] = {}
+        for b, batch in enumerate(
+            bar(batches(seqs, batch_size), "gss: signal + statistics", n_batches)
+        ):
+            t0 = time.perf_counter()
+            ref_logits = None
+            if b in ref_logp and target == "loglik":
+                lp_ref = ref_logp[b]
+            else:
+                with torch.no_grad():
+                    ref_logits = forward_logits(reference, batch.input_ids, batch.attention_mask)
+                lp_ref = token_logprobs(ref_logits, batch.input_ids)
+            with torch.enable_grad(), _tapped(block, stop=False, leaf=True) as tap:
+                logits = forward_logits(model, batch.input_ids, batch.attention_mask)
+            lp_model = token_logprobs(logits, batch.input_ids)
+            valid = target_mask(batch.attention_mask).to(lp_model.device)
+            omega = lp_model.detach() - lp_ref.to(lp_model.device)
+            mem = valid & (omega > cut)
+            gen = valid & ~mem
+            timings["signal"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            hidden = tap.hidden
+            assert hidden is not None
+            n_mem = int(mem.sum())
+            if n_mem:
+                if ref_logits is not None:
+                    ref_logits = ref_logits.to(logits.device)
+                objective = _objective(target, logits, lp_model, ref_logits, mem)
+                (grad,) = torch.autograd.grad(objective, hidden)
+                mem_h = mem.to(hidden.device)
+                m_acc.update(hidden[:, :-1][mem_h], grad[:, :-1][mem_h])
+            if gen_seqs is None:
+                gen_h = gen.to(hidden.device)
+                sigma_acc.update(hidden.detach()[:, :-1][gen_h])
+                gen_masks[b] = gen.cpu()
+            counts["tokens"] += int(valid.sum())
+            counts["memorized"] += n_mem
+            counts["general"] += int(gen.sum())
+            del logits, lp_model, hidden, tap
+            timings["statistics"] += time.perf_counter() - t0
+
+        def general_batches() -> Iterator[tuple[Batch, Tensor]]:
+            if gen_seqs is None:
+                for b, batch in enumerate(batches(seqs, batch_size)):
+                    yield batch, gen_masks[b]
+            else:
+                for batch in batches(gen_seqs, batch_size):
+                    yield batch, target_mask(batch.attention_mask)
+
+        n_gen_batches = count_batches(len(gen_seqs) if gen_seqs else len(seqs), batch_size)
+        if gen_seqs is not None:
+            t0 = time.perf_counter()
+            for batch, mask in bar(general_batches(), "gss: Sigma_gen", n_gen_batches):
+                hidden = layer_activations(model, block, batch)
+                sigma_acc.update(hidden[:, :-1][mask.to(hidden.device)])
+                counts["general"] += int(mask.sum())
+            timings["statistics"] += time.perf_counter() - t0
+
+        sigma_acc.all_reduce()
+        m_acc.all_reduce()
+        _check_counts(counts, m_acc.count, rank)
+
+        t0 = time.perf_counter()
+        sigma = sigma_acc.second_moment if centering == "none" else sigma_acc.covariance
+        solution = solve_probe_steer(
+            m_acc.value, sigma, rank, delta, jitter=jitter, method=solve_method, seed=seed
+        )
+        probe = solution.probe.float()
+        mean = sigma_acc.mean.float()
+        offset = probe.to(mean.device) @ mean if centering == "full" else torch.zeros(rank)
+        timings["solve"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        reservoir = _Reservoir(max_threshold_samples, torch.Generator().manual_seed(seed))
+        probe_dev = probe.to(stats_device)
+        offset_dev = offset.to(stats_device)
+        for batch, mask in bar(general_batches(), "gss: thresholds", n_gen_batches):
+            hidden = layer_activations(model, block, batch)
+            rows = hidden[:, :-1][mask.to(hidden.device)].float()
+            reservoir.add(rows.to(stats_device) @ probe_dev.T - offset_dev)
+        assert reservoir.rows is not None
+        thresholds, threshold_info = thresholds_from_responses(
+            reservoir.rows, gate, threshold_percentile, gate_share
+        )
+        timings["thresholds"] = time.perf_counter() - t0
+
+    timings["total"] = time.perf_counter() - started
+    counts["memorized_share"] = counts["memorized"] / max(counts["tokens"], 1)
+    counts["threshold_samples"] = reservoir.rows.shape[0]
+    config = SteeringConfig(
+        layer=layer_index,
+        rank=rank,
+        delta=float(delta),
+        gate=gate,
+        coefficient=coefficient,
+        centering=centering,
+        block_path=block_path,
+        threshold_rule=threshold_info["rule"],
+        gate_open_share=threshold_info["open_share"],
+        memorized_rule={
+            "kind": "quantile" if memorized_quantile is not None else "omega_above",
+            "omega_threshold": omega_threshold if memorized_quantile is None else None,
+            "quantile": memorized_quantile,
+            "cut": cut,
+            "sigma_from": "gen_texts" if gen_seqs is not None else "non_memorized_tokens",
+        },
+        target=target,
+        gradient="summed",
+        token_counts=counts,
+        timings=timings,
+        jitter=solution.jitter,
+        fingerprint=model_fingerprint(model, block_path),
+    )
+    return SteeringArtifact(
+        probe=probe.cpu(),
+        steer=solution.steer.float().cpu(),
+        thresholds=thresholds.cpu(),
+        offset=offset.float().cpu(),
+        singular_values=solution.singular_values.cpu(),
+        config=config,
+    )
+
+
+def probe_responses(
+    model: nn.Module,
+    artifact: SteeringArtifact,
+    texts: TextsOrIds,
+    *,
+    tokenizer: Any | None = None,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    progress: bool = False,
+) -> Tensor:
+    """Probe responses ``U h - offset`` (N, K) on every real next-token position of ``texts``."""
+    _, block = resolve_layer(model, artifact.config.layer, artifact.config.block_path)
+    seqs = encode(texts, tokenizer, max_length)
+    out = []
+    with _calibration_mode(model):
+        for batch in tqdm(
+            batches(seqs, batch_size),
+            total=count_batches(len(seqs), batch_size),
+            disable=not progress,
+            desc="gss: probe responses",
+            leave=False,
+        ):
+            hidden = layer_activations(model, block, batch)
+            mask = target_mask(batch.attention_mask).to(hidden.device)
+            rows = hidden[:, :-1][mask].float()
+            out.append(rows @ artifact.probe.to(rows.device).T - artifact.offset.to(rows.device))
+    return torch.cat(out).cpu()
+
+
+def calibrate_thresholds(
+    model: nn.Module,
+    artifact: SteeringArtifact,
+    texts: TextsOrIds,
+    *,
+    threshold_percentile: float | None = 95.0,
+    gate_share: float | None = None,
+    tokenizer: Any | None = None,
+    batch_size: int = 8,
+    max_length: int | None = None,
+) -> SteeringArtifact:
+    """Re-set an artifact's gate thresholds from held-out (general) text."""
+    responses = probe_responses(
+        model, artifact, texts, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length
+    )
+    thresholds, info = thresholds_from_responses(
+        responses, artifact.config.gate, threshold_percentile, gate_share
+    )
+    return artifact.with_thresholds(thresholds, info["rule"])
+
+
+def _validate(
+    gate: str,
+    coefficient: str,
+    centering: str,
+    target: str,
+    rank: int,
+    delta: float,
+    memorized_quantile: float | None,
+) -> None:
+    for name, value, allowed in (
+        ("gate", gate, GATE_MODES),
+        ("coefficient", coefficient, COEFFICIENT_MODES),
+        ("centering", centering, CENTERINGS),
+        ("target", target, TARGETS),
+    ):
+        if value not in allowed:
+            raise GSSError(f"{name} must be one of {allowed}, got {value!r}.")
+    if not isinstance(rank, int) or rank < 1:
+        raise GSSError(f"rank must be a positive integer, got {rank!r}.")
+    if not delta > 0:
+        raise GSSError(f"delta must be > 0, got {delta!r}.")
+    if memorized_quantile is not None and not 0 < memorized_quantile < 1:
+        raise GSSError(f"memorized_quantile must be in (0, 1), got {memorized_quantile}.")
+
+
+def _check_counts(counts: dict[str, Any], n_mem: int, rank: int) -> None:
+    if n_mem == 0:
+        raise GSSError(
+            f"no token of the {counts['tokens']} calibration tokens passed the memorized-token "
+            "rule, so there is nothing to steer against. Lower omega_threshold, use "
+            "memorized_quantile, include the text the model memorized, or check that the "
+            "reference model is not the fine-tuned model itself."
+        )
+    if counts["general"] == 0:
+        raise GSSError(
+            "every calibration token was marked memorized, so Sigma_gen has no data. Raise "
+            "omega_threshold or pass gen_texts (held-out text)."
+        )
+    if n_mem < rank:
+        raise GSSError(
+            f"only {n_mem} memorized tokens for rank {rank}: M has rank < K. Lower the rank or "
+            "add memorized text."
+        )
+
+
+__all__: Sequence[str] = (
+    "calibrate",
+    "calibrate_thresholds",
+    "layer_activations",
+    "probe_responses",
+    "thresholds_from_responses",
+)

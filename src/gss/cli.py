@@ -1,0 +1,226 @@
+"""The ``gss`` command: thin wrappers over the library, no logic of its own."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import GSSError
+
+
+def _load_model(path: str, device: str, dtype: str) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path)
+    if not p.exists():
+        raise GSSError(
+            f"model path {path} does not exist. gss loads models from a local directory "
+            "(save_pretrained output); it never downloads."
+        )
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        dtype
+    ]
+    model = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype, local_files_only=True)
+    model.to(device)
+    tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    return model, tokenizer
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="local directory of the fine-tuned model")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights dtype (default float32)",
+    )
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from .calibrate import calibrate
+    from .data import read_texts
+
+    model, tokenizer = _load_model(args.model, args.device, args.dtype)
+    reference, _ = _load_model(args.reference, args.device, args.dtype)
+    texts = read_texts(args.data)
+    gen_texts = read_texts(args.gen_data) if args.gen_data else None
+    artifact = calibrate(
+        model,
+        reference,
+        texts,
+        tokenizer=tokenizer,
+        layer=args.layer,
+        rank=args.rank,
+        delta=args.delta,
+        threshold_percentile=args.threshold_percentile,
+        gate_share=args.gate_share,
+        omega_threshold=args.omega_threshold,
+        memorized_quantile=args.memorized_quantile,
+        gen_texts=gen_texts,
+        gate=args.gate,
+        coefficient=args.coefficient,
+        centering=args.centering,
+        target=args.target,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+    )
+    artifact.save_pretrained(args.out)
+    c = artifact.config
+    print(
+        f"saved {args.out}: layer {c.layer}, K={c.rank}, delta={c.delta}, "
+        f"memorized tokens {c.token_counts['memorized']}/{c.token_counts['tokens']} "
+        f"({100 * c.token_counts['memorized_share']:.1f}%), gate opens on "
+        f"{100 * c.gate_open_share['union']:.1f}% of general tokens, "
+        f"{c.timings['total']:.1f} s"
+    )
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .artifact import load
+
+    model, tokenizer = _load_model(args.model, args.device, args.dtype)
+    artifact = load(args.steer)
+    prompts = args.prompt
+
+    def run() -> list[str]:
+        out = []
+        for prompt in prompts:
+            enc = tokenizer(prompt, return_tensors="pt").to(args.device)
+            with torch.no_grad():
+                ids = model.generate(
+                    **enc,
+                    max_new_tokens=args.max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                )
+            out.append(
+                tokenizer.decode(ids[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+            )
+        return out
+
+    options = {"delta": args.delta} if args.delta else {}
+    with artifact.attach(model, track_gates=True, **options) as handle:
+        steered = run()
+        stats = handle.gate_stats()
+    unsteered = run() if args.compare else None
+    for i, prompt in enumerate(prompts):
+        print(f"prompt:    {prompt}")
+        print(f"steered:   {steered[i]}")
+        if unsteered is not None:
+            print(f"unsteered: {unsteered[i]}")
+    print(f"(gate opened on {100 * stats['any_open_share']:.1f}% of {stats['tokens']} positions)")
+    return 0
+
+
+def _cmd_signal(args: argparse.Namespace) -> int:
+    from .data import batches, encode, read_texts
+    from .signal import memorization_signal, signal_statistics
+
+    model, tokenizer = _load_model(args.model, args.device, args.dtype)
+    reference, _ = _load_model(args.reference, args.device, args.dtype)
+    seqs = encode(read_texts(args.data), tokenizer, args.max_length)
+    import torch
+
+    omegas = []
+    for batch in batches(seqs, args.batch_size):
+        omega = memorization_signal(model, reference, batch.input_ids, batch.attention_mask)
+        omegas.append(omega.flatten())
+    omega = torch.cat(omegas)
+    stats = signal_statistics(omega)
+    print(json.dumps(stats.to_dict(), indent=2))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "signal.json").write_text(json.dumps(stats.to_dict(), indent=2))
+        if args.plot:
+            from .report import plot_signal
+
+            plot_signal(omega, stats, out / "signal.png", title=f"omega: {args.model}")
+        print(f"wrote {out}")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.name == "tinymem":
+        from .bench.tinymem.run import main as tinymem_main
+
+        return int(tinymem_main(args.rest))
+    raise GSSError(f"unknown benchmark {args.name!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gss",
+        description="Gated Subspace Steering: remove verbatim memorization at inference time.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("calibrate", help="calibrate a steering artifact")
+    _add_model_args(p)
+    p.add_argument("--reference", required=True, help="local directory of the reference model")
+    p.add_argument("--data", required=True, help=".txt (one sequence a line) or .jsonl (text)")
+    p.add_argument("--gen-data", help="held-out text for Sigma_gen and thresholds")
+    p.add_argument("--layer", type=int, required=True, help="0-based decoder block (neg. ok)")
+    p.add_argument("--rank", type=int, default=4, help="number of directions K (default 4)")
+    p.add_argument("--delta", type=float, default=1.0, help="variance budget / strength")
+    p.add_argument("--threshold-percentile", type=float, default=95.0)
+    p.add_argument("--gate-share", type=float, help="union open share instead of percentile")
+    p.add_argument("--omega-threshold", type=float, default=0.0, help="memorized: omega > this")
+    p.add_argument("--memorized-quantile", type=float, help="memorized: top share of omega")
+    p.add_argument("--gate", default="hard", choices=["hard", "relu", "none"])
+    p.add_argument(
+        "--coefficient", default="projection", choices=["projection", "ridge", "paper-constant"]
+    )
+    p.add_argument("--centering", default="covariance", choices=["covariance", "full", "none"])
+    p.add_argument("--target", default="loglik", choices=["loglik", "toward-reference"])
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--out", required=True, help="directory for the artifact")
+    p.set_defaults(func=_cmd_calibrate)
+
+    p = sub.add_parser("generate", help="greedy generation with a steering artifact attached")
+    _add_model_args(p)
+    p.add_argument("--steer", required=True, help="artifact directory from `gss calibrate`")
+    p.add_argument("--prompt", required=True, action="append", help="prompt (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--delta", type=float, help="override the artifact's strength")
+    p.add_argument("--compare", action="store_true", help="also print the unsteered text")
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("signal", help="memorization-signal pilot statistics")
+    _add_model_args(p)
+    p.add_argument("--reference", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--out", help="directory for signal.json (and signal.png with --plot)")
+    p.add_argument("--plot", action="store_true", help="write the omega / burst histograms")
+    p.set_defaults(func=_cmd_signal)
+
+    p = sub.add_parser("bench", help="run a benchmark (tinymem)")
+    p.add_argument("name", choices=["tinymem"])
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except GSSError as err:
+        print(f"gss: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

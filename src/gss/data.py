@@ -1,0 +1,110 @@
+"""Text in, padded token batches out: .txt / .jsonl files, strings, or token ids.
+
+Calibration and evaluation both iterate over the same deterministic batches, so a second pass
+(for the gate thresholds) sees exactly the tokens the first one saw.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .errors import GSSError
+
+TextsOrIds = Sequence[str] | Sequence[Sequence[int]] | Tensor
+
+
+def read_texts(path: str | Path, field: str = "text") -> list[str]:
+    """Read sequences from a ``.txt`` file (one per line) or ``.jsonl`` (a ``text`` field)."""
+    p = Path(path)
+    if not p.is_file():
+        raise GSSError(f"data file {p} does not exist.")
+    if p.suffix == ".jsonl":
+        texts = []
+        for number, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise GSSError(f"{p}:{number} is not valid JSON ({err.msg}).") from None
+            if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                raise GSSError(f"{p}:{number} has no string field {field!r}.")
+            texts.append(record[field])
+    elif p.suffix in (".txt", ""):
+        texts = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    else:
+        raise GSSError(f"{p}: unsupported data format {p.suffix!r}; use .txt or .jsonl.")
+    if not texts:
+        raise GSSError(f"{p} contains no sequences.")
+    return texts
+
+
+def encode(
+    data: TextsOrIds, tokenizer: Any | None = None, max_length: int | None = None
+) -> list[list[int]]:
+    """Token ids of each sequence: strings go through ``tokenizer``; ids pass through."""
+    if isinstance(data, Tensor):
+        if data.ndim != 2:
+            raise GSSError(f"a tensor of token ids must be (N, T), got {tuple(data.shape)}.")
+        seqs = [row.tolist() for row in data]
+    else:
+        items = list(data)
+        if not items:
+            raise GSSError("no sequences given.")
+        if all(isinstance(x, str) for x in items):
+            if tokenizer is None:
+                raise GSSError("texts were given as strings: pass the model's tokenizer.")
+            enc = tokenizer(
+                items,
+                truncation=max_length is not None,
+                max_length=max_length,
+                add_special_tokens=True,
+            )
+            seqs = [list(ids) for ids in enc["input_ids"]]
+        elif all(isinstance(x, (list, tuple, Tensor)) for x in items):
+            seqs = [x.tolist() if isinstance(x, Tensor) else list(x) for x in items]
+        else:
+            raise GSSError("sequences must be all strings or all lists of token ids.")
+    if max_length is not None:
+        seqs = [s[:max_length] for s in seqs]
+    seqs = [s for s in seqs if len(s) >= 2]
+    if not seqs:
+        raise GSSError("every sequence is shorter than 2 tokens; nothing to predict.")
+    return seqs
+
+
+@dataclass(frozen=True)
+class Batch:
+    input_ids: Tensor  # (B, T), right padded with pad_id
+    attention_mask: Tensor  # (B, T)
+    index: Tensor  # (B,) positions of these rows in the original list
+
+
+def batches(
+    seqs: Sequence[Sequence[int]], batch_size: int, pad_id: int = 0, sort: bool = True
+) -> Iterator[Batch]:
+    """Right-padded batches; ``sort`` groups similar lengths to waste less compute on padding."""
+    if batch_size < 1:
+        raise GSSError(f"batch_size must be >= 1, got {batch_size}.")
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i])) if sort else range(len(seqs))
+    order = list(order)
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        width = max(len(seqs[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):
+            ids[row, : len(seqs[i])] = torch.as_tensor(seqs[i], dtype=torch.long)
+            mask[row, : len(seqs[i])] = 1
+        yield Batch(ids, mask, torch.as_tensor(idx))
+
+
+def count_batches(n: int, batch_size: int) -> int:
+    return (n + batch_size - 1) // batch_size

@@ -1,0 +1,86 @@
+"""Model forward passes that are exact under left or right padding.
+
+Many architectures derive positions from the call (``arange``) rather than from the attention
+mask, so a left-padded row would see shifted positions. Passing ``position_ids`` computed from
+the mask makes a padded row score exactly like the same row alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor, nn
+
+from .errors import GSSError
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """0-based positions counting only real tokens; padding positions get 0 (any value works)."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.clamp_min(0)
+
+
+def _accepts_position_ids(model: nn.Module) -> bool:
+    try:
+        return "position_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Device of the input embeddings (where input ids must go), also under a device_map."""
+    get_emb = getattr(model, "get_input_embeddings", None)
+    emb = get_emb() if callable(get_emb) else None
+    if emb is not None and getattr(emb, "weight", None) is not None:
+        return emb.weight.device
+    return next(model.parameters()).device
+
+
+def vocab_size(model: nn.Module) -> int:
+    """Number of logits the model produces."""
+    get_out = getattr(model, "get_output_embeddings", None)
+    out = get_out() if callable(get_out) else None
+    if out is not None and getattr(out, "weight", None) is not None:
+        return int(out.weight.shape[0])
+    config = getattr(model, "config", None)
+    size = getattr(config, "vocab_size", None)
+    if size is None:
+        raise GSSError(f"cannot tell the vocabulary size of {type(model).__name__}.")
+    return int(size)
+
+
+def check_same_vocab(model: nn.Module, reference: nn.Module) -> None:
+    a, b = vocab_size(model), vocab_size(reference)
+    if a != b:
+        raise GSSError(
+            f"the model has a vocabulary of {a} tokens but the reference has {b}: the "
+            "memorization signal compares log-probabilities token by token, so both must share "
+            "one tokenizer. Use a reference fine-tuned from the same base model."
+        )
+
+
+def forward_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """Logits (B, T, V) of a forward pass with mask-derived positions, no KV cache."""
+    device = model_device(model)
+    kwargs = {
+        "input_ids": input_ids.to(device),
+        "attention_mask": attention_mask.to(device),
+        "use_cache": False,
+    }
+    if _accepts_position_ids(model):
+        kwargs["position_ids"] = position_ids_from_mask(kwargs["attention_mask"])
+    return model(**kwargs).logits
+
+
+def target_mask(attention_mask: Tensor) -> Tensor:
+    """(B, T-1) mask of next-token targets that have a real token and a real context."""
+    m = attention_mask.bool()
+    return m[:, 1:] & m[:, :-1]
+
+
+def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
+    """float32 log p(x_t | x_<t) for t = 1..T-1, shape (B, T-1)."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    targets = input_ids[:, 1:].to(logp.device)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

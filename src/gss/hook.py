@@ -1,0 +1,233 @@
+"""The gated subspace steer as a forward hook on one decoder block.
+
+Per token, the hook computes all K probe responses ``s = U h - b`` with one matmul, opens the
+gate of direction k where the response passes its threshold, and subtracts
+``sum_k c_k v_k`` from the block output. Everything is computed in float32 and cast back to the
+activation dtype; a token whose gates all stay closed gets a correction of exactly zero, so its
+output is bit-for-bit unchanged. The hook does no host synchronisation and no Python branching
+on tensor values, so it runs the same under ``generate``, the KV cache, CUDA graphs and
+``torch.compile``. It knows nothing about artifacts or files: it takes tensors and options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from .errors import GSSError
+
+GateMode = Literal["hard", "relu", "none"]
+CoefficientMode = Literal["projection", "ridge", "paper-constant"]
+GATE_MODES: tuple[str, ...] = ("hard", "relu", "none")
+COEFFICIENT_MODES: tuple[str, ...] = ("projection", "ridge", "paper-constant")
+
+
+def split_block_output(output: Any) -> tuple[Tensor, Callable[[Tensor], Any]]:
+    """Return the hidden states a block produced and a function that rebuilds the output.
+
+    transformers 5 blocks return a plain tensor, older ones a tuple whose first item is the
+    hidden states; some return a ModelOutput-like object with ``hidden_states``.
+    """
+    if isinstance(output, Tensor):
+        return output, lambda h: h
+    if isinstance(output, tuple) and output and isinstance(output[0], Tensor):
+        rest = output[1:]
+        return output[0], lambda h: (h, *rest)
+    if isinstance(output, list) and output and isinstance(output[0], Tensor):
+        rest_list = output[1:]
+        return output[0], lambda h: [h, *rest_list]
+    raise GSSError(
+        f"cannot read hidden states from a block output of type {type(output).__name__}; "
+        "gss supports blocks returning a tensor or a tuple whose first item is the hidden states."
+    )
+
+
+class GatedSteer:
+    """Gated rank-K steer: ``h <- h - sum_k c_k(s_k) v_k`` where the gate of k is open.
+
+    Args:
+        probe: (K, d) probe directions u_k.
+        steer: (K, d) steer directions v_k (unit norm).
+        thresholds: (K,) gate thresholds eps_k on the probe response.
+        offset: (K,) subtracted from ``U h`` (``U mu`` for centred probes), default zeros.
+        gate: ``"hard"`` (|s_k| > eps_k, the paper's main text), ``"relu"`` (one-sided
+            s_k > eps_k with correction ReLU(s_k - eps_k), the appendix) or ``"none"``
+            (ungated: always open).
+        coefficient: ``"projection"`` (c_k = s_k, Algorithm 1), ``"ridge"`` (the appendix's
+            ridge minimiser with the (s_k - eps_k) factor kept) or ``"paper-constant"``
+            (c_k = <u,v>/(<u,v>^2 + delta), as printed in the main text).
+        delta: the variance budget, used by ``paper-constant``.
+        ridge_delta: the ridge regulariser of ``ridge`` (defaults to ``delta``).
+        min_alignment: ``ridge`` skips directions whose |<u_k, v_k>| / ||u_k|| is below this,
+            where the coefficient would blow up.
+        track_gates: count how often each direction's gate opens (on device, no sync).
+    """
+
+    def __init__(
+        self,
+        probe: Tensor,
+        steer: Tensor,
+        thresholds: Tensor,
+        offset: Tensor | None = None,
+        *,
+        gate: GateMode = "hard",
+        coefficient: CoefficientMode = "projection",
+        delta: float = 1.0,
+        ridge_delta: float | None = None,
+        min_alignment: float = 1e-3,
+        track_gates: bool = False,
+    ) -> None:
+        if gate not in GATE_MODES:
+            raise GSSError(f"gate must be one of {GATE_MODES}, got {gate!r}.")
+        if coefficient not in COEFFICIENT_MODES:
+            raise GSSError(f"coefficient must be one of {COEFFICIENT_MODES}, got {coefficient!r}.")
+        if probe.ndim != 2 or steer.shape != probe.shape:
+            raise GSSError(
+                f"probe and steer must both be (K, d); got {tuple(probe.shape)} and "
+                f"{tuple(steer.shape)}."
+            )
+        k = probe.shape[0]
+        if thresholds.shape != (k,):
+            raise GSSError(f"thresholds must have shape ({k},), got {tuple(thresholds.shape)}.")
+        self.gate = gate
+        self.coefficient = coefficient
+        self.hidden_size = probe.shape[1]
+        probe32 = probe.detach().float()
+        steer32 = steer.detach().float()
+        offset32 = torch.zeros(k) if offset is None else offset.detach().float().reshape(k)
+        alignment = (probe32 * steer32).sum(-1)
+        if coefficient == "paper-constant":
+            scale = alignment / (alignment**2 + delta)
+        elif coefficient == "ridge":
+            rd = delta if ridge_delta is None else ridge_delta
+            scale = alignment / (alignment**2 + rd)
+            usable = alignment.abs() >= min_alignment * probe32.norm(dim=-1).clamp_min(1e-30)
+            scale = torch.where(usable, scale, torch.zeros_like(scale))
+        else:
+            scale = torch.ones(k)
+        self._cpu = {
+            "probe_t": probe32.t().contiguous(),
+            "steer": steer32.contiguous(),
+            "thresholds": thresholds.detach().float().clone(),
+            "offset": offset32.clone(),
+            "scale": scale.float(),
+        }
+        self._on: dict[torch.device, dict[str, Tensor]] = {}
+        self.track_gates = track_gates
+        self.open_counts: Tensor | None = None
+        self.token_count: Tensor | None = None
+        self.any_open_count: Tensor | None = None
+
+    def _params(self, device: torch.device) -> dict[str, Tensor]:
+        params = self._on.get(device)
+        if params is None:
+            params = {name: t.to(device) for name, t in self._cpu.items()}
+            self._on[device] = params
+        return params
+
+    def correction(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """Return (float32 correction to subtract, boolean open mask (..., K))."""
+        p = self._params(hidden.device)
+        h = hidden.float()
+        s = torch.matmul(h, p["probe_t"]) - p["offset"]
+        eps = p["thresholds"]
+        if self.gate == "hard":
+            is_open = s.abs() > eps
+        elif self.gate == "relu":
+            is_open = s > eps
+        else:
+            is_open = torch.ones_like(s, dtype=torch.bool)
+        # The response beyond the gate: what the ridge coefficient pulls back to the threshold
+        # and what the one-sided ReLU gate of the appendix subtracts.
+        if self.gate == "hard":
+            beyond = s - torch.sign(s) * eps
+        elif self.gate == "relu":
+            beyond = s - eps
+        else:
+            beyond = s
+        if self.coefficient == "projection":
+            coef = beyond if self.gate == "relu" else s  # Algorithm 1 subtracts s_k v_k
+        elif self.coefficient == "ridge":
+            coef = p["scale"] * beyond
+        else:
+            coef = p["scale"].expand_as(s)
+        coef = coef * is_open
+        return torch.matmul(coef, p["steer"]), is_open
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        hidden, rebuild = split_block_output(output)
+        if hidden.shape[-1] != self.hidden_size:
+            raise GSSError(
+                f"the hooked block outputs hidden size {hidden.shape[-1]} but the steer was "
+                f"calibrated for {self.hidden_size}: the artifact belongs to another model or "
+                "layer."
+            )
+        delta, is_open = self.correction(hidden)
+        if self.track_gates:
+            self._count(is_open)
+        steered = (hidden.float() - delta).to(hidden.dtype)
+        return rebuild(steered)
+
+    def _count(self, is_open: Tensor) -> None:
+        flat = is_open.reshape(-1, is_open.shape[-1])
+        counts = flat.sum(0)
+        any_open = flat.any(-1).sum()
+        n = torch.tensor(flat.shape[0], device=flat.device)
+        if self.open_counts is None or self.open_counts.device != flat.device:
+            self.open_counts = torch.zeros_like(counts)
+            self.any_open_count = torch.zeros_like(any_open)
+            self.token_count = torch.zeros_like(n)
+        self.open_counts += counts
+        self.any_open_count += any_open
+        self.token_count += n
+
+    def gate_stats(self) -> dict[str, Any]:
+        """Share of tokens on which each direction's gate (and any gate) opened."""
+        if self.open_counts is None or self.token_count is None or self.any_open_count is None:
+            return {"tokens": 0, "open_share": [], "any_open_share": 0.0}
+        n = max(int(self.token_count.item()), 1)
+        return {
+            "tokens": int(self.token_count.item()),
+            "open_share": (self.open_counts.double() / n).tolist(),
+            "any_open_share": float(self.any_open_count.item()) / n,
+        }
+
+    def reset_stats(self) -> None:
+        self.open_counts = self.token_count = self.any_open_count = None
+
+
+class SteerHandle:
+    """A removable steer; also a context manager that removes itself on exit."""
+
+    def __init__(self, hook: GatedSteer, handle: torch.utils.hooks.RemovableHandle) -> None:
+        self.hook = hook
+        self._handle: torch.utils.hooks.RemovableHandle | None = handle
+
+    @property
+    def active(self) -> bool:
+        return self._handle is not None
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def gate_stats(self) -> dict[str, Any]:
+        return self.hook.gate_stats()
+
+    def reset_stats(self) -> None:
+        self.hook.reset_stats()
+
+    def __enter__(self) -> SteerHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def register(block: nn.Module, hook: GatedSteer) -> SteerHandle:
+    """Attach ``hook`` to ``block``'s forward output."""
+    return SteerHandle(hook, block.register_forward_hook(hook))

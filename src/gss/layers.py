@@ -1,0 +1,138 @@
+"""Find the decoder blocks of a Hugging Face decoder-only model.
+
+Layer ``L`` always means *the output of decoder block L* (0-based), the residual stream that
+leaves the block. Calibration reads that tensor and the steering hook rewrites that same tensor,
+so the two can never disagree about where they act.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .errors import GSSError
+
+# Attribute paths of the block list in common architectures, tried in order.
+KNOWN_BLOCK_PATHS: tuple[str, ...] = (
+    "model.layers",  # Llama, Mistral, Qwen2/3, Gemma, Phi-3, SmolLM
+    "transformer.h",  # GPT-2, GPT-J, GPT-Neo, Falcon, BLOOM
+    "gpt_neox.layers",  # Pythia / GPT-NeoX
+    "model.decoder.layers",  # OPT
+    "transformer.blocks",  # MPT
+    "transformer.layers",
+    "model.transformer.h",
+    "layers",
+    "h",
+)
+
+# Wrappers (PEFT, DDP, compile) keep the real model one or more attributes down.
+_WRAPPER_ATTRS: tuple[str, ...] = ("_orig_mod", "module", "base_model", "model")
+
+
+def _get_path(root: nn.Module, path: str) -> nn.Module | None:
+    obj: object = root
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if isinstance(obj, nn.Module) else None
+
+
+def _num_layers(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text_config = getattr(config, "get_text_config", None)
+    if callable(text_config):
+        config = text_config()
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _unwrap(model: nn.Module) -> list[nn.Module]:
+    """The model and the models it wraps, outermost first."""
+    chain = [model]
+    seen = {id(model)}
+    current = model
+    while True:
+        inner = None
+        for attr in _WRAPPER_ATTRS:
+            candidate = getattr(current, attr, None)
+            # Only unwrap into a full model (it has a config) or torch's own wrappers.
+            if (
+                isinstance(candidate, nn.Module)
+                and id(candidate) not in seen
+                and (attr in ("_orig_mod", "module") or hasattr(candidate, "config"))
+            ):
+                inner = candidate
+                break
+        if inner is None:
+            return chain
+        chain.append(inner)
+        seen.add(id(inner))
+        current = inner
+
+
+def find_decoder_blocks(model: nn.Module, path: str | None = None) -> nn.ModuleList:
+    """Return the ModuleList of decoder blocks of ``model``.
+
+    Order of search: an explicit ``path`` (dotted attribute path such as ``"model.layers"``),
+    then known paths of common architectures, then a structural fallback (the one ModuleList
+    whose length equals ``config.num_hidden_layers``). Wrapped models (PEFT, DDP,
+    ``torch.compile``) are searched through.
+    """
+    if path is not None:
+        found = _get_path(model, path)
+        if not isinstance(found, nn.ModuleList):
+            raise GSSError(
+                f"block path {path!r} does not name a torch.nn.ModuleList in "
+                f"{type(model).__name__}. Pass the dotted attribute path of the list of decoder "
+                "blocks, e.g. 'model.layers' or 'transformer.h'."
+            )
+        return found
+
+    expected = _num_layers(model)
+    for candidate_model in _unwrap(model):
+        for known in KNOWN_BLOCK_PATHS:
+            found = _get_path(candidate_model, known)
+            if (
+                isinstance(found, nn.ModuleList)
+                and len(found) > 0
+                and (expected is None or len(found) == expected)
+            ):
+                return found
+
+    lists = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) > 0
+    ]
+    if expected is not None:
+        matching = [(n, m) for n, m in lists if len(m) == expected]
+        # Keep the outermost matches (a block list, not a list nested inside one block).
+        outer = [(n, m) for n, m in matching if not any(n.startswith(o + ".") for o, _ in matching)]
+        if len(outer) == 1:
+            return outer[0][1]
+    candidates = ", ".join(f"{n} (len {len(m)})" for n, m in lists[:12]) or "none"
+    raise GSSError(
+        f"could not locate the decoder blocks of {type(model).__name__}"
+        f" (config says {expected} layers). ModuleLists found: {candidates}. "
+        "Pass block_path='<dotted.path.to.blocks>' to name the list explicitly."
+    )
+
+
+def resolve_layer(model: nn.Module, layer: int, path: str | None = None) -> tuple[int, nn.Module]:
+    """Normalise a (possibly negative) block index and return ``(index, block)``."""
+    blocks = find_decoder_blocks(model, path)
+    n = len(blocks)
+    if not isinstance(layer, int) or isinstance(layer, bool):
+        raise GSSError(f"layer must be an int block index, got {layer!r}.")
+    if not -n <= layer < n:
+        raise GSSError(
+            f"layer {layer} is out of range: the model has {n} decoder blocks, so valid layers "
+            f"are 0..{n - 1} (or -{n}..-1 counting from the end)."
+        )
+    index = layer % n
+    return index, blocks[index]

@@ -1,0 +1,77 @@
+"""Tables (JSON, Markdown) and figures (PNG) in one style for every command and benchmark."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+    return p
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    raise TypeError(f"cannot serialise {type(value).__name__}")
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub Markdown table; floats are printed with 2 decimals."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return "nan" if math.isnan(v) else f"{v:.2f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_signal(omega: Tensor, stats: Any, path: str | Path, title: str) -> Path:
+    """The pilot-study figure: omega histogram and burst-length histogram."""
+    plt = _pyplot()
+    values = omega[~omega.isnan()].double().numpy()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    axes[0].hist(values, bins=80, color="#4c72b0", log=True)
+    axes[0].axvline(stats.mean, color="#c44e52", ls="--", label=f"mean {stats.mean:.2f}")
+    axes[0].set_xlabel("omega = log p_model - log p_ref (nats)")
+    axes[0].set_ylabel("tokens (log scale)")
+    axes[0].set_title(f"{100 * stats.share_above_mean:.1f}% of tokens above the mean")
+    axes[0].legend()
+    lengths = sorted(stats.burst_histogram)
+    axes[1].bar(lengths, [stats.burst_histogram[k] for k in lengths], color="#55a868")
+    axes[1].set_xlabel("burst length (consecutive omega > 0 tokens)")
+    axes[1].set_ylabel("bursts")
+    axes[1].set_title(
+        f"mean {stats.burst_mean_length:.2f}, {100 * stats.burst_single_share:.1f}% single"
+    )
+    fig.suptitle(title)
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return p

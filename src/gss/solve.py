@@ -1,0 +1,167 @@
+"""The closed-form probe/steer solve (the paper's Theorem 4.1) by a whitened SVD.
+
+Maximise ``sum_k u_k^T M v_k`` subject to ``u_k^T Sigma u_k <= delta`` and ``||v_k|| = 1``.
+With ``Sigma + jitter I = L L^T`` the problem becomes an SVD of ``L^{-1} M = U~ S V~^T``:
+``probe = sqrt(delta) L^{-T} U~_K`` and ``steer = V~_K``. The probes are Sigma-orthogonal and
+each meets its budget exactly. For K << d a randomized SVD of the implicit operator
+``X -> L^{-1} (M X)`` avoids forming and decomposing the whole d x d matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .errors import GSSError
+
+SolveMethod = Literal["auto", "full", "truncated"]
+
+
+@dataclass(frozen=True)
+class ProbeSteer:
+    """Result of :func:`solve_probe_steer` (float64)."""
+
+    probe: Tensor  # (K, d)
+    steer: Tensor  # (K, d), unit rows
+    singular_values: Tensor  # (K,) of the whitened memorization matrix
+    delta: float
+    jitter: float  # absolute diagonal loading that made Sigma positive definite
+    method: str
+
+    @property
+    def rank(self) -> int:
+        return int(self.probe.shape[0])
+
+
+def _check_inputs(M: Tensor, sigma: Tensor, rank: int, delta: float) -> int:
+    if M.ndim != 2 or M.shape[0] != M.shape[1]:
+        raise GSSError(f"M must be a square (d, d) matrix, got shape {tuple(M.shape)}.")
+    d = M.shape[0]
+    if sigma.shape != (d, d):
+        raise GSSError(f"Sigma must be ({d}, {d}) to match M, got {tuple(sigma.shape)}.")
+    if not isinstance(rank, int) or not 1 <= rank <= d:
+        raise GSSError(f"rank must be an integer in 1..{d}, got {rank!r}.")
+    if not delta > 0:
+        raise GSSError(f"delta (the variance budget) must be > 0, got {delta!r}.")
+    for name, t in (("M", M), ("Sigma", sigma)):
+        if not torch.isfinite(t).all():
+            raise GSSError(
+                f"{name} contains NaN or Inf: the calibration statistics are corrupt (check the "
+                "model's activations for overflow, e.g. run calibration in float32)."
+            )
+    asym = (sigma - sigma.T).abs().max()
+    if asym > 1e-6 * sigma.abs().max().clamp_min(1e-30):
+        raise GSSError("Sigma is not symmetric; pass a covariance matrix.")
+    return d
+
+
+def _cholesky(sigma: Tensor, jitter: float, max_jitter: float = 1e-3) -> tuple[Tensor, float]:
+    """Cholesky of Sigma + eps I. eps starts at ``jitter`` times the mean eigenvalue and grows
+    x100 per try up to ``max_jitter`` times it; a matrix that needs more is not a covariance."""
+    d = sigma.shape[0]
+    scale = float(torch.diagonal(sigma).mean())
+    if not scale > 0:
+        raise GSSError(
+            "Sigma has a non-positive trace: the generalization activations are constant or "
+            "empty. Use more (and more varied) text for Sigma_gen."
+        )
+    eye = torch.eye(d, dtype=sigma.dtype, device=sigma.device)
+    eps = jitter * scale
+    while True:
+        factor, info = torch.linalg.cholesky_ex(sigma + eps * eye)
+        if int(info) == 0:
+            return factor, eps
+        if eps >= max_jitter * scale:
+            break
+        eps = min(max(eps * 100.0, 1e-10 * scale), max_jitter * scale)
+    min_eig = float(torch.linalg.eigvalsh(sigma)[0])
+    raise GSSError(
+        f"Sigma is not positive semi-definite even after adding {eps:.3g} to its diagonal "
+        f"(smallest eigenvalue {min_eig:.3g}). It was not built as a covariance of real "
+        "activations; check the statistics, or raise `jitter`."
+    )
+
+
+def _fix_signs(u: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Make each steer's largest-magnitude entry positive (SVD signs are arbitrary)."""
+    idx = v.abs().argmax(dim=0)
+    signs = torch.sign(v[idx, torch.arange(v.shape[1])])
+    signs[signs == 0] = 1
+    return u * signs, v * signs
+
+
+def _truncated_svd(
+    L: Tensor, M: Tensor, rank: int, oversample: int, power_iters: int, seed: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Randomized SVD (Halko et al.) of ``A = L^{-1} M`` using only products with A and A^T."""
+    d = M.shape[0]
+    width = min(d, rank + oversample)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    omega = torch.randn(d, width, generator=gen, dtype=M.dtype).to(M.device)
+
+    def a_mul(x: Tensor) -> Tensor:
+        return torch.linalg.solve_triangular(L, M @ x, upper=False)
+
+    def at_mul(y: Tensor) -> Tensor:
+        return M.T @ torch.linalg.solve_triangular(L.T, y, upper=True)
+
+    q, _ = torch.linalg.qr(a_mul(omega))
+    for _ in range(power_iters):
+        z, _ = torch.linalg.qr(at_mul(q))
+        q, _ = torch.linalg.qr(a_mul(z))
+    b = at_mul(q).T  # (width, d) = Q^T A
+    ub, s, vh = torch.linalg.svd(b, full_matrices=False)
+    return (q @ ub)[:, :rank], s[:rank], vh[:rank].T
+
+
+def solve_probe_steer(
+    M: Tensor,
+    sigma: Tensor,
+    rank: int,
+    delta: float = 1.0,
+    *,
+    jitter: float = 1e-6,
+    method: SolveMethod = "auto",
+    oversample: int = 16,
+    power_iters: int = 6,
+    seed: int = 0,
+) -> ProbeSteer:
+    """Solve for K = ``rank`` probe/steer pairs.
+
+    Args:
+        M: (d, d) memorization matrix E_mem[h g^T].
+        sigma: (d, d) generalization covariance (or second moment).
+        rank: number of directions K.
+        delta: variance budget per probe; each probe meets ``u^T Sigma u = delta``.
+        jitter: diagonal loading, relative to the mean eigenvalue of Sigma; raised
+            automatically (x100 per try) if Sigma is numerically singular.
+        method: ``"full"`` SVD, ``"truncated"`` randomized SVD of the implicit whitened
+            operator, or ``"auto"`` (truncated when K <= d / 8 and d >= 1024).
+    """
+    d = _check_inputs(M, sigma, rank, delta)
+    if method not in ("auto", "full", "truncated"):
+        raise GSSError(f"method must be 'auto', 'full' or 'truncated', got {method!r}.")
+    if method == "auto":
+        method = "truncated" if (d >= 1024 and rank <= d // 8) else "full"
+    M64 = M.to(torch.float64)
+    S64 = (sigma.to(torch.float64) + sigma.to(torch.float64).T) / 2
+    L, eps = _cholesky(S64, jitter)
+    if method == "full":
+        whitened = torch.linalg.solve_triangular(L, M64, upper=False)
+        u_t, s, vh = torch.linalg.svd(whitened)
+        u_t, s, v = u_t[:, :rank], s[:rank], vh[:rank].T
+    else:
+        u_t, s, v = _truncated_svd(L, M64, rank, oversample, power_iters, seed)
+    u_t, v = _fix_signs(u_t, v)
+    probe = (delta**0.5) * torch.linalg.solve_triangular(L.T, u_t, upper=True)
+    return ProbeSteer(
+        probe=probe.T.contiguous(),
+        steer=v.T.contiguous(),
+        singular_values=s,
+        delta=float(delta),
+        jitter=eps,
+        method=method,
+    )

@@ -1,0 +1,91 @@
+import json
+
+import pytest
+import torch
+
+import gss
+from gss import GSSError
+
+from .conftest import random_ids
+
+
+@pytest.fixture
+def calibrated(make_model):
+    model, ref = make_model("llama", seed=0), make_model("llama", seed=1)
+    art = gss.calibrate(model, ref, random_ids(12, 12), layer=1, rank=2, progress=False)
+    return model, ref, art
+
+
+def test_round_trip(tmp_path, calibrated):
+    model, _, art = calibrated
+    art.save_pretrained(tmp_path / "a")
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert files == ["gss_config.json", "gss_tensors.safetensors"]
+    loaded = gss.load(tmp_path / "a")
+    for name in ("probe", "steer", "thresholds", "offset"):
+        assert torch.equal(getattr(loaded, name), getattr(art, name))
+    assert loaded.config == art.config
+    ids = random_ids(2, 8, seed=9)
+    with torch.no_grad():
+        with gss.steer(model, art, gate="none"):
+            a = model(input_ids=ids).logits
+        with gss.steer(model, loaded, gate="none"):
+            b = model(input_ids=ids).logits
+    assert torch.equal(a, b)
+    config = json.loads((tmp_path / "a" / "gss_config.json").read_text())
+    for key in (
+        "format_version",
+        "fingerprint",
+        "layer",
+        "hook_point",
+        "rank",
+        "delta",
+        "gate",
+        "coefficient",
+        "threshold_rule",
+        "token_counts",
+        "timings",
+    ):
+        assert key in config
+
+
+def test_refuses_another_model(calibrated, make_model):
+    _, _, art = calibrated
+    other_weights = make_model("llama", seed=5)
+    with pytest.raises(GSSError, match="input embeddings differ"):
+        art.attach(other_weights)
+    with pytest.warns(UserWarning, match="another model"):
+        art.attach(other_weights, strict=False).remove()
+    with pytest.raises(GSSError, match="hidden_size: artifact 32, model 64"):
+        art.attach(make_model("llama", hidden=64))
+    with pytest.raises(GSSError, match="model_type"):
+        art.attach(make_model("qwen2"))
+
+
+def test_same_model_in_another_dtype_is_accepted(calibrated):
+    model, _, art = calibrated
+    art.attach(model.to(torch.bfloat16)).remove()
+    model.float()
+
+
+def test_delta_rescaling_equals_recalibration(make_model):
+    model, ref = make_model("gpt2", seed=0), make_model("gpt2", seed=1)
+    ids = random_ids(12, 12)
+    a1 = gss.calibrate(model, ref, ids, layer=0, rank=2, delta=1.0, progress=False)
+    a4 = gss.calibrate(model, ref, ids, layer=0, rank=2, delta=4.0, progress=False)
+    scaled = a1.with_options(delta=4.0)
+    assert torch.allclose(scaled.probe, a4.probe, atol=1e-5)
+    assert torch.allclose(scaled.thresholds, a4.thresholds, atol=1e-4)
+    assert scaled.config.delta == 4.0
+
+
+def test_unknown_format_version_is_refused(tmp_path, calibrated):
+    _, _, art = calibrated
+    art.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "gss_config.json").read_text())
+    cfg["format_version"] = 99
+    (tmp_path / "gss_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(GSSError, match="format version 99"):
+        gss.load(tmp_path)
+    with pytest.raises(GSSError, match="not a gss artifact"):
+        gss.load(tmp_path / "missing")

@@ -1,0 +1,89 @@
+import pytest
+import torch
+
+import gss
+from gss import solve_probe_steer
+from gss.calibrate import probe_responses
+
+from .conftest import random_ids
+
+
+def _direct_statistics(model, ref, ids, layer):
+    """M and Sigma_gen computed in one shot with transformers' own hidden states."""
+    params = [p.requires_grad for p in model.parameters()]
+    out = model(input_ids=ids, output_hidden_states=True)
+    hidden = out.hidden_states[layer + 1]  # output of block `layer`
+    hidden.retain_grad()
+    logp = torch.log_softmax(out.logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    with torch.no_grad():
+        ref_logp = torch.log_softmax(ref(input_ids=ids).logits[:, :-1], -1)
+        ref_logp = ref_logp.gather(-1, ids[:, 1:, None])[..., 0]
+    mem = (logp.detach() - ref_logp) > 0
+    (logp * mem).sum().backward()
+    h, g = hidden.detach()[:, :-1].double(), hidden.grad[:, :-1].double()
+    M = h[mem].T @ g[mem] / int(mem.sum())
+    sigma = torch.cov(h[~mem].T, correction=0)
+    model.zero_grad()
+    assert [p.requires_grad for p in model.parameters()] == params
+    return M, sigma, h[~mem]
+
+
+def test_matches_a_direct_computation(make_model):
+    model, ref = make_model("gpt2", seed=0), make_model("gpt2", seed=1)
+    ids = random_ids(16, 12)
+    art = gss.calibrate(model, ref, ids, layer=0, rank=3, delta=2.0, batch_size=5, progress=False)
+    M, sigma, h_gen = _direct_statistics(model, ref, ids, layer=0)
+    sol = solve_probe_steer(M, sigma, 3, 2.0)
+    assert torch.allclose(art.probe.double(), sol.probe, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(art.steer.double(), sol.steer, atol=1e-4)
+    responses = (h_gen @ sol.probe.T).abs()
+    assert torch.allclose(
+        art.thresholds.double(), torch.quantile(responses, 0.95, dim=0), rtol=1e-4
+    )
+    counts = art.config.token_counts
+    assert counts["tokens"] == 16 * 11 and counts["memorized"] + counts["general"] == 16 * 11
+    assert set(art.config.timings) >= {"signal", "statistics", "solve", "thresholds", "total"}
+    assert not model.training and all(p.requires_grad for p in model.parameters())
+
+
+def test_gate_share_sets_the_union_open_share(make_model):
+    model, ref = make_model("llama", seed=0), make_model("llama", seed=1)
+    art = gss.calibrate(
+        model, ref, random_ids(30, 16), layer=0, rank=4, gate_share=0.1, progress=False
+    )
+    share = art.config.gate_open_share
+    assert share["union"] == pytest.approx(0.1, abs=0.02)
+    assert art.config.threshold_rule["kind"] == "gate_share"
+
+
+def test_quantile_rule_marks_that_share(make_model):
+    model, ref = make_model("gpt2", seed=0), make_model("gpt2", seed=1)
+    art = gss.calibrate(
+        model, ref, random_ids(20, 16), layer=1, rank=2, memorized_quantile=0.1, progress=False
+    )
+    assert art.config.token_counts["memorized_share"] == pytest.approx(0.1, abs=0.01)
+    assert art.config.memorized_rule["kind"] == "quantile"
+
+
+@pytest.mark.parametrize("centering", ["covariance", "full", "none"])
+def test_each_centering_meets_its_own_budget(make_model, centering):
+    """Over the general tokens: var(s) = delta (covariance), E[s^2] = delta (full, none)."""
+    model, ref = make_model("gpt2", seed=0), make_model("gpt2", seed=1)
+    held_out = random_ids(24, 16, seed=8)
+    delta = 0.5
+    art = gss.calibrate(
+        model,
+        ref,
+        random_ids(16, 16),
+        layer=0,
+        rank=2,
+        delta=delta,
+        gen_texts=held_out,
+        centering=centering,
+        jitter=1e-9,
+        progress=False,
+    )
+    assert art.config.memorized_rule["sigma_from"] == "gen_texts"
+    s = probe_responses(model, art, held_out).double()
+    measured = s.var(0, correction=0) if centering == "covariance" else (s**2).mean(0)
+    assert torch.allclose(measured, torch.full((2,), delta, dtype=torch.float64), rtol=1e-3)

@@ -1,0 +1,138 @@
+"""The gss command end to end on a tiny model and a tokenizer built here."""
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from gss.cli import main
+
+from .conftest import tiny_model
+
+WORDS = ["<pad>", "<bos>", "<eos>", "<unk>"] + [f"w{i}" for i in range(44)]
+
+
+def _tokenizer():
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+    )
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    for name, seed in (("model", 0), ("reference", 1)):
+        tiny_model("llama", seed=seed).save_pretrained(root / name)
+        _tokenizer().save_pretrained(root / name)
+    lines = [" ".join(f"w{(i * 7 + j * 3) % 44}" for j in range(12)) for i in range(20)]
+    (root / "data.txt").write_text("\n".join(lines) + "\n")
+    (root / "data.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in lines) + "\n")
+    return root
+
+
+def test_calibrate_then_generate(workdir, capsys):
+    out = workdir / "artifact"
+    code = main(
+        [
+            "calibrate",
+            "--model",
+            str(workdir / "model"),
+            "--reference",
+            str(workdir / "reference"),
+            "--data",
+            str(workdir / "data.jsonl"),
+            "--layer",
+            "1",
+            "--rank",
+            "2",
+            "--out",
+            str(out),
+            "--threshold-percentile",
+            "90",
+        ]
+    )
+    assert code == 0
+    assert (out / "gss_config.json").is_file()
+    assert "memorized tokens" in capsys.readouterr().out
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(workdir / "model"),
+            "--steer",
+            str(out),
+            "--prompt",
+            "w1 w2 w3",
+            "--max-new-tokens",
+            "5",
+            "--compare",
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0 and "steered:" in printed and "unsteered:" in printed
+
+
+def test_signal_writes_statistics_and_figure(workdir, capsys):
+    out = workdir / "signal"
+    code = main(
+        [
+            "signal",
+            "--model",
+            str(workdir / "model"),
+            "--reference",
+            str(workdir / "reference"),
+            "--data",
+            str(workdir / "data.txt"),
+            "--out",
+            str(out),
+            "--plot",
+        ]
+    )
+    assert code == 0
+    stats = json.loads((out / "signal.json").read_text())
+    assert {"share_above_mean", "burst_mean_length", "burst_single_share"} <= set(stats)
+    assert (out / "signal.png").stat().st_size > 1000
+
+
+def test_errors_are_messages_not_tracebacks(workdir, capsys):
+    code = main(
+        [
+            "calibrate",
+            "--model",
+            str(workdir / "nope"),
+            "--reference",
+            str(workdir / "reference"),
+            "--data",
+            str(workdir / "data.txt"),
+            "--layer",
+            "0",
+            "--out",
+            str(workdir / "x"),
+        ]
+    )
+    assert code == 2
+    assert "does not exist" in capsys.readouterr().err
+    code = main(
+        [
+            "calibrate",
+            "--model",
+            str(workdir / "model"),
+            "--reference",
+            str(workdir / "reference"),
+            "--data",
+            str(workdir / "data.txt"),
+            "--layer",
+            "7",
+            "--out",
+            str(workdir / "x"),
+        ]
+    )
+    assert code == 2
+    assert "layer 7 is out of range" in capsys.readouterr().err

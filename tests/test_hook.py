@@ -1,0 +1,141 @@
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import gss
+from gss import GSSError
+from gss.hook import GatedSteer, register
+
+from .conftest import random_ids
+
+
+def _golden(h, U, V, eps, off, gate, coefficient, delta, ridge_delta):
+    """Token-by-token reference implementation of the gated steer."""
+    out = h.clone().double()
+    for t in range(h.shape[0]):
+        x = h[t].double()
+        for k in range(U.shape[0]):
+            u, v = U[k].double(), V[k].double()
+            s = float(u @ x) - float(off[k])
+            a = float(u @ v)
+            if gate == "hard":
+                is_open, beyond = abs(s) > eps[k], s - (1 if s > 0 else -1) * eps[k]
+            elif gate == "relu":
+                is_open, beyond = s > eps[k], s - eps[k]
+            else:
+                is_open, beyond = True, s
+            if not is_open:
+                continue
+            if coefficient == "projection":
+                c = beyond if gate == "relu" else s
+            elif coefficient == "ridge":
+                c = a * beyond / (a * a + ridge_delta)
+            else:
+                c = a / (a * a + delta)
+            out[t] -= c * v
+    return out
+
+
+@pytest.mark.parametrize("gate", ["hard", "relu", "none"])
+@pytest.mark.parametrize("coefficient", ["projection", "ridge", "paper-constant"])
+def test_matches_token_by_token_golden(gate, coefficient):
+    gen = torch.Generator().manual_seed(0)
+    d, k = 16, 3
+    h = torch.randn(40, d, generator=gen)
+    U = torch.randn(k, d, generator=gen) * 0.3
+    V = torch.nn.functional.normalize(torch.randn(k, d, generator=gen), dim=1)
+    eps = torch.tensor([0.5, 1.0, 1.5])
+    off = torch.tensor([0.1, -0.2, 0.0])
+    hook = GatedSteer(
+        U, V, eps, off, gate=gate, coefficient=coefficient, delta=0.7, ridge_delta=0.3
+    )
+    delta, _ = hook.correction(h)
+    expected = _golden(h, U, V, eps.tolist(), off, gate, coefficient, 0.7, 0.3)
+    assert torch.allclose(h - delta, expected.float(), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_closed_gates_leave_tokens_bit_identical(dtype):
+    gen = torch.Generator().manual_seed(1)
+    d = 8
+    h = (torch.randn(2, 30, d, generator=gen) * 3).to(dtype)
+    U = torch.randn(2, d, generator=gen)
+    V = torch.nn.functional.normalize(torch.randn(2, d, generator=gen), dim=1)
+    eps = torch.tensor([2.0, 3.0])
+    hook = GatedSteer(U, V, eps)
+    out = hook(None, None, h)
+    is_open = hook.correction(h)[1].any(-1)
+    assert 0 < int(is_open.sum()) < is_open.numel()  # some open, some closed
+    assert out.dtype == dtype
+    assert torch.equal(out[~is_open], h[~is_open])
+    assert not torch.equal(out[is_open], h[is_open])
+
+
+def _artifact_for(model, make_model, thresholds=None):
+    ref = make_model("gpt2", seed=7)
+    art = gss.calibrate(model, ref, random_ids(12, 16), layer=0, rank=2, progress=False)
+    if thresholds is not None:
+        art = dataclasses.replace(art, thresholds=thresholds)
+    return art
+
+
+def test_infinite_threshold_and_removal_are_exact(make_model):
+    model = make_model("gpt2")
+    ids = random_ids(3, 12, seed=5)
+    with torch.no_grad():
+        base = model(input_ids=ids).logits
+    art = _artifact_for(model, make_model, thresholds=torch.full((2,), float("inf")))
+    with gss.steer(model, art), torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, base)
+    live = art.with_options(gate="none")
+    handle = live.attach(model)
+    with torch.no_grad():
+        assert not torch.equal(model(input_ids=ids).logits, base)
+    handle.remove()
+    assert not handle.active
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, base)
+
+
+def test_context_manager_cleans_up_on_exceptions(make_model):
+    model = make_model("gpt2")
+    art = _artifact_for(model, make_model)
+    block = gss.find_decoder_blocks(model)[0]
+    with pytest.raises(RuntimeError), gss.steer(model, art):
+        assert len(block._forward_hooks) == 1
+        raise RuntimeError("boom")
+    assert len(block._forward_hooks) == 0
+
+
+class _TupleBlock(nn.Module):
+    def forward(self, x):
+        return (x * 1.0, "extra")
+
+
+def test_tuple_outputs_keep_their_other_items():
+    block = _TupleBlock()
+    hook = GatedSteer(torch.ones(1, 4), torch.ones(1, 4) / 2, torch.zeros(1), gate="none")
+    handle = register(block, hook)
+    h, extra = block(torch.ones(2, 4))
+    handle.remove()
+    assert extra == "extra"
+    assert torch.allclose(h, torch.ones(2, 4) - 4 * 0.5)
+
+
+def test_gate_counters(make_model):
+    model = make_model("gpt2")
+    art = _artifact_for(model, make_model)
+    with art.attach(model, track_gates=True) as handle, torch.no_grad():
+        model(input_ids=random_ids(4, 10, seed=3))
+        stats = handle.gate_stats()
+    assert stats["tokens"] == 40
+    assert 0 <= stats["any_open_share"] <= 1 and len(stats["open_share"]) == 2
+    assert stats["any_open_share"] >= max(stats["open_share"])
+
+
+def test_hidden_size_mismatch_is_refused():
+    hook = GatedSteer(torch.ones(1, 4), torch.ones(1, 4), torch.zeros(1))
+    with pytest.raises(GSSError, match="hidden size 6"):
+        hook(None, None, torch.ones(1, 2, 6))

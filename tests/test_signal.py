@@ -1,0 +1,66 @@
+import math
+
+import pytest
+import torch
+
+from gss import GSSError, memorization_signal, signal_statistics
+
+from .conftest import random_ids
+
+
+def _logprob(model, row):
+    """Independent computation: one unpadded row, model's own loss machinery."""
+    logits = model(input_ids=row.unsqueeze(0)).logits[0, :-1]
+    return -torch.nn.functional.cross_entropy(logits, row[1:], reduction="none")
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_omega_is_a_logprob_difference(make_model, arch):
+    model, ref = make_model(arch, seed=0), make_model(arch, seed=1)
+    ids = random_ids(3, 12)
+    omega = memorization_signal(model, ref, ids)
+    assert omega.shape == (3, 11) and omega.dtype == torch.float32
+    with torch.no_grad():
+        for i in range(3):
+            expected = _logprob(model, ids[i]) - _logprob(ref, ids[i])
+            assert torch.allclose(omega[i], expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "gpt_neox"])
+def test_exact_under_left_and_right_padding(make_model, arch):
+    model, ref = make_model(arch, seed=0), make_model(arch, seed=1)
+    short, long = random_ids(1, 6, seed=1)[0], random_ids(1, 10, seed=2)[0]
+    alone = memorization_signal(model, ref, short.unsqueeze(0))[0]
+    for side in ("left", "right"):
+        ids = torch.zeros(2, 10, dtype=torch.long)
+        mask = torch.zeros(2, 10, dtype=torch.long)
+        ids[0], mask[0] = long, 1
+        if side == "left":
+            ids[1, 4:], mask[1, 4:] = short, 1
+            got = memorization_signal(model, ref, ids, mask)[1, 4:]
+            assert torch.isnan(memorization_signal(model, ref, ids, mask)[1, :4]).all()
+        else:
+            ids[1, :6], mask[1, :6] = short, 1
+            got = memorization_signal(model, ref, ids, mask)[1, :5]
+        assert torch.allclose(got, alone, atol=1e-5), side
+
+
+def test_refuses_different_vocabularies(make_model):
+    model, ref = make_model("gpt2"), make_model("gpt2", vocab=60)
+    with pytest.raises(GSSError, match="vocabulary"):
+        memorization_signal(model, ref, random_ids(1, 5))
+
+
+def test_pilot_statistics_on_a_hand_built_signal():
+    nan = float("nan")
+    omega = torch.tensor(
+        [[1.0, 2.0, -1.0, 3.0, -1.0, -1.0, 5.0], [nan, nan, 1.0, -2.0, 1.0, 1.0, 1.0]]
+    )
+    stats = signal_statistics(omega)
+    # bursts: [2, 1, 1] in row 0 and [1, 3] in row 1
+    assert stats.burst_count == 5
+    assert stats.burst_histogram == {1: 3, 2: 1, 3: 1}
+    assert math.isclose(stats.burst_mean_length, 8 / 5)
+    assert math.isclose(stats.burst_single_share, 3 / 5)
+    assert stats.tokens == 12
+    assert stats.share_above_mean == pytest.approx(8 / 12)
