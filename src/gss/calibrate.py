@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -38,7 +38,7 @@ from .forward import (
 from .hook import COEFFICIENT_MODES, GATE_MODES, split_block_output
 from .layers import resolve_layer
 from .solve import solve_probe_steer
-from .statistics import CovarianceAccumulator, CrossMomentAccumulator
+from .statistics import CovarianceAccumulator, CrossMomentAccumulator, MeanAccumulator
 
 Centering = Literal["covariance", "full", "none"]
 Target = Literal["loglik", "toward-reference"]
@@ -190,6 +190,267 @@ def _objective(
     return (per_token * mem).sum()
 
 
+@dataclass
+class CalibrationStatistics:
+    """What one calibration pass gathered at one layer: enough to solve for any rank, delta
+    and centering, to set thresholds, and to build mean-difference steering."""
+
+    layer: int
+    block_path: str | None
+    sigma: CovarianceAccumulator
+    memorization: CrossMomentAccumulator
+    memorized_mean: MeanAccumulator
+    counts: dict[str, Any]
+    timings: dict[str, float]
+    memorized_rule: dict[str, Any]
+    target: str
+    batch_size: int
+    seqs: list[list[int]]
+    gen_seqs: list[list[int]] | None
+    gen_masks: dict[int, Tensor] = field(default_factory=dict)
+
+    def general_batches(self) -> Iterator[tuple[Batch, Tensor]]:
+        """The general tokens, batch by batch, in the order the statistics saw them."""
+        if self.gen_seqs is None:
+            for b, batch in enumerate(batches(self.seqs, self.batch_size)):
+                yield batch, self.gen_masks[b]
+        else:
+            for batch in batches(self.gen_seqs, self.batch_size):
+                yield batch, target_mask(batch.attention_mask)
+
+    @property
+    def general_batch_count(self) -> int:
+        return count_batches(len(self.gen_seqs or self.seqs), self.batch_size)
+
+
+def collect_statistics(
+    model: nn.Module,
+    reference: nn.Module,
+    texts: TextsOrIds,
+    *,
+    layer: int,
+    tokenizer: Any | None = None,
+    omega_threshold: float = 0.0,
+    memorized_quantile: float | None = None,
+    gen_texts: TextsOrIds | None = None,
+    target: str = "loglik",
+    batch_size: int = 8,
+    max_length: int | None = None,
+    block_path: str | None = None,
+    progress: bool = True,
+) -> CalibrationStatistics:
+    """The calibration pass: omega, the token split, Sigma_gen and M at block ``layer``."""
+    if target not in TARGETS:
+        raise GSSError(f"target must be one of {TARGETS}, got {target!r}.")
+    if memorized_quantile is not None and not 0 < memorized_quantile < 1:
+        raise GSSError(f"memorized_quantile must be in (0, 1), got {memorized_quantile}.")
+    check_same_vocab(model, reference)
+    layer_index, block = resolve_layer(model, layer, block_path)
+    seqs = encode(texts, tokenizer, max_length)
+    gen_seqs = encode(gen_texts, tokenizer, max_length) if gen_texts is not None else None
+    dim = int(model.get_input_embeddings().weight.shape[1])
+    device = next(block.parameters(), model.get_input_embeddings().weight).device
+    sigma_acc = CovarianceAccumulator(dim, device)
+    m_acc = CrossMomentAccumulator(dim, device)
+    mem_mean = MeanAccumulator(dim, device)
+    timings = {"signal": 0.0, "statistics": 0.0}
+    counts: dict[str, Any] = {"sequences": len(seqs), "tokens": 0, "memorized": 0, "general": 0}
+    n_batches = count_batches(len(seqs), batch_size)
+
+    def bar(it: Any, desc: str, total: int) -> Any:
+        return tqdm(it, desc=desc, total=total, disable=not progress, leave=False)
+
+    def logprobs(m: nn.Module, batch: Batch) -> Tensor:
+        return token_logprobs(
+            forward_logits(m, batch.input_ids, batch.attention_mask), batch.input_ids
+        )
+
+    stats = CalibrationStatistics(
+        layer=layer_index,
+        block_path=block_path,
+        sigma=sigma_acc,
+        memorization=m_acc,
+        memorized_mean=mem_mean,
+        counts=counts,
+        timings=timings,
+        memorized_rule={},
+        target=target,
+        batch_size=batch_size,
+        seqs=seqs,
+        gen_seqs=gen_seqs,
+    )
+    with _calibration_mode(model, reference):
+        # Optional pre-pass: the global omega cut of the top-quantile rule.
+        ref_logp: dict[int, Tensor] = {}
+        cut = omega_threshold
+        if memorized_quantile is not None:
+            t0 = time.perf_counter()
+            all_omega = []
+            for b, batch in enumerate(
+                bar(batches(seqs, batch_size), "gss: omega (quantile rule)", n_batches)
+            ):
+                with torch.no_grad():
+                    lp_ref = logprobs(reference, batch)
+                    lp = logprobs(model, batch)
+                ref_logp[b] = lp_ref
+                valid = target_mask(batch.attention_mask).to(lp.device)
+                all_omega.append((lp - lp_ref.to(lp.device))[valid].float().cpu())
+            values = torch.cat(all_omega)[: 2**24].double()
+            cut = float(torch.quantile(values, 1 - memorized_quantile))
+            timings["signal"] += time.perf_counter() - t0
+
+        for b, batch in enumerate(
+            bar(batches(seqs, batch_size), "gss: signal + statistics", n_batches)
+        ):
+            t0 = time.perf_counter()
+            ref_logits = None
+            if b in ref_logp and target == "loglik":
+                lp_ref = ref_logp[b]
+            else:
+                with torch.no_grad():
+                    ref_logits = forward_logits(reference, batch.input_ids, batch.attention_mask)
+                lp_ref = token_logprobs(ref_logits, batch.input_ids)
+            with torch.enable_grad(), _tapped(block, stop=False, leaf=True) as tap:
+                logits = forward_logits(model, batch.input_ids, batch.attention_mask)
+            lp_model = token_logprobs(logits, batch.input_ids)
+            valid = target_mask(batch.attention_mask).to(lp_model.device)
+            omega = lp_model.detach() - lp_ref.to(lp_model.device)
+            mem = valid & (omega > cut)
+            gen = valid & ~mem
+            timings["signal"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            hidden = tap.hidden
+            assert hidden is not None
+            n_mem = int(mem.sum())
+            if n_mem:
+                if ref_logits is not None:
+                    ref_logits = ref_logits.to(logits.device)
+                objective = _objective(target, logits, lp_model, ref_logits, mem)
+                (grad,) = torch.autograd.grad(objective, hidden)
+                mem_h = mem.to(hidden.device)
+                m_acc.update(hidden[:, :-1][mem_h], grad[:, :-1][mem_h])
+                mem_mean.update(hidden.detach()[:, :-1][mem_h])
+            if gen_seqs is None:
+                sigma_acc.update(hidden.detach()[:, :-1][gen.to(hidden.device)])
+                stats.gen_masks[b] = gen.cpu()
+            counts["tokens"] += int(valid.sum())
+            counts["memorized"] += n_mem
+            counts["general"] += int(gen.sum())
+            del logits, lp_model, hidden, tap
+            timings["statistics"] += time.perf_counter() - t0
+
+        if gen_seqs is not None:
+            t0 = time.perf_counter()
+            for batch, mask in bar(
+                stats.general_batches(), "gss: Sigma_gen", stats.general_batch_count
+            ):
+                hidden = layer_activations(model, block, batch)
+                sigma_acc.update(hidden[:, :-1][mask.to(hidden.device)])
+                counts["general"] += int(mask.sum())
+            timings["statistics"] += time.perf_counter() - t0
+
+    for acc in (sigma_acc, m_acc, mem_mean):
+        acc.all_reduce()
+    counts["memorized_share"] = counts["memorized"] / max(counts["tokens"], 1)
+    stats.memorized_rule = {
+        "kind": "quantile" if memorized_quantile is not None else "omega_above",
+        "omega_threshold": omega_threshold if memorized_quantile is None else None,
+        "quantile": memorized_quantile,
+        "cut": cut,
+        "sigma_from": "gen_texts" if gen_seqs is not None else "non_memorized_tokens",
+    }
+    return stats
+
+
+def build_artifact(
+    model: nn.Module,
+    stats: CalibrationStatistics,
+    *,
+    rank: int = 4,
+    delta: float = 1.0,
+    threshold_percentile: float = 95.0,
+    gate_share: float | None = None,
+    gate: str = "hard",
+    coefficient: str = "projection",
+    centering: str = "covariance",
+    jitter: float = 1e-6,
+    solve_method: str = "auto",
+    max_threshold_samples: int = 2_000_000,
+    seed: int = 0,
+    progress: bool = True,
+) -> SteeringArtifact:
+    """Solve for the probes and steers from ``stats`` and set the gate thresholds."""
+    _validate(gate, coefficient, centering, rank, delta)
+    _check_counts(stats.counts, stats.memorization.count, rank)
+    _, block = resolve_layer(model, stats.layer, stats.block_path)
+    timings = dict(stats.timings)
+    t0 = time.perf_counter()
+    sigma_acc = stats.sigma
+    sigma = sigma_acc.second_moment if centering == "none" else sigma_acc.covariance
+    solution = solve_probe_steer(
+        stats.memorization.value,
+        sigma,
+        rank,
+        delta,
+        jitter=jitter,
+        method=solve_method,
+        seed=seed,
+    )
+    probe = solution.probe.float()
+    device = sigma.device
+    mean = sigma_acc.mean.float()
+    offset = probe.to(device) @ mean if centering == "full" else torch.zeros(rank, device=device)
+    timings["solve"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    reservoir = _Reservoir(max_threshold_samples, torch.Generator().manual_seed(seed))
+    probe_dev = probe.to(device)
+    with _calibration_mode(model):
+        for batch, mask in tqdm(
+            stats.general_batches(),
+            desc="gss: thresholds",
+            total=stats.general_batch_count,
+            disable=not progress,
+            leave=False,
+        ):
+            hidden = layer_activations(model, block, batch)
+            rows = hidden[:, :-1][mask.to(hidden.device)].float().to(device)
+            reservoir.add(rows @ probe_dev.T - offset)
+    assert reservoir.rows is not None
+    thresholds, info = thresholds_from_responses(
+        reservoir.rows, gate, threshold_percentile, gate_share
+    )
+    timings["thresholds"] = time.perf_counter() - t0
+    timings["total"] = sum(timings[k] for k in ("signal", "statistics", "solve", "thresholds"))
+    counts = {**stats.counts, "threshold_samples": int(reservoir.rows.shape[0])}
+    config = SteeringConfig(
+        layer=stats.layer,
+        rank=rank,
+        delta=float(delta),
+        gate=gate,
+        coefficient=coefficient,
+        centering=centering,
+        block_path=stats.block_path,
+        threshold_rule=info["rule"],
+        gate_open_share=info["open_share"],
+        memorized_rule=stats.memorized_rule,
+        target=stats.target,
+        gradient="summed",
+        token_counts=counts,
+        timings=timings,
+        jitter=solution.jitter,
+        fingerprint=model_fingerprint(model, stats.block_path),
+    )
+    return SteeringArtifact(
+        probe=probe.cpu(),
+        steer=solution.steer.float().cpu(),
+        thresholds=thresholds.cpu(),
+        offset=offset.float().cpu(),
+        singular_values=solution.singular_values.cpu(),
+        config=config,
+    )
+
+
 def calibrate(
     model: nn.Module,
     reference: nn.Module,
@@ -244,169 +505,43 @@ def calibrate(
         target: ``"loglik"`` (the paper) or ``"toward-reference"`` (gradient of
             log p(x_t) - E_{y~p_ref} log p(y): a named variant, not GSS as published).
     """
-    started = time.perf_counter()
-    _validate(gate, coefficient, centering, target, rank, delta, memorized_quantile)
-    check_same_vocab(model, reference)
-    layer_index, block = resolve_layer(model, layer, block_path)
-    seqs = encode(texts, tokenizer, max_length)
-    gen_seqs = encode(gen_texts, tokenizer, max_length) if gen_texts is not None else None
-    dim = int(model.get_input_embeddings().weight.shape[1])
-    stats_device = next(block.parameters(), model.get_input_embeddings().weight).device
-    sigma_acc = CovarianceAccumulator(dim, stats_device)
-    m_acc = CrossMomentAccumulator(dim, stats_device)
-    timings = {"signal": 0.0, "statistics": 0.0, "solve": 0.0, "thresholds": 0.0}
-    counts = {"sequences": len(seqs), "tokens": 0, "memorized": 0, "general": 0}
-    n_batches = count_batches(len(seqs), batch_size)
-
-    def bar(it: Any, desc: str, total: int) -> Any:
-        return tqdm(it, desc=desc, total=total, disable=not progress, leave=False)
-
-    with _calibration_mode(model, reference):
-        # Optional pre-pass: the global omega cut of the top-quantile rule.
-        ref_logp: dict[int, Tensor] = {}
-        cut = omega_threshold
-        if memorized_quantile is not None:
-            t0 = time.perf_counter()
-            all_omega = []
-            for b, batch in enumerate(
-                bar(batches(seqs, batch_size), "gss: omega (quantile rule)", n_batches)
-            ):
-                with torch.no_grad():
-                    lp_ref = token_logprobs(
-                        forward_logits(reference, batch.input_ids, batch.attention_mask),
-                        batch.input_ids,
-                    )
-                    lp = token_logprobs(
-                        forward_logits(model, batch.input_ids, batch.attention_mask),
-                        batch.input_ids,
-                    )
-                ref_logp[b] = lp_ref
-                valid = target_mask(batch.attention_mask).to(lp.device)
-                all_omega.append((lp - lp_ref.to(lp.device))[valid].float().cpu())
-            values = torch.cat(all_omega)
-            cut = float(torch.quantile(values[: 2**24].double(), 1 - memorized_quantile))
-            timings["signal"] += time.perf_counter() - t0
-
-        gen_masks: dict[int, Tensor] = {}
-        for b, batch in enumerate(
-            bar(batches(seqs, batch_size), "gss: signal + statistics", n_batches)
-        ):
-            t0 = time.perf_counter()
-            ref_logits = None
-            if b in ref_logp and target == "loglik":
-                lp_ref = ref_logp[b]
-            else:
-                with torch.no_grad():
-                    ref_logits = forward_logits(reference, batch.input_ids, batch.attention_mask)
-                lp_ref = token_logprobs(ref_logits, batch.input_ids)
-            with torch.enable_grad(), _tapped(block, stop=False, leaf=True) as tap:
-                logits = forward_logits(model, batch.input_ids, batch.attention_mask)
-            lp_model = token_logprobs(logits, batch.input_ids)
-            valid = target_mask(batch.attention_mask).to(lp_model.device)
-            omega = lp_model.detach() - lp_ref.to(lp_model.device)
-            mem = valid & (omega > cut)
-            gen = valid & ~mem
-            timings["signal"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            hidden = tap.hidden
-            assert hidden is not None
-            n_mem = int(mem.sum())
-            if n_mem:
-                if ref_logits is not None:
-                    ref_logits = ref_logits.to(logits.device)
-                objective = _objective(target, logits, lp_model, ref_logits, mem)
-                (grad,) = torch.autograd.grad(objective, hidden)
-                mem_h = mem.to(hidden.device)
-                m_acc.update(hidden[:, :-1][mem_h], grad[:, :-1][mem_h])
-            if gen_seqs is None:
-                gen_h = gen.to(hidden.device)
-                sigma_acc.update(hidden.detach()[:, :-1][gen_h])
-                gen_masks[b] = gen.cpu()
-            counts["tokens"] += int(valid.sum())
-            counts["memorized"] += n_mem
-            counts["general"] += int(gen.sum())
-            del logits, lp_model, hidden, tap
-            timings["statistics"] += time.perf_counter() - t0
-
-        def general_batches() -> Iterator[tuple[Batch, Tensor]]:
-            if gen_seqs is None:
-                for b, batch in enumerate(batches(seqs, batch_size)):
-                    yield batch, gen_masks[b]
-            else:
-                for batch in batches(gen_seqs, batch_size):
-                    yield batch, target_mask(batch.attention_mask)
-
-        n_gen_batches = count_batches(len(gen_seqs) if gen_seqs else len(seqs), batch_size)
-        if gen_seqs is not None:
-            t0 = time.perf_counter()
-            for batch, mask in bar(general_batches(), "gss: Sigma_gen", n_gen_batches):
-                hidden = layer_activations(model, block, batch)
-                sigma_acc.update(hidden[:, :-1][mask.to(hidden.device)])
-                counts["general"] += int(mask.sum())
-            timings["statistics"] += time.perf_counter() - t0
-
-        sigma_acc.all_reduce()
-        m_acc.all_reduce()
-        _check_counts(counts, m_acc.count, rank)
-
-        t0 = time.perf_counter()
-        sigma = sigma_acc.second_moment if centering == "none" else sigma_acc.covariance
-        solution = solve_probe_steer(
-            m_acc.value, sigma, rank, delta, jitter=jitter, method=solve_method, seed=seed
-        )
-        probe = solution.probe.float()
-        mean = sigma_acc.mean.float()
-        offset = probe.to(mean.device) @ mean if centering == "full" else torch.zeros(rank)
-        timings["solve"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        reservoir = _Reservoir(max_threshold_samples, torch.Generator().manual_seed(seed))
-        probe_dev = probe.to(stats_device)
-        offset_dev = offset.to(stats_device)
-        for batch, mask in bar(general_batches(), "gss: thresholds", n_gen_batches):
-            hidden = layer_activations(model, block, batch)
-            rows = hidden[:, :-1][mask.to(hidden.device)].float()
-            reservoir.add(rows.to(stats_device) @ probe_dev.T - offset_dev)
-        assert reservoir.rows is not None
-        thresholds, threshold_info = thresholds_from_responses(
-            reservoir.rows, gate, threshold_percentile, gate_share
-        )
-        timings["thresholds"] = time.perf_counter() - t0
-
-    timings["total"] = time.perf_counter() - started
-    counts["memorized_share"] = counts["memorized"] / max(counts["tokens"], 1)
-    counts["threshold_samples"] = reservoir.rows.shape[0]
-    config = SteeringConfig(
-        layer=layer_index,
+    _validate(gate, coefficient, centering, rank, delta)
+    if (
+        threshold_percentile is not None
+        and gate_share is None
+        and not (0 < threshold_percentile < 100)
+    ):
+        raise GSSError(f"threshold_percentile must be in (0, 100), got {threshold_percentile}.")
+    stats = collect_statistics(
+        model,
+        reference,
+        texts,
+        layer=layer,
+        tokenizer=tokenizer,
+        omega_threshold=omega_threshold,
+        memorized_quantile=memorized_quantile,
+        gen_texts=gen_texts,
+        target=target,
+        batch_size=batch_size,
+        max_length=max_length,
+        block_path=block_path,
+        progress=progress,
+    )
+    return build_artifact(
+        model,
+        stats,
         rank=rank,
-        delta=float(delta),
+        delta=delta,
+        threshold_percentile=threshold_percentile,
+        gate_share=gate_share,
         gate=gate,
         coefficient=coefficient,
         centering=centering,
-        block_path=block_path,
-        threshold_rule=threshold_info["rule"],
-        gate_open_share=threshold_info["open_share"],
-        memorized_rule={
-            "kind": "quantile" if memorized_quantile is not None else "omega_above",
-            "omega_threshold": omega_threshold if memorized_quantile is None else None,
-            "quantile": memorized_quantile,
-            "cut": cut,
-            "sigma_from": "gen_texts" if gen_seqs is not None else "non_memorized_tokens",
-        },
-        target=target,
-        gradient="summed",
-        token_counts=counts,
-        timings=timings,
-        jitter=solution.jitter,
-        fingerprint=model_fingerprint(model, block_path),
-    )
-    return SteeringArtifact(
-        probe=probe.cpu(),
-        steer=solution.steer.float().cpu(),
-        thresholds=thresholds.cpu(),
-        offset=offset.float().cpu(),
-        singular_values=solution.singular_values.cpu(),
-        config=config,
+        jitter=jitter,
+        solve_method=solve_method,
+        max_threshold_samples=max_threshold_samples,
+        seed=seed,
+        progress=progress,
     )
 
 
@@ -460,20 +595,11 @@ def calibrate_thresholds(
     return artifact.with_thresholds(thresholds, info["rule"])
 
 
-def _validate(
-    gate: str,
-    coefficient: str,
-    centering: str,
-    target: str,
-    rank: int,
-    delta: float,
-    memorized_quantile: float | None,
-) -> None:
+def _validate(gate: str, coefficient: str, centering: str, rank: int, delta: float) -> None:
     for name, value, allowed in (
         ("gate", gate, GATE_MODES),
         ("coefficient", coefficient, COEFFICIENT_MODES),
         ("centering", centering, CENTERINGS),
-        ("target", target, TARGETS),
     ):
         if value not in allowed:
             raise GSSError(f"{name} must be one of {allowed}, got {value!r}.")
@@ -481,8 +607,6 @@ def _validate(
         raise GSSError(f"rank must be a positive integer, got {rank!r}.")
     if not delta > 0:
         raise GSSError(f"delta must be > 0, got {delta!r}.")
-    if memorized_quantile is not None and not 0 < memorized_quantile < 1:
-        raise GSSError(f"memorized_quantile must be in (0, 1), got {memorized_quantile}.")
 
 
 def _check_counts(counts: dict[str, Any], n_mem: int, rank: int) -> None:
@@ -506,8 +630,11 @@ def _check_counts(counts: dict[str, Any], n_mem: int, rank: int) -> None:
 
 
 __all__: Sequence[str] = (
+    "CalibrationStatistics",
+    "build_artifact",
     "calibrate",
     "calibrate_thresholds",
+    "collect_statistics",
     "layer_activations",
     "probe_responses",
     "thresholds_from_responses",

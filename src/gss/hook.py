@@ -202,7 +202,7 @@ class GatedSteer:
 class SteerHandle:
     """A removable steer; also a context manager that removes itself on exit."""
 
-    def __init__(self, hook: GatedSteer, handle: torch.utils.hooks.RemovableHandle) -> None:
+    def __init__(self, hook: Any, handle: torch.utils.hooks.RemovableHandle) -> None:
         self.hook = hook
         self._handle: torch.utils.hooks.RemovableHandle | None = handle
 
@@ -216,10 +216,14 @@ class SteerHandle:
             self._handle = None
 
     def gate_stats(self) -> dict[str, Any]:
-        return self.hook.gate_stats()
+        """Gate counters of a :class:`GatedSteer` with ``track_gates`` ({} for other hooks)."""
+        stats = getattr(self.hook, "gate_stats", None)
+        return stats() if callable(stats) else {}
 
     def reset_stats(self) -> None:
-        self.hook.reset_stats()
+        reset = getattr(self.hook, "reset_stats", None)
+        if callable(reset):
+            reset()
 
     def __enter__(self) -> SteerHandle:
         return self
@@ -228,6 +232,6 @@ class SteerHandle:
         self.remove()
 
 
-def register(block: nn.Module, hook: GatedSteer) -> SteerHandle:
+def register(block: nn.Module, hook: Callable[..., Any]) -> SteerHandle:
     """Attach ``hook`` to ``block``'s forward output."""
     return SteerHandle(hook, block.register_forward_hook(hook))

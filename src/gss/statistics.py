@@ -159,3 +159,37 @@ class CrossMomentAccumulator:
                 "check that the reference differs from the model, or add the memorized text."
             )
         return self._sum / self.count
+
+
+class MeanAccumulator:
+    """Running mean of rows h (e.g. the memorized tokens' activations for mean steering)."""
+
+    def __init__(self, dim: int, device: torch.device | str | None = None) -> None:
+        self.dim = dim
+        self.count = 0
+        self._sum = torch.zeros(dim, dtype=torch.float64, device=device)
+
+    def update(self, h: Tensor) -> None:
+        _check_rows(h, self.dim, "activations")
+        self._sum += h.detach().to(self._sum.device, torch.float64).sum(0)
+        self.count += h.shape[0]
+
+    def merge(self, other: MeanAccumulator) -> MeanAccumulator:
+        self._sum += other._sum.to(self._sum.device)
+        self.count += other.count
+        return self
+
+    def all_reduce(self) -> MeanAccumulator:
+        if not _distributed():
+            return self
+        count = torch.tensor([float(self.count)], dtype=torch.float64, device=self._sum.device)
+        dist.all_reduce(count)
+        dist.all_reduce(self._sum)
+        self.count = int(count.item())
+        return self
+
+    @property
+    def mean(self) -> Tensor:
+        if self.count == 0:
+            raise GSSError("no rows were accumulated, so their mean is undefined.")
+        return self._sum / self.count
