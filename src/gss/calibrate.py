@@ -35,6 +35,7 @@ from .forward import (
     target_mask,
     token_logprobs,
 )
+from .gradients import per_position_gradients
 from .hook import COEFFICIENT_MODES, GATE_MODES, split_block_output
 from .layers import resolve_layer
 from .solve import solve_probe_steer
@@ -44,6 +45,7 @@ Centering = Literal["covariance", "full", "none"]
 Target = Literal["loglik", "toward-reference"]
 CENTERINGS = ("covariance", "full", "none")
 TARGETS = ("loglik", "toward-reference")
+GRADIENTS = ("summed", "per-position")
 
 
 class _StopForward(Exception):
@@ -204,6 +206,7 @@ class CalibrationStatistics:
     timings: dict[str, float]
     memorized_rule: dict[str, Any]
     target: str
+    gradient: str
     batch_size: int
     seqs: list[list[int]]
     gen_seqs: list[list[int]] | None
@@ -234,6 +237,7 @@ def collect_statistics(
     memorized_quantile: float | None = None,
     gen_texts: TextsOrIds | None = None,
     target: str = "loglik",
+    gradient: str = "summed",
     batch_size: int = 8,
     max_length: int | None = None,
     block_path: str | None = None,
@@ -242,6 +246,8 @@ def collect_statistics(
     """The calibration pass: omega, the token split, Sigma_gen and M at block ``layer``."""
     if target not in TARGETS:
         raise GSSError(f"target must be one of {TARGETS}, got {target!r}.")
+    if gradient not in GRADIENTS:
+        raise GSSError(f"gradient must be one of {GRADIENTS}, got {gradient!r}.")
     if memorized_quantile is not None and not 0 < memorized_quantile < 1:
         raise GSSError(f"memorized_quantile must be in (0, 1), got {memorized_quantile}.")
     check_same_vocab(model, reference)
@@ -275,6 +281,7 @@ def collect_statistics(
         timings=timings,
         memorized_rule={},
         target=target,
+        gradient=gradient,
         batch_size=batch_size,
         seqs=seqs,
         gen_seqs=gen_seqs,
@@ -310,7 +317,8 @@ def collect_statistics(
                 with torch.no_grad():
                     ref_logits = forward_logits(reference, batch.input_ids, batch.attention_mask)
                 lp_ref = token_logprobs(ref_logits, batch.input_ids)
-            with torch.enable_grad(), _tapped(block, stop=False, leaf=True) as tap:
+            summed = gradient == "summed"
+            with torch.set_grad_enabled(summed), _tapped(block, stop=False, leaf=summed) as tap:
                 logits = forward_logits(model, batch.input_ids, batch.attention_mask)
             lp_model = token_logprobs(logits, batch.input_ids)
             valid = target_mask(batch.attention_mask).to(lp_model.device)
@@ -325,11 +333,25 @@ def collect_statistics(
             if n_mem:
                 if ref_logits is not None:
                     ref_logits = ref_logits.to(logits.device)
-                objective = _objective(target, logits, lp_model, ref_logits, mem)
-                (grad,) = torch.autograd.grad(objective, hidden)
-                mem_h = mem.to(hidden.device)
-                m_acc.update(hidden[:, :-1][mem_h], grad[:, :-1][mem_h])
-                mem_mean.update(hidden.detach()[:, :-1][mem_h])
+                if summed:
+                    objective = _objective(target, logits, lp_model, ref_logits, mem)
+                    (grad,) = torch.autograd.grad(objective, hidden)
+                    mem_h = mem.to(hidden.device)
+                    h_mem, g_mem = hidden[:, :-1][mem_h], grad[:, :-1][mem_h]
+                else:
+                    rows, positions = mem.nonzero(as_tuple=True)
+                    h_mem, g_mem = per_position_gradients(
+                        model,
+                        block,
+                        batch.input_ids,
+                        batch.attention_mask,
+                        rows.cpu(),
+                        positions.cpu(),
+                        target,
+                        ref_logits,
+                    )
+                m_acc.update(h_mem, g_mem)
+                mem_mean.update(h_mem.detach())
             if gen_seqs is None:
                 sigma_acc.update(hidden.detach()[:, :-1][gen.to(hidden.device)])
                 stats.gen_masks[b] = gen.cpu()
@@ -435,7 +457,7 @@ def build_artifact(
         gate_open_share=info["open_share"],
         memorized_rule=stats.memorized_rule,
         target=stats.target,
-        gradient="summed",
+        gradient=stats.gradient,
         token_counts=counts,
         timings=timings,
         jitter=solution.jitter,
@@ -469,6 +491,7 @@ def calibrate(
     coefficient: str = "projection",
     centering: str = "covariance",
     target: str = "loglik",
+    gradient: str = "summed",
     batch_size: int = 8,
     max_length: int | None = None,
     block_path: str | None = None,
@@ -504,6 +527,9 @@ def calibrate(
             (Sigma centred and probe on h - mu) or ``"none"`` (second moment, probe on h).
         target: ``"loglik"`` (the paper) or ``"toward-reference"`` (gradient of
             log p(x_t) - E_{y~p_ref} log p(y): a named variant, not GSS as published).
+        gradient: ``"summed"`` (one backward of the summed objective: exact at the last block,
+            an approximation below it) or ``"per-position"`` (each memorized token's own
+            gradient, exact; costs a replica forward per memorized token).
     """
     _validate(gate, coefficient, centering, rank, delta)
     if (
@@ -522,6 +548,7 @@ def calibrate(
         memorized_quantile=memorized_quantile,
         gen_texts=gen_texts,
         target=target,
+        gradient=gradient,
         batch_size=batch_size,
         max_length=max_length,
         block_path=block_path,

@@ -67,6 +67,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         coefficient=args.coefficient,
         centering=args.centering,
         target=args.target,
+        gradient=args.gradient,
         batch_size=args.batch_size,
         max_length=args.max_length,
     )
@@ -182,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--centering", default="covariance", choices=["covariance", "full", "none"])
     p.add_argument("--target", default="loglik", choices=["loglik", "toward-reference"])
+    p.add_argument("--gradient", default="summed", choices=["summed", "per-position"])
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--out", required=True, help="directory for the artifact")
