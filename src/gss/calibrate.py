@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from . import distributed
 from .artifact import SteeringArtifact, SteeringConfig, model_fingerprint
 from .data import Batch, TextsOrIds, batches, count_batches, encode
 from .errors import GSSError
@@ -252,8 +253,12 @@ def collect_statistics(
         raise GSSError(f"memorized_quantile must be in (0, 1), got {memorized_quantile}.")
     check_same_vocab(model, reference)
     layer_index, block = resolve_layer(model, layer, block_path)
-    seqs = encode(texts, tokenizer, max_length)
-    gen_seqs = encode(gen_texts, tokenizer, max_length) if gen_texts is not None else None
+    seqs = distributed.shard(encode(texts, tokenizer, max_length))
+    gen_seqs = (
+        distributed.shard(encode(gen_texts, tokenizer, max_length))
+        if gen_texts is not None
+        else None
+    )
     dim = int(model.get_input_embeddings().weight.shape[1])
     device = next(block.parameters(), model.get_input_embeddings().weight).device
     sigma_acc = CovarianceAccumulator(dim, device)
@@ -302,7 +307,7 @@ def collect_statistics(
                 ref_logp[b] = lp_ref
                 valid = target_mask(batch.attention_mask).to(lp.device)
                 all_omega.append((lp - lp_ref.to(lp.device))[valid].float().cpu())
-            values = torch.cat(all_omega)[: 2**24].double()
+            values = distributed.gather_rows(torch.cat(all_omega))[: 2**24].double()
             cut = float(torch.quantile(values, 1 - memorized_quantile))
             timings["signal"] += time.perf_counter() - t0
 
@@ -373,6 +378,7 @@ def collect_statistics(
 
     for acc in (sigma_acc, m_acc, mem_mean):
         acc.all_reduce()
+    distributed.sum_counts(counts, ("sequences", "tokens", "memorized", "general"))
     counts["memorized_share"] = counts["memorized"] / max(counts["tokens"], 1)
     stats.memorized_rule = {
         "kind": "quantile" if memorized_quantile is not None else "omega_above",
@@ -418,7 +424,9 @@ def build_artifact(
         method=solve_method,
         seed=seed,
     )
-    probe = solution.probe.float()
+    probe, steer, singular_values = distributed.broadcast_tensors(
+        solution.probe.float(), solution.steer.float(), solution.singular_values
+    )
     device = sigma.device
     mean = sigma_acc.mean.float()
     offset = probe.to(device) @ mean if centering == "full" else torch.zeros(rank, device=device)
@@ -438,13 +446,12 @@ def build_artifact(
             hidden = layer_activations(model, block, batch)
             rows = hidden[:, :-1][mask.to(hidden.device)].float().to(device)
             reservoir.add(rows @ probe_dev.T - offset)
-    assert reservoir.rows is not None
-    thresholds, info = thresholds_from_responses(
-        reservoir.rows, gate, threshold_percentile, gate_share
-    )
+    local = reservoir.rows if reservoir.rows is not None else torch.zeros(0, rank)
+    samples = distributed.gather_rows(local)
+    thresholds, info = thresholds_from_responses(samples, gate, threshold_percentile, gate_share)
     timings["thresholds"] = time.perf_counter() - t0
     timings["total"] = sum(timings[k] for k in ("signal", "statistics", "solve", "thresholds"))
-    counts = {**stats.counts, "threshold_samples": int(reservoir.rows.shape[0])}
+    counts = {**stats.counts, "threshold_samples": int(samples.shape[0])}
     config = SteeringConfig(
         layer=stats.layer,
         rank=rank,
@@ -465,10 +472,10 @@ def build_artifact(
     )
     return SteeringArtifact(
         probe=probe.cpu(),
-        steer=solution.steer.float().cpu(),
+        steer=steer.cpu(),
         thresholds=thresholds.cpu(),
         offset=offset.float().cpu(),
-        singular_values=solution.singular_values.cpu(),
+        singular_values=singular_values.cpu(),
         config=config,
     )
 

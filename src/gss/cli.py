@@ -42,10 +42,27 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _init_distributed(device: str) -> str:
+    """Under torchrun (WORLD_SIZE > 1): join the process group; return this rank's device."""
+    import os
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return device
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    if device == "cuda":
+        return f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    return device
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from . import distributed
     from .calibrate import calibrate
     from .data import read_texts
 
+    args.device = _init_distributed(args.device)
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
     reference, _ = _load_model(args.reference, args.device, args.dtype)
     texts = read_texts(args.data)
@@ -70,7 +87,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         gradient=args.gradient,
         batch_size=args.batch_size,
         max_length=args.max_length,
+        progress=distributed.rank() == 0,
     )
+    if distributed.rank() != 0:
+        return 0
     artifact.save_pretrained(args.out)
     c = artifact.config
     print(

@@ -1,0 +1,44 @@
+"""Calibration over 2 CPU processes (gloo) gives the artifact of one process on all the data."""
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import gss
+
+from .conftest import random_ids, tiny_model
+
+KW = dict(layer=0, rank=3, batch_size=4, progress=False)
+
+
+def _worker(rank: int, init_file: str, out: str, quantile: bool) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model, ref = tiny_model("gpt2", seed=0), tiny_model("gpt2", seed=1)
+        extra = {"memorized_quantile": 0.3} if quantile else {}
+        art = gss.calibrate(model, ref, random_ids(13, 12), **KW, **extra)
+        if rank == 0:
+            art.save_pretrained(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(tmp_path, quantile: bool):
+    out = tmp_path / f"dist-{quantile}"
+    mp.spawn(_worker, args=(str(tmp_path / f"init-{quantile}"), str(out), quantile), nprocs=2)
+    model, ref = tiny_model("gpt2", seed=0), tiny_model("gpt2", seed=1)
+    extra = {"memorized_quantile": 0.3} if quantile else {}
+    single = gss.calibrate(model, ref, random_ids(13, 12), **KW, **extra)
+    return gss.load(out), single
+
+
+def test_two_ranks_equal_one_process(tmp_path):
+    for quantile in (False, True):
+        multi, single = _run(tmp_path, quantile)
+        for name in ("probe", "steer", "thresholds", "singular_values"):
+            assert torch.allclose(
+                getattr(multi, name).double(), getattr(single, name).double(), rtol=1e-4, atol=1e-5
+            ), name
+        for key in ("tokens", "memorized", "general", "sequences"):
+            assert multi.config.token_counts[key] == single.config.token_counts[key]
