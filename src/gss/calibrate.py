@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -42,8 +42,6 @@ from .layers import resolve_layer
 from .solve import solve_probe_steer
 from .statistics import CovarianceAccumulator, CrossMomentAccumulator, MeanAccumulator
 
-Centering = Literal["covariance", "full", "none"]
-Target = Literal["loglik", "toward-reference"]
 CENTERINGS = ("covariance", "full", "none")
 TARGETS = ("loglik", "toward-reference")
 GRADIENTS = ("summed", "per-position")

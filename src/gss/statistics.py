@@ -110,13 +110,40 @@ class CovarianceAccumulator:
             )
 
 
-class CrossMomentAccumulator:
+class _SumAccumulator:
+    """A float64 running sum of per-token terms and their count: mergeable, all-reducible."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device | str | None) -> None:
+        self.count = 0
+        self._sum = torch.zeros(shape, dtype=torch.float64, device=device)
+
+    def merge(self, other: _SumAccumulator) -> _SumAccumulator:
+        if other._sum.shape != self._sum.shape:
+            raise GSSError(
+                f"cannot merge statistics of shape {tuple(other._sum.shape)} into "
+                f"{tuple(self._sum.shape)}."
+            )
+        self._sum += other._sum.to(self._sum.device)
+        self.count += other.count
+        return self
+
+    def all_reduce(self) -> _SumAccumulator:
+        """Sum over all ranks of the default process group (no-op without one)."""
+        if not _distributed():
+            return self
+        count = torch.tensor([float(self.count)], dtype=torch.float64, device=self._sum.device)
+        dist.all_reduce(count)
+        dist.all_reduce(self._sum)
+        self.count = int(count.item())
+        return self
+
+
+class CrossMomentAccumulator(_SumAccumulator):
     """Running E[w h g^T] over memorized tokens (w = 1 unless weights are given)."""
 
     def __init__(self, dim: int, device: torch.device | str | None = None) -> None:
+        super().__init__((dim, dim), device)
         self.dim = dim
-        self.count = 0
-        self._sum = torch.zeros(dim, dim, dtype=torch.float64, device=device)
 
     def update(self, h: Tensor, g: Tensor, weight: Tensor | None = None) -> None:
         """Fold in rows of activations ``h`` and gradients ``g``, both (N, d)."""
@@ -133,22 +160,6 @@ class CrossMomentAccumulator:
         self._sum += x.T @ y
         self.count += h.shape[0]
 
-    def merge(self, other: CrossMomentAccumulator) -> CrossMomentAccumulator:
-        if other.dim != self.dim:
-            raise GSSError(f"cannot merge statistics of dimension {other.dim} into {self.dim}.")
-        self._sum += other._sum.to(self._sum.device)
-        self.count += other.count
-        return self
-
-    def all_reduce(self) -> CrossMomentAccumulator:
-        if not _distributed():
-            return self
-        count = torch.tensor([float(self.count)], dtype=torch.float64, device=self._sum.device)
-        dist.all_reduce(count)
-        dist.all_reduce(self._sum)
-        self.count = int(count.item())
-        return self
-
     @property
     def value(self) -> Tensor:
         """M = E[h g^T] over the tokens seen."""
@@ -161,32 +172,17 @@ class CrossMomentAccumulator:
         return self._sum / self.count
 
 
-class MeanAccumulator:
+class MeanAccumulator(_SumAccumulator):
     """Running mean of rows h (e.g. the memorized tokens' activations for mean steering)."""
 
     def __init__(self, dim: int, device: torch.device | str | None = None) -> None:
+        super().__init__((dim,), device)
         self.dim = dim
-        self.count = 0
-        self._sum = torch.zeros(dim, dtype=torch.float64, device=device)
 
     def update(self, h: Tensor) -> None:
         _check_rows(h, self.dim, "activations")
         self._sum += h.detach().to(self._sum.device, torch.float64).sum(0)
         self.count += h.shape[0]
-
-    def merge(self, other: MeanAccumulator) -> MeanAccumulator:
-        self._sum += other._sum.to(self._sum.device)
-        self.count += other.count
-        return self
-
-    def all_reduce(self) -> MeanAccumulator:
-        if not _distributed():
-            return self
-        count = torch.tensor([float(self.count)], dtype=torch.float64, device=self._sum.device)
-        dist.all_reduce(count)
-        dist.all_reduce(self._sum)
-        self.count = int(count.item())
-        return self
 
     @property
     def mean(self) -> Tensor:
