@@ -118,7 +118,7 @@ class GatedSteer:
         self._on: dict[torch.device, dict[str, Tensor]] = {}
         self.track_gates = track_gates
         self.open_counts: Tensor | None = None
-        self.token_count: Tensor | None = None
+        self.token_count = 0
         self.any_open_count: Tensor | None = None
 
     def _params(self, device: torch.device) -> dict[str, Tensor]:
@@ -175,28 +175,28 @@ class GatedSteer:
         flat = is_open.reshape(-1, is_open.shape[-1])
         counts = flat.sum(0)
         any_open = flat.any(-1).sum()
-        n = torch.tensor(flat.shape[0], device=flat.device)
         if self.open_counts is None or self.open_counts.device != flat.device:
             self.open_counts = torch.zeros_like(counts)
             self.any_open_count = torch.zeros_like(any_open)
-            self.token_count = torch.zeros_like(n)
+            self.token_count = 0
         self.open_counts += counts
         self.any_open_count += any_open
-        self.token_count += n
+        self.token_count += flat.shape[0]  # known on the host: no device copy
 
     def gate_stats(self) -> dict[str, Any]:
         """Share of tokens on which each direction's gate (and any gate) opened."""
-        if self.open_counts is None or self.token_count is None or self.any_open_count is None:
+        if self.open_counts is None or self.any_open_count is None or not self.token_count:
             return {"tokens": 0, "open_share": [], "any_open_share": 0.0}
-        n = max(int(self.token_count.item()), 1)
+        n = self.token_count
         return {
-            "tokens": int(self.token_count.item()),
+            "tokens": n,
             "open_share": (self.open_counts.double() / n).tolist(),
             "any_open_share": float(self.any_open_count.item()) / n,
         }
 
     def reset_stats(self) -> None:
-        self.open_counts = self.token_count = self.any_open_count = None
+        self.open_counts = self.any_open_count = None
+        self.token_count = 0
 
 
 class SteerHandle:
