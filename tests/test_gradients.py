@@ -108,3 +108,20 @@ def test_calibrate_records_gradient_and_target(make_model):
         progress=False,
     )
     assert art.config.gradient == "per-position" and art.config.target == "toward-reference"
+
+
+def test_named_variants(make_model):
+    model, ref = make_model("gpt2", seed=0), make_model("gpt2", seed=1)
+    ids = random_ids(8, 10)
+    paper = gss.calibrate(model, ref, ids, layer=0, rank=2, progress=False, **gss.variant("gss"))
+    default = gss.calibrate(model, ref, ids, layer=0, rank=2, progress=False)
+    assert torch.equal(paper.probe, default.probe)  # "gss" is calibrate()'s defaults
+    options = {**gss.variant("gss-tr"), "omega_threshold": 0.2}
+    art = gss.calibrate(model, ref, ids, layer=0, rank=2, progress=False, **options)
+    assert (art.config.gate, art.config.target, art.config.gradient) == (
+        "none",
+        "toward-reference",
+        "per-position",
+    )
+    with pytest.raises(gss.GSSError, match="unknown variant"):
+        gss.variant("magic")

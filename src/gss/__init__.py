@@ -13,8 +13,10 @@ from .errors import GSSError
 from .layers import find_decoder_blocks
 from .signal import SignalStatistics, memorization_signal, signal_statistics
 from .solve import ProbeSteer, solve_probe_steer
+from .variants import VARIANTS, variant
 
 __all__ = [
+    "VARIANTS",
     "GSSError",
     "ProbeSteer",
     "SignalStatistics",
@@ -29,4 +31,5 @@ __all__ = [
     "signal_statistics",
     "solve_probe_steer",
     "steer",
+    "variant",
 ]
