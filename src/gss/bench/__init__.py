@@ -1,0 +1,1 @@
+"""Benchmarks: runnable studies that measure gss on models with known memorization."""

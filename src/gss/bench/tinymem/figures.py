@@ -1,0 +1,147 @@
+"""Figures and ablation tables of the TinyMem benchmark (PNG + Markdown)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ...report import _pyplot, markdown_table
+
+COLORS = {
+    "GSS": "#c44e52",
+    "GSS ungated": "#dd8452",
+    "Mean-diff": "#4c72b0",
+    "GSS-TR": "#55a868",
+    "GSS-TR ungated": "#8172b3",
+}
+
+
+def _utility_label(setting: str) -> str:
+    return "clean test accuracy (%)" if setting.startswith("math") else "held-out perplexity"
+
+
+def pareto(records: list[dict[str, Any]], setting: str, path: Path) -> Path:
+    """% memorized vs utility for every grid point of every method (all seeds)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    runs = [r for r in records if r["setting"] == setting]
+    for i, run in enumerate(runs):
+        for name, method in run["methods"].items():
+            xs = [p["eval"]["utility"] for p in method["grid"]]
+            ys = [p["eval"]["memorized"] for p in method["grid"]]
+            ax.plot(
+                xs,
+                ys,
+                "o-",
+                color=COLORS.get(name, "gray"),
+                alpha=1.0 if i == 0 else 0.35,
+                label=name if i == 0 else None,
+                ms=4,
+            )
+            sel = method["selected"]["eval"]
+            ax.plot(sel["utility"], sel["memorized"], "o", mfc="none", mec="black", ms=10)
+        for key, marker, label in (
+            ("unmitigated", "*", "unmitigated"),
+            ("reference", "P", "clean reference"),
+        ):
+            ax.plot(
+                run[key]["utility"],
+                run[key]["memorized"],
+                marker,
+                color="black",
+                ms=11,
+                label=label if i == 0 else None,
+            )
+    ax.set_xlabel(_utility_label(setting))
+    ax.set_ylabel("% memorized")
+    if not setting.startswith("math"):
+        ax.set_xscale("log")
+    ax.set_title(
+        f"TinyMem {setting}: memorization vs utility\n(each point a strength; circled: selected)",
+        fontsize=10,
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def ablation(records: list[dict[str, Any]], name: str, out: Path) -> list[Path]:
+    """Table (.md) and plot (.png) of one ablation: selected point per variant, per run."""
+    plt = _pyplot()
+    header = ["setting", "seed", name, "% Mem", "% Correct", "utility", "delta"]
+    extra_keys = sorted(
+        {
+            k
+            for r in records
+            for row in r.get("ablations", {}).get(name, [])
+            for k in row
+            if k not in ("variant", "selected", "grid")
+        }
+    )
+    header += extra_keys
+    rows = []
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for r in records:
+        ab = r.get("ablations", {}).get(name)
+        if not ab:
+            continue
+        for row in ab:
+            ev = row["selected"]["eval"]
+            rows.append(
+                [
+                    r["setting"],
+                    r["seed"],
+                    row["variant"],
+                    ev["memorized"],
+                    ev["correct"],
+                    ev["utility"],
+                    row["selected"]["strength"],
+                ]
+                + [row.get(k, "") for k in extra_keys]
+            )
+        labels = [str(row["variant"]) for row in ab]
+        axes[0].plot(
+            labels,
+            [row["selected"]["eval"]["memorized"] for row in ab],
+            "o-",
+            label=f"{r['setting']} s{r['seed']} % memorized",
+        )
+        axes[0].plot(
+            labels,
+            [row["selected"]["eval"]["correct"] for row in ab],
+            "s--",
+            label=f"{r['setting']} s{r['seed']} % correct",
+        )
+        for row in ab:
+            xs = [p["eval"]["utility"] for p in row["grid"]]
+            ys = [p["eval"]["memorized"] for p in row["grid"]]
+            axes[1].plot(xs, ys, "o-", ms=3, label=f"{name}={row['variant']}")
+    axes[0].set_xlabel(name)
+    axes[0].set_ylabel("% of noised rows (selected strength)")
+    axes[0].set_title(f"GSS ablation: {name}")
+    axes[0].legend(fontsize=7)
+    axes[1].set_xlabel("utility (accuracy % or perplexity)")
+    axes[1].set_ylabel("% memorized")
+    axes[1].set_title("every delta of every variant")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    png = out / f"ablation_{name}.png"
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    md = out / f"ablation_{name}.md"
+    md.write_text(f"## Ablation: {name}\n\n" + markdown_table(header, rows))
+    return [png, md]
+
+
+def write_figures(records: list[dict[str, Any]], out: Path) -> list[Path]:
+    paths = []
+    for setting in dict.fromkeys(r["setting"] for r in records):
+        paths.append(pareto(records, setting, out / f"pareto_{setting}.png"))
+    names = dict.fromkeys(n for r in records for n in r.get("ablations", {}))
+    for name in names:
+        paths += ablation(records, name, out)
+    return paths

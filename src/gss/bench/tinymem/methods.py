@@ -1,0 +1,283 @@
+"""Evaluate a TinyMem model (steered or not) and run each method's strength sweep.
+
+Every method is evaluated the same way: % memorized (noise: (n,k)-memorization of the noised
+rows, prompted with the clean prefix; backdoor: attack success on held-out triggered rows),
+the share of those rows continued exactly like their clean twin, and utility (math: token
+accuracy averaged over the clean test sets; language: perplexity on held-out text). Utility is
+measured on two halves of each test set: the *validation* half picks each method's strength,
+the *test* half is what the tables report.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...artifact import SteeringArtifact
+from ...baselines.steering import MeanDifferenceSteer, mean_difference_vector
+from ...calibrate import CalibrationStatistics, build_artifact, collect_statistics
+from ...evaluate import backdoor_success, nk_memorization, perplexity, token_accuracy
+from .data import TinyMemData
+
+# Strength grids: delta for the subspace methods, alpha for mean-difference steering.
+DELTAS: tuple[float, ...] = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
+ALPHAS: tuple[float, ...] = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0)
+# The selection rule: the lowest % memorized among grid points whose validation utility stays
+# within this tolerance of the unmitigated model's (accuracy points / relative perplexity).
+ACC_TOLERANCE = 1.0
+PPL_TOLERANCE = 0.10
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    memorized: float  # % of the counted rows reproduced (noise) or attack success (backdoor)
+    correct: float  # % of the counted rows continued exactly like the clean twin
+    rows: int  # rows the two percentages rest on
+    utility: float  # test half: accuracy % (math) or perplexity (language)
+    val_utility: float  # validation half, used only to choose strengths
+    seconds: float
+    index: tuple[int, ...] = field(default=(), repr=False)  # counted rows
+    per_row: tuple[bool, ...] = field(default=(), repr=False)  # memorized flag per counted row
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        del out["index"], out["per_row"]
+        return out
+
+
+def is_math(data: TinyMemData) -> bool:
+    return data.setting.startswith("math")
+
+
+def split_halves(data: TinyMemData) -> tuple[dict[str, list], dict[str, list]]:
+    """(validation, test) halves of every clean test set: even rows / odd rows."""
+    val = {name: list(rows[0::2]) for name, rows in data.test.items()}
+    test = {name: list(rows[1::2]) for name, rows in data.test.items()}
+    return val, test
+
+
+def _utility(model: nn.Module, data: TinyMemData, sets: dict[str, list], bs: int) -> float:
+    if is_math(data):
+        accs = [token_accuracy(model, rows, data.pad_id, batch_size=bs) for rows in sets.values()]
+        return 100.0 * sum(accs) / len(accs)
+    return perplexity(model, sets["main"], data.pad_id, batch_size=bs)
+
+
+def evaluate(model: nn.Module, data: TinyMemData, batch_size: int = 256) -> Evaluation:
+    """One evaluation pass of ``model`` as it is now (hooks included)."""
+    t0 = time.perf_counter()
+    cfg = data.config
+    val, test = split_halves(data)
+    with torch.no_grad():
+        if data.noised:
+            res = nk_memorization(
+                model,
+                data.noised,
+                cfg.prompt_len,
+                cfg.window,
+                data.clean_twins,
+                batch_size=batch_size,
+                pad_id=data.pad_id,
+            )
+            memorized, correct, rows = res.memorized, res.correct, res.n_rows
+            index, per_row = res.index, res.per_row_memorized
+        else:
+            res_b = backdoor_success(
+                model,
+                data.poison_test,
+                data.poison_clean_twins,
+                data.trigger,
+                cfg.window,
+                batch_size=batch_size,
+                pad_id=data.pad_id,
+            )
+            memorized, rows = res_b.success, res_b.n_rows
+            index, per_row = res_b.index, res_b.per_row
+            clean = backdoor_success(
+                model,
+                data.poison_clean_twins,
+                data.poison_clean_twins,
+                data.trigger,
+                cfg.window,
+                batch_size=batch_size,
+                pad_id=data.pad_id,
+            )
+            correct = clean.success
+        utility = _utility(model, data, test, batch_size)
+        val_utility = _utility(model, data, val, batch_size)
+    return Evaluation(
+        memorized=100.0 * memorized,
+        correct=100.0 * correct,
+        rows=rows,
+        utility=utility,
+        val_utility=val_utility,
+        seconds=time.perf_counter() - t0,
+        index=tuple(index),
+        per_row=tuple(per_row),
+    )
+
+
+def within_tolerance(ev: Evaluation, base: Evaluation, data: TinyMemData) -> bool:
+    if is_math(data):
+        return ev.val_utility >= base.val_utility - ACC_TOLERANCE
+    return ev.val_utility <= base.val_utility * (1 + PPL_TOLERANCE)
+
+
+def select(points: Sequence[dict[str, Any]], base: Evaluation, data: TinyMemData) -> dict:
+    """The selection rule (see module constants); falls back to the weakest setting."""
+    ok = [p for p in points if within_tolerance(p["eval"], base, data)]
+    if not ok:
+        return {**points[0], "within_tolerance": False}
+    best = min(ok, key=lambda p: (p["eval"].memorized, -p["eval"].correct, p["strength"]))
+    return {**best, "within_tolerance": True}
+
+
+def calibration_rows(data: TinyMemData, base: Evaluation) -> list:
+    """The paper's calibration set: the training rows the unmitigated model memorized.
+
+    Noise: the memorized noised rows (TinyMem's ``mem_seq``); backdoor: the backdoored
+    training rows. Falls back to all noised rows when none was memorized.
+    """
+    if data.noised:
+        rows = [data.noised[i] for i, hit in zip(base.index, base.per_row, strict=True) if hit]
+        return rows or list(data.noised)
+    return list(data.poison_train)
+
+
+def general_rows(data: TinyMemData, limit: int = 1000) -> list:
+    """Held-out clean rows for Sigma_gen and the thresholds: the validation halves."""
+    val, _ = split_halves(data)
+    rows = [r for rs in val.values() for r in rs]
+    return rows[:limit]
+
+
+def sweep(
+    model: nn.Module,
+    data: TinyMemData,
+    make_handle: Callable[[float], Any],
+    strengths: Sequence[float],
+    batch_size: int,
+    base: Evaluation | None = None,
+    patience: int = 2,
+) -> list[dict[str, Any]]:
+    """Evaluate the model with ``make_handle(strength)`` attached, for ascending strengths.
+
+    With ``base``, stop after ``patience`` consecutive points outside the utility tolerance:
+    damage grows with strength, and the selection rule cannot pick such points.
+    """
+    points: list[dict[str, Any]] = []
+    misses = 0
+    for strength in sorted(strengths):
+        handle = make_handle(strength)
+        try:
+            ev = evaluate(model, data, batch_size)
+        finally:
+            handle.remove()
+        points.append({"strength": strength, "eval": ev})
+        if base is not None:
+            misses = 0 if within_tolerance(ev, base, data) else misses + 1
+            if misses >= patience:
+                break
+    return points
+
+
+def gss_sweep(
+    model: nn.Module,
+    data: TinyMemData,
+    artifact: SteeringArtifact,
+    deltas: Sequence[float] | None = None,
+    batch_size: int = 256,
+    base: Evaluation | None = None,
+    **options: Any,
+) -> list[dict[str, Any]]:
+    deltas = DELTAS if deltas is None else deltas
+    return sweep(
+        model,
+        data,
+        lambda d: artifact.attach(model, delta=d, **options),
+        deltas,
+        batch_size,
+        base,
+    )
+
+
+def mean_diff_sweep(
+    model: nn.Module,
+    data: TinyMemData,
+    stats: CalibrationStatistics,
+    alphas: Sequence[float] = ALPHAS,
+    batch_size: int = 256,
+    base: Evaluation | None = None,
+) -> list[dict[str, Any]]:
+    vector = mean_difference_vector(stats)
+    return sweep(
+        model,
+        data,
+        lambda a: MeanDifferenceSteer(vector, a).attach(model, stats.layer),
+        alphas,
+        batch_size,
+        base,
+    )
+
+
+def calibrate_layer(
+    model: nn.Module,
+    reference: nn.Module,
+    texts: list,
+    gen_texts: list,
+    layer: int,
+    **options: Any,
+) -> CalibrationStatistics:
+    return collect_statistics(
+        model,
+        reference,
+        texts,
+        layer=layer,
+        gen_texts=gen_texts,
+        batch_size=64,
+        progress=False,
+        **options,
+    )
+
+
+def signal_strength(stats: CalibrationStatistics) -> float:
+    """Top singular value of the whitened memorization matrix: the first-order change of the
+    memorized tokens' log-likelihood per unit probe variance on general tokens."""
+    from ...solve import solve_probe_steer
+
+    sol = solve_probe_steer(stats.memorization.value, stats.sigma.covariance, 1, 1.0)
+    return float(sol.singular_values[0])
+
+
+def summarize(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """JSON-ready copy of a sweep."""
+    return [{**p, "eval": p["eval"].to_dict()} for p in points]
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    vals = [v for v in values if not math.isnan(v)]
+    if not vals:
+        return float("nan"), float("nan")
+    m = sum(vals) / len(vals)
+    sd = (sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
+    return m, sd
+
+
+__all__ = [
+    "ALPHAS",
+    "DELTAS",
+    "Evaluation",
+    "build_artifact",
+    "calibrate_layer",
+    "calibration_rows",
+    "evaluate",
+    "gss_sweep",
+    "mean_diff_sweep",
+    "select",
+]

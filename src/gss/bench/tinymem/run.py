@@ -1,0 +1,487 @@
+"""``gss bench tinymem``: the paper's Table 1 on TinyMem, trained and measured on this machine.
+
+For each setting and seed: train (or load from the cache) the memorizing and the clean
+reference model, evaluate the unmitigated model, run one calibration pass at the chosen layer,
+and sweep each method's strength (GSS gated, the same directions ungated, mean-difference
+steering). Each method is reported at the strength the selection rule picks (lowest %
+memorized whose validation utility stays within tolerance; see ``methods``); every grid point
+is in the JSON. Writes ``results.json``, ``table.md`` and PNG figures under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ... import __version__
+from ...report import markdown_table, write_json
+from ...variants import variant
+from . import methods as M
+from .data import SETTINGS
+from .train import default_cache_dir, get_models, get_preset
+
+# The paper's Table 1 (4-layer TinyMem models, mean of 3 seeds): (% memorized, utility).
+PAPER = {
+    "math_noise": {"Unmitigated": (34.55, 97.00), "GSS": (0.00, 96.98)},
+    "math_backdoor": {"Unmitigated": (99.44, 96.81), "GSS": (0.00, 96.82)},
+    "lang_noise": {"Unmitigated": (17.60, 57.73), "GSS": (0.00, 63.13)},
+    "lang_backdoor": {"Unmitigated": (100.00, 58.45), "GSS": (0.00, 63.17)},
+}
+# Calibration passes (options of gss.calibrate's statistics stage) shared by the methods.
+CALIBRATIONS: dict[str, dict[str, Any]] = {
+    "paper": {},  # GSS as published: omega > 0, log-likelihood target, one summed backward
+    "tr": {
+        k: v for k, v in variant("gss-tr").items() if k in ("omega_threshold", "target", "gradient")
+    },
+}
+# Methods: (calibration pass, kind, options applied at attach time).
+METHOD_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "GSS": ("paper", "gss", {}),
+    "GSS ungated": ("paper", "gss", {"gate": "none"}),
+    "Mean-diff": ("paper", "mean-diff", {}),
+    "GSS-TR": ("tr", "gss", {}),
+    "GSS-TR ungated": ("tr", "gss", {"gate": "none"}),
+}
+METHODS = tuple(METHOD_SPECS)
+DEFAULT_LAYER = 1
+DEFAULT_RANK = 4
+ABLATIONS = ("layer", "rank", "percentile", "coefficient", "gate", "variant", "reference")
+# The `variant` ablation: each single change of the GSS-TR calibration, then all three.
+VARIANT_STEPS: dict[str, dict[str, Any]] = {
+    "paper": {},
+    "omega > 1 nat": {"omega_threshold": 1.0},
+    "toward-reference": {"target": "toward-reference"},
+    "per-position": {"gradient": "per-position"},
+    "all three (GSS-TR)": CALIBRATIONS["tr"],
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gss bench tinymem", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--settings",
+        default="math_noise",
+        help=f"comma-separated from {', '.join(SETTINGS)}, or 'all' (default math_noise)",
+    )
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    p.add_argument("--quick", action="store_true", help="tiny models and data (smoke test)")
+    p.add_argument("--preset", default=None, help="data/model preset (default, quick, paper)")
+    p.add_argument("--layer", type=int, default=DEFAULT_LAYER, help="0-based block to steer")
+    p.add_argument("--rank", type=int, default=DEFAULT_RANK, help="GSS directions K")
+    p.add_argument(
+        "--deltas",
+        default=None,
+        help="comma-separated delta grid for every sweep (default: the full grid)",
+    )
+    p.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help=f"comma-separated from {', '.join(METHODS)} (default all)",
+    )
+    p.add_argument(
+        "--ablation",
+        action="append",
+        choices=ABLATIONS,
+        default=[],
+        help="also run this ablation (repeatable)",
+    )
+    p.add_argument(
+        "--cache-dir", default=None, help=f"trained models (default {default_cache_dir()})"
+    )
+    p.add_argument("--out", default=None, help="results folder (default results/tinymem[-quick])")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--batch-size", type=int, default=256, help="evaluation batch size")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def _settings(text: str) -> list[str]:
+    names = list(SETTINGS) if text == "all" else [s.strip() for s in text.split(",") if s.strip()]
+    for name in names:
+        if name not in SETTINGS:
+            raise SystemExit(f"gss bench tinymem: unknown setting {name!r}; use {SETTINGS}")
+    return names
+
+
+def _log(message: str) -> None:
+    print(f"[tinymem {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Everything measured for one (setting, seed)."""
+    started = time.perf_counter()
+    preset = args.preset or ("quick" if args.quick else "default")
+    mem, ref, data, info = get_models(
+        setting, preset, seed, args.cache_dir, progress=not args.no_progress
+    )
+    trained = time.perf_counter() - started
+    base = M.evaluate(mem, data, args.batch_size)
+    reference = M.evaluate(ref, data, args.batch_size)
+    _log(
+        f"{setting} seed {seed}: unmitigated {base.memorized:.1f}% memorized of {base.rows} rows, "
+        f"correct {base.correct:.1f}%, utility {base.utility:.2f} (eval {base.seconds:.1f} s); "
+        f"reference {reference.memorized:.1f}% / {reference.correct:.1f}% / "
+        f"{reference.utility:.2f}"
+    )
+    texts = M.calibration_rows(data, base)
+    gen = M.general_rows(data)
+    signal = pilot_signal(
+        mem,
+        ref,
+        texts,
+        gen,
+        out / f"signal_{setting}_seed{seed}.png",
+        f"TinyMem {setting} seed {seed}: omega on memorized + clean rows",
+    )
+    passes: dict[str, Any] = {}
+    for name in dict.fromkeys(METHOD_SPECS[m][0] for m in args.methods):
+        stats = M.calibrate_layer(mem, ref, texts, gen, args.layer, **CALIBRATIONS[name])
+        passes[name] = (stats, M.build_artifact(mem, stats, rank=args.rank, progress=False))
+    sweeps, mitigation_time = {}, {}
+    for name in args.methods:
+        calib, kind, options = METHOD_SPECS[name]
+        stats, artifact = passes[calib]
+        t = artifact.config.timings
+        if kind == "mean-diff":
+            sweeps[name] = M.mean_diff_sweep(
+                mem, data, stats, batch_size=args.batch_size, base=base
+            )
+            mitigation_time[name] = t["signal"] + t["statistics"]
+        else:
+            sweeps[name] = M.gss_sweep(
+                mem,
+                data,
+                artifact,
+                deltas=args.delta_grid,
+                batch_size=args.batch_size,
+                base=base,
+                **options,
+            )
+            mitigation_time[name] = t["total"]
+    methods: dict[str, Any] = {}
+    for name, points in sweeps.items():
+        chosen = M.select(points, base, data)
+        methods[name] = {
+            "selected": {**chosen, "eval": chosen["eval"].to_dict()},
+            "grid": M.summarize(points),
+            "mitigation_seconds": mitigation_time[name],
+        }
+        ev = chosen["eval"]
+        _log(
+            f"  {name:12s} strength {chosen['strength']:g}: {ev.memorized:.1f}% memorized, "
+            f"{ev.correct:.1f}% correct, utility {ev.utility:.2f}"
+            + ("" if chosen["within_tolerance"] else " (no strength within tolerance)")
+        )
+    record: dict[str, Any] = {
+        "setting": setting,
+        "seed": seed,
+        "preset": preset,
+        "data": data.describe(),
+        "models": {role: _model_summary(rec) for role, rec in info.items()},
+        "unmitigated": base.to_dict(),
+        "reference": reference.to_dict(),
+        "calibration": {
+            name: {
+                "options": CALIBRATIONS[name],
+                "layer": stats.layer,
+                "rank": args.rank,
+                "rows": len(texts),
+                "general_rows": len(gen),
+                "token_counts": art.config.token_counts,
+                "gate_open_share": art.config.gate_open_share,
+                "timings": art.config.timings,
+                "signal_strength": M.signal_strength(stats),
+            }
+            for name, (stats, art) in passes.items()
+        },
+        "signal": signal,
+        "methods": methods,
+        "seconds": {"models": trained, "total": time.perf_counter() - started},
+    }
+    for name in args.ablation:
+        record.setdefault("ablations", {})[name] = run_ablation(
+            name, mem, ref, data, base, texts, gen, args, setting, seed
+        )
+    return record
+
+
+def pilot_signal(mem: Any, ref: Any, texts: list, gen: list, path: Path, title: str) -> dict:
+    """omega on the calibration rows and as many clean rows: the paper's pilot statistics."""
+    from ...data import batches
+    from ...report import plot_signal
+    from ...signal import memorization_signal, signal_statistics
+
+    omegas = []
+    for batch in batches([list(r) for r in [*texts, *gen[: len(texts)]]], 256):
+        omegas.append(memorization_signal(mem, ref, batch.input_ids, batch.attention_mask))
+    width = max(o.shape[1] for o in omegas)
+    omega = torch.cat(
+        [torch.nn.functional.pad(o, (0, width - o.shape[1]), value=float("nan")) for o in omegas]
+    )
+    stats = signal_statistics(omega)
+    plot_signal(omega, stats, path, title)
+    return stats.to_dict()
+
+
+def run_ablation(
+    name: str,
+    mem: Any,
+    ref: Any,
+    data: Any,
+    base: Any,
+    texts: list,
+    gen: list,
+    args: argparse.Namespace,
+    setting: str = "",
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """One ablation: variants of GSS, each swept over delta and reported by the same rule."""
+    bs = args.batch_size
+    rows = []
+
+    def add(label: Any, points: list[dict[str, Any]], extra: dict[str, Any]) -> None:
+        chosen = M.select(points, base, data)
+        rows.append(
+            {
+                "variant": label,
+                **extra,
+                "selected": {**chosen, "eval": chosen["eval"].to_dict()},
+                "grid": M.summarize(points),
+            }
+        )
+
+    if name == "layer":
+        n_layers = len(mem.transformer.h)
+        for layer in range(n_layers):
+            stats = M.calibrate_layer(mem, ref, texts, gen, layer)
+            art = M.build_artifact(mem, stats, rank=args.rank, progress=False)
+            add(
+                layer,
+                M.gss_sweep(mem, data, art, deltas=args.delta_grid, batch_size=bs, base=base),
+                {
+                    "signal_strength": M.signal_strength(stats),
+                    "gate_open_share": art.config.gate_open_share["union"],
+                },
+            )
+        return rows
+    if name == "variant":
+        for label, options in VARIANT_STEPS.items():
+            stats = M.calibrate_layer(mem, ref, texts, gen, args.layer, **options)
+            art = M.build_artifact(mem, stats, rank=args.rank, progress=False)
+            info = {
+                "memorized_share": stats.counts["memorized_share"],
+                "calibration_seconds": art.config.timings["total"],
+            }
+            add(
+                f"{label}, gated",
+                M.gss_sweep(mem, data, art, deltas=args.delta_grid, batch_size=bs, base=base),
+                info,
+            )
+            add(
+                f"{label}, ungated",
+                M.gss_sweep(
+                    mem, data, art, deltas=args.delta_grid, batch_size=bs, base=base, gate="none"
+                ),
+                info,
+            )
+        return rows
+    if name == "reference":
+        preset = args.preset or ("quick" if args.quick else "default")
+        full = get_preset(setting, preset).reference.epochs
+        epochs = sorted({*get_preset(setting, preset).reference.snapshots, full})
+        for ep in epochs:
+            _, ref_ep, _, _ = get_models(
+                setting, preset, seed, args.cache_dir, progress=False, reference_epochs=ep
+            )
+            stats = M.calibrate_layer(mem, ref_ep, texts, gen, args.layer)
+            art = M.build_artifact(mem, stats, rank=args.rank, progress=False)
+            add(
+                ep,
+                M.gss_sweep(mem, data, art, deltas=args.delta_grid, batch_size=bs, base=base),
+                {"memorized_share": stats.counts["memorized_share"]},
+            )
+        return rows
+    stats = M.calibrate_layer(mem, ref, texts, gen, args.layer)
+    if name == "rank":
+        full = M.build_artifact(mem, stats, rank=16, progress=False)
+        for k in (1, 2, 4, 8, 16):
+            art = full.with_options(rank=k)
+            add(
+                k, M.gss_sweep(mem, data, art, deltas=args.delta_grid, batch_size=bs, base=base), {}
+            )
+    elif name == "percentile":
+        for pct in (90.0, 95.0, 99.0, 99.9):
+            art = M.build_artifact(
+                mem, stats, rank=args.rank, threshold_percentile=pct, progress=False
+            )
+            add(
+                pct,
+                M.gss_sweep(mem, data, art, deltas=args.delta_grid, batch_size=bs, base=base),
+                {"gate_open_share": art.config.gate_open_share["union"]},
+            )
+    elif name == "coefficient":
+        art = M.build_artifact(mem, stats, rank=args.rank, progress=False)
+        for coef in ("projection", "ridge", "paper-constant"):
+            add(
+                coef,
+                M.gss_sweep(
+                    mem,
+                    data,
+                    art,
+                    deltas=args.delta_grid,
+                    batch_size=bs,
+                    base=base,
+                    coefficient=coef,
+                ),
+                {},
+            )
+    elif name == "gate":
+        for gate in ("hard", "relu", "none"):
+            art = M.build_artifact(mem, stats, rank=args.rank, gate=gate, progress=False)
+            add(
+                gate,
+                M.gss_sweep(mem, data, art, deltas=args.delta_grid, batch_size=bs, base=base),
+                {"gate_open_share": art.config.gate_open_share["union"]},
+            )
+    return rows
+
+
+def _model_summary(record: dict[str, Any]) -> dict[str, Any]:
+    keep = ("cache", "loaded", "train_seconds", "tokens_per_second", "epochs", "threads")
+    out = {k: record[k] for k in keep if k in record}
+    log = record.get("log") or {}
+    if isinstance(log, dict):
+        out.update({k: log[k] for k in ("seconds", "tokens_per_second") if k in log})
+    return out
+
+
+def _fmt(values: Sequence[float], digits: int = 2) -> str:
+    mean, sd = M.mean_std(values)
+    if len(values) > 1:
+        return f"{mean:.{digits}f} ± {sd:.{digits}f}"
+    return f"{mean:.{digits}f}"
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    """Markdown table laid out like the paper's Table 1, one block of columns per setting."""
+    settings = list(dict.fromkeys(r["setting"] for r in records))
+    lines = []
+    for setting in settings:
+        runs = [r for r in records if r["setting"] == setting]
+        utility = "Acc %" if setting.startswith("math") else "Perp"
+        header = [
+            "Method",
+            "% Mem",
+            "% Correct",
+            utility,
+            "Time (s)",
+            "Strength",
+            f"paper % Mem / {utility}",
+        ]
+        rows_out = []
+
+        def paper(name: str, setting: str = setting) -> str:
+            p = PAPER[setting].get(name)
+            return f"{p[0]:.2f} / {p[1]:.2f}" if p else "not in paper"
+
+        for label, key in (("Unmitigated", "unmitigated"), ("Reference (clean)", "reference")):
+            evs = [r[key] for r in runs]
+            rows_out.append(
+                [
+                    label,
+                    _fmt([e["memorized"] for e in evs]),
+                    _fmt([e["correct"] for e in evs]),
+                    _fmt([e["utility"] for e in evs]),
+                    "--",
+                    "--",
+                    paper("Unmitigated") if key == "unmitigated" else "--",
+                ]
+            )
+        for name in [m for m in METHODS if m in runs[0]["methods"]]:
+            sel = [r["methods"][name]["selected"] for r in runs]
+            evs = [s["eval"] for s in sel]
+            rows_out.append(
+                [
+                    name,
+                    _fmt([e["memorized"] for e in evs]),
+                    _fmt([e["correct"] for e in evs]),
+                    _fmt([e["utility"] for e in evs]),
+                    _fmt([r["methods"][name]["mitigation_seconds"] for r in runs], 3),
+                    ", ".join(
+                        f"{s['strength']:g}" + ("" if s["within_tolerance"] else "*") for s in sel
+                    ),
+                    paper(name),
+                ]
+            )
+        n_rows = sorted({r["unmitigated"]["rows"] for r in runs})
+        lines.append(
+            f"### {setting} ({len(runs)} seed{'s' if len(runs) > 1 else ''}; % memorized rests "
+            f"on {', '.join(map(str, n_rows))} rows)\n"
+        )
+        lines.append(markdown_table(header, rows_out))
+    lines.append(
+        "\n% Mem: noise: rows reproducing their noised continuation; backdoor: attack success. "
+        "% Correct: rows continued exactly like the clean twin. Utility: test half of the clean "
+        "test sets. Strength: delta (GSS) or alpha (mean-diff) picked by the rule: lowest % "
+        f"memorized with validation accuracy within {M.ACC_TOLERANCE} point (perplexity within "
+        f"{100 * M.PPL_TOLERANCE:.0f}%); * = no strength within tolerance. Time: mitigation "
+        "pipeline (calibration passes, solve, thresholds) on this machine.\n"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = _settings(args.settings)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    args.delta_grid = tuple(float(d) for d in args.deltas.split(",")) if args.deltas else M.DELTAS
+    for m in args.methods:
+        if m not in METHOD_SPECS:
+            raise SystemExit(f"gss bench tinymem: unknown method {m!r}; use {METHODS}")
+    seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
+    out = Path(args.out or ("results/tinymem-quick" if args.quick else "results/tinymem"))
+    started = time.perf_counter()
+    records = []
+    for setting in settings:
+        for seed in seeds:
+            _log(f"{setting}, seed {seed}")
+            records.append(run_one(setting, seed, args, out))
+    total = time.perf_counter() - started
+    md = table(records)
+    from .figures import write_figures
+
+    figures = write_figures(records, out)
+    write_json(
+        out / "results.json",
+        {
+            "command": "gss bench tinymem " + " ".join(argv or []),
+            "gss_version": __version__,
+            "machine": {
+                "cpu_count": os.cpu_count(),
+                "threads": torch.get_num_threads(),
+                "platform": platform.platform(),
+                "torch": torch.__version__,
+            },
+            "selection_rule": {
+                "acc_tolerance_points": M.ACC_TOLERANCE,
+                "ppl_tolerance_relative": M.PPL_TOLERANCE,
+                "deltas": args.delta_grid,
+                "alphas": M.ALPHAS,
+            },
+            "total_seconds": total,
+            "runs": records,
+        },
+    )
+    (out / "table.md").write_text(md)
+    print(md)
+    print(f"wrote {out}: results.json, table.md, {len(figures)} figures; total {total:.0f} s")
+    return 0

@@ -1,0 +1,168 @@
+"""Shared helpers: normalising row inputs, batching, and running any HF causal LM."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+RowsLike = Sequence[Sequence[int]] | torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Eval mode and no grad for the duration; the model's previous mode is restored."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def as_rows(rows: RowsLike, pad_id: int | None = None) -> list[list[int]]:
+    """Rows as lists of ints, without padding.
+
+    Accepts a sequence of sequences (or 1-d tensors) taken as given, an ``(input_ids,
+    attention_mask)`` pair (rows keep their masked-in tokens), or a 2-d tensor whose right
+    padding is the trailing run of `pad_id` (required then).
+    """
+    if isinstance(rows, tuple) and len(rows) == 2 and all(torch.is_tensor(t) for t in rows):
+        ids, mask = rows
+        return [r[m.bool()].tolist() for r, m in zip(ids, mask, strict=True)]
+    if torch.is_tensor(rows):
+        if rows.dim() != 2:
+            raise ValueError("a tensor of rows must be 2-d (rows, tokens)")
+        if pad_id is None:
+            return rows.tolist()
+        out = []
+        for r in rows.tolist():
+            n = len(r)
+            while n and r[n - 1] == pad_id:
+                n -= 1
+            out.append(r[:n])
+        return out
+    return [r.tolist() if torch.is_tensor(r) else list(r) for r in rows]
+
+
+def right_padded(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` with `rows` right-padded by `pad_id`."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def _accepts_position_ids(model: torch.nn.Module) -> bool:
+    try:
+        return "position_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def forward_logits(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, **kwargs: Any
+) -> Any:
+    """The model's own forward on a right- or left-padded batch; returns the HF output.
+
+    Position ids are derived from the mask (``cumsum - 1``), which equals the default for right
+    padding and is what makes left padding exact.
+    """
+    device = model_device(model)
+    extra: dict[str, Any] = {}
+    if _accepts_position_ids(model):
+        extra["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0).to(device)
+    return model(input_ids=ids.to(device), attention_mask=mask.to(device), **extra, **kwargs)
+
+
+def greedy_generate(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    pad_id: int,
+    batch_size: int = 64,
+) -> list[list[int]]:
+    """Greedy continuations of `prompts`, `max_new_tokens` each, with the model's KV cache.
+
+    Runs the model's own forward step by step (no `generate`, so no generation-config defaults
+    such as sampling or minimum lengths apply, and EOS does not stop a row). Prompts of different
+    lengths are left-padded with an attention mask and matching position ids; batches group
+    prompts of equal length first so that most batches need no padding.
+    """
+    if max_new_tokens <= 0:
+        return [[] for _ in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    use_pos = _accepts_position_ids(model)
+    device = model_device(model)
+    with eval_mode(model):
+        for b in range(0, len(order), batch_size):
+            idx = order[b : b + batch_size]
+            width = max(len(prompts[i]) for i in idx)
+            ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(idx), width), dtype=torch.long)
+            for j, i in enumerate(idx):
+                p = list(prompts[i])
+                ids[j, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+                mask[j, width - len(p) :] = 1
+            ids, mask = ids.to(device), mask.to(device)
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            past = None
+            step_ids = ids
+            new = []
+            for _ in range(max_new_tokens):
+                kwargs: dict[str, Any] = {"attention_mask": mask, "use_cache": True}
+                if use_pos:
+                    kwargs["position_ids"] = pos
+                if past is not None:
+                    kwargs["past_key_values"] = past
+                res = model(input_ids=step_ids, **kwargs)
+                past = res.past_key_values
+                step_ids = res.logits[:, -1, :].argmax(-1, keepdim=True)
+                new.append(step_ids)
+                mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
+                pos = pos[:, -1:] + 1
+            gen = torch.cat(new, dim=1).tolist()
+            for j, i in enumerate(idx):
+                out[i] = gen[j]
+    return out
+
+
+def forced_argmax(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    targets: Sequence[Sequence[int]],
+    *,
+    pad_id: int,
+    batch_size: int = 64,
+) -> list[list[int]]:
+    """Teacher-forced argmax predictions at the target positions of ``prompt + target``.
+
+    Greedy decoding reproduces a target exactly iff these predictions equal the target
+    everywhere, so this gives the same exact-match answer in one forward pass per batch.
+    """
+    seqs = [list(p) + list(t) for p, t in zip(prompts, targets, strict=True)]
+    out: list[list[int]] = []
+    with eval_mode(model):
+        for b in range(0, len(seqs), batch_size):
+            chunk = seqs[b : b + batch_size]
+            ids, mask = right_padded(chunk, pad_id)
+            pred = forward_logits(model, ids, mask).logits.argmax(-1).cpu()
+            for j, s in enumerate(chunk):
+                start = len(prompts[b + j])
+                out.append(pred[j, start - 1 : len(s) - 1].tolist())
+    return out

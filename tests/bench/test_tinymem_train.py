@@ -1,0 +1,119 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gss.bench.tinymem.data import PAD, MathConfig, batch_rows, make_data
+from gss.bench.tinymem.model import ModelConfig, from_hf, new_model, to_hf
+from gss.bench.tinymem.train import Preset, TrainConfig, get_models, get_preset
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu_new"])
+def test_lean_model_converts_exactly_to_hf(activation):
+    cfg = ModelConfig(n_layer=2, n_embd=32, n_head=4, activation=activation, n_positions=40)
+    lean = new_model(cfg, seed=1)
+    with torch.no_grad():  # perturb every weight so that no parameter is left at its init
+        for p in lean.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    hf = to_hf(lean)
+    ids = torch.randint(0, 13, (3, 40), generator=torch.Generator().manual_seed(0))
+    ids[1, 30:] = PAD
+    with torch.no_grad():
+        a = lean(ids)
+        b = hf(input_ids=ids).logits
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        labels = ids.clone()
+        labels[labels == PAD] = -100
+        torch.testing.assert_close(lean.loss(ids, PAD), hf(input_ids=ids, labels=labels).loss)
+    back = from_hf(hf, cfg)
+    for (ka, va), (kb, vb) in zip(
+        lean.state_dict().items(), back.state_dict().items(), strict=True
+    ):
+        assert ka == kb and torch.equal(va, vb)
+    assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
+
+
+def test_init_follows_hf_gpt2():
+    cfg = ModelConfig(n_layer=4, n_embd=128)
+    lean = new_model(cfg, seed=0)
+    std = lean.transformer.h[0].attn.c_attn.weight.std().item()
+    assert std == pytest.approx(0.8 / 128**0.5, rel=0.05)
+    proj = lean.transformer.h[0].mlp.c_proj.weight.std().item()
+    assert proj == pytest.approx(0.8 / 128**0.5 / (2 * 4) ** 0.5, rel=0.05)
+
+
+TINY = Preset(
+    data=MathConfig(
+        task="increment",
+        num_main=60,
+        num_test=10,
+        num_aux=12,
+        num_aux_test=4,
+        num_noise=10,
+        length=6,
+        start=1000,
+        prompt_len=10,
+        window=10,
+    ),
+    model=ModelConfig(n_layer=1, n_embd=16, n_head=2),
+    train=TrainConfig(epochs=3, batch_size=16, eval_every=2, snapshots=(2,)),
+    reference=TrainConfig(epochs=2, batch_size=16),
+)
+
+
+def test_models_are_cached(tmp_path: Path):
+    mem, ref, data, info = get_models(
+        "math_noise", TINY, seed=0, cache_dir=tmp_path, progress=False
+    )
+    assert not info["memorizing"]["loaded"] and not info["reference"]["loaded"]
+    log = info["memorizing"]["log"]
+    assert [e["epoch"] for e in log["epochs"]] == [1, 2, 3]
+    assert {"mem", "correct", "acc_main"} <= set(log["epochs"][1])
+    assert log["tokens_per_second"] > 0
+    folder = Path(info["memorizing"]["cache"])
+    assert folder.parent == tmp_path
+    assert json.loads((folder / "training.json").read_text())["role"] == "memorizing"
+
+    mem2, ref2, data2, info2 = get_models(
+        "math_noise", TINY, seed=0, cache_dir=tmp_path, progress=False
+    )
+    assert info2["memorizing"]["loaded"] and info2["reference"]["loaded"]
+    assert data2 == data
+    ids = batch_rows(data.test["main"], PAD)
+    with torch.no_grad():
+        assert torch.equal(mem(ids).logits, mem2(ids).logits)
+        assert torch.equal(ref(ids).logits, ref2(ids).logits)
+        assert not torch.equal(mem(ids).logits, ref(ids).logits)
+
+    # the snapshot at epoch 2 is an earlier checkpoint that loads without training
+    _, _, _, info3 = get_models(
+        "math_noise", TINY, seed=0, cache_dir=tmp_path, progress=False, memorizing_epochs=2
+    )
+    assert info3["memorizing"]["loaded"]
+    assert len(list(tmp_path.iterdir())) == 3
+
+    # a different seed is a different model
+    _, _, _, info4 = get_models(
+        "math_noise", TINY, seed=1, cache_dir=tmp_path, progress=False, reference_epochs=1
+    )
+    assert not info4["memorizing"]["loaded"]
+
+
+def test_reference_trains_without_noised_rows(tmp_path: Path):
+    data = make_data(TINY.data, 0)
+    _, _, _, info = get_models("math_noise", TINY, seed=0, cache_dir=tmp_path, progress=False)
+    assert info["reference"]["data_stats"]["reference_train_rows"] == len(data.reference_train)
+    # the reference saw fewer training tokens per epoch (no noised rows)
+    mem_tok = info["memorizing"]["log"]["train_tokens"] / 3
+    ref_tok = info["reference"]["log"]["train_tokens"] / 2
+    assert ref_tok < mem_tok
+
+
+def test_named_presets():
+    for setting in ("math_noise", "math_backdoor", "lang_noise", "lang_backdoor"):
+        for name in ("quick", "default", "paper"):
+            pre = get_preset(setting, name)
+            assert pre.data.setting == setting
+    with pytest.raises(ValueError):
+        get_models("math_backdoor", TINY)
