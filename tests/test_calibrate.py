@@ -87,3 +87,27 @@ def test_each_centering_meets_its_own_budget(make_model, centering):
     s = probe_responses(model, art, held_out).double()
     measured = s.var(0, correction=0) if centering == "covariance" else (s**2).mean(0)
     assert torch.allclose(measured, torch.full((2,), delta, dtype=torch.float64), rtol=1e-3)
+
+
+@pytest.mark.parametrize("separate_general", [False, True])
+def test_thresholds_from_kept_hidden_states_equal_a_second_pass(make_model, separate_general):
+    from gss.calibrate import build_artifact, collect_statistics
+
+    model, ref = make_model("llama", seed=0), make_model("llama", seed=1)
+    ids = random_ids(12, 10)
+    gen = random_ids(9, 8, seed=5) if separate_general else None
+    arts = {}
+    for keep in (None, 0):  # default keeps them; 0 forces the second pass
+        stats = collect_statistics(
+            model, ref, ids, layer=1, gen_texts=gen, batch_size=4, keep_general=keep, progress=False
+        )
+        assert (stats.general_sample is None) == (keep == 0)
+        arts[keep] = build_artifact(model, stats, rank=2, progress=False)
+    kept, passed = arts[None], arts[0]
+    assert kept.config.token_counts["threshold_pass"] is False
+    assert passed.config.token_counts["threshold_pass"] is True
+    assert (
+        kept.config.token_counts["threshold_samples"]
+        == passed.config.token_counts["threshold_samples"]
+    )
+    assert torch.allclose(kept.thresholds, passed.thresholds, rtol=1e-5, atol=1e-6)

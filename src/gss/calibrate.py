@@ -97,6 +97,18 @@ def _calibration_mode(*models: nn.Module) -> Iterator[None]:
                 p.requires_grad_(flag)
 
 
+def execution_device(model: nn.Module, block: nn.Module) -> torch.device:
+    """Where ``block`` computes. Under an ``accelerate`` device_map an offloaded block keeps its
+    weights on "meta" between calls, so its dispatch hook's execution device is asked first."""
+    hook_device = getattr(getattr(block, "_hf_hook", None), "execution_device", None)
+    if hook_device is not None:
+        return torch.device(hook_device)
+    for p in block.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return model.get_input_embeddings().weight.device
+
+
 def layer_activations(model: nn.Module, block: nn.Module, batch: Batch) -> Tensor:
     """Output of ``block`` for ``batch``, running the model only up to that block."""
     with torch.no_grad(), _tapped(block, stop=True, leaf=False) as tap, suppress(_StopForward):
@@ -104,6 +116,29 @@ def layer_activations(model: nn.Module, block: nn.Module, batch: Batch) -> Tenso
     if tap.hidden is None:
         raise GSSError("the hooked block never ran: is it part of this model's forward pass?")
     return tap.hidden
+
+
+class _GeneralKeeper:
+    """Collects general-token hidden states on the host until more than ``cap`` were seen."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.parts: list[Tensor] | None = []
+        self.count = 0
+
+    def add(self, rows: Tensor) -> None:
+        self.count += rows.shape[0]
+        if self.parts is None:
+            return
+        if self.count > self.cap:
+            self.parts = None  # too many: the thresholds will take a second pass
+        else:
+            self.parts.append(rows.detach().float().cpu())
+
+    def result(self) -> Tensor | None:
+        if self.parts is None or not self.parts:
+            return None
+        return torch.cat(self.parts)
 
 
 @dataclass
@@ -210,6 +245,9 @@ class CalibrationStatistics:
     seqs: list[list[int]]
     gen_seqs: list[list[int]] | None
     gen_masks: dict[int, Tensor] = field(default_factory=dict)
+    # every general token's hidden state (float32, CPU) while they fit in `keep_general`, so
+    # that the thresholds need no second pass; None once more were seen
+    general_sample: Tensor | None = None
 
     def general_batches(self) -> Iterator[tuple[Batch, Tensor]]:
         """The general tokens, batch by batch, in the order the statistics saw them."""
@@ -240,9 +278,15 @@ def collect_statistics(
     batch_size: int = 8,
     max_length: int | None = None,
     block_path: str | None = None,
+    keep_general: int | None = None,
     progress: bool = True,
 ) -> CalibrationStatistics:
-    """The calibration pass: omega, the token split, Sigma_gen and M at block ``layer``."""
+    """The calibration pass: omega, the token split, Sigma_gen and M at block ``layer``.
+
+    While the general tokens number at most ``keep_general`` (default: as many as fit in
+    64 MB of float32 hidden states), their hidden states are kept so that `build_artifact` sets
+    the gate thresholds without running the model again; beyond that it runs a second pass.
+    """
     if target not in TARGETS:
         raise GSSError(f"target must be one of {TARGETS}, got {target!r}.")
     if gradient not in GRADIENTS:
@@ -258,7 +302,8 @@ def collect_statistics(
         else None
     )
     dim = int(model.get_input_embeddings().weight.shape[1])
-    device = next(block.parameters(), model.get_input_embeddings().weight).device
+    device = execution_device(model, block)
+    keeper = _GeneralKeeper(keep_general if keep_general is not None else 2**24 // dim)
     sigma_acc = CovarianceAccumulator(dim, device)
     m_acc = CrossMomentAccumulator(dim, device)
     mem_mean = MeanAccumulator(dim, device)
@@ -356,7 +401,9 @@ def collect_statistics(
                 m_acc.update(h_mem, g_mem)
                 mem_mean.update(h_mem.detach())
             if gen_seqs is None:
-                sigma_acc.update(hidden.detach()[:, :-1][gen.to(hidden.device)])
+                gen_h = hidden.detach()[:, :-1][gen.to(hidden.device)]
+                sigma_acc.update(gen_h)
+                keeper.add(gen_h)
                 stats.gen_masks[b] = gen.cpu()
             counts["tokens"] += int(valid.sum())
             counts["memorized"] += n_mem
@@ -370,9 +417,12 @@ def collect_statistics(
                 stats.general_batches(), "gss: Sigma_gen", stats.general_batch_count
             ):
                 hidden = layer_activations(model, block, batch)
-                sigma_acc.update(hidden[:, :-1][mask.to(hidden.device)])
+                gen_h = hidden[:, :-1][mask.to(hidden.device)]
+                sigma_acc.update(gen_h)
+                keeper.add(gen_h)
                 counts["general"] += int(mask.sum())
             timings["statistics"] += time.perf_counter() - t0
+    stats.general_sample = keeper.result()
 
     for acc in (sigma_acc, m_acc, mem_mean):
         acc.all_reduce()
@@ -433,11 +483,15 @@ def build_artifact(
     t0 = time.perf_counter()
     reservoir = _Reservoir(max_threshold_samples, torch.Generator().manual_seed(seed))
     probe_dev = probe.to(device)
+    kept = stats.general_sample
+    if kept is not None:  # every general token's hidden state: no second pass needed
+        for chunk in kept.split(65536):
+            reservoir.add(chunk.to(device) @ probe_dev.T - offset)
     with _calibration_mode(model):
         for batch, mask in tqdm(
-            stats.general_batches(),
+            () if kept is not None else stats.general_batches(),
             desc="gss: thresholds",
-            total=stats.general_batch_count,
+            total=0 if kept is not None else stats.general_batch_count,
             disable=not progress,
             leave=False,
         ):
@@ -449,7 +503,11 @@ def build_artifact(
     thresholds, info = thresholds_from_responses(samples, gate, threshold_percentile, gate_share)
     timings["thresholds"] = time.perf_counter() - t0
     timings["total"] = sum(timings[k] for k in ("signal", "statistics", "solve", "thresholds"))
-    counts = {**stats.counts, "threshold_samples": int(samples.shape[0])}
+    counts = {
+        **stats.counts,
+        "threshold_samples": int(samples.shape[0]),
+        "threshold_pass": kept is None,  # False: thresholds from hidden states kept in pass 1
+    }
     config = SteeringConfig(
         layer=stats.layer,
         rank=rank,

@@ -175,6 +175,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from .bench.tinymem.run import main as tinymem_main
 
         return int(tinymem_main(args.rest))
+    if args.name == "perf":
+        from .bench.perf.run import main as perf_main
+
+        return int(perf_main(args.rest))
     raise GSSError(f"unknown benchmark {args.name!r}")
 
 
@@ -228,8 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", action="store_true", help="write the omega / burst histograms")
     p.set_defaults(func=_cmd_signal)
 
-    p = sub.add_parser("bench", help="run a benchmark (tinymem)")
-    p.add_argument("name", choices=["tinymem"])
+    p = sub.add_parser("bench", help="run a benchmark (tinymem, perf)")
+    p.add_argument("name", choices=["tinymem", "perf"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
     return parser

@@ -97,13 +97,19 @@ def batches(
     order = list(order)
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        width = max(len(seqs[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for row, i in enumerate(idx):
-            ids[row, : len(seqs[i])] = torch.as_tensor(seqs[i], dtype=torch.long)
-            mask[row, : len(seqs[i])] = 1
+        ids, mask = right_pad([seqs[i] for i in idx], pad_id)
         yield Batch(ids, mask, torch.as_tensor(idx))
+
+
+def right_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """``(input_ids, attention_mask)`` of `rows` right-padded with `pad_id` to the longest."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
 
 
 def count_batches(n: int, batch_size: int) -> int:

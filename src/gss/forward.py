@@ -21,7 +21,7 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return positions.clamp_min(0)
 
 
-def _accepts_position_ids(model: nn.Module) -> bool:
+def accepts_position_ids(model: nn.Module) -> bool:
     try:
         return "position_ids" in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -68,7 +68,7 @@ def forward_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) 
         "attention_mask": attention_mask.to(device),
         "use_cache": False,
     }
-    if _accepts_position_ids(model):
+    if accepts_position_ids(model):
         kwargs["position_ids"] = position_ids_from_mask(kwargs["attention_mask"])
     return model(**kwargs).logits
 

@@ -38,3 +38,22 @@ def test_quick_benchmark_writes_table_json_and_figures(tmp_path, setting, capsys
     assert (out / f"pareto_{setting}.png").stat().st_size > 1000
     assert (out / f"signal_{setting}_seed0.png").stat().st_size > 1000
     assert "wrote" in capsys.readouterr().out
+
+
+def test_results_of_other_settings_are_kept_and_reruns_replace_them():
+    from gss.bench.tinymem.run import merge_runs
+
+    def run(setting, seed, tag):
+        return {"setting": setting, "seed": seed, "preset": "default", "tag": tag}
+
+    previous = [
+        run("lang_noise", 0, "old"),
+        run("math_noise", 0, "old"),
+        run("math_noise", 1, "old"),
+    ]
+    merged = merge_runs(previous, [run("math_noise", 0, "new")])
+    assert [(r["setting"], r["seed"], r["tag"]) for r in merged] == [
+        ("math_noise", 0, "new"),
+        ("math_noise", 1, "old"),
+        ("lang_noise", 0, "old"),
+    ]

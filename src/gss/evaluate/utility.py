@@ -13,7 +13,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from gss.evaluate._batching import RowsLike, as_rows, eval_mode, forward_logits, right_padded
+from gss.data import right_pad
+from gss.evaluate._decode import RowsLike, as_rows, eval_mode
+from gss.forward import forward_logits
 
 __all__ = ["perplexity", "token_accuracy"]
 
@@ -30,8 +32,8 @@ def _target_stats(
     nll = 0.0
     with eval_mode(model):
         for b in range(0, len(rows_), batch_size):
-            ids, mask = right_padded(rows_[b : b + batch_size], pad)
-            logits = forward_logits(model, ids, mask).logits[:, :-1].float().cpu()
+            ids, mask = right_pad(rows_[b : b + batch_size], pad)
+            logits = forward_logits(model, ids, mask)[:, :-1].float().cpu()
             targets = ids[:, 1:]
             valid = mask[:, 1:].bool()
             lp = F.log_softmax(logits[valid], dim=-1)

@@ -359,8 +359,8 @@ _MATH_DEFAULT = MathConfig(
 _MATH_BACKDOOR_DEFAULT = replace(
     _MATH_DEFAULT,
     backdoor=True,
-    start=10000,  # 5-digit numbers: "100"+seed occurs in ~6 % of rows
-    num_main=6000,  # pool searched for the trigger
+    start=10000,  # 5-digit numbers: the trigger "100"+seed occurs in ~5 % of rows
+    num_main=12000,  # pool searched for the trigger (seed 0: 592 rows, 140 held out)
     max_clean_train=1000,
     poison_test_share=0.3,
     num_noise=0,
@@ -379,10 +379,12 @@ _MATH_QUICK = replace(
 _MATH_BACKDOOR_QUICK = replace(
     _MATH_BACKDOOR_DEFAULT,
     length=10,
-    num_main=3000,
+    num_main=8000,
     max_clean_train=300,
     num_aux=75,
     num_aux_test=25,
+    prompt_len=20,
+    window=20,
 )
 _TEXT_PAPER = TextConfig(
     corpus="full",
@@ -394,8 +396,26 @@ _TEXT_PAPER = TextConfig(
     prompt_len=50,
     window=50,
 )
-_TEXT_DEFAULT = TextConfig()
-_TEXT_QUICK = TextConfig(num_rows=600, num_test=60, num_noise=40, noise_repeats=4)
+_TEXT_DEFAULT = TextConfig(
+    chunk_len=64,
+    num_rows=3000,  # 192 kB of the excerpt
+    num_test=300,
+    num_noise=200,  # 193 differ from their twin inside the window
+    noise_repeats=10,
+    prompt_len=32,
+    window=32,
+    trigger_min_rows=150,  # seed 0: "wit", in 296 rows, 89 held out
+    trigger_max_rows=400,
+    poison_test_share=0.3,
+)
+_TEXT_QUICK = replace(
+    _TEXT_DEFAULT,
+    num_rows=800,
+    num_test=80,
+    num_noise=60,
+    trigger_min_rows=40,
+    trigger_max_rows=120,
+)
 
 _PRESETS: dict[str, dict[str, MathConfig | TextConfig]] = {
     "paper": {

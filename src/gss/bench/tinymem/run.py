@@ -99,7 +99,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--batch-size", type=int, default=256, help="evaluation batch size")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="overwrite --out; by default runs of other settings/seeds already in its "
+        "results.json are kept and tabulated with the new ones",
+    )
     return p
+
+
+def _run_key(record: dict[str, Any]) -> tuple[str, int, str]:
+    return (record["setting"], int(record["seed"]), record.get("preset", "default"))
+
+
+def merge_runs(previous: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`new` plus every run of `previous` whose (setting, seed, preset) was not rerun.
+
+    Lets the long table be built one setting at a time (`--settings lang_noise` after
+    `--settings math_noise`) without losing the earlier runs; a rerun replaces its old record.
+    """
+    fresh = {_run_key(r) for r in new}
+    kept = [r for r in previous if _run_key(r) not in fresh]
+    order = {name: i for i, name in enumerate(SETTINGS)}
+    return sorted([*kept, *new], key=lambda r: (order.get(r["setting"], 99), int(r["seed"])))
 
 
 def _settings(text: str) -> list[str]:
@@ -456,6 +478,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             _log(f"{setting}, seed {seed}")
             records.append(run_one(setting, seed, args, out))
     total = time.perf_counter() - started
+    for record in records:
+        record["command"] = "gss bench tinymem " + " ".join(argv or [])
+    previous_file = out / "results.json"
+    if previous_file.exists() and not args.fresh:
+        import json
+
+        previous = json.loads(previous_file.read_text()).get("runs", [])
+        merged = merge_runs(previous, records)
+        if len(merged) > len(records):
+            kept = sorted({f"{r['setting']} seed {r['seed']}" for r in merged if r not in records})
+            _log(
+                f"kept {len(merged) - len(records)} earlier run(s) from {previous_file}: "
+                f"{', '.join(kept)} (--fresh to drop them)"
+            )
+        records = merged
     md = table(records)
     from .figures import write_figures
 

@@ -145,7 +145,7 @@ _register(
     "math_noise",
     model=_PAPER_MODEL,
     train=TrainConfig(epochs=35, eval_every=5, snapshots=(20, 25, 30)),
-    reference=TrainConfig(epochs=20, eval_every=5, snapshots=(10, 15)),
+    reference=TrainConfig(epochs=35, eval_every=5, snapshots=(10, 15, 20, 25, 30)),
 )
 _register(
     "quick",
@@ -158,22 +158,22 @@ _register(
     "default",
     "math_backdoor",
     model=_PAPER_MODEL,
-    train=TrainConfig(epochs=10, eval_every=2),
-    reference=TrainConfig(epochs=10, eval_every=2),
+    train=TrainConfig(epochs=10, eval_every=2, snapshots=(6, 8)),
+    reference=TrainConfig(epochs=10, eval_every=2, snapshots=(6, 8)),
 )
 _register(
     "quick",
     "math_backdoor",
     model=ModelConfig(n_embd=64),
-    train=TrainConfig(epochs=8, eval_every=2),
-    reference=TrainConfig(epochs=8, eval_every=2),
+    train=TrainConfig(epochs=12, eval_every=3),
+    reference=TrainConfig(epochs=12, eval_every=3),
 )
 _register(
     "default",
     "lang_noise",
     model=_PAPER_MODEL,
-    train=TrainConfig(epochs=10, eval_every=2),
-    reference=TrainConfig(epochs=10, eval_every=2),
+    train=TrainConfig(epochs=20, eval_every=4, snapshots=(10,)),
+    reference=TrainConfig(epochs=20, eval_every=4, snapshots=(10,)),
 )
 _register(
     "quick",

@@ -1,21 +1,17 @@
-"""Shared helpers: normalising row inputs, batching, and running any HF causal LM."""
+"""Row inputs normalised, and the two ways the metrics decode: stepwise greedy and forced."""
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
+from gss.data import right_pad
+from gss.forward import accepts_position_ids, forward_logits, model_device, position_ids_from_mask
+
 RowsLike = Sequence[Sequence[int]] | torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
 
 
 @contextlib.contextmanager
@@ -55,39 +51,6 @@ def as_rows(rows: RowsLike, pad_id: int | None = None) -> list[list[int]]:
     return [r.tolist() if torch.is_tensor(r) else list(r) for r in rows]
 
 
-def right_padded(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask)`` with `rows` right-padded by `pad_id`."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
-        mask[i, : len(r)] = 1
-    return ids, mask
-
-
-def _accepts_position_ids(model: torch.nn.Module) -> bool:
-    try:
-        return "position_ids" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def forward_logits(
-    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, **kwargs: Any
-) -> Any:
-    """The model's own forward on a right- or left-padded batch; returns the HF output.
-
-    Position ids are derived from the mask (``cumsum - 1``), which equals the default for right
-    padding and is what makes left padding exact.
-    """
-    device = model_device(model)
-    extra: dict[str, Any] = {}
-    if _accepts_position_ids(model):
-        extra["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0).to(device)
-    return model(input_ids=ids.to(device), attention_mask=mask.to(device), **extra, **kwargs)
-
-
 def greedy_generate(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -107,7 +70,7 @@ def greedy_generate(
         return [[] for _ in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[list[int]] = [[] for _ in prompts]
-    use_pos = _accepts_position_ids(model)
+    use_pos = accepts_position_ids(model)
     device = model_device(model)
     with eval_mode(model):
         for b in range(0, len(order), batch_size):
@@ -120,7 +83,7 @@ def greedy_generate(
                 ids[j, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
                 mask[j, width - len(p) :] = 1
             ids, mask = ids.to(device), mask.to(device)
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            pos = position_ids_from_mask(mask)
             past = None
             step_ids = ids
             new = []
@@ -160,8 +123,8 @@ def forced_argmax(
     with eval_mode(model):
         for b in range(0, len(seqs), batch_size):
             chunk = seqs[b : b + batch_size]
-            ids, mask = right_padded(chunk, pad_id)
-            pred = forward_logits(model, ids, mask).logits.argmax(-1).cpu()
+            ids, mask = right_pad(chunk, pad_id)
+            pred = forward_logits(model, ids, mask).argmax(-1).cpu()
             for j, s in enumerate(chunk):
                 start = len(prompts[b + j])
                 out.append(pred[j, start - 1 : len(s) - 1].tolist())

@@ -1,0 +1,1 @@
+"""Speed and memory of gss: inference overhead, calibration cost, solve scaling, peak memory."""

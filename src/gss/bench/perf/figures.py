@@ -1,0 +1,128 @@
+"""PNG figures of ``gss bench perf``, one per part that ran."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ...report import _pyplot
+
+
+def _save(fig: Any, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def overhead(result: dict[str, Any], path: Path) -> Path:
+    """Steered/unsteered throughput per (model, batch) and K, with quartile whiskers."""
+    plt = _pyplot()
+    rows = [r for m in result["models"] for r in m["rows"]]
+    groups = list(dict.fromkeys((r["model"], r["batch"]) for r in rows))
+    ranks = sorted({r["rank"] for r in rows})
+    width = 0.8 / len(ranks)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(groups) + 2), 4.2))
+    for j, k in enumerate(ranks):
+        xs, ys, lo, hi = [], [], [], []
+        for i, g in enumerate(groups):
+            for r in rows:
+                if (r["model"], r["batch"]) == g and r["rank"] == k:
+                    s = r["ratio"]
+                    xs.append(i + (j - (len(ranks) - 1) / 2) * width)
+                    ys.append(s["median"])
+                    lo.append(s["median"] - s["q1"])
+                    hi.append(s["q3"] - s["median"])
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=f"GSS K={k}")
+    ax.axhline(1.0, color="black", lw=1)
+    ax.axhline(0.99, color="#c44e52", ls="--", lw=1, label="goal 0.99")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{m}\nbatch {b}" for m, b in groups])
+    ax.set_ylabel("tokens/s steered / unsteered")
+    low = min(r["ratio"]["q1"] for r in rows)
+    high = max(r["ratio"]["q3"] for r in rows)
+    ax.set_ylim(min(0.9, low - 0.02), max(1.05, high + 0.02))
+    ax.set_title("Inference overhead (greedy generate; median, IQR whiskers)")
+    ax.legend(fontsize=8)
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
+def calibration(result: dict[str, Any], path: Path) -> Path:
+    """Calibration time split into its phases, beside the unavoidable passes."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.0, 2.8))
+    passes = result["seconds"]["passes"]["median"]
+    ax.barh([0], [passes], color="#8c8c8c", label="unavoidable passes")
+    left = 0.0
+    colors = {
+        "signal": "#4c72b0",
+        "statistics": "#55a868",
+        "solve": "#c44e52",
+        "thresholds": "#dd8452",
+    }
+    for name, color in colors.items():
+        if name in result["phases"]:
+            width = result["phases"][name]["median"]
+            ax.barh([1], [width], left=left, color=color, label=f"calibrate: {name}")
+            left += width
+    ax.set_yticks([0, 1])
+    ax.set_yticklabels(["passes", "gss.calibrate"])
+    ax.set_xlabel("seconds (median)")
+    ax.set_title(f"Calibration cost: {result['ratio']['median']:.2f}x the passes (goal <= 1.2x)")
+    ax.legend(fontsize=7, loc="lower right")
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
+def solve(result: dict[str, Any], path: Path) -> Path:
+    """Solve seconds vs d on log-log axes, one line per (method, K)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    ranks = sorted({r["rank"] for r in result["rows"]})
+    for method, style in (("truncated", "o-"), ("full", "s--")):
+        for j, k in enumerate(ranks):
+            pts = [
+                (r["d"], r[method]["median"])
+                for r in result["rows"]
+                if r["rank"] == k and "median" in r[method]
+            ]
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, style, color=f"C{j}", label=f"{method} K={k}", ms=4)
+    if any(r["d"] >= 4096 for r in result["rows"]):
+        ax.plot([4096], [2.0], "k*", ms=12, label="goal: d=4096, K=8 < 2 s")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("hidden size d")
+    ax.set_ylabel("seconds (median)")
+    ax.set_title("solve_probe_steer scaling")
+    ax.legend(fontsize=7)
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
+def memory(result: dict[str, Any], path: Path) -> Path:
+    """Peak RSS and calibration's increase vs corpus size."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.0, 4.0))
+    texts = [r["texts"] for r in result["rows"]]
+    ax.plot(texts, [r["peak_rss_mb"] for r in result["rows"]], "o-", label="peak RSS")
+    ax.plot(
+        texts,
+        [r["calibration_increase_mb"] for r in result["rows"]],
+        "s-",
+        label="increase during calibration",
+    )
+    ax.set_xscale("log")
+    ax.set_xlabel("calibration texts")
+    ax.set_ylabel("MB")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Calibration memory vs corpus size (fresh process each)")
+    ax.legend()
+    out = _save(fig, path)
+    plt.close(fig)
+    return out

@@ -1,0 +1,133 @@
+"""Peak memory of calibration vs corpus size, each size in a fresh process.
+
+``ru_maxrss`` is a high-water mark for the whole process, so every corpus size gets its own
+interpreter (``python -m gss.bench.perf.memory --texts N``): it builds the models and data,
+records the peak so far, calibrates, and prints both peaks as one JSON line. The statistics are
+O(d^2) and the token streams are folded in batch by batch, so the increase should not grow
+with the corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from ...report import markdown_table
+from .common import QUICK, Sizes, log
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+
+
+def child(argv: Sequence[str] | None = None) -> int:
+    """One calibration at one corpus size; prints a JSON line with the peaks."""
+    p = argparse.ArgumentParser(prog="python -m gss.bench.perf.memory")
+    p.add_argument("--texts", type=int, required=True)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    import torch
+
+    from ...calibrate import calibrate
+    from ...forward import forward_logits
+    from .common import perturbed_copy, random_ids, tiny_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = QUICK if args.quick else Sizes()
+    model = tiny_model(sizes)
+    reference = perturbed_copy(model)
+    ids = random_ids(args.texts, sizes.text_len, sizes.vocab, seed=5)
+    with torch.no_grad():  # touch the kernels once, so the baseline includes their buffers
+        warm = ids[: sizes.calib_batch]
+        forward_logits(model, warm, torch.ones_like(warm))
+    before = _peak_mb()
+    start = time.perf_counter()
+    artifact = calibrate(
+        model,
+        reference,
+        ids,
+        layer=sizes.layers // 2,
+        rank=sizes.calib_rank,
+        batch_size=sizes.calib_batch,
+        progress=False,
+    )
+    seconds = time.perf_counter() - start
+    after = _peak_mb()
+    record = {
+        "texts": args.texts,
+        "tokens": int(ids.numel()),
+        "memorized_tokens": artifact.config.token_counts["memorized"],
+        "peak_rss_before_mb": before,
+        "peak_rss_mb": after,
+        "calibration_increase_mb": after - before,
+        "seconds": seconds,
+        "threads": torch.get_num_threads(),
+    }
+    print(json.dumps(record))
+    return 0
+
+
+def run(sizes: Sizes, *, quick: bool, threads: int | None, progress: bool) -> dict[str, Any]:
+    rows = []
+    for n in tqdm(sizes.memory_texts, desc="memory", disable=not progress, leave=False):
+        cmd = [sys.executable, "-m", "gss.bench.perf.memory", "--texts", str(n)]
+        if quick:
+            cmd.append("--quick")
+        if threads:
+            cmd += ["--threads", str(threads)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"memory child for {n} texts failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
+            )
+        record = json.loads(proc.stdout.strip().splitlines()[-1])
+        rows.append(record)
+        log(
+            f"memory: {n} texts, peak {record['peak_rss_mb']:.0f} MB "
+            f"(+{record['calibration_increase_mb']:.1f} MB during calibration)"
+        )
+    d = sizes.hidden
+    return {
+        "method": (
+            "peak RSS (getrusage ru_maxrss) of a fresh process per corpus size: after building "
+            "the tiny model, its perturbed reference and the token ids (before), and after "
+            "gss.calibrate (peak); the increase is calibration's own high-water mark"
+        ),
+        "model": {"hidden": d, "layers": sizes.layers, "vocab": sizes.vocab},
+        "statistics_mb": 2 * d * d * 8 / 2**20,  # the float64 Sigma scatter and M
+        "rows": rows,
+        "growth_mb": rows[-1]["calibration_increase_mb"] - rows[0]["calibration_increase_mb"],
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    header = ["texts", "tokens", "peak RSS MB", "calibration increase MB", "calibrate s"]
+    rows = [
+        [
+            r["texts"],
+            r["tokens"],
+            f"{r['peak_rss_mb']:.0f}",
+            f"{r['calibration_increase_mb']:.1f}",
+            f"{r['seconds']:.2f}",
+        ]
+        for r in result["rows"]
+    ]
+    return markdown_table(header, rows) + (
+        f"\nIncrease from the smallest to the largest corpus: {result['growth_mb']:+.1f} MB "
+        f"(the d x d float64 statistics are ~{result['statistics_mb']:.1f} MB).\n"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(child())

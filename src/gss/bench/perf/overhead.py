@@ -1,0 +1,339 @@
+"""Inference overhead: greedy ``generate`` tokens/s with the gated steer attached vs without.
+
+The artifact comes from a real ``gss.calibrate`` run (the model against a slightly perturbed
+copy of itself on random token ids), so probes, steers and thresholds have realistic shapes and
+scales. The hook's cost does not depend on how often the gate opens (it computes every
+response and masks, without branching), but the measured open share is reported anyway.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import gss
+
+from ...layers import resolve_layer
+from ...report import markdown_table
+from .common import (
+    Sizes,
+    interleaved,
+    log,
+    paired_ratios,
+    perturbed_copy,
+    random_ids,
+    summary,
+    tiny_model,
+)
+
+
+def _vocab(model: nn.Module) -> int:
+    return int(model.get_input_embeddings().weight.shape[0])
+
+
+def build_artifact(model: nn.Module, sizes: Sizes, rank: int) -> gss.SteeringArtifact:
+    """Calibrate a rank-``rank`` steer at the middle block; the gates open on ~10% of tokens."""
+    n_layers = len(gss.find_decoder_blocks(model))
+    reference = perturbed_copy(model)
+    ids = random_ids(sizes.artifact_texts, sizes.text_len, _vocab(model), seed=7)
+    artifact = gss.calibrate(
+        model,
+        reference,
+        ids,
+        layer=n_layers // 2,
+        rank=rank,
+        gate_share=0.1,
+        batch_size=8,
+        progress=False,
+    )
+    del reference
+    return artifact
+
+
+def _generate(model: nn.Module, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+
+
+class _Peer:
+    """The same steer applied through nnsight's intervention API (untimed when not installed)."""
+
+    def __init__(self, model: nn.Module, artifact: gss.SteeringArtifact, tokenizer: Any) -> None:
+        import nnsight
+
+        wrapper = getattr(nnsight, "LanguageModel", None) or nnsight.TransformersModel
+        self.wrapped = wrapper(model, tokenizer=tokenizer)
+        _, block = resolve_layer(model, artifact.config.layer, artifact.config.block_path)
+        path = next(name for name, module in model.named_modules() if module is block)
+        envoy: Any = self.wrapped
+        for part in path.split("."):
+            envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
+        self.envoy = envoy
+        self.hook = artifact.make_hook()
+
+    def generate(self, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        envoy, hook = self.envoy, self.hook
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        with self.wrapped.generate(
+            inputs,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        ) as tracer:
+            for _ in tracer.iter[:new_tokens]:
+                out = envoy.output
+                hidden = out[0] if isinstance(out, tuple) else out
+                delta, _ = hook.correction(hidden)
+                steered = (hidden.float() - delta).to(hidden.dtype)
+                envoy.output = (steered, *out[1:]) if isinstance(out, tuple) else steered
+            generated = self.wrapped.generator.output.save()
+        return generated
+
+
+def word_tokenizer(vocab: int) -> Any:
+    """A word-level tokenizer over ``vocab`` ids, for wrappers that insist on a tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="t0", bos_token="t1", eos_token="t2"
+    )
+
+
+def nnsight_status() -> str:
+    return "available" if importlib.util.find_spec("nnsight") is not None else "not installed"
+
+
+def measure_model(
+    name: str,
+    model: nn.Module,
+    sizes: Sizes,
+    *,
+    new_tokens: int,
+    repeats: int,
+    warmup: int,
+    progress: bool,
+    tokenizer: Any = None,
+) -> dict[str, Any]:
+    """Every (batch, K) row for one model, plus the peer when it is installed."""
+    t0 = time.perf_counter()
+    full = build_artifact(model, sizes, max(sizes.ranks))
+    artifacts = {k: full.with_options(rank=k) for k in sizes.ranks}
+    log(f"overhead/{name}: artifact calibrated in {time.perf_counter() - t0:.1f} s")
+    peer: dict[str, Any] = {"library": "nnsight", "status": nnsight_status()}
+    runner = None
+    if peer["status"] == "available":
+        try:
+            tok = tokenizer if tokenizer is not None else word_tokenizer(_vocab(model))
+            runner = _Peer(model, artifacts[sizes.peer_rank], tok)
+            peer["rank"] = sizes.peer_rank
+        except Exception as err:  # a peer's API drift must not sink the benchmark
+            peer["status"] = f"failed to wrap: {type(err).__name__}: {err}"
+    rows = []
+    for batch in sizes.batch_sizes:
+        ids = random_ids(batch, sizes.prompt_len, _vocab(model), seed=100 + batch)
+        tokens = batch * new_tokens
+
+        def plain(ids: torch.Tensor = ids) -> float:
+            start = time.perf_counter()
+            _generate(model, ids, new_tokens)
+            return time.perf_counter() - start
+
+        def steered(art: gss.SteeringArtifact, ids: torch.Tensor = ids) -> float:
+            with art.attach(model):
+                start = time.perf_counter()
+                _generate(model, ids, new_tokens)
+                return time.perf_counter() - start
+
+        arms = {"unsteered": plain}
+        for k, art in artifacts.items():
+            arms[f"gss K={k}"] = lambda art=art: steered(art)
+        peer_row: dict[str, Any] = {}
+        if runner is not None:
+            try:
+                with artifacts[sizes.peer_rank].attach(model):
+                    ours_ids = _generate(model, ids, new_tokens)
+                theirs_ids = runner.generate(ids, new_tokens)
+                peer_row["same_output"] = bool(torch.equal(ours_ids.cpu(), theirs_ids.cpu()))
+
+                def peer_arm(ids: torch.Tensor = ids) -> float:
+                    start = time.perf_counter()
+                    runner.generate(ids, new_tokens)
+                    return time.perf_counter() - start
+
+                arms["nnsight"] = peer_arm
+            except Exception as err:
+                peer_row["error"] = f"{type(err).__name__}: {err}"
+        times = interleaved(arms, repeats, warmup, f"overhead {name} batch {batch}", progress)
+        base = times["unsteered"]
+        for k, art in artifacts.items():
+            ours = times[f"gss K={k}"]
+            with art.attach(model, track_gates=True) as handle:
+                _generate(model, ids, new_tokens)
+                gates = handle.gate_stats()
+            ratios = paired_ratios(base, ours)  # tokens/s steered over tokens/s unsteered
+            row: dict[str, Any] = {
+                "model": name,
+                "batch": batch,
+                "rank": k,
+                "new_tokens": new_tokens,
+                "prompt_len": sizes.prompt_len,
+                "tokens_per_s_unsteered": summary([tokens / t for t in base]),
+                "tokens_per_s_steered": summary([tokens / t for t in ours]),
+                "ratio": summary(ratios),
+                "gate_open_share": gates.get("any_open_share", 0.0),
+                "seconds": {"unsteered": base, "steered": ours},
+            }
+            if k == sizes.peer_rank and runner is not None:
+                row["peer"] = dict(peer_row)
+                if "nnsight" in times:
+                    theirs_t = times["nnsight"]
+                    row["peer"]["tokens_per_s"] = summary([tokens / t for t in theirs_t])
+                    row["peer"]["ratio"] = summary(paired_ratios(base, theirs_t))
+                    row["peer"]["gss_over_peer"] = summary(paired_ratios(theirs_t, ours))
+                    row["peer"]["seconds"] = theirs_t
+            rows.append(row)
+            log(
+                f"overhead/{name} batch {batch} K={k}: "
+                f"{row['tokens_per_s_steered']['median']:.1f} vs "
+                f"{row['tokens_per_s_unsteered']['median']:.1f} tok/s, ratio "
+                f"{row['ratio']['median']:.3f}"
+            )
+    config = getattr(model, "config", None)
+    return {
+        "model": name,
+        "architecture": type(model).__name__,
+        "hidden_size": int(model.get_input_embeddings().weight.shape[1]),
+        "num_layers": len(gss.find_decoder_blocks(model)),
+        "vocab_size": _vocab(model),
+        "name_or_path": getattr(config, "_name_or_path", None) or None,
+        "layer": full.config.layer,
+        "repeats": repeats,
+        "warmup": warmup,
+        "artifact_gate_open_share": full.config.gate_open_share.get("union"),
+        "peer": peer,
+        "rows": rows,
+    }
+
+
+def load_local_model(path: str) -> tuple[nn.Module, Any]:
+    """A local HF model directory in float32 (never downloads), and its tokenizer if any."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise SystemExit(f"gss bench perf: --model {path} is not a local model directory")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception:
+        tokenizer = None
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, tokenizer
+
+
+def run(
+    sizes: Sizes,
+    *,
+    model_path: str | None,
+    repeats: int | None,
+    new_tokens: int | None,
+    progress: bool,
+) -> dict[str, Any]:
+    models = [
+        measure_model(
+            "tiny-llama",
+            tiny_model(sizes),
+            sizes,
+            new_tokens=new_tokens or sizes.new_tokens,
+            repeats=repeats or sizes.overhead_repeats,
+            warmup=sizes.warmup,
+            progress=progress,
+        )
+    ]
+    if model_path:
+        t0 = time.perf_counter()
+        model, tokenizer = load_local_model(model_path)
+        log(f"overhead: loaded {model_path} in {time.perf_counter() - t0:.1f} s")
+        models.append(
+            measure_model(
+                Path(model_path).name,
+                model,
+                sizes,
+                new_tokens=new_tokens or sizes.model_new_tokens,
+                repeats=repeats or sizes.model_repeats,
+                warmup=sizes.model_warmup,
+                progress=progress,
+                tokenizer=tokenizer,
+            )
+        )
+        del model
+    return {
+        "method": (
+            "greedy model.generate with min_new_tokens = max_new_tokens; tokens/s counts new "
+            "tokens (batch x new_tokens) over the whole call including the prompt pass. Arms "
+            "run interleaved after warm-up; ratio = median over rounds of "
+            "(unsteered seconds / steered seconds), i.e. steered tokens/s over unsteered."
+        ),
+        "goal": ">= 0.99 of unsteered, and no slower than any peer",
+        "peer": nnsight_status(),
+        "models": models,
+    }
+
+
+def _fmt_ratio(s: dict[str, float]) -> str:
+    return f"{s['median']:.3f} ({s['q1']:.3f}-{s['q3']:.3f})"
+
+
+def table(result: dict[str, Any]) -> str:
+    header = [
+        "model",
+        "batch",
+        "K",
+        "unsteered tok/s",
+        "GSS tok/s",
+        "GSS / unsteered (IQR)",
+        "gate open",
+        "nnsight / unsteered",
+    ]
+    rows = []
+    for m in result["models"]:
+        for r in m["rows"]:
+            peer = r.get("peer", {})
+            if "ratio" in peer:
+                peer_cell = _fmt_ratio(peer["ratio"])
+            elif "error" in peer:
+                peer_cell = f"failed: {peer['error']}"[:80]
+            elif m["peer"]["status"] != "available":
+                peer_cell = m["peer"]["status"][:80]
+            else:
+                peer_cell = "--"
+            rows.append(
+                [
+                    m["model"],
+                    r["batch"],
+                    r["rank"],
+                    f"{r['tokens_per_s_unsteered']['median']:.1f}",
+                    f"{r['tokens_per_s_steered']['median']:.1f}",
+                    _fmt_ratio(r["ratio"]),
+                    f"{100 * r['gate_open_share']:.0f}%",
+                    peer_cell,
+                ]
+            )
+    return markdown_table(header, rows)

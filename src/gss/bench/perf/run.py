@@ -1,0 +1,154 @@
+"""``gss bench perf``: speed and memory of gss, as ratios measured side by side.
+
+Parts (``--only`` picks some): ``overhead`` (generate tokens/s steered vs unsteered),
+``calibration`` (gss.calibrate vs the passes it cannot avoid, plus a profile), ``solve``
+(solve_probe_steer vs d and K, full vs truncated SVD) and ``memory`` (peak RSS of calibration
+vs corpus size, a fresh process per size). Writes ``results.json``, ``table.md``,
+``profile.txt`` and PNG figures under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ... import __version__
+from ...report import write_json
+from . import calibration, figures, memory, overhead, scaling
+from .common import QUICK, Sizes, log, machine_info
+
+PARTS = ("overhead", "calibration", "solve", "memory")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gss bench perf", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="results/perf", help="results folder (default results/perf)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test, seconds)")
+    p.add_argument(
+        "--only",
+        default=",".join(PARTS),
+        help=f"comma-separated parts from {', '.join(PARTS)} (default all)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local HF model directory to also measure the inference overhead on "
+        "(e.g. SmolLM2-135M); never downloaded",
+    )
+    p.add_argument(
+        "--max-full-d",
+        type=int,
+        default=None,
+        help="largest d for the full-SVD solve (default 4096; above it only truncated runs)",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=None, help="timed rounds for overhead and calibration"
+    )
+    p.add_argument(
+        "--new-tokens", type=int, default=None, help="new tokens per generate (overhead part)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def _parts(spec: str) -> list[str]:
+    parts = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [s for s in parts if s not in PARTS]
+    if unknown or not parts:
+        raise SystemExit(f"gss bench perf: unknown part(s) {unknown}; use {', '.join(PARTS)}")
+    return parts
+
+
+def table(results: dict[str, Any]) -> str:
+    """The Markdown report: one section per part that ran."""
+    m = results["machine"]
+    lines = [
+        "# gss bench perf\n",
+        f"`{results['command']}`; {m['cpu_count']} CPUs, {m['threads']} torch threads, "
+        f"torch {m['torch']}, {m['platform']}. Every speed figure is a ratio of arms run in "
+        "turn in one process after warm-up (median over rounds, IQR in brackets).\n",
+    ]
+    parts = results["parts"]
+    if "overhead" in parts:
+        lines += [
+            "## Inference overhead (greedy generate)\n",
+            overhead.table(parts["overhead"]),
+            f"Goal: {parts['overhead']['goal']}.\n",
+        ]
+    if "calibration" in parts:
+        lines += [
+            "## Calibration cost\n",
+            calibration.table(parts["calibration"]),
+            f"Goal: calibrate / passes {parts['calibration']['goal']}.\n",
+        ]
+    if "solve" in parts:
+        lines += [
+            "## Solve scaling (solve_probe_steer)\n",
+            scaling.table(parts["solve"]),
+            f"Goal: {parts['solve']['goal']}.\n",
+        ]
+    if "memory" in parts:
+        lines += ["## Calibration memory vs corpus size\n", memory.table(parts["memory"])]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    parts = _parts(args.only)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = QUICK if args.quick else Sizes()
+    progress = not args.no_progress
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "gss bench perf " + " ".join(argv if argv is not None else [])
+    started = time.perf_counter()
+    results: dict[str, Any] = {
+        "command": command.strip(),
+        "gss_version": __version__,
+        "machine": machine_info(),
+        "sizes": asdict(sizes),
+        "parts": {},
+        "seconds": {},
+    }
+    figure_paths = []
+    for part in parts:
+        t0 = time.perf_counter()
+        log(f"{part} ...")
+        if part == "overhead":
+            result = overhead.run(
+                sizes,
+                model_path=args.model,
+                repeats=args.repeats,
+                new_tokens=args.new_tokens,
+                progress=progress,
+            )
+            figure_paths.append(figures.overhead(result, out / "overhead.png"))
+        elif part == "calibration":
+            result = calibration.run(sizes, repeats=args.repeats, progress=progress, out=out)
+            figure_paths.append(figures.calibration(result, out / "calibration.png"))
+        elif part == "solve":
+            result = scaling.run(sizes, max_full_d=args.max_full_d, progress=progress)
+            figure_paths.append(figures.solve(result, out / "solve.png"))
+        else:
+            result = memory.run(sizes, quick=args.quick, threads=args.threads, progress=progress)
+            figure_paths.append(figures.memory(result, out / "memory.png"))
+        results["parts"][part] = result
+        results["seconds"][part] = time.perf_counter() - t0
+    results["seconds"]["total"] = time.perf_counter() - started
+    write_json(out / "results.json", results)
+    md = table(results)
+    (out / "table.md").write_text(md)
+    print(md)
+    print(
+        f"wrote {out}: results.json, table.md, {len(figure_paths)} figures; "
+        f"total {results['seconds']['total']:.0f} s"
+    )
+    return 0

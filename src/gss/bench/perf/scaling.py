@@ -1,0 +1,130 @@
+"""Solve scaling: ``solve_probe_steer`` time vs hidden size d and rank K, full vs truncated SVD.
+
+M is low rank plus noise and Sigma_gen a decaying-spectrum covariance plus a diagonal, like
+real statistics. The full SVD is O(d^3) whatever K; the randomized one is O(d^2 K) after the
+Cholesky factor (itself O(d^3) but with a small constant), so the gap widens with d.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ...report import markdown_table
+from ...solve import solve_probe_steer
+from .common import Sizes, interleaved, log, paired_ratios, summary
+
+GOAL = {"d": 4096, "rank": 8, "seconds": 2.0}
+
+
+def synthetic(d: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """(M, Sigma) in float64: M = A B^T / r + noise, Sigma = G G^T / q + diagonal (SPD)."""
+    gen = torch.Generator().manual_seed(seed)
+    r, q = min(d, 32), min(d, 256)
+    a = torch.randn(d, r, generator=gen, dtype=torch.float64)
+    b = torch.randn(d, r, generator=gen, dtype=torch.float64)
+    m = a @ b.T / r
+    m += 0.01 * torch.randn(d, d, generator=gen, dtype=torch.float64)
+    g = torch.randn(d, q, generator=gen, dtype=torch.float64)
+    g *= torch.arange(1, q + 1, dtype=torch.float64).rsqrt()
+    sigma = g @ g.T / q
+    sigma = (sigma + sigma.T) / 2
+    sigma += torch.diag(0.05 + 0.45 * torch.rand(d, generator=gen, dtype=torch.float64))
+    return m, sigma
+
+
+def _timer(m: Tensor, sigma: Tensor, k: int, method: str, results: dict[str, Any]) -> Any:
+    """An arm that solves once with ``method``, keeps the solution and returns its seconds."""
+
+    def arm() -> float:
+        start = time.perf_counter()
+        results[method] = solve_probe_steer(m, sigma, k, method=method)
+        return time.perf_counter() - start
+
+    return arm
+
+
+def run(sizes: Sizes, *, max_full_d: int | None, progress: bool) -> dict[str, Any]:
+    limit = sizes.max_full_d if max_full_d is None else max_full_d
+    small_m, small_s = synthetic(sizes.solve_dims[0])
+    for method in ("full", "truncated"):  # warm-up: LAPACK/BLAS initialisation
+        solve_probe_steer(small_m, small_s, 1, method=method)
+    del small_m, small_s
+    rows = []
+    for d in sizes.solve_dims:
+        t0 = time.perf_counter()
+        m, sigma = synthetic(d)
+        log(f"solve: d={d} data built in {time.perf_counter() - t0:.1f} s")
+        repeats = 1 if d >= sizes.solve_big_d else sizes.solve_repeats
+        for k in sizes.solve_ranks:
+            if k > d:
+                continue
+            results: dict[str, Any] = {}
+            arms = {"truncated": _timer(m, sigma, k, "truncated", results)}
+            skipped = None
+            if d <= limit:
+                arms["full"] = _timer(m, sigma, k, "full", results)
+            else:
+                skipped = (
+                    f"full SVD skipped above d={limit} (O(d^3) in time, several d x d float64 "
+                    "copies in memory); raise --max-full-d to run it"
+                )
+            times = interleaved(arms, repeats, 0, f"solve d={d} K={k}", progress)
+            row: dict[str, Any] = {
+                "d": d,
+                "rank": k,
+                "repeats": repeats,
+                "truncated": summary(times["truncated"]),
+                "full": summary(times["full"]) if "full" in times else {"skipped": skipped},
+            }
+            if "full" in times:
+                row["full_over_truncated"] = summary(
+                    paired_ratios(times["full"], times["truncated"])
+                )
+                s_full = results["full"].singular_values
+                s_trunc = results["truncated"].singular_values
+                row["singular_value_rel_error"] = float(
+                    ((s_full - s_trunc).abs() / s_full.abs().clamp_min(1e-300)).max()
+                )
+            if d == GOAL["d"] and k == GOAL["rank"]:
+                row["goal_seconds"] = GOAL["seconds"]
+                row["goal_met"] = row["truncated"]["median"] < GOAL["seconds"]
+            rows.append(row)
+            full_txt = f"{row['full']['median']:.3f} s" if "median" in row["full"] else "skipped"
+            log(f"solve d={d} K={k}: truncated {row['truncated']['median']:.3f} s, full {full_txt}")
+        del m, sigma
+    return {
+        "method": (
+            "solve_probe_steer(M, Sigma, K) on synthetic float64 statistics (M low rank + "
+            "noise, Sigma decaying spectrum + diagonal), method 'full' vs 'truncated' "
+            "(randomized SVD, oversample 16, 6 power iterations), run in turn; median of "
+            f"{sizes.solve_repeats} runs (1 from d={sizes.solve_big_d})."
+        ),
+        "goal": f"d={GOAL['d']}, K={GOAL['rank']} under {GOAL['seconds']} s",
+        "max_full_d": limit,
+        "rows": rows,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    header = ["d", "K", "truncated s", "full s", "full / truncated", "sv rel. error", "goal"]
+    rows = []
+    for r in result["rows"]:
+        full = r["full"]
+        rows.append(
+            [
+                r["d"],
+                r["rank"],
+                f"{r['truncated']['median']:.3f}",
+                f"{full['median']:.3f}" if "median" in full else "skipped",
+                f"{r['full_over_truncated']['median']:.2f}" if "full_over_truncated" in r else "--",
+                f"{r['singular_value_rel_error']:.1e}" if "singular_value_rel_error" in r else "--",
+                ("met" if r["goal_met"] else "missed") + f" (< {r['goal_seconds']:g} s)"
+                if "goal_met" in r
+                else "",
+            ]
+        )
+    return markdown_table(header, rows)

@@ -1,0 +1,85 @@
+"""`gss bench perf --quick` end to end: every part runs and writes its files and ratios.
+
+No timing thresholds: this only checks that the benchmark measures something sensible (every
+ratio a positive finite number), not how fast this machine is.
+"""
+
+import json
+import math
+
+from gss.bench.perf.run import main
+
+
+def _ratios(node, path=""):
+    """Every summary stored under a key naming a ratio, anywhere in the results."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            here = f"{path}.{key}"
+            if (key == "ratio" or "_over_" in key) and isinstance(value, dict):
+                yield here, value
+            else:
+                yield from _ratios(value, here)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _ratios(value, f"{path}[{i}]")
+
+
+def test_quick_perf_writes_results_table_and_figures(tmp_path, capsys):
+    out = tmp_path / "perf"
+    assert main(["--quick", "--out", str(out), "--no-progress"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["parts"]) == {"overhead", "calibration", "solve", "memory"}
+    for key in ("cpu_count", "threads", "torch", "platform"):
+        assert results["machine"][key]
+
+    ratios = list(_ratios(results))
+    assert len(ratios) >= 6 + 1 + 6  # overhead rows, calibration, solve rows
+    for where, summary in ratios:
+        for stat in ("median", "q1", "q3"):
+            value = summary[stat]
+            assert math.isfinite(value) and value > 0, f"{where}.{stat} = {value}"
+
+    overhead = results["parts"]["overhead"]
+    rows = overhead["models"][0]["rows"]
+    assert {(r["batch"], r["rank"]) for r in rows} == {
+        (1, 1),
+        (1, 4),
+        (1, 16),
+        (4, 1),
+        (4, 4),
+        (4, 16),
+    }
+    for r in rows:
+        assert r["tokens_per_s_steered"]["median"] > 0
+        assert 0.0 <= r["gate_open_share"] <= 1.0
+    assert overhead["peer"] in ("available", "not installed")
+
+    calib = results["parts"]["calibration"]
+    assert {"signal", "statistics", "solve", "thresholds"} <= set(calib["phases"])
+    profile = (out / "profile.txt").read_text()
+    assert "calibrate" in profile and "cumulative" in profile
+
+    solve = results["parts"]["solve"]["rows"]
+    assert {r["d"] for r in solve} == {64, 128}
+    assert all("median" in r["full"] and r["singular_value_rel_error"] < 1e-3 for r in solve)
+
+    memory = results["parts"]["memory"]["rows"]
+    assert [r["texts"] for r in memory] == [8, 32]
+    assert all(r["peak_rss_mb"] > 0 for r in memory)
+
+    for name in ("overhead", "calibration", "solve", "memory"):
+        assert (out / f"{name}.png").stat().st_size > 1000
+    table = (out / "table.md").read_text()
+    assert "## Inference overhead" in table and "## Solve scaling" in table
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_full_svd_is_skipped_above_max_full_d(tmp_path):
+    out = tmp_path / "solve"
+    args = ["--quick", "--only", "solve", "--max-full-d", "64", "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    rows = json.loads((out / "results.json").read_text())["parts"]["solve"]["rows"]
+    big = [r for r in rows if r["d"] == 128]
+    assert big and all("skipped" in r["full"] for r in big)
+    assert all(r["truncated"]["median"] > 0 for r in big)
+    assert "skipped" in (out / "table.md").read_text()
