@@ -136,3 +136,15 @@ def test_errors_are_messages_not_tracebacks(workdir, capsys):
     )
     assert code == 2
     assert "layer 7 is out of range" in capsys.readouterr().err
+
+
+def test_variant_sets_options_and_explicit_flags_win(workdir):
+    out = workdir / "artifact-tr"
+    common = ["calibrate", "--model", str(workdir / "model"), "--reference"]
+    common += [str(workdir / "reference"), "--data", str(workdir / "data.txt"), "--layer", "1"]
+    args = [*common, "--rank", "2", "--variant", "gss-tr", "--omega-threshold", "0.05"]
+    assert main([*args, "--gate", "none", "--out", str(out)]) == 0
+    config = json.loads((out / "gss_config.json").read_text())
+    assert config["target"] == "toward-reference" and config["gradient"] == "per-position"
+    assert config["gate"] == "none"  # given explicitly: overrides the variant's hard gate
+    assert config["memorized_rule"]["omega_threshold"] == 0.05

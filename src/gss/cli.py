@@ -57,6 +57,18 @@ def _init_distributed(device: str) -> str:
     return device
 
 
+def _apply_variant(args: argparse.Namespace) -> None:
+    """Fill the options of ``--variant`` that were not given explicitly on the command line."""
+    if not args.variant:
+        return
+    from .variants import variant
+
+    given = {a.split("=")[0] for a in args.argv if a.startswith("--")}
+    for key, value in variant(args.variant).items():
+        if "--" + key.replace("_", "-") not in given:
+            setattr(args, key, value)
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from . import distributed
     from .calibrate import calibrate
@@ -67,6 +79,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     reference, _ = _load_model(args.reference, args.device, args.dtype)
     texts = read_texts(args.data)
     gen_texts = read_texts(args.gen_data) if args.gen_data else None
+    _apply_variant(args)
     artifact = calibrate(
         model,
         reference,
@@ -211,6 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--out", required=True, help="directory for the artifact")
+    p.add_argument(
+        "--variant",
+        choices=["gss", "gss-tr"],
+        help="named option set (gss.variant); flags given explicitly override it",
+    )
     p.set_defaults(func=_cmd_calibrate)
 
     p = sub.add_parser("generate", help="greedy generation with a steering artifact attached")
@@ -241,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return int(args.func(args))
     except GSSError as err:

@@ -3,7 +3,7 @@
 A variant is a plain dict of keyword arguments, so every component stays switchable::
 
     gss.calibrate(model, ref, texts, layer=1, **gss.variant("gss-tr"))
-    gss.calibrate(model, ref, texts, layer=1, **{**gss.variant("gss-tr"), "gate": "hard"})
+    gss.calibrate(model, ref, texts, layer=1, **{**gss.variant("gss-tr"), "gate": "none"})
 """
 
 from __future__ import annotations
@@ -25,13 +25,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     # GSS-TR (ours, not GSS as published): a strict memorized-token cut, a target that points
     # toward the reference's distribution (e_x - p_ref at the logits: it does not vanish when
-    # the model is certain), exact per-position gradients, and no gate. Best measured on
-    # TinyMem math noise (docs/benchmarks.md).
+    # the model is certain) and exact per-position gradients, with the paper's gate. Measured
+    # on TinyMem (docs/gss-tr.md): gated beat ungated on math noise (10.9% vs 14.8% memorized)
+    # and by far on math backdoor (10.0% vs 62.9% attack success), at matched accuracy.
     "gss-tr": {
         "omega_threshold": 1.0,
         "target": "toward-reference",
         "gradient": "per-position",
-        "gate": "none",
+        "gate": "hard",
+        "threshold_percentile": 95.0,
         "coefficient": "projection",
     },
 }
