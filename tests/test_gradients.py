@@ -119,7 +119,7 @@ def test_named_variants(make_model):
     options = {**gss.variant("gss-tr"), "omega_threshold": 0.2}
     art = gss.calibrate(model, ref, ids, layer=0, rank=2, progress=False, **options)
     assert (art.config.gate, art.config.target, art.config.gradient) == (
-        "none",
+        "hard",
         "toward-reference",
         "per-position",
     )
