@@ -32,6 +32,7 @@ from .data import Batch, TextsOrIds, batches, count_batches, encode
 from .errors import GSSError
 from .forward import (
     check_same_vocab,
+    execution_device,
     forward_logits,
     target_mask,
     token_logprobs,
@@ -95,18 +96,6 @@ def _calibration_mode(*models: nn.Module) -> Iterator[None]:
             m.train(training)
             for p, flag in params:
                 p.requires_grad_(flag)
-
-
-def execution_device(model: nn.Module, block: nn.Module) -> torch.device:
-    """Where ``block`` computes. Under an ``accelerate`` device_map an offloaded block keeps its
-    weights on "meta" between calls, so its dispatch hook's execution device is asked first."""
-    hook_device = getattr(getattr(block, "_hf_hook", None), "execution_device", None)
-    if hook_device is not None:
-        return torch.device(hook_device)
-    for p in block.parameters():
-        if p.device.type != "meta":
-            return p.device
-    return model.get_input_embeddings().weight.device
 
 
 def layer_activations(model: nn.Module, block: nn.Module, batch: Batch) -> Tensor:

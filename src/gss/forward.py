@@ -37,6 +37,18 @@ def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def execution_device(model: nn.Module, block: nn.Module) -> torch.device:
+    """Where ``block`` computes. Under an ``accelerate`` device_map an offloaded block keeps its
+    weights on "meta" between calls, so its dispatch hook's execution device is asked first."""
+    hook_device = getattr(getattr(block, "_hf_hook", None), "execution_device", None)
+    if hook_device is not None:
+        return torch.device(hook_device)
+    for p in block.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return model.get_input_embeddings().weight.device
+
+
 def vocab_size(model: nn.Module) -> int:
     """Number of logits the model produces."""
     get_out = getattr(model, "get_output_embeddings", None)

@@ -12,6 +12,7 @@ def _save(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
     return path
 
 
@@ -44,9 +45,7 @@ def overhead(result: dict[str, Any], path: Path) -> Path:
     ax.set_ylim(min(0.9, low - 0.02), max(1.05, high + 0.02))
     ax.set_title("Inference overhead (greedy generate; median, IQR whiskers)")
     ax.legend(fontsize=8)
-    out = _save(fig, path)
-    plt.close(fig)
-    return out
+    return _save(fig, path)
 
 
 def calibration(result: dict[str, Any], path: Path) -> Path:
@@ -72,9 +71,7 @@ def calibration(result: dict[str, Any], path: Path) -> Path:
     ax.set_xlabel("seconds (median)")
     ax.set_title(f"Calibration cost: {result['ratio']['median']:.2f}x the passes (goal <= 1.2x)")
     ax.legend(fontsize=7, loc="lower right")
-    out = _save(fig, path)
-    plt.close(fig)
-    return out
+    return _save(fig, path)
 
 
 def solve(result: dict[str, Any], path: Path) -> Path:
@@ -100,9 +97,7 @@ def solve(result: dict[str, Any], path: Path) -> Path:
     ax.set_ylabel("seconds (median)")
     ax.set_title("solve_probe_steer scaling")
     ax.legend(fontsize=7)
-    out = _save(fig, path)
-    plt.close(fig)
-    return out
+    return _save(fig, path)
 
 
 def memory(result: dict[str, Any], path: Path) -> Path:
@@ -123,6 +118,4 @@ def memory(result: dict[str, Any], path: Path) -> Path:
     ax.set_ylim(bottom=0)
     ax.set_title("Calibration memory vs corpus size (fresh process each)")
     ax.legend()
-    out = _save(fig, path)
-    plt.close(fig)
-    return out
+    return _save(fig, path)
