@@ -145,6 +145,6 @@ def test_variant_sets_options_and_explicit_flags_win(workdir):
     args = [*common, "--rank", "2", "--variant", "gss-tr", "--omega-threshold", "0.05"]
     assert main([*args, "--gate", "none", "--out", str(out)]) == 0
     config = json.loads((out / "gss_config.json").read_text())
-    assert config["target"] == "toward-reference" and config["gradient"] == "per-position"
+    assert config["target"] == "toward-reference" and config["gradient"] == "summed"
     assert config["gate"] == "none"  # given explicitly: overrides the variant's hard gate
     assert config["memorized_rule"]["omega_threshold"] == 0.05

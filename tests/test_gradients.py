@@ -121,7 +121,7 @@ def test_named_variants(make_model):
     assert (art.config.gate, art.config.target, art.config.gradient) == (
         "hard",
         "toward-reference",
-        "per-position",
+        "summed",
     )
     with pytest.raises(gss.GSSError, match="unknown variant"):
         gss.variant("magic")

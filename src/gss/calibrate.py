@@ -124,10 +124,11 @@ class _GeneralKeeper:
         else:
             self.parts.append(rows.detach().float().cpu())
 
-    def result(self) -> Tensor | None:
+    def result(self) -> list[Tensor] | None:
+        """The kept batches as they came: concatenating them would double the peak memory."""
         if self.parts is None or not self.parts:
             return None
-        return torch.cat(self.parts)
+        return self.parts
 
 
 @dataclass
@@ -236,7 +237,7 @@ class CalibrationStatistics:
     gen_masks: dict[int, Tensor] = field(default_factory=dict)
     # every general token's hidden state (float32, CPU) while they fit in `keep_general`, so
     # that the thresholds need no second pass; None once more were seen
-    general_sample: Tensor | None = None
+    general_sample: list[Tensor] | None = None
 
     def general_batches(self) -> Iterator[tuple[Batch, Tensor]]:
         """The general tokens, batch by batch, in the order the statistics saw them."""
@@ -474,8 +475,7 @@ def build_artifact(
     probe_dev = probe.to(device)
     kept = stats.general_sample
     if kept is not None:  # every general token's hidden state: no second pass needed
-        for chunk in kept.split(65536):
-            reservoir.add(chunk.to(device) @ probe_dev.T - offset)
+        reservoir.add(torch.cat([part.to(device) @ probe_dev.T for part in kept]) - offset)
     with _calibration_mode(model):
         for batch, mask in tqdm(
             () if kept is not None else stats.general_batches(),

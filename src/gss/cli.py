@@ -195,6 +195,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     raise GSSError(f"unknown benchmark {args.name!r}")
 
 
+def _cmd_baselines(args: argparse.Namespace) -> int:
+    from .baselines import get_method, method_names
+
+    for name in method_names(args.family):
+        method = get_method(name)
+        grid = "; ".join(", ".join(f"{k}={v}" for k, v in g.items()) for g in method.grid)
+        print(f"{name} [{method.family}]: {method.summary}\n    default grid: {grid}")
+        if method.reduced_grid:
+            print(f"    reduced grid: {method.reduced_grid}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gss",
@@ -249,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="directory for signal.json (and signal.png with --plot)")
     p.add_argument("--plot", action="store_true", help="write the omega / burst histograms")
     p.set_defaults(func=_cmd_signal)
+
+    p = sub.add_parser("baselines", help="list the baseline methods and their default grids")
+    p.add_argument("--family", help="only this family (steering, unlearning, fine-tuning, ...)")
+    p.set_defaults(func=_cmd_baselines)
 
     p = sub.add_parser("bench", help="run a benchmark (tinymem, perf)")
     p.add_argument("name", choices=["tinymem", "perf"])

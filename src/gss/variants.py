@@ -23,15 +23,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "threshold_percentile": 95.0,
         "coefficient": "projection",
     },
-    # GSS-TR (ours, not GSS as published): a strict memorized-token cut, a target that points
-    # toward the reference's distribution (e_x - p_ref at the logits: it does not vanish when
-    # the model is certain) and exact per-position gradients, with the paper's gate. Measured
-    # on TinyMem (docs/gss-tr.md): gated beat ungated on math noise (10.9% vs 14.8% memorized)
-    # and by far on math backdoor (10.0% vs 62.9% attack success), at matched accuracy.
+    # GSS-TR (ours, not GSS as published): the paper's calibration and gate with one change,
+    # a target that points toward the reference's distribution (e_x - p_ref at the logits; the
+    # log-likelihood gradient vanishes on tokens the model already predicts with p ~ 1, which
+    # dominate the memorized set). Measured on TinyMem (docs/gss-tr.md), this change alone did
+    # as well as adding a strict omega > 1 nat cut and exact per-position gradients (math
+    # noise 11.3% vs 10.9% memorized, math backdoor 7.9% vs 10.0%, lang backdoor 0% for both)
+    # at GSS's calibration cost, where per-position cost 16-40x. Both stay switchable:
+    # ``{**gss.variant("gss-tr"), "omega_threshold": 1.0, "gradient": "per-position"}``.
     "gss-tr": {
-        "omega_threshold": 1.0,
+        "omega_threshold": 0.0,
         "target": "toward-reference",
-        "gradient": "per-position",
+        "gradient": "summed",
         "gate": "hard",
         "threshold_percentile": 95.0,
         "coefficient": "projection",

@@ -4,11 +4,18 @@ import json
 
 import pytest
 
+from gss.baselines import get_method
 from gss.bench.tinymem.run import main
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One model cache for the file: each quick setting trains once."""
+    return tmp_path_factory.mktemp("cache")
+
+
 @pytest.mark.parametrize("setting", ["math_noise", "math_backdoor"])
-def test_quick_benchmark_writes_table_json_and_figures(tmp_path, setting, capsys):
+def test_quick_benchmark_writes_table_json_and_figures(tmp_path, cache, setting, capsys):
     out = tmp_path / "out"
     code = main(
         [
@@ -20,7 +27,7 @@ def test_quick_benchmark_writes_table_json_and_figures(tmp_path, setting, capsys
             "--out",
             str(out),
             "--cache-dir",
-            str(tmp_path / "cache"),
+            str(cache),
             "--no-progress",
         ]
     )
@@ -38,6 +45,24 @@ def test_quick_benchmark_writes_table_json_and_figures(tmp_path, setting, capsys
     assert (out / f"pareto_{setting}.png").stat().st_size > 1000
     assert (out / f"signal_{setting}_seed0.png").stat().st_size > 1000
     assert "wrote" in capsys.readouterr().out
+
+
+def test_baselines_join_the_table_with_their_grids(tmp_path, cache):
+    out = tmp_path / "out"
+    args = ["--quick", "--methods", "GSS", "--deltas", "0.1", "--out", str(out)]
+    args += ["--baselines", "alphasteer,clean-ft", "--cache-dir", str(cache), "--no-progress"]
+    assert main(args) == 0
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    assert list(run["methods"]) == ["GSS", "alphasteer", "clean-ft"]
+    for name in ("alphasteer", "clean-ft"):
+        method = run["methods"][name]
+        assert method["baseline"] and method["mitigation_seconds"] > 0
+        assert len(method["grid"]) == len(get_method(name).grid)
+        assert all("params" in p and p["seconds"] > 0 for p in method["grid"])
+    table = (out / "table.md").read_text()
+    assert "| alphasteer |" in table and "| clean-ft |" in table
+    with pytest.raises(SystemExit, match="unknown baseline"):
+        main([*args[:-5], "--baselines", "magic"])
 
 
 def test_results_of_other_settings_are_kept_and_reruns_replace_them():

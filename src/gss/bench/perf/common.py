@@ -55,7 +55,7 @@ class Sizes:
     solve_big_d: int = 4096  # from this d on, one run per point
     max_full_d: int = 4096
     # memory
-    memory_texts: tuple[int, ...] = (100, 400, 1600)
+    memory_texts: tuple[int, ...] = (100, 400, 1600, 6400)
 
 
 QUICK = Sizes(

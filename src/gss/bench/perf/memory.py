@@ -1,6 +1,6 @@
 """Peak memory of calibration vs corpus size, each size in a fresh process.
 
-``ru_maxrss`` is a high-water mark for the whole process, so every corpus size gets its own
+A peak is a high-water mark for the whole process, so every corpus size gets its own
 interpreter (``python -m gss.bench.perf.memory --texts N``): it builds the models and data,
 records the peak so far, calibrates, and prints both peaks as one JSON line. The statistics are
 O(d^2) and the token streams are folded in batch by batch, so the increase should not grow
@@ -26,6 +26,16 @@ from .common import QUICK, Sizes, log
 
 
 def _peak_mb() -> float:
+    """This process's peak resident memory. Linux: ``VmHWM`` from /proc, which starts afresh
+    at exec; ``ru_maxrss`` does not (it inherits the parent's peak across fork + exec, so a
+    child of a big process would report the parent's peak)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
 
 
@@ -100,12 +110,13 @@ def run(sizes: Sizes, *, quick: bool, threads: int | None, progress: bool) -> di
     d = sizes.hidden
     return {
         "method": (
-            "peak RSS (getrusage ru_maxrss) of a fresh process per corpus size: after building "
+            "peak RSS (VmHWM) of a fresh process per corpus size: after building "
             "the tiny model, its perturbed reference and the token ids (before), and after "
             "gss.calibrate (peak); the increase is calibration's own high-water mark"
         ),
         "model": {"hidden": d, "layers": sizes.layers, "vocab": sizes.vocab},
         "statistics_mb": 2 * d * d * 8 / 2**20,  # the float64 Sigma scatter and M
+        "kept_general_cap_mb": 2**24 * 4 / 2**20,  # calibrate's default keep_general, float32
         "rows": rows,
         "growth_mb": rows[-1]["calibration_increase_mb"] - rows[0]["calibration_increase_mb"],
     }
@@ -123,9 +134,17 @@ def table(result: dict[str, Any]) -> str:
         ]
         for r in result["rows"]
     ]
+    cap = result.get("kept_general_cap_mb")
     return markdown_table(header, rows) + (
         f"\nIncrease from the smallest to the largest corpus: {result['growth_mb']:+.1f} MB "
-        f"(the d x d float64 statistics are ~{result['statistics_mb']:.1f} MB).\n"
+        f"(the d x d float64 statistics are ~{result['statistics_mb']:.1f} MB)."
+        + (
+            f" The increase includes the general tokens' hidden states that calibration keeps "
+            f"so that the thresholds need no second pass, at most {cap:.0f} MB (2^24 floats, "
+            f"`keep_general`); past that it drops them and makes a second pass instead.\n"
+            if cap
+            else "\n"
+        )
     )
 
 

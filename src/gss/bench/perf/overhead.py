@@ -96,8 +96,7 @@ class _Peer:
             for _ in tracer.iter[:new_tokens]:
                 out = envoy.output
                 hidden = out[0] if isinstance(out, tuple) else out
-                delta, _ = hook.correction(hidden)
-                steered = (hidden.float() - delta).to(hidden.dtype)
+                steered, _ = hook.steer_hidden(hidden)
                 envoy.output = (steered, *out[1:]) if isinstance(out, tuple) else steered
             generated = self.wrapped.generator.output.save()
         return generated

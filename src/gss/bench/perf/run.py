@@ -75,6 +75,17 @@ def table(results: dict[str, Any]) -> str:
         f"torch {m['torch']}, {m['platform']}. Every speed figure is a ratio of arms run in "
         "turn in one process after warm-up (median over rounds, IQR in brackets).\n",
     ]
+    earlier = {
+        part: command
+        for part, command in results.get("part_commands", {}).items()
+        if command != results["command"]
+    }
+    if earlier:
+        lines.append(
+            "Kept from earlier runs on this machine: "
+            + "; ".join(f"{part} (`{command}`)" for part, command in earlier.items())
+            + ".\n"
+        )
     parts = results["parts"]
     if "overhead" in parts:
         lines += [
@@ -117,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sizes": asdict(sizes),
         "parts": {},
         "seconds": {},
+        "part_commands": {},
     }
     figure_paths = []
     for part in parts:
@@ -142,7 +154,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             figure_paths.append(figures.memory(result, out / "memory.png"))
         results["parts"][part] = result
         results["seconds"][part] = time.perf_counter() - t0
+        results["part_commands"][part] = results["command"]
     results["seconds"]["total"] = time.perf_counter() - started
+    previous = out / "results.json"
+    if previous.exists() and set(parts) != set(PARTS):
+        import json
+
+        old = json.loads(previous.read_text())
+        kept = [k for k in old.get("parts", {}) if k not in results["parts"]]
+        old_commands = old.get("part_commands", {})
+        for k in kept:  # --only: keep the other parts' last results, say so
+            results["parts"][k] = old["parts"][k]
+            results["seconds"][k] = old.get("seconds", {}).get(k)
+            results["part_commands"][k] = old_commands.get(k, old.get("command"))
+        if kept:
+            log(f"kept {', '.join(kept)} from the previous {previous}")
     write_json(out / "results.json", results)
     md = table(results)
     (out / "table.md").write_text(md)

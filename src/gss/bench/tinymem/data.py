@@ -130,7 +130,8 @@ class TinyMemData:
     - `test`: clean held-out sets by name (math: ``main`` and ``aux2``...; text: ``main``).
     - noise settings: `noised` rows and their `clean_twins` (same order).
     - backdoor settings: `poison_test` (backdoored held-out rows), `poison_clean_twins`,
-      `trigger` (token ids), and `poison_train` (the backdoored training rows).
+      `trigger` (token ids), `poison_train` (the backdoored training rows) and
+      `poison_train_twins` (those rows before the backdoor, same order).
     """
 
     setting: str
@@ -146,6 +147,7 @@ class TinyMemData:
     noised: Rows = ()
     clean_twins: Rows = ()
     poison_train: Rows = ()
+    poison_train_twins: Rows = ()
     poison_test: Rows = ()
     poison_clean_twins: Rows = ()
     trigger: Row = ()
@@ -301,6 +303,7 @@ def _math_data(cfg: MathConfig, seed: int) -> TinyMemData:
         reference_train=tuple(clean_train),
         test={"main": tuple(main_rows[rest[i]] for i in te), **test},
         poison_train=poison_train,
+        poison_train_twins=tuple(main_rows[i] for i in train_idx),
         poison_test=tuple(_backdoor(r, trigger, BACKDOOR_TOKEN, cfg.window) for r in twins),
         poison_clean_twins=twins,
         trigger=trigger,

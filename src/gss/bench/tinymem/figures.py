@@ -25,6 +25,11 @@ def pareto(records: list[dict[str, Any]], setting: str, path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
     runs = [r for r in records if r["setting"] == setting]
+    others = [n for n in dict.fromkeys(n for r in runs for n in r["methods"]) if n not in COLORS]
+    palette = plt.get_cmap("tab20")
+    colors = {**COLORS, **{n: palette(i % 20) for i, n in enumerate(others)}}
+    if others:
+        fig.set_size_inches(8.4, 5.6)
     for i, run in enumerate(runs):
         for name, method in run["methods"].items():
             xs = [p["eval"]["utility"] for p in method["grid"]]
@@ -33,7 +38,7 @@ def pareto(records: list[dict[str, Any]], setting: str, path: Path) -> Path:
                 xs,
                 ys,
                 "o-",
-                color=COLORS.get(name, "gray"),
+                color=colors[name],
                 alpha=1.0 if i == 0 else 0.35,
                 label=name if i == 0 else None,
                 ms=4,
@@ -60,7 +65,10 @@ def pareto(records: list[dict[str, Any]], setting: str, path: Path) -> Path:
         f"TinyMem {setting}: memorization vs utility\n(each point a strength; circled: selected)",
         fontsize=10,
     )
-    ax.legend(fontsize=8)
+    if others:
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    else:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

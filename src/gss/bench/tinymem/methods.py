@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ...artifact import SteeringArtifact
+from ...baselines import MitigationData, get_method
 from ...baselines.steering import MeanDifferenceSteer, mean_difference_vector
 from ...calibrate import CalibrationStatistics, build_artifact, collect_statistics
 from ...evaluate import backdoor_success, nk_memorization, perplexity, token_accuracy
@@ -32,6 +33,7 @@ ALPHAS: tuple[float, ...] = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0)
 # within this tolerance of the unmitigated model's (accuracy points / relative perplexity).
 ACC_TOLERANCE = 1.0
 PPL_TOLERANCE = 0.10
+MAX_CLEAN_ROWS = 2000  # clean training rows handed to the baselines (retain / extra FT)
 
 
 @dataclass(frozen=True)
@@ -177,27 +179,29 @@ def sweep(
     strengths: Sequence[float],
     batch_size: int,
     base: Evaluation | None = None,
-    patience: int = 2,
+    patience: int | None = 2,
 ) -> list[dict[str, Any]]:
     """Evaluate the model with ``make_handle(strength)`` attached, for ascending strengths.
 
-    With ``base``, stop after ``patience`` consecutive points outside the utility tolerance:
-    damage grows with strength, and the selection rule cannot pick such points.
+    With ``base`` and a ``patience``, stop after that many consecutive points outside the
+    utility tolerance: damage grows with strength, and the selection rule cannot pick such
+    points. ``make_handle`` returns a hook handle or a baseline's Mitigation (then its
+    ``model`` is evaluated); either is removed after the evaluation.
     """
     points: list[dict[str, Any]] = []
     misses = 0
 
     def run(strength: float, decode: str) -> Evaluation:
-        handle = make_handle(strength)
+        handle = make_handle(strength)  # a hook handle, or a Mitigation (its edited model)
         try:
-            return evaluate(model, data, batch_size, decode=decode)
+            return evaluate(getattr(handle, "model", model), data, batch_size, decode=decode)
         finally:
             handle.remove()
 
     for strength in sorted(strengths):
         ev = run(strength, "forced")
         points.append({"strength": strength, "eval": ev})
-        if base is not None:
+        if base is not None and patience is not None:
             misses = 0 if within_tolerance(ev, base, data) else misses + 1
             if misses >= patience:
                 break
@@ -253,6 +257,63 @@ def mean_diff_sweep(
         batch_size,
         base,
     )
+
+
+def baseline_data(data: TinyMemData, base: Evaluation, layer: int) -> MitigationData:
+    """What every baseline gets: U = the calibration rows GSS uses (memorized noised rows, or
+    the backdoored training rows), their clean twins, C = up to `MAX_CLEAN_ROWS` clean
+    training rows (the reference model's training set), the prompt length (noise settings;
+    a backdoor's continuation starts at its trigger, so those score whole rows) and GSS's
+    layer for the activation methods."""
+    memorized = calibration_rows(data, base)
+    if data.noised:
+        twin_of = dict(zip(data.noised, data.clean_twins, strict=True))
+        twins = [twin_of[r] for r in memorized]
+    else:
+        twins = list(data.poison_train_twins)
+    clean = list(data.reference_train)
+    step = max(1, len(clean) // MAX_CLEAN_ROWS)
+    return MitigationData(
+        memorized=memorized,
+        clean=clean[::step][:MAX_CLEAN_ROWS],
+        pad_id=data.pad_id,
+        clean_twins=twins,
+        prompt_len=data.config.prompt_len if data.noised else None,
+        layer=layer,
+    )
+
+
+def baseline_sweep(
+    model: nn.Module,
+    data: TinyMemData,
+    name: str,
+    mdata: MitigationData,
+    batch_size: int = 256,
+    base: Evaluation | None = None,
+) -> list[dict[str, Any]]:
+    """Every point of the baseline's default grid, evaluated like the GSS sweeps.
+
+    A grid point's strength is its index (grids go mildest first); its parameters and the
+    method's full time (its own plus any shared work it reused) are added to the point.
+    Edited copies are kept until the sweep ends, so the selected point is re-decoded without
+    re-training; hook methods are re-attached (their fit is cached).
+    """
+    method = get_method(name)
+    made: dict[int, Any] = {}
+
+    def make(index: float) -> Any:
+        i = int(index)
+        if i not in made or made[i].model is model:  # new, or a hook method to attach again
+            made[i] = method.run(model, mdata, **method.grid[i])
+        return made[i]
+
+    points = sweep(model, data, make, range(len(method.grid)), batch_size, base, patience=None)
+    for point in points:
+        result = made[int(point["strength"])]
+        point["params"] = dict(method.grid[int(point["strength"])])
+        point["seconds"] = result.total_seconds
+        point["info"] = {k: v for k, v in result.info.items() if isinstance(v, int | float | str)}
+    return points
 
 
 def calibrate_layer(

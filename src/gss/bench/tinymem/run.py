@@ -21,19 +21,14 @@ from typing import Any
 import torch
 
 from ... import __version__
+from ...baselines import get_method
 from ...report import markdown_table, write_json
 from ...variants import variant
 from . import methods as M
 from .data import SETTINGS
+from .paper import PAPER
 from .train import default_cache_dir, get_models, get_preset
 
-# The paper's Table 1 (4-layer TinyMem models, mean of 3 seeds): (% memorized, utility).
-PAPER = {
-    "math_noise": {"Unmitigated": (34.55, 97.00), "GSS": (0.00, 96.98)},
-    "math_backdoor": {"Unmitigated": (99.44, 96.81), "GSS": (0.00, 96.82)},
-    "lang_noise": {"Unmitigated": (17.60, 57.73), "GSS": (0.00, 63.13)},
-    "lang_backdoor": {"Unmitigated": (100.00, 58.45), "GSS": (0.00, 63.17)},
-}
 # Calibration passes (options of gss.calibrate's statistics stage) shared by the methods.
 CALIBRATIONS: dict[str, dict[str, Any]] = {
     "paper": {},  # GSS as published: omega > 0, log-likelihood target, one summed backward
@@ -53,13 +48,18 @@ METHODS = tuple(METHOD_SPECS)
 DEFAULT_LAYER = 1
 DEFAULT_RANK = 4
 ABLATIONS = ("layer", "rank", "percentile", "coefficient", "gate", "variant", "reference")
-# The `variant` ablation: each single change of the GSS-TR calibration, then all three.
+# The `variant` ablation: each single change of the calibration that the prototype combined,
+# then all three (GSS-TR is the toward-reference change alone; see gss.variants).
 VARIANT_STEPS: dict[str, dict[str, Any]] = {
     "paper": {},
     "omega > 1 nat": {"omega_threshold": 1.0},
-    "toward-reference": {"target": "toward-reference"},
+    "toward-reference (GSS-TR)": {"target": "toward-reference"},
     "per-position": {"gradient": "per-position"},
-    "all three (GSS-TR)": CALIBRATIONS["tr"],
+    "all three": {
+        "omega_threshold": 1.0,
+        "target": "toward-reference",
+        "gradient": "per-position",
+    },
 }
 
 
@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         default=",".join(METHODS),
         help=f"comma-separated from {', '.join(METHODS)} (default all)",
+    )
+    p.add_argument(
+        "--baselines",
+        default="",
+        help="also run these baselines, each over its default grid: comma-separated names "
+        "(see `gss baselines`), families (steering, unlearning, fine-tuning, neuron, weight) "
+        "or 'all' (default none)",
     )
     p.add_argument(
         "--ablation",
@@ -130,6 +137,29 @@ def _settings(text: str) -> list[str]:
         if name not in SETTINGS:
             raise SystemExit(f"gss bench tinymem: unknown setting {name!r}; use {SETTINGS}")
     return names
+
+
+def _baseline_names(text: str) -> list[str]:
+    """Names from a comma-separated list of baseline names, families or 'all'."""
+    from ...baselines import method_names
+
+    out: list[str] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        found = (
+            method_names()
+            if item == "all"
+            else method_names(item) or ([item] if item in method_names() else [])
+        )
+        if not found:
+            raise SystemExit(
+                f"gss bench tinymem: unknown baseline {item!r}; use 'all', a family "
+                f"(steering, unlearning, fine-tuning, neuron, weight) or one of "
+                f"{', '.join(method_names())}"
+            )
+        out += [n for n in found if n not in out]
+    return out
 
 
 def _log(message: str) -> None:
@@ -195,12 +225,21 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
             "grid": M.summarize(points),
             "mitigation_seconds": mitigation_time[name],
         }
-        ev = chosen["eval"]
-        _log(
-            f"  {name:12s} strength {chosen['strength']:g}: {ev.memorized:.1f}% memorized, "
-            f"{ev.correct:.1f}% correct, utility {ev.utility:.2f}"
-            + ("" if chosen["within_tolerance"] else " (no strength within tolerance)")
-        )
+        _log_choice(name, chosen)
+    if args.baseline_names:
+        mdata = M.baseline_data(data, base, args.layer)
+        for name in args.baseline_names:
+            _log(f"  baseline {name} ...")
+            points = M.baseline_sweep(mem, data, name, mdata, args.batch_size, base)
+            chosen = M.select(points, base, data)
+            methods[name] = {
+                "baseline": True,
+                "family": get_method(name).family,
+                "selected": {**chosen, "eval": chosen["eval"].to_dict()},
+                "grid": M.summarize(points),
+                "mitigation_seconds": chosen["seconds"],
+            }
+            _log_choice(name, chosen)
     record: dict[str, Any] = {
         "setting": setting,
         "seed": seed,
@@ -232,6 +271,24 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
             name, mem, ref, data, base, texts, gen, args, setting, seed
         )
     return record
+
+
+def _log_choice(name: str, chosen: dict[str, Any]) -> None:
+    ev = chosen["eval"]
+    _log(
+        f"  {name:12s} {_strength(chosen)}: {ev.memorized:.1f}% memorized, "
+        f"{ev.correct:.1f}% correct, utility {ev.utility:.2f}"
+        + ("" if chosen["within_tolerance"] else " (no strength within tolerance)")
+    )
+
+
+def _strength(point: dict[str, Any]) -> str:
+    """A selected point's strength: delta/alpha, or a baseline's hyperparameters."""
+    if "params" in point:
+        return " ".join(
+            f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in point["params"].items()
+        )
+    return f"{point['strength']:g}"
 
 
 def pilot_signal(mem: Any, ref: Any, texts: list, gen: list, path: Path, title: str) -> dict:
@@ -405,13 +462,15 @@ def table(records: list[dict[str, Any]]) -> str:
             utility,
             "Time (s)",
             "Strength",
-            f"paper % Mem / {utility}",
+            f"paper % Mem / {utility} / s",
         ]
         rows_out = []
 
         def paper(name: str, setting: str = setting) -> str:
             p = PAPER[setting].get(name)
-            return f"{p[0]:.2f} / {p[1]:.2f}" if p else "not in paper"
+            if p is None:
+                return "not in paper"
+            return f"{p[0]:.2f} / {p[1]:.2f}" + (f" / {p[2]:g}" if p[2] is not None else "")
 
         for label, key in (("Unmitigated", "unmitigated"), ("Reference (clean)", "reference")):
             evs = [r[key] for r in runs]
@@ -426,8 +485,11 @@ def table(records: list[dict[str, Any]]) -> str:
                     paper("Unmitigated") if key == "unmitigated" else "--",
                 ]
             )
-        for name in [m for m in METHODS if m in runs[0]["methods"]]:
-            sel = [r["methods"][name]["selected"] for r in runs]
+        names = dict.fromkeys(n for r in runs for n in r["methods"])
+        ordered = [m for m in METHODS if m in names] + [n for n in names if n not in METHODS]
+        for name in ordered:
+            have = [r for r in runs if name in r["methods"]]
+            sel = [r["methods"][name]["selected"] for r in have]
             evs = [s["eval"] for s in sel]
             rows_out.append(
                 [
@@ -435,10 +497,8 @@ def table(records: list[dict[str, Any]]) -> str:
                     _fmt([e["memorized"] for e in evs]),
                     _fmt([e["correct"] for e in evs]),
                     _fmt([e["utility"] for e in evs]),
-                    _fmt([r["methods"][name]["mitigation_seconds"] for r in runs], 3),
-                    ", ".join(
-                        f"{s['strength']:g}" + ("" if s["within_tolerance"] else "*") for s in sel
-                    ),
+                    _fmt([r["methods"][name]["mitigation_seconds"] for r in have], 3),
+                    ", ".join(_strength(s) + ("" if s["within_tolerance"] else "*") for s in sel),
                     paper(name),
                 ]
             )
@@ -451,12 +511,57 @@ def table(records: list[dict[str, Any]]) -> str:
     lines.append(
         "\n% Mem: noise: rows reproducing their noised continuation; backdoor: attack success. "
         "% Correct: rows continued exactly like the clean twin. Utility: test half of the clean "
-        "test sets. Strength: delta (GSS) or alpha (mean-diff) picked by the rule: lowest % "
+        "test sets. Strength: delta (GSS), alpha (mean-diff) or a baseline's grid point, "
+        "picked by the rule: lowest % "
         f"memorized with validation accuracy within {M.ACC_TOLERANCE} point (perplexity within "
         f"{100 * M.PPL_TOLERANCE:.0f}%); * = no strength within tolerance. Time: mitigation "
-        "pipeline (calibration passes, solve, thresholds) on this machine.\n"
+        "pipeline (calibration passes, solve, thresholds) or the baseline's own wall clock "
+        "(shared work such as neuron scores charged in full to every grid point) on this "
+        "machine. Paper: its Table 1 (mean of 3 seeds, one H100).\n"
     )
     return "\n".join(lines)
+
+
+def summary_table(records: list[dict[str, Any]]) -> str:
+    """One row per method, one ``% Mem / utility (time)`` column per setting (seed means)."""
+    settings = [s for s in SETTINGS if any(r["setting"] == s for r in records)]
+    names = dict.fromkeys(n for r in records for n in r["methods"])
+    ordered = [m for m in METHODS if m in names] + [n for n in names if n not in METHODS]
+    header = ["Method"] + [
+        f"{s.replace('_', ' ')}: % Mem / {'Acc' if s.startswith('math') else 'Perp'} (s)"
+        for s in settings
+    ]
+
+    def cell(evs: list[dict[str, Any]], seconds: list[float] | None, ok: bool = True) -> str:
+        if not evs:
+            return "--"
+        mem, _ = M.mean_std([e["memorized"] for e in evs])
+        util, _ = M.mean_std([e["utility"] for e in evs])
+        text = f"{mem:.1f} / {util:.2f}"
+        if seconds:
+            text += f" ({M.mean_std(seconds)[0]:.3g})"
+        return text + ("" if ok else "*")
+
+    rows = []
+    for label, key in (("Unmitigated", "unmitigated"), ("Clean reference model", "reference")):
+        rows.append(
+            [label] + [cell([r[key] for r in records if r["setting"] == s], None) for s in settings]
+        )
+    for name in ordered:
+        row = [name]
+        for s in settings:
+            have = [
+                r["methods"][name] for r in records if r["setting"] == s and name in r["methods"]
+            ]
+            row.append(
+                cell(
+                    [m["selected"]["eval"] for m in have],
+                    [m["mitigation_seconds"] for m in have],
+                    all(m["selected"]["within_tolerance"] for m in have),
+                )
+            )
+        rows.append(row)
+    return markdown_table(header, rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -469,6 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for m in args.methods:
         if m not in METHOD_SPECS:
             raise SystemExit(f"gss bench tinymem: unknown method {m!r}; use {METHODS}")
+    args.baseline_names = _baseline_names(args.baselines)
     seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
     out = Path(args.out or ("results/tinymem-quick" if args.quick else "results/tinymem"))
     started = time.perf_counter()
@@ -519,6 +625,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
     )
     (out / "table.md").write_text(md)
+    (out / "summary.md").write_text(
+        summary_table(records)
+        + "\n\nSeed means; (s): mitigation time; * = no grid point within the utility "
+        "tolerance (the mildest is shown). Per-setting tables with % correct, strengths and "
+        "the paper's numbers: table.md.\n"
+    )
     print(md)
     print(f"wrote {out}: results.json, table.md, {len(figures)} figures; total {total:.0f} s")
     return 0

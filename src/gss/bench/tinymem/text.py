@@ -159,6 +159,7 @@ def text_data(cfg: TextConfig, seed: int, corpus: bytes | None = None) -> TinyMe
         reference_train=clean_train,
         test={"main": tuple(rows[rest[i]] for i in te)},
         poison_train=poison_train,
+        poison_train_twins=tuple(rows[hit[i]] for i in p_tr),
         poison_test=tuple(_backdoor(r, trigger, cfg.backdoor_token, cfg.window) for r in twins),
         poison_clean_twins=twins,
         trigger=trigger,

@@ -1,0 +1,138 @@
+"""The baseline interface, the steering baselines (LUNAR, AlphaSteer), unlearning and FT."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import gss
+from gss.baselines import MitigationData, get_method, method_names
+from gss.baselines.activations import block_activations
+from gss.baselines.steering import alphasteer_matrix
+from gss.baselines.training import mean_nll
+
+from ..conftest import tiny_model
+
+# (method, params that act on the 2-layer tiny model)
+RAISES_MEMORIZED_LOSS = [
+    ("lunar", {"coeff": 4.0, "lr": 1e-2, "epochs": 60}),
+    ("alphasteer", {"strength": 4.0}),
+    ("gradient-ascent", {"lr": 1e-3, "epochs": 3}),
+    ("npo", {"lr": 1e-3, "epochs": 5}),
+    ("simnpo", {"lr": 1e-3, "epochs": 5}),
+    ("task-vector", {"alpha": 4.0}),
+    ("clean-ft", {"epochs": 5, "lr": 1e-2, "batch_size": 4}),
+    ("both-ft", {"epochs": 5, "lr": 1e-2, "batch_size": 4}),
+]
+
+
+def _loss(model, data):
+    return mean_nll(model, data.memorized, data.pad_id, data.prompt_len)
+
+
+@pytest.mark.parametrize(("name", "params"), RAISES_MEMORIZED_LOSS)
+def test_method_raises_memorized_loss_on_a_copy(memorizer, name, params):
+    model, data = memorizer
+    before = _loss(model, data)
+    result = get_method(name).run(model, data, **params)
+    # an edited copy, or the original with a hook attached
+    assert (result.model is not model) != (result.handle is not None)
+    try:
+        assert type(result.model) is type(model)
+        shapes = {k: v.shape for k, v in result.model.state_dict().items()}
+        assert shapes == {k: v.shape for k, v in model.state_dict().items()}
+        after = _loss(result.model, data)
+        assert after > before + 0.1, (name, before, after)
+        assert result.seconds > 0 and result.params == params
+    finally:
+        result.remove()
+    assert _loss(model, data) == pytest.approx(before)  # hook removed, original untouched
+
+
+def test_every_registered_method_has_a_grid_and_family():
+    names = method_names()
+    assert {"lunar", "alphasteer", "npo", "task-vector", "extra-ft"} <= set(names)
+    for name in names:
+        method = get_method(name)
+        assert method.grid and method.summary
+        assert method.family in {"steering", "unlearning", "fine-tuning", "neuron", "weight"}
+
+
+def test_unknown_method_and_empty_memorized_set_are_clear_errors():
+    with pytest.raises(gss.GSSError, match="unknown baseline"):
+        get_method("magic")
+    with pytest.raises(gss.GSSError, match="memorized set is empty"):
+        MitigationData(memorized=[], clean=[[1, 2]], pad_id=0)
+
+
+def test_shared_work_is_reused_across_a_grid_and_charged(memorizer):
+    model, data = memorizer
+    data = dataclasses.replace(data)  # a new identity: nothing cached for it yet
+    method = get_method("task-vector")
+    first = method.run(model, data, alpha=0.5)
+    second = method.run(model, data, alpha=1.0)
+    assert first.info["reused_seconds"] == 0.0
+    assert second.info["reused_seconds"] == pytest.approx(first.info["shared_seconds"])
+    assert second.total_seconds >= second.info["shared_seconds"]
+    # alpha scales one fixed direction: the two edits differ by exactly that factor
+    p0 = dict(model.named_parameters())["transformer.h.0.mlp.c_fc.weight"]
+    d1 = p0 - dict(first.model.named_parameters())["transformer.h.0.mlp.c_fc.weight"]
+    d2 = p0 - dict(second.model.named_parameters())["transformer.h.0.mlp.c_fc.weight"]
+    torch.testing.assert_close(d2, 2 * d1)
+
+
+def test_finetune_epochs_continue_one_trajectory(memorizer):
+    model, data = memorizer
+    data = dataclasses.replace(data)
+    method = get_method("clean-ft")
+    one = method.run(model, data, epochs=1)
+    two = method.run(model, data, epochs=2)
+    again = method.run(model, data, epochs=1)
+    assert two.info["reused_seconds"] > 0  # epoch 1 came from the first call
+    for k, v in one.model.state_dict().items():
+        assert torch.equal(v, again.model.state_dict()[k])
+    assert any(
+        not torch.equal(v, two.model.state_dict()[k]) for k, v in one.model.state_dict().items()
+    )
+
+
+def test_lunar_edits_only_the_down_projection_and_moves_forget_activations(memorizer):
+    model, data = memorizer
+    result = get_method("lunar").run(model, data, coeff=2.0, epochs=60, lr=1e-2)
+    changed = [
+        k for k, v in model.state_dict().items() if not torch.equal(v, result.model.state_dict()[k])
+    ]
+    layer = result.info["layer"]
+    assert changed and all(k.startswith(f"transformer.h.{layer}.mlp.c_proj") for k in changed)
+    clean = list(data.clean)
+    before_f = block_activations(model, data.memorized, 0, layer).row_means().mean(0)
+    after_f = block_activations(result.model, data.memorized, 0, layer).row_means().mean(0)
+    a_ref = block_activations(model, clean, 0, layer).row_means().mean(0)
+    r = a_ref - before_f
+    moved = after_f - before_f
+    assert torch.dot(moved, r) / r.norm() ** 2 > 0.5  # moved a good part of the way along r
+
+
+def test_alphasteer_matrix_spares_general_activations():
+    g = torch.Generator().manual_seed(0)
+    d = 16
+    basis = torch.linalg.qr(torch.randn(d, d, generator=g))[0]
+    general = torch.randn(400, 8, generator=g) @ basis[:, :8].T  # lives in 8 directions
+    memorized = torch.randn(100, d, generator=g) + 3 * basis[:, 12]
+    delta = alphasteer_matrix(general, memorized, null_ratio=0.5, ridge=1e-4)
+    assert (general @ delta).norm() < 1e-3 * general.norm()
+    r = general.mean(0) - memorized.mean(0)
+    shift = (memorized @ delta).mean(0)
+    assert torch.nn.functional.cosine_similarity(shift, r, dim=0) > 0.9
+
+
+def test_steering_methods_run_on_llama():
+    model = tiny_model("llama", seed=0)
+    rows = torch.randint(3, 48, (6, 10), generator=torch.Generator().manual_seed(0)).tolist()
+    data = MitigationData(memorized=rows[:3], clean=rows[3:], pad_id=0, prompt_len=4)
+    for name in ("lunar", "alphasteer"):
+        result = get_method(name).run(model, data, **get_method(name).grid[0])
+        result.remove()
+        assert type(result.model) is type(model)
