@@ -15,19 +15,20 @@ Losses and positions start at ``data.prompt_len`` (the memorized continuation), 
 row when it is None.
 
 **Score cache and timing.** The score does not depend on `ratio` and is most of the cost, so it
-is cached in this process per (model and its parameter versions, U, prompt length, score
-hyperparameters): a grid over ratios scores once. Slimming and hard-concrete keep their training
-state too, so a grid over epochs 1, 10, 20 trains 20 epochs in all and reads the shorter runs
-from per-epoch snapshots (the same as separate runs: batches are not shuffled and the gate noise
-comes from a kept generator). ``Method.run`` times only what the call itself did, so each
-result's ``info`` states the score's cost:
+is kept in this process (:class:`~gss.baselines.interface.SharedWork`: per live model and data
+object, dropped when the weights change, keyed by the score's hyperparameters): a grid over
+ratios scores once. Slimming and hard-concrete keep their training state there, so a grid over
+epochs 1, 10, 20 trains 20 epochs in all and reads the shorter runs from per-epoch snapshots (the
+same as separate runs: batches are not shuffled and the gate noise comes from a kept generator).
+``Method.run`` times only what the call itself did; each result's ``info`` states the score's
+cost:
 
-- ``score_seconds``: what computing this score from scratch took (for a resumed training, all
-  of its epochs);
+- ``score_seconds`` (also ``shared_seconds``): what computing this score from scratch took (for
+  a resumed training, all of its epochs);
 - ``reused_seconds``: the part of that this call did not spend (it came from the cache);
 - ``cached_score``: whether anything was reused.
 
-The honest cost of a grid point is ``result.seconds + info["reused_seconds"]``.
+So ``result.total_seconds`` (``seconds + reused_seconds``) is a grid point's full price.
 
 Differences from TinyMem's code, each towards what the method is meant to do:
 
@@ -46,8 +47,6 @@ from __future__ import annotations
 import copy
 import math
 import time
-import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -60,7 +59,7 @@ from ..errors import GSSError
 from ..forward import accepts_position_ids, model_device, vocab_size
 from ..hook import split_block_output
 from ..layers import find_decoder_blocks
-from .interface import Mitigation, MitigationData, register
+from .interface import Mitigation, MitigationData, SharedWork, register, reuse_info
 from .mlp import MLP, mlp_layers, neuron_activations, scaled_neurons, zero_neurons
 from .training import edited_copy, loss_mask, row_batches, token_nll
 
@@ -113,61 +112,24 @@ def _check_rows(data: MitigationData) -> None:
 
 # --- score cache ----------------------------------------------------------------------------------
 
-
-@dataclass
-class _Entry:
-    """Cached scores of one (model, data, hyperparameters); `state` resumes a training."""
-
-    model: weakref.ref
-    fingerprint: tuple
-    scores: list[Tensor] | None = None
-    seconds: float = 0.0
-    state: Any = None
-
-
-_CACHE: OrderedDict[tuple, _Entry] = OrderedDict()
-_CACHE_SIZE = 16
+_SCORES = SharedWork(max_entries=16)
 
 
 def clear_score_cache() -> None:
     """Forget every cached score: the next call of each method scores from scratch."""
-    _CACHE.clear()
-
-
-def _fingerprint(model: nn.Module) -> tuple:
-    """Changes when a parameter is replaced or edited in place (its version counter moves)."""
-    return tuple((id(p), p._version) for p in model.parameters())
-
-
-def _entry(method: str, model: nn.Module, data: MitigationData, params: tuple) -> _Entry:
-    """This call's cache entry; a fresh one if the model is another object or was edited."""
-    rows = tuple(tuple(int(t) for t in row) for row in data.memorized)
-    key = (method, id(model), rows, int(data.pad_id), data.prompt_len, params)
-    entry = _CACHE.get(key)
-    if entry is None or entry.model() is not model or entry.fingerprint != _fingerprint(model):
-        entry = _CACHE[key] = _Entry(weakref.ref(model), _fingerprint(model))
-    _CACHE.move_to_end(key)
-    while len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
-    return entry
+    _SCORES.clear()
 
 
 def _cached_scores(
-    method: str,
-    model: nn.Module,
-    data: MitigationData,
-    params: tuple,
-    compute: Callable[[], list[Tensor]],
+    key: tuple, model: nn.Module, data: MitigationData, compute: Callable[[], list[Tensor]]
 ) -> tuple[list[Tensor], dict[str, Any]]:
-    """The scores from the cache, or computed (and timed) now."""
-    entry = _entry(method, model, data, params)
-    if entry.scores is not None:
-        s = entry.seconds
-        return entry.scores, {"score_seconds": s, "reused_seconds": s, "cached_score": True}
-    t0 = time.perf_counter()
-    scores = [score.detach().float().cpu() for score in compute()]
-    entry.scores, entry.seconds = scores, time.perf_counter() - t0
-    return scores, {"score_seconds": entry.seconds, "reused_seconds": 0.0, "cached_score": False}
+    """The scores from the cache, or computed (and timed) now, with their `info` entries."""
+
+    def run() -> list[Tensor]:
+        return [score.detach().float().cpu() for score in compute()]
+
+    scores, seconds, reused = _SCORES.get(model, data, key, run)
+    return scores, {**reuse_info(seconds, reused), "score_seconds": seconds, "cached_score": reused}
 
 
 # --- shared pieces --------------------------------------------------------------------------------
@@ -267,7 +229,7 @@ def act(model: nn.Module, data: MitigationData, ratio: float = 0.01) -> Mitigati
     edited = edited_copy(model)
     layers = mlp_layers(edited)
     scores, info = _cached_scores(
-        "act", model, data, (), lambda: activation_scores(edited, layers, data)
+        ("act",), model, data, lambda: activation_scores(edited, layers, data)
     )
     return _ablate(edited, layers, scores, ratio, info)
 
@@ -304,7 +266,7 @@ def _group_scale(width: int, chunk: Tensor, rows: int) -> Tensor:
 
 def _zeroed_nll(model: nn.Module, mlp: MLP, chunk: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
     """Token NLL of the rows repeated once per neuron of `chunk`, that neuron zeroed in its copy."""
-    scale = _group_scale(mlp.width, chunk, len(ids)).to(model_device(model))
+    scale = _group_scale(mlp.width, chunk, len(ids)).to(mlp.down.weight.device)
     with scaled_neurons(mlp, scale):
         return token_nll(model, ids.repeat(len(chunk), 1), mask.repeat(len(chunk), 1))
 
@@ -496,10 +458,9 @@ def zero_out(
     edited = edited_copy(model)
     layers = mlp_layers(edited)
     scores, info = _cached_scores(
-        "zero-out",
+        ("zero-out", float(candidates)),
         model,
         data,
-        (float(candidates),),
         lambda: zero_out_scores(edited, layers, data, candidates=float(candidates)),
     )
     return _ablate(edited, layers, scores, ratio, info)
@@ -637,7 +598,7 @@ def ig(model: nn.Module, data: MitigationData, ratio: float = 0.01, steps: int =
     edited = edited_copy(model)
     layers = mlp_layers(edited)
     scores, info = _cached_scores(
-        "ig", model, data, (steps,), lambda: integrated_gradient_scores(edited, layers, data, steps)
+        ("ig", steps), model, data, lambda: integrated_gradient_scores(edited, layers, data, steps)
     )
     return _ablate(edited, layers, scores, ratio, info)
 
@@ -658,18 +619,24 @@ class _GateTraining:
         stop_loss: float,
         seed: int,
     ) -> None:
-        self.kind = kind
-        self.generator = torch.Generator().manual_seed(seed)
-        if kind == "slimming":
-            self.params = [torch.ones(w, device=device, requires_grad=True) for w in widths]
-        else:  # log alpha ~ N(0, 0.01^2)
-            self.params = [
-                (torch.randn(w, generator=self.generator) * 0.01).to(device).requires_grad_(True)
-                for w in widths
-            ]
-        self.optimizer = torch.optim.Adam(self.params, lr=lr)
+        self.kind, self.widths, self.device, self.lr, self.seed = kind, widths, device, lr, seed
         self.lam, self.stop_loss = lam, stop_loss
         self.check_every = 100 if kind == "slimming" else 10
+        self.restart()
+
+    def restart(self) -> None:
+        """Back to epoch 0 (also after an interrupted epoch, which cannot be resumed)."""
+        self.generator = torch.Generator().manual_seed(self.seed)
+        if self.kind == "slimming":
+            self.params = [
+                torch.ones(w, device=self.device, requires_grad=True) for w in self.widths
+            ]
+        else:  # log alpha ~ N(0, 0.01^2)
+            self.params = [
+                (torch.randn(w, generator=self.generator) * 0.01).to(self.device).requires_grad_()
+                for w in self.widths
+            ]
+        self.optimizer = torch.optim.Adam(self.params, lr=self.lr)
         self.epochs, self.stopped, self.seconds = 0, False, 0.0
         self.snapshots: dict[int, tuple[list[Tensor], float]] = {}
 
@@ -737,23 +704,28 @@ def _gate_method(
     for name, value in (("lam", lam), ("stop_loss", stop_loss)):
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             raise GSSError(f"{name} must be a number >= 0, got {value!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise GSSError(f"seed must be an integer, got {seed!r}.")
     edited = edited_copy(model)
     layers = mlp_layers(edited)
-    entry = _entry(kind, model, data, (float(lr), float(lam), float(stop_loss), int(seed)))
-    if entry.state is None:
-        widths = [m.width for m in layers]
-        entry.state = _GateTraining(kind, widths, model_device(edited), lr, lam, stop_loss, seed)
-    training: _GateTraining = entry.state
+    widths, device = [m.width for m in layers], model_device(edited)
+    training, _, _ = _SCORES.get(
+        model,
+        data,
+        (kind, float(lr), float(lam), float(stop_loss), seed),
+        lambda: _GateTraining(kind, widths, device, lr, lam, stop_loss, seed),
+    )
     done, spent = training.epochs, training.seconds
     try:
         training.train_to(epochs, edited, layers, data)
     except BaseException:
-        entry.state = None  # a half-finished epoch cannot be resumed
+        training.restart()
         raise
     scores, seconds = training.at(epochs)
     info = {
+        **reuse_info(seconds, False),
+        "reused_seconds": min(seconds, spent),  # epochs trained by earlier calls
         "score_seconds": seconds,
-        "reused_seconds": min(seconds, spent),
         "cached_score": done > 0,
         "epochs_trained": min(epochs, training.epochs),
         "stopped_early": training.stopped and training.epochs < epochs,
