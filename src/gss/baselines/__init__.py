@@ -26,11 +26,7 @@ _MODULES = ("steering", "redirect", "unlearning", "finetune", "neurons", "weight
 
 def _load_all() -> None:
     for name in _MODULES:
-        try:
-            importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as err:
-            if err.name != f"{__name__}.{name}":
-                raise
+        importlib.import_module(f"{__name__}.{name}")
 
 
 __all__ = [

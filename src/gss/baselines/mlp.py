@@ -23,7 +23,7 @@ _GATE = ("gate_proj",)
 _DOWN = ("c_proj", "down_proj", "dense_4h_to_h", "fc2", "fc_out", "w2")
 
 
-def _is_conv1d(module: nn.Module) -> bool:
+def is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D"
 
 
@@ -39,7 +39,7 @@ class MLP:
     @property
     def width(self) -> int:
         """Number of neurons."""
-        return int(self.down.weight.shape[0 if _is_conv1d(self.down) else 1])
+        return int(self.down.weight.shape[0 if is_conv1d(self.down) else 1])
 
     def neuron_inputs(self) -> list[tuple[Tensor, int]]:
         """``(tensor, dim)`` pairs whose slice ``i`` along ``dim`` feeds neuron ``i``."""
@@ -47,14 +47,14 @@ class MLP:
         for proj in (self.up, self.gate):
             if proj is None:
                 continue
-            out.append((proj.weight, 1 if _is_conv1d(proj) else 0))
+            out.append((proj.weight, 1 if is_conv1d(proj) else 0))
             if getattr(proj, "bias", None) is not None:
                 out.append((proj.bias, 0))
         return out
 
     def neuron_outputs(self) -> tuple[Tensor, int]:
         """``(weight, dim)``: slice ``i`` along ``dim`` is neuron ``i``'s output vector."""
-        return self.down.weight, 0 if _is_conv1d(self.down) else 1
+        return self.down.weight, 0 if is_conv1d(self.down) else 1
 
     def output_norms(self) -> Tensor:
         """L2 norm of each neuron's output vector (float32)."""

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .activations import BlockActivations, block_activations, default_layer
 from .interface import Mitigation, MitigationData, SharedWork, register, reuse_info
-from .mlp import _is_conv1d, mlp_layers
+from .mlp import is_conv1d, mlp_layers
 from .training import edited_copy
 
 MAX_CLEAN_ROWS = 256  # clean rows kept for the retain term and a_ref
@@ -57,7 +57,7 @@ def lunar(
 
     edited = edited_copy(model)
     down = mlp_layers(edited)[layer].down
-    conv = _is_conv1d(down)
+    conv = is_conv1d(down)
     weight = (down.weight.detach().float() if conv else down.weight.detach().float().T).clone()
     bias0 = down.bias.detach().float().clone() if down.bias is not None else None
 
