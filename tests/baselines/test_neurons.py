@@ -58,6 +58,9 @@ def test_registered_as_neuron_family():
         method = get_method(name)
         assert method.family == "neuron"
         assert [p["ratio"] for p in method.grid][:1] == [0.001]  # mildest first
+        # only zero-out's grid is cheaper than TinyMem's, and it says how
+        assert bool(method.reduced_grid) == (name == "zero-out")
+    assert {p["candidates"] for p in get_method("zero-out").grid} == {nm.ZERO_OUT_CANDIDATES}
 
 
 @pytest.mark.parametrize("name", METHODS)
