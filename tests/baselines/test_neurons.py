@@ -58,9 +58,10 @@ def test_registered_as_neuron_family():
         method = get_method(name)
         assert method.family == "neuron"
         assert [p["ratio"] for p in method.grid][:1] == [0.001]  # mildest first
-        # only zero-out's grid is cheaper than TinyMem's, and it says how
-        assert bool(method.reduced_grid) == (name == "zero-out")
+        # only zero-out's and IG's grids are cheaper than TinyMem's, and they say how
+        assert bool(method.reduced_grid) == (name in ("zero-out", "ig"))
     assert {p["candidates"] for p in get_method("zero-out").grid} == {nm.ZERO_OUT_CANDIDATES}
+    assert {p["max_positions"] for p in get_method("ig").grid} == {nm.IG_MAX_POSITIONS}
 
 
 @pytest.mark.parametrize("name", METHODS)
@@ -235,6 +236,22 @@ def test_ig_matches_the_cut_input_definition(memorizer, arch):
     for got, want in zip(fast, reference, strict=True):
         assert want.abs().max() > 0
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-3)
+
+
+def test_ig_position_sample_is_fixed_and_capped(memorizer):
+    """A cap below the positions available scores exactly that many, the same ones every call;
+    a cap above them scores everything (the sample is the full set)."""
+    _, data = memorizer
+    every = nm._ig_positions(data, None)
+    total = sum(len(p) for _, p in every)
+    sample = nm._ig_positions(data, total // 3)
+    assert sum(len(p) for _, p in sample) == total // 3
+    again = nm._ig_positions(data, total // 3)
+    assert [p.tolist() for _, p in sample] == [p.tolist() for _, p in again]
+    by_row = {id(row): set(p.tolist()) for row, p in every}
+    assert all(set(p.tolist()) <= by_row[id(row)] for row, p in sample)
+    whole = nm._ig_positions(data, total)
+    assert [p.tolist() for _, p in whole] == [p.tolist() for _, p in every]
 
 
 @pytest.mark.parametrize("name", ["slimming", "hard-concrete"])

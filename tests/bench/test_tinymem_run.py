@@ -61,8 +61,26 @@ def test_baselines_join_the_table_with_their_grids(tmp_path, cache):
         assert all("params" in p and p["seconds"] > 0 for p in method["grid"])
     table = (out / "table.md").read_text()
     assert "| alphasteer |" in table and "| clean-ft |" in table
+    assert not (out / "partial").exists()  # the finished run's checkpoint is gone
     with pytest.raises(SystemExit, match="unknown baseline"):
         main([*args[:-5], "--baselines", "magic"])
+
+
+def test_an_interrupted_baseline_run_resumes_only_on_the_same_models(tmp_path):
+    from gss.bench.tinymem.run import BaselineCheckpoint
+
+    models = {"memorized": {"cache": "/c/abc"}, "reference": {"cache": "/c/def"}}
+    first = BaselineCheckpoint(tmp_path, "math_noise", 0, "default", models)
+    assert first.done == {}
+    first.save("act", {"selected": {"tag": 1}})
+    first.save("ig", {"selected": {"tag": 2}})
+    resumed = BaselineCheckpoint(tmp_path, "math_noise", 0, "default", models)
+    assert resumed.done == {"act": {"selected": {"tag": 1}}, "ig": {"selected": {"tag": 2}}}
+    retrained = {**models, "memorized": {"cache": "/c/other"}}
+    assert BaselineCheckpoint(tmp_path, "math_noise", 0, "default", retrained).done == {}
+    assert BaselineCheckpoint(tmp_path, "math_noise", 1, "default", models).done == {}
+    BaselineCheckpoint.clear(tmp_path, {"setting": "math_noise", "seed": 0, "preset": "default"})
+    assert not (tmp_path / "partial").exists()
 
 
 def test_results_of_other_settings_are_kept_and_reruns_replace_them():

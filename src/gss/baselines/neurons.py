@@ -7,7 +7,8 @@ an edited copy with :func:`gss.baselines.mlp.zero_neurons`. Only MLP parameters 
 - ``zero-out``: the loss increase on U when that single neuron is zeroed (its default grid
   scores exactly only the candidates of a first-order estimate: see ``reduced_grid``);
 - ``act``: mean |activation| on U times the norm of the neuron's output weights;
-- ``ig``: integrated gradients of the true next token's probability w.r.t. the activation;
+- ``ig``: integrated gradients of the true next token's probability w.r.t. the activation (its
+  default grid scores a fixed sample of positions: see ``reduced_grid``);
 - ``slimming``: a learned [0, 1] coefficient per neuron under an L1 penalty;
 - ``hard-concrete``: a learned L0 (hard-concrete) gate per neuron.
 
@@ -427,6 +428,7 @@ def zero_out_scores(
 
 
 ZERO_OUT_CANDIDATES = 0.125
+IG_MAX_POSITIONS = 10_000
 
 
 @register(
@@ -492,11 +494,39 @@ def _cache_floats(cache: Any) -> int:
     return max(total, 1)
 
 
+def _ig_positions(
+    data: MitigationData, max_positions: int | None
+) -> list[tuple[Sequence[int], Tensor]]:
+    """(row, positions scored in it) for every row of U with positions after the prompt; when
+    more than `max_positions` (row, position) pairs exist, a fixed (seed 0) uniform sample of
+    that many, so the score costs the same on every run."""
+    start = max((data.prompt_len or 1) - 1, 0)
+    rows = [(row, torch.arange(start, len(row) - 1)) for row in data.memorized]
+    rows = [(row, positions) for row, positions in rows if len(positions)]
+    total = sum(len(positions) for _, positions in rows)
+    if max_positions is None or total <= max_positions:
+        return rows
+    keep = torch.zeros(total, dtype=torch.bool)
+    keep[torch.randperm(total, generator=torch.Generator().manual_seed(0))[:max_positions]] = True
+    sampled, offset = [], 0
+    for row, positions in rows:
+        chosen = positions[keep[offset : offset + len(positions)]]
+        offset += len(positions)
+        if len(chosen):
+            sampled.append((row, chosen))
+    return sampled
+
+
 def integrated_gradient_scores(
-    model: nn.Module, layers: list[MLP], data: MitigationData, steps: int = 20
+    model: nn.Module,
+    layers: list[MLP],
+    data: MitigationData,
+    steps: int = 20,
+    max_positions: int | None = None,
 ) -> list[Tensor]:
     """IG attribution of each neuron to the true next token's probability, averaged over the
-    positions after the prompt of each row, then over rows.
+    positions after the prompt of each row, then over rows (`max_positions`: score a fixed
+    sample of that many (row, position) pairs instead of all).
 
     At position t the reference cuts the row to t + 1 tokens and scales the last position's
     activations by alpha. Positions before t do not depend on t, so this runs the row once to
@@ -506,13 +536,9 @@ def integrated_gradient_scores(
     """
     device = model_device(model)
     alphas = torch.linspace(0.0, 1.0, steps)
-    start = max((data.prompt_len or 1) - 1, 0)
     totals = [torch.zeros(m.width, dtype=torch.float64) for m in layers]
     used = 0
-    for row in data.memorized:
-        positions = torch.arange(start, len(row) - 1)
-        if len(positions) == 0:
-            continue
+    for row, positions in _ig_positions(data, max_positions):
         ids = torch.tensor([list(row)], dtype=torch.long, device=device)
         with torch.no_grad():
             cache = model(input_ids=ids, use_cache=True).past_key_values
@@ -587,18 +613,37 @@ def _ig_chunk(
 @register(
     "ig",
     "neuron",
-    [{"ratio": r} for r in RATIOS],
+    [{"ratio": r, "max_positions": IG_MAX_POSITIONS} for r in RATIOS],
     "ablate the MLP neurons with the largest integrated-gradients attribution to U's tokens",
+    reduced_grid=(
+        f"scores a fixed sample of at most {IG_MAX_POSITIONS:,} (row, position) pairs of U "
+        "(each costs steps x layers single-token passes): all of them on TinyMem math noise "
+        "(162 x 51 positions, 83 s) and language noise, 18% of math backdoor's 452 x 120 "
+        "(all of them took 28 min), 75% of language backdoor's 207 x 64. "
+        "max_positions=None is the full method"
+    ),
 )
-def ig(model: nn.Module, data: MitigationData, ratio: float = 0.01, steps: int = 20) -> Mitigation:
-    """Integrated gradients (zero baseline, `steps` alphas evenly spaced in [0, 1])."""
+def ig(
+    model: nn.Module,
+    data: MitigationData,
+    ratio: float = 0.01,
+    steps: int = 20,
+    max_positions: int | None = None,
+) -> Mitigation:
+    """Integrated gradients (zero baseline, `steps` alphas evenly spaced in [0, 1]), over all
+    positions of U after the prompt or a fixed sample of `max_positions` of them."""
     ratio = _check_ratio(ratio)
     _check_rows(data)
     _check_positive("steps", steps, integer=True)
+    if max_positions is not None:
+        _check_positive("max_positions", max_positions, integer=True)
     edited = edited_copy(model)
     layers = mlp_layers(edited)
     scores, info = _cached_scores(
-        ("ig", steps), model, data, lambda: integrated_gradient_scores(edited, layers, data, steps)
+        ("ig", steps, max_positions),
+        model,
+        data,
+        lambda: integrated_gradient_scores(edited, layers, data, steps, max_positions),
     )
     return _ablate(edited, layers, scores, ratio, info)
 

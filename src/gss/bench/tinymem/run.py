@@ -228,7 +228,13 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
         _log_choice(name, chosen)
     if args.baseline_names:
         mdata = M.baseline_data(data, base, args.layer)
+        checkpoint = BaselineCheckpoint(out, setting, seed, preset, info)
         for name in args.baseline_names:
+            row = checkpoint.done.get(name)
+            if row is not None:
+                _log(f"  baseline {name}: kept from the interrupted run in {checkpoint.path}")
+                methods[name] = row
+                continue
             _log(f"  baseline {name} ...")
             points = M.baseline_sweep(mem, data, name, mdata, args.batch_size, base)
             chosen = M.select(points, base, data)
@@ -239,6 +245,7 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
                 "grid": M.summarize(points),
                 "mitigation_seconds": chosen["seconds"],
             }
+            checkpoint.save(name, methods[name])
             _log_choice(name, chosen)
     record: dict[str, Any] = {
         "setting": setting,
@@ -271,6 +278,44 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
             name, mem, ref, data, base, texts, gen, args, setting, seed
         )
     return record
+
+
+class BaselineCheckpoint:
+    """Baseline rows finished so far for one (setting, seed, preset), on disk after each method.
+
+    A full ``--baselines all`` run takes tens of minutes per setting and writes results.json
+    only at its end; if it is interrupted, rerunning the same command keeps the finished rows
+    (same trained models, checked by their cache paths) and runs only the rest. The file is
+    removed once results.json holds the run.
+    """
+
+    def __init__(
+        self, out: Path, setting: str, seed: int, preset: str, models: dict[str, Any]
+    ) -> None:
+        self.path = out / "partial" / f"{setting}-seed{seed}-{preset}.json"
+        self.models = {role: str(rec.get("cache")) for role, rec in models.items()}
+        self.done: dict[str, Any] = {}
+        if self.path.exists():
+            import json
+
+            saved = json.loads(self.path.read_text())
+            if saved.get("models") == self.models:
+                self.done = saved.get("methods", {})
+
+    def save(self, name: str, row: dict[str, Any]) -> None:
+        self.done[name] = row
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(self.path, {"models": self.models, "methods": self.done})
+
+    @staticmethod
+    def clear(out: Path, record: dict[str, Any]) -> None:
+        """Drop the checkpoint of a run now saved in results.json (and the folder if empty)."""
+        folder = out / "partial"
+        (folder / f"{record['setting']}-seed{record['seed']}-{record['preset']}.json").unlink(
+            missing_ok=True
+        )
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
 
 
 def _log_choice(name: str, chosen: dict[str, Any]) -> None:
@@ -583,6 +628,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for seed in seeds:
             _log(f"{setting}, seed {seed}")
             records.append(run_one(setting, seed, args, out))
+    fresh_runs = list(records)
     total = time.perf_counter() - started
     for record in records:
         record["command"] = "gss bench tinymem " + " ".join(argv or [])
@@ -631,6 +677,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tolerance (the mildest is shown). Per-setting tables with % correct, strengths and "
         "the paper's numbers: table.md.\n"
     )
+    for record in fresh_runs:
+        BaselineCheckpoint.clear(out, record)
     print(md)
     print(f"wrote {out}: results.json, table.md, {len(figures)} figures; total {total:.0f} s")
     return 0
