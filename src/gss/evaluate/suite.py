@@ -1,0 +1,149 @@
+"""One report of what a model regurgitates and what steering it costs, for any causal LM.
+
+`evaluate_model` measures, on the model as given (hooks attached or not):
+
+- (n, k)-memorization of candidate sequences: prompt with the first k tokens, greedy-decode,
+  exact match of tokens k..n-1 (the paper's definition; Pythia: n = 72, k = 32), plus the
+  per-token match rate of those windows (a softer signal: how much of the text still comes out);
+- perplexity on held-out text (token-weighted, padding excluded);
+- the wall time of each part.
+
+`deviation_score` combines the two against an unsteered run, as the paper's appendix does:
+``DS_lambda = 100 sqrt(m^2 + lambda PPLDeg^2)``, ``m = %mem / 100``,
+``PPLDeg = max(0, PPL / PPL_base - 1)``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from gss.errors import GSSError
+from gss.evaluate._decode import greedy_generate
+from gss.evaluate.utility import next_token_stats
+
+__all__ = ["DS_LAMBDAS", "EvaluationReport", "deviation_score", "evaluate_model"]
+
+DS_LAMBDAS = (0.01, 0.05, 0.1)
+
+
+def deviation_score(
+    memorized_percent: float, perplexity: float, base_perplexity: float, lam: float
+) -> float:
+    """``100 sqrt(m^2 + lam * max(0, PPL / PPL_base - 1)^2)`` with ``m = memorized_percent/100``.
+
+    Lower is better: 0 means nothing memorized and no perplexity lost against the base run.
+    """
+    if not base_perplexity > 0:
+        raise GSSError(f"base perplexity must be positive, got {base_perplexity}.")
+    degradation = max(0.0, perplexity / base_perplexity - 1.0)
+    return 100.0 * math.sqrt((memorized_percent / 100.0) ** 2 + lam * degradation**2)
+
+
+@dataclass(frozen=True)
+class EvaluationReport:
+    """What `evaluate_model` measured. Shares are percentages.
+
+    `memorized`: % of counted sequences reproduced exactly from token k to n (or the row end).
+    `token_match`: % of those windows' tokens equal to the greedy continuation at that position.
+    `rows`: sequences counted (longer than k tokens). `perplexity` over `heldout_tokens` targets.
+    `per_row`: one exact-match flag per counted sequence, in input order of `index`.
+    """
+
+    memorized: float
+    token_match: float
+    rows: int
+    perplexity: float
+    heldout_tokens: int
+    k: int
+    n: int
+    seconds: dict[str, float]
+    index: tuple[int, ...] = field(repr=False)
+    per_row: tuple[bool, ...] = field(repr=False)
+
+    def deviation_scores(
+        self, base: EvaluationReport, lambdas: Sequence[float] = DS_LAMBDAS
+    ) -> dict[str, float]:
+        """DS_lambda of this run against `base` (the unsteered model's report)."""
+        return {
+            f"DS_{lam:g}": deviation_score(self.memorized, self.perplexity, base.perplexity, lam)
+            for lam in lambdas
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["index"], out["per_row"] = list(self.index), list(self.per_row)
+        return out
+
+
+def _windows(
+    rows: Sequence[Sequence[int]], k: int, n: int
+) -> tuple[list[int], list[list[int]], list[list[int]]]:
+    index, prompts, targets = [], [], []
+    for i, row in enumerate(rows):
+        row = list(row)[:n]
+        if len(row) <= k:
+            continue
+        index.append(i)
+        prompts.append(row[:k])
+        targets.append(row[k:])
+    return index, prompts, targets
+
+
+def evaluate_model(
+    model: torch.nn.Module,
+    memorized: Sequence[Sequence[int]],
+    heldout: Sequence[Sequence[int]],
+    *,
+    k: int = 32,
+    n: int = 72,
+    pad_id: int = 0,
+    batch_size: int = 16,
+) -> EvaluationReport:
+    """(n, k)-memorization of `memorized` and perplexity of `heldout` (token id lists).
+
+    Sequences of at most `k` tokens cannot be prompted and are not counted; longer ones are cut
+    to `n` tokens (a shorter one is matched up to its end). `pad_id` only fills batches.
+    """
+    if not 1 <= k < n:
+        raise GSSError(f"need 1 <= k < n (prompt k tokens, match up to token n); got k={k}, n={n}.")
+    index, prompts, targets = _windows(memorized, k, n)
+    if not index:
+        longest = max((len(r) for r in memorized), default=0)
+        raise GSSError(
+            f"no candidate sequence is longer than k={k} tokens (the longest has {longest}); "
+            "give longer sequences or a smaller --k."
+        )
+    started = time.perf_counter()
+    width = max(len(t) for t in targets)
+    continuations = greedy_generate(model, prompts, width, pad_id=pad_id, batch_size=batch_size)
+    exact, hits, total = [], 0, 0
+    for got, want in zip(continuations, targets, strict=True):
+        same = [a == b for a, b in zip(got, want, strict=False)]
+        exact.append(all(same))
+        hits += sum(same)
+        total += len(want)
+    mem_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    try:
+        tokens, _, nll = next_token_stats(model, heldout, None, batch_size)
+    except ValueError as err:
+        raise GSSError(f"held-out text: {err}.") from None
+    ppl_seconds = time.perf_counter() - started
+    return EvaluationReport(
+        memorized=100.0 * sum(exact) / len(exact),
+        token_match=100.0 * hits / total,
+        rows=len(index),
+        perplexity=math.exp(nll / tokens),
+        heldout_tokens=tokens,
+        k=k,
+        n=n,
+        seconds={"memorization": mem_seconds, "perplexity": ppl_seconds},
+        index=tuple(index),
+        per_row=tuple(exact),
+    )

@@ -1,0 +1,173 @@
+"""Which layer to steer: the memorization signal's strength at every candidate block, in one pass.
+
+The strength at a block is the top singular value of its whitened memorization matrix
+``Sigma_gen^{-1/2} M`` (the first-order change of the memorized tokens' objective per unit of
+probe variance on general tokens; the paper's layer-selection figure). `scan_layers` gathers M
+and Sigma_gen at all candidate blocks from the same forward and backward passes that a
+calibration at one block runs: the lowest candidate's output is made a leaf, the others stay in
+the graph above it, and one ``autograd.grad`` returns every block's gradient. It uses the summed
+gradient (one backward), as ``gradient="summed"`` calibration does; at each block the numbers equal
+a `collect_statistics` run at that block alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from .calibrate import TARGETS, _calibration_mode, _objective, _tapped
+from .data import TextsOrIds, batches, count_batches, encode
+from .errors import GSSError
+from .forward import check_same_vocab, forward_logits, target_mask, token_logprobs
+from .layers import find_decoder_blocks, resolve_layer
+from .solve import solve_probe_steer
+from .statistics import CovarianceAccumulator, CrossMomentAccumulator
+
+
+def signal_strength(memorization: Tensor, sigma: Tensor) -> float:
+    """Top singular value of the whitened memorization matrix."""
+    return float(solve_probe_steer(memorization, sigma, 1, 1.0).singular_values[0])
+
+
+@dataclass(frozen=True)
+class LayerScan:
+    """Signal strength per block (0-based), with what it was measured on."""
+
+    strengths: dict[int, float]
+    memorized_tokens: int
+    general_tokens: int
+    seconds: float
+
+    @property
+    def best(self) -> int:
+        """The block with the strongest signal."""
+        return max(self.strengths, key=lambda k: self.strengths[k])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "strengths": {str(k): v for k, v in self.strengths.items()},
+            "best": self.best,
+            "memorized_tokens": self.memorized_tokens,
+            "general_tokens": self.general_tokens,
+            "seconds": self.seconds,
+        }
+
+    def plot(self, path: str | Path, title: str = "memorization signal per layer") -> Path:
+        from .report import _pyplot
+
+        plt = _pyplot()
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        layers = sorted(self.strengths)
+        ax.plot(layers, [self.strengths[k] for k in layers], marker="o")
+        ax.axvline(self.best, color="gray", linestyle=":", label=f"best: block {self.best}")
+        ax.set_xlabel("decoder block (0-based)")
+        ax.set_ylabel("top singular value of Sigma^-1/2 M")
+        ax.set_title(title)
+        ax.legend()
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+
+def scan_layers(
+    model: nn.Module,
+    reference: nn.Module,
+    texts: TextsOrIds,
+    *,
+    layers: Sequence[int] | None = None,
+    tokenizer: Any | None = None,
+    gen_texts: TextsOrIds | None = None,
+    omega_threshold: float = 0.0,
+    target: str = "loglik",
+    batch_size: int = 8,
+    max_length: int | None = None,
+    block_path: str | None = None,
+    progress: bool = True,
+) -> LayerScan:
+    """Signal strength at each block of `layers` (default: all), from one calibration pass.
+
+    Tokens with omega > `omega_threshold` are memorized; Sigma_gen comes from the other tokens of
+    `texts`, or from `gen_texts` when given (an extra forward without gradients).
+    """
+    if target not in TARGETS:
+        raise GSSError(f"target must be one of {TARGETS}, got {target!r}.")
+    check_same_vocab(model, reference)
+    n_blocks = len(find_decoder_blocks(model, block_path))
+    wanted = range(n_blocks) if layers is None else layers
+    resolved = sorted({resolve_layer(model, layer, block_path)[0] for layer in wanted})
+    if not resolved:
+        raise GSSError("no layer to scan: give at least one block index.")
+    blocks = [resolve_layer(model, i, block_path)[1] for i in resolved]
+    seqs = encode(texts, tokenizer, max_length)
+    gen_seqs = encode(gen_texts, tokenizer, max_length) if gen_texts is not None else None
+    dim = int(model.get_input_embeddings().weight.shape[1])
+    sigmas = [CovarianceAccumulator(dim) for _ in blocks]
+    moments = [CrossMomentAccumulator(dim) for _ in blocks]
+    started = time.perf_counter()
+
+    def bar(items: Any, desc: str, total: int) -> Any:
+        return tqdm(items, desc=desc, total=total, disable=not progress, leave=False)
+
+    with _calibration_mode(model, reference):
+        for batch in bar(
+            batches(seqs, batch_size), "gss: layer scan", count_batches(len(seqs), batch_size)
+        ):
+            with torch.no_grad():
+                ref_logits = forward_logits(reference, batch.input_ids, batch.attention_mask)
+            with torch.enable_grad(), ExitStack() as stack:
+                taps = [
+                    stack.enter_context(_tapped(block, stop=False, leaf=i == 0))
+                    for i, block in enumerate(blocks)
+                ]
+                logits = forward_logits(model, batch.input_ids, batch.attention_mask)
+                lp = token_logprobs(logits, batch.input_ids)
+                ref_logits = ref_logits.to(logits.device)
+                omega = lp.detach() - token_logprobs(ref_logits, batch.input_ids)
+                valid = target_mask(batch.attention_mask).to(lp.device)
+                mem = valid & (omega > omega_threshold)
+                hiddens = [tap.hidden for tap in taps]
+                if any(h is None for h in hiddens):
+                    raise GSSError("a scanned block never ran: is it part of the forward pass?")
+                if int(mem.sum()):
+                    objective = _objective(target, logits, lp, ref_logits, mem)
+                    grads = torch.autograd.grad(objective, hiddens)
+                    for acc, h, g in zip(moments, hiddens, grads, strict=True):
+                        m = mem.to(h.device)
+                        acc.update(h[:, :-1][m], g[:, :-1][m])
+                if gen_seqs is None:
+                    for acc, h in zip(sigmas, hiddens, strict=True):
+                        acc.update(h.detach()[:, :-1][(valid & ~mem).to(h.device)])
+        if gen_seqs is not None:
+            for batch in bar(
+                batches(gen_seqs, batch_size),
+                "gss: Sigma_gen",
+                count_batches(len(gen_seqs), batch_size),
+            ):
+                with torch.no_grad(), ExitStack() as stack:
+                    taps = [stack.enter_context(_tapped(b, stop=False, leaf=False)) for b in blocks]
+                    forward_logits(model, batch.input_ids, batch.attention_mask)
+                valid = target_mask(batch.attention_mask)
+                for acc, tap in zip(sigmas, taps, strict=True):
+                    h = tap.hidden
+                    acc.update(h[:, :-1][valid.to(h.device)])
+    strengths = {
+        layer: signal_strength(m.value, s.covariance)
+        for layer, m, s in zip(resolved, moments, sigmas, strict=True)
+    }
+    return LayerScan(
+        strengths=strengths,
+        memorized_tokens=moments[0].count,
+        general_tokens=sigmas[0].count,
+        seconds=time.perf_counter() - started,
+    )

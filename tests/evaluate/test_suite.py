@@ -1,0 +1,52 @@
+"""evaluate_model and the deviation score: exact answers from a lookup-table LM."""
+
+import math
+
+import pytest
+
+from gss.errors import GSSError
+from gss.evaluate import perplexity
+from gss.evaluate.suite import deviation_score, evaluate_model
+
+VOCAB = 12
+
+
+def test_deviation_score_is_the_papers_formula():
+    # m = 0.5, PPLDeg = 0.1: 100 sqrt(0.25 + 0.1 * 0.01)
+    assert deviation_score(50.0, 22.0, 20.0, 0.1) == pytest.approx(100 * math.sqrt(0.251))
+    # a perplexity below the base is no degradation
+    assert deviation_score(10.0, 15.0, 20.0, 0.05) == pytest.approx(10.0)
+    with pytest.raises(GSSError, match="base perplexity"):
+        deviation_score(10.0, 15.0, 0.0, 0.05)
+
+
+def test_memorized_token_match_and_perplexity_are_exact(table_lm):
+    known = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 3, 5, 7, 9, 11, 2, 4]]
+    # the model knows the first six tokens of this one, then says 0: 2 of 4 window tokens match
+    half = [1, 4, 4, 4, 4, 4, 9, 9]
+    model = table_lm([*known, half[:6]], VOCAB, default=0)
+    short = [1, 2, 3]  # not longer than k: cannot be prompted, not counted
+    heldout = [[1, 2, 3, 4], [5, 6, 7]]
+    report = evaluate_model(model, [*known, short, half], heldout, k=4, n=8, batch_size=2)
+    assert report.rows == 3 and report.index == (0, 1, 3)
+    assert report.per_row == (True, True, False)
+    assert report.memorized == pytest.approx(200 / 3)
+    assert report.token_match == pytest.approx(100 * (4 + 4 + 2) / 12)
+    assert report.perplexity == pytest.approx(perplexity(model, heldout))
+    assert report.heldout_tokens == 5
+    assert set(report.seconds) == {"memorization", "perplexity"}
+    # n cuts rows: with n = 6 the window of `half` is tokens 4-5, which the model knows
+    assert evaluate_model(model, [half], heldout, k=4, n=6).memorized == 100.0
+    base = evaluate_model(model, [short, half], heldout, k=2, n=8)
+    ds = report.deviation_scores(base)
+    assert ds["DS_0.1"] == pytest.approx(report.memorized)  # same model: no degradation
+
+
+def test_bad_windows_say_what_to_change(table_lm):
+    model = table_lm([[1, 2, 3]], VOCAB, default=0)
+    with pytest.raises(GSSError, match="k < n"):
+        evaluate_model(model, [[1, 2, 3]], [[1, 2]], k=4, n=4)
+    with pytest.raises(GSSError, match="smaller --k"):
+        evaluate_model(model, [[1, 2, 3]], [[1, 2]], k=3, n=8)
+    with pytest.raises(GSSError, match="held-out"):
+        evaluate_model(model, [[1, 2, 3, 4]], [[1]], k=2, n=4)
