@@ -303,6 +303,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from .bench.tinymem.run import main as tinymem_main
 
         return int(tinymem_main(args.rest))
+    if args.name == "canaries":
+        from .bench.canaries.run import main as canaries_main
+
+        return int(canaries_main(args.rest))
     if args.name == "perf":
         from .bench.perf.run import main as perf_main
 
@@ -415,8 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", help="only this family (steering, unlearning, fine-tuning, ...)")
     p.set_defaults(func=_cmd_baselines)
 
-    p = sub.add_parser("bench", help="run a benchmark (tinymem, perf)")
-    p.add_argument("name", choices=["tinymem", "perf"])
+    p = sub.add_parser("bench", help="run a benchmark (tinymem, canaries, perf)")
+    p.add_argument("name", choices=["tinymem", "canaries", "perf"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
     return parser

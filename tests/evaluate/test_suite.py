@@ -35,6 +35,8 @@ def test_memorized_token_match_and_perplexity_are_exact(table_lm):
     assert report.perplexity == pytest.approx(perplexity(model, heldout))
     assert report.heldout_tokens == 5
     assert set(report.seconds) == {"memorization", "perplexity"}
+    forced = evaluate_model(model, [*known, short, half], heldout, k=4, n=8, method="forced")
+    assert forced.per_row == report.per_row and forced.perplexity == report.perplexity
     # n cuts rows: with n = 6 the window of `half` is tokens 4-5, which the model knows
     assert evaluate_model(model, [half], heldout, k=4, n=6).memorized == 100.0
     base = evaluate_model(model, [short, half], heldout, k=2, n=8)

@@ -1,0 +1,235 @@
+"""Fine-tune the real model on text with canaries until it regurgitates them, cheaply, cached.
+
+Only the top `train_blocks` decoder blocks and the final norm are trained (embeddings and the
+tied output layer stay frozen), so the fine-tuned model differs from the base only there and the
+cache stores just those tensors. The blocks below never change, so their output for every
+training row is computed once and each step runs only the trained blocks: the model is called
+with ``inputs_embeds`` = the cached hidden states and its block list cut to the trained blocks.
+That shortcut is checked against the full model on the first batch (it holds for Llama-style
+models, whose body adds nothing to ``inputs_embeds``); where it does not hold, every step runs
+the full forward instead.
+
+Training stops once a teacher-forced check finds `stop_at` % of the canaries memorized, or after
+`max_epochs`; the per-epoch log is kept with the weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import random
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gss.data import right_pad
+from gss.errors import GSSError
+from gss.evaluate.suite import evaluate_model
+from gss.layers import find_decoder_blocks
+
+from .data import CanaryData
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    train_blocks: int = 8
+    lr: float = 5e-4
+    batch_size: int = 8
+    max_epochs: int = 30
+    stop_at: float = 95.0  # % of canaries (n, k)-memorized (teacher-forced check each epoch)
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def cache_key(base_fingerprint: dict[str, Any], data: CanaryData, cfg: FinetuneConfig) -> str:
+    blob = {"base": base_fingerprint, "data": data.describe(), "finetune": cfg.to_dict()}
+    rows = [list(r) for r in (*data.canary_rows, *data.finetune_rows)]
+    blob["rows"] = hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _block_list_owner(model: nn.Module, blocks: nn.ModuleList) -> tuple[nn.Module, str]:
+    for module in model.modules():
+        for name, child in module.named_children():
+            if child is blocks:
+                return module, name
+    raise GSSError("could not find the module that holds the decoder blocks.")
+
+
+@contextmanager
+def _top_blocks_only(model: nn.Module, blocks: nn.ModuleList, first: int) -> Iterator[None]:
+    owner, name = _block_list_owner(model, blocks)
+    setattr(owner, name, nn.ModuleList(list(blocks)[first:]))
+    try:
+        yield
+    finally:
+        setattr(owner, name, blocks)
+
+
+def _loss(logits: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
+    targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    return nn.functional.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    )
+
+
+class _Trainer:
+    """One step = loss of a batch of rows; the lower blocks' output cached when that is exact."""
+
+    def __init__(
+        self, model: nn.Module, rows: Sequence[Sequence[int]], cfg: FinetuneConfig, pad: int
+    ):
+        self.model, self.cfg, self.pad = model, cfg, pad
+        self.blocks = find_decoder_blocks(model)
+        n_blocks = len(self.blocks)
+        if not 1 <= cfg.train_blocks <= n_blocks:
+            raise GSSError(f"train_blocks must be in 1..{n_blocks}, got {cfg.train_blocks}.")
+        self.first = n_blocks - cfg.train_blocks
+        self.rows = [list(r) for r in rows]
+        self.cached: dict[int, Tensor] | None = None
+        if self.first > 0:
+            self.cached = self._lower_outputs()
+            if not self._shortcut_is_exact():
+                self.cached = None
+
+    def _lower_outputs(self) -> dict[int, Tensor]:
+        out = {}
+        with torch.no_grad():
+            for i, row in enumerate(self.rows):
+                ids = torch.tensor([row])
+                hidden = self.model(input_ids=ids, output_hidden_states=True).hidden_states
+                out[i] = hidden[self.first][0]  # input of block `first`
+        return out
+
+    def _shortcut_is_exact(self) -> bool:
+        index = list(range(min(4, len(self.rows))))
+        ids, mask = right_pad([self.rows[i] for i in index], self.pad)
+        with torch.no_grad():
+            full = self.model(input_ids=ids, attention_mask=mask).logits
+            short = self._forward(index, ids, mask)
+        return bool(torch.allclose(full[mask.bool()], short[mask.bool()], atol=1e-4, rtol=1e-3))
+
+    def _forward(self, index: list[int], ids: Tensor, mask: Tensor) -> Tensor:
+        if self.cached is None:
+            return self.model(input_ids=ids, attention_mask=mask).logits
+        width = ids.shape[1]
+        embeds = torch.zeros(len(index), width, self.cached[index[0]].shape[-1])
+        for j, i in enumerate(index):
+            embeds[j, : len(self.rows[i])] = self.cached[i]
+        with _top_blocks_only(self.model, self.blocks, self.first):
+            return self.model(inputs_embeds=embeds, attention_mask=mask).logits
+
+    def loss(self, index: list[int]) -> Tensor:
+        ids, mask = right_pad([self.rows[i] for i in index], self.pad)
+        return _loss(self._forward(index, ids, mask), ids, mask)
+
+
+def trainable_names(model: nn.Module, train_blocks: int) -> list[str]:
+    """Parameters the fine-tune changes: the top `train_blocks` blocks and the final norm (a
+    parameter outside every block with "norm" in its name)."""
+    blocks = list(find_decoder_blocks(model))
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    top = {id(p) for block in blocks[len(blocks) - train_blocks :] for p in block.parameters()}
+    return [
+        name
+        for name, p in model.named_parameters()
+        if id(p) in top or (id(p) not in in_blocks and "norm" in name)
+    ]
+
+
+def finetune(
+    base: nn.Module,
+    data: CanaryData,
+    cfg: FinetuneConfig,
+    pad_id: int,
+    log: Any = print,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """A fine-tuned copy of `base` and its training log."""
+    model = copy.deepcopy(base).train()
+    names = set(trainable_names(model, cfg.train_blocks))
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in names)
+    params = [p for p in model.parameters() if p.requires_grad]
+    torch.manual_seed(cfg.seed)
+    rows = [*data.canary_rows, *data.finetune_rows]
+    started = time.perf_counter()
+    trainer = _Trainer(model, rows, cfg, pad_id)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    rng = random.Random(cfg.seed)
+    history = []
+    k, n = data.config.k, data.config.row_len
+    for epoch in range(1, cfg.max_epochs + 1):
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        losses = []
+        for b in range(0, len(order), cfg.batch_size):
+            loss = trainer.loss(order[b : b + cfg.batch_size])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+        model.eval()
+        check = evaluate_model(
+            model, data.canary_rows, data.heldout_rows[:8], k=k, n=n, pad_id=pad_id, method="forced"
+        )
+        model.train()
+        history.append(
+            {
+                "epoch": epoch,
+                "loss": sum(losses) / len(losses),
+                "memorized": check.memorized,
+                "seconds": time.perf_counter() - started,
+            }
+        )
+        log(
+            f"  fine-tune epoch {epoch}: loss {history[-1]['loss']:.3f}, canaries memorized "
+            f"{check.memorized:.0f}% (teacher-forced), {history[-1]['seconds']:.0f} s"
+        )
+        if check.memorized >= cfg.stop_at:
+            break
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    info = {
+        "epochs": len(history),
+        "history": history,
+        "seconds": time.perf_counter() - started,
+        "lower_blocks_cached": trainer.cached is not None,
+        "trained_parameters": sum(p.numel() for n_, p in model.named_parameters() if n_ in names),
+    }
+    return model, info
+
+
+def save_trained(
+    model: nn.Module, names: Sequence[str], info: dict[str, Any], folder: Path
+) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    state = dict(model.named_parameters())
+    save_file({n: state[n].detach().contiguous() for n in names}, folder / "trained.safetensors")
+    (folder / "finetune.json").write_text(json.dumps(info, indent=2))
+
+
+def load_trained(base: nn.Module, folder: Path) -> tuple[nn.Module, dict[str, Any]] | None:
+    """`base` with the cached fine-tuned tensors, or None when the cache has no finished run."""
+    from safetensors.torch import load_file
+
+    if not (folder / "finetune.json").is_file() or not (folder / "trained.safetensors").is_file():
+        return None
+    model = copy.deepcopy(base)
+    tensors = load_file(folder / "trained.safetensors")
+    state = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            state[name].copy_(tensor)
+    return model.eval(), json.loads((folder / "finetune.json").read_text())

@@ -1,0 +1,284 @@
+"""``gss bench canaries``: secret sharer on a real pretrained model, mitigated by GSS.
+
+1. Load the base model (default: SmolLM2-135M-Instruct from `gss models get`, fetched once);
+   plant canaries in Shakespeare passages; fine-tune the top blocks until they are memorized
+   (cached by config hash, so a rerun skips it).
+2. Measure the fine-tuned model: (n, k)-memorization of the canaries (greedy), per-token match,
+   held-out perplexity; the pilot statistics of omega with the base model as reference.
+3. Scan every block's signal strength in one pass (plot), calibrate GSS (and the GSS-TR variant)
+   at the strongest block, and sweep delta; sweep mean-difference steering's strength.
+4. Per method, select the strength with the lowest memorization whose perplexity stays within
+   5% of the unmitigated model's, re-measure it with greedy decoding, and report % memorized,
+   perplexity, DS_lambda, mitigation time and a Pareto figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ... import __version__
+from ...report import markdown_table, write_json
+
+PPL_TOLERANCE = 0.05  # selected points keep perplexity within +5% of the unmitigated model
+DELTAS = (0.25, 1.0, 4.0, 16.0, 64.0)
+ALPHAS = (0.25, 0.5, 1.0)
+QUICK = {"canaries": 8, "finetune_rows": 8, "heldout_rows": 8, "general_rows": 8}
+QUICK.update(k=40, row_len=80)  # room for the lead-in with a byte-level tokenizer
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gss bench canaries", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="base model directory (default: gss models get smollm2-135m)")
+    p.add_argument("--quick", action="store_true", help="a small smoke version (tests)")
+    p.add_argument("--canaries", type=int, default=None, help="number of canaries (default 32)")
+    p.add_argument("--train-blocks", type=int, default=8, help="top blocks fine-tuned")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--max-epochs", type=int, default=30)
+    p.add_argument("--rank", type=int, default=4)
+    p.add_argument("--layer", type=int, help="steer this block instead of the scan's strongest")
+    p.add_argument("--deltas", help=f"comma-separated GSS strengths (default {DELTAS})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--cache-dir", help="fine-tuned weights (default ~/.cache/gss/canaries)")
+    p.add_argument("--out", help="results folder (default results/canaries[-quick])")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _log(message: str) -> None:
+    print(f"[canaries {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def _default_cache() -> Path:
+    env = os.environ.get("GSS_CACHE_DIR")
+    return (Path(env).parent if env else Path.home() / ".cache" / "gss") / "canaries"
+
+
+def _load(path: Path, device: str) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model.to(device).eval(), tokenizer
+
+
+def _fingerprint(path: Path) -> dict[str, Any]:
+    weights = sorted(path.glob("*.safetensors"))
+    return {
+        "config": (path / "config.json").read_text() if (path / "config.json").is_file() else "",
+        "weights": [(w.name, w.stat().st_size) for w in weights],
+    }
+
+
+def _finetuned(base: Any, base_path: Path, data: Any, cfg: Any, pad: int, cache: Path) -> tuple:
+    from .finetune import cache_key, finetune, load_trained, save_trained, trainable_names
+
+    folder = cache / f"{base_path.name}-{cache_key(_fingerprint(base_path), data, cfg)}"
+    loaded = load_trained(base, folder)
+    if loaded is not None:
+        _log(f"fine-tuned weights from {folder}")
+        return loaded[0], {**loaded[1], "cache": str(folder), "loaded": True}
+    _log(f"fine-tuning the top {cfg.train_blocks} blocks on the canaries (cached in {folder})")
+    model, info = finetune(base, data, cfg, pad, log=_log)
+    save_trained(model, trainable_names(model, cfg.train_blocks), info, folder)
+    return model, {**info, "cache": str(folder), "loaded": False}
+
+
+def _select(points: Sequence[Any], base_ppl: float) -> Any:
+    """Lowest memorization within the perplexity tolerance (ties: lower perplexity); if none is
+    within it, the mildest point."""
+    ok = [p for p in points if p.report.perplexity <= base_ppl * (1 + PPL_TOLERANCE)]
+    if not ok:
+        return points[0]
+    return min(ok, key=lambda p: (p.report.memorized, p.report.perplexity))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from ...calibrate import build_artifact, collect_statistics
+    from ...evaluate.suite import evaluate_model
+    from ...evaluate.sweep import SweepPoint, plot_pareto, steering_sweep
+    from ...layer_scan import scan_layers
+    from ..tinymem.run import pilot_signal
+    from .data import CanaryConfig, make_canary_data
+    from .finetune import FinetuneConfig
+
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    out = Path(args.out or ("results/canaries-quick" if args.quick else "results/canaries"))
+    out.mkdir(parents=True, exist_ok=True)
+    progress = not args.no_progress
+    if args.model:
+        base_path = Path(args.model)
+    else:
+        from ...models import get_model
+
+        base_path = get_model("smollm2-135m", progress=progress)
+    base, tokenizer = _load(base_path, args.device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    sizes = dict(QUICK) if args.quick else {}
+    if args.canaries:
+        sizes["canaries"] = args.canaries
+    data = make_canary_data(tokenizer, CanaryConfig(seed=args.seed, **sizes))
+    ft_cfg = FinetuneConfig(
+        train_blocks=args.train_blocks, lr=args.lr, max_epochs=args.max_epochs, seed=args.seed
+    )
+    model, ft_info = _finetuned(
+        base, base_path, data, ft_cfg, pad, Path(args.cache_dir or _default_cache())
+    )
+    k, n, bs = data.config.k, data.config.row_len, args.batch_size
+    canaries, heldout, general = data.canary_rows, data.heldout_rows, data.general_rows
+    train_rows = [*data.canary_rows, *data.finetune_rows]
+
+    def measure(m: Any, method: str = "generate") -> Any:
+        return evaluate_model(
+            m, canaries, heldout, k=k, n=n, pad_id=pad, batch_size=bs, method=method
+        )
+
+    unmitigated, original = measure(model), measure(base)
+    _log(
+        f"fine-tuned: {unmitigated.memorized:.1f}% of {unmitigated.rows} canaries memorized, "
+        f"{unmitigated.token_match:.1f}% of their tokens, perplexity {unmitigated.perplexity:.2f}"
+        f" (base model: {original.memorized:.1f}% / {original.perplexity:.2f})"
+    )
+    signal = pilot_signal(
+        model, base, list(canaries), list(heldout), out / "signal.png", "omega: canaries + clean"
+    )
+    scan = scan_layers(model, base, train_rows, gen_texts=general, batch_size=8, progress=progress)
+    scan.plot(out / "layers.png", f"signal strength per block: {base_path.name} + canaries")
+    layer = scan.best if args.layer is None else args.layer
+    _log(f"layer scan ({scan.seconds:.0f} s): strongest block {scan.best}; steering block {layer}")
+
+    deltas = [float(d) for d in args.deltas.split(",")] if args.deltas else list(DELTAS)
+    methods: dict[str, Any] = {}
+    curves: dict[str, list[tuple[float, float]]] = {}
+    calibrations = {"GSS": {}, "GSS-TR": {"target": "toward-reference"}}
+    stats_by = {}
+    for name, options in calibrations.items():
+        stats = collect_statistics(
+            model,
+            base,
+            train_rows,
+            layer=layer,
+            gen_texts=general,
+            batch_size=8,
+            progress=progress,
+            **options,
+        )
+        stats_by[name] = stats
+        artifact = build_artifact(model, stats, rank=args.rank, progress=False)
+        points = steering_sweep(
+            model,
+            artifact,
+            canaries,
+            heldout,
+            deltas=deltas,
+            k=k,
+            n=n,
+            pad_id=pad,
+            batch_size=bs,
+            progress=progress,
+        )
+        methods[name] = (points, artifact.config.timings["total"])
+    from ...baselines.steering import MeanDifferenceSteer, mean_difference_vector
+
+    vector = mean_difference_vector(stats_by["GSS"])
+    mean_points = []
+    for alpha in ALPHAS:
+        with MeanDifferenceSteer(vector, alpha).attach(model, layer):
+            mean_points.append(SweepPoint({"alpha": alpha}, measure(model, "forced")))
+    t = stats_by["GSS"].timings
+    methods["Mean-diff"] = (mean_points, t["signal"] + t["statistics"])
+
+    rows, record_methods = [], {}
+    base_ppl = unmitigated.perplexity
+
+    def row(name: str, report: Any, options: Any, seconds: float | None) -> list[Any]:
+        ds = report.deviation_scores(unmitigated)
+        change = 100 * (report.perplexity / base_ppl - 1)
+        return [
+            name,
+            options,
+            f"{report.memorized:.1f}",
+            f"{report.token_match:.1f}",
+            f"{report.perplexity:.2f} ({change:+.1f}%)",
+            *(f"{v:.1f}" for v in ds.values()),
+            "" if seconds is None else f"{seconds:.0f}",
+        ]
+
+    rows.append(row("unmitigated", unmitigated, "", None))
+    for name, (points, seconds) in methods.items():
+        chosen = _select(points, base_ppl)
+        curves[name] = [(p.report.memorized, p.report.perplexity) for p in points]
+        if name == "Mean-diff":
+            with MeanDifferenceSteer(vector, chosen.options["alpha"]).attach(model, layer):
+                final = measure(model)
+        else:
+            artifact = build_artifact(model, stats_by[name], rank=args.rank, progress=False)
+            with artifact.attach(model, delta=chosen.options["delta"]):
+                final = measure(model)
+        label = ", ".join(f"{k_}={v}" for k_, v in chosen.options.items() if v is not None)
+        within = chosen.report.perplexity <= base_ppl * (1 + PPL_TOLERANCE)
+        rows.append(row(name + ("" if within else " *"), final, label, seconds))
+        record_methods[name] = {
+            "selected": {"options": chosen.options, **final.to_dict(), "within_tolerance": within},
+            "deviation_scores": final.deviation_scores(unmitigated),
+            "mitigation_seconds": seconds,
+            "grid": [p.to_dict() for p in points],
+        }
+        _log(f"{name} {label}: {final.memorized:.1f}% memorized, perplexity {final.perplexity:.2f}")
+    header = ["method", "selected", "% memorized", "% tokens", "perplexity"]
+    header += ["DS 0.01", "DS 0.05", "DS 0.1", "mitigation s"]
+    table = markdown_table(header, rows)
+    plot_pareto(
+        curves,
+        (unmitigated.memorized, unmitigated.perplexity),
+        out / "pareto.png",
+        f"{base_path.name}: canary memorization vs perplexity",
+    )
+    total = time.perf_counter() - started
+    write_json(
+        out / "results.json",
+        {
+            "command": "gss bench canaries " + " ".join(argv or []),
+            "gss_version": __version__,
+            "machine": {
+                "cpu_count": os.cpu_count(),
+                "threads": torch.get_num_threads(),
+                "platform": platform.platform(),
+                "torch": torch.__version__,
+                "device": args.device,
+            },
+            "model": str(base_path),
+            "data": data.describe(),
+            "finetune": {**ft_cfg.to_dict(), **ft_info},
+            "selection_rule": {"perplexity_tolerance_relative": PPL_TOLERANCE},
+            "unmitigated": unmitigated.to_dict(),
+            "base_model": original.to_dict(),
+            "signal": signal,
+            "layer_scan": scan.to_dict(),
+            "layer": layer,
+            "methods": record_methods,
+            "total_seconds": total,
+        },
+    )
+    (out / "table.md").write_text(
+        table
+        + f"\n\n({n},{k})-memorization of {unmitigated.rows} canaries (greedy); perplexity on "
+        f"{unmitigated.heldout_tokens} held-out tokens; selected: lowest memorization with "
+        f"perplexity within +{100 * PPL_TOLERANCE:.0f}% (* = none was); steering block {layer}.\n"
+    )
+    print(table)
+    print(f"wrote {out}: results.json, table.md, pareto.png, layers.png, signal.png; {total:.0f} s")
+    return 0

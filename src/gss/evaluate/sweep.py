@@ -1,0 +1,144 @@
+"""The utility-memorization trade-off of one artifact: a grid over delta, threshold, rank.
+
+Each grid point attaches the artifact with those options, measures (n, k)-memorization and
+held-out perplexity (`evaluate_model`, teacher-forced by default: exact-match verdicts equal to
+greedy decoding's at a fraction of the cost), and records the gate's open share. Threshold
+percentiles need general text: its probe responses are computed once and every percentile's
+thresholds come from them (delta rescales probes and thresholds together, so a percentile's
+thresholds do not depend on delta).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from gss.artifact import SteeringArtifact
+from gss.errors import GSSError
+from gss.evaluate.suite import EvaluationReport, evaluate_model
+
+__all__ = ["SweepPoint", "pareto_front", "plot_pareto", "steering_sweep"]
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One grid point: the options it used, what it measured, and the gate's open share."""
+
+    options: dict[str, Any]
+    report: EvaluationReport
+    gate_open_share: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "options": self.options,
+            "gate_open_share": self.gate_open_share,
+            **{k: v for k, v in self.report.to_dict().items() if k not in ("index", "per_row")},
+        }
+
+
+def steering_sweep(
+    model: torch.nn.Module,
+    artifact: SteeringArtifact,
+    memorized: Sequence[Sequence[int]],
+    heldout: Sequence[Sequence[int]],
+    *,
+    deltas: Sequence[float] | None = None,
+    percentiles: Sequence[float] | None = None,
+    ranks: Sequence[int] | None = None,
+    general: Sequence[Sequence[int]] | None = None,
+    k: int = 32,
+    n: int = 72,
+    pad_id: int = 0,
+    batch_size: int = 16,
+    method: str = "forced",
+    progress: bool = True,
+) -> list[SweepPoint]:
+    """Every combination of `deltas` x `percentiles` x `ranks` (None: the artifact's own).
+
+    `general`: token id rows of general text, required with `percentiles`.
+    """
+    from gss.calibrate import probe_responses, thresholds_from_responses
+
+    if percentiles and general is None:
+        raise GSSError("threshold percentiles need general text (held-out rows) to set them.")
+    responses = None
+    if percentiles:
+        responses = probe_responses(model, artifact, general, batch_size=batch_size)
+    grid = list(itertools.product(deltas or [None], percentiles or [None], ranks or [None]))
+    points = []
+    for delta, percentile, rank in tqdm(grid, desc="gss: sweep", disable=not progress):
+        current = artifact.with_options(rank=rank)
+        if percentile is not None:
+            assert responses is not None
+            eps, info = thresholds_from_responses(
+                responses[:, : current.rank], current.config.gate, percentile
+            )
+            current = current.with_thresholds(eps, info["rule"])
+        current = current.with_options(delta=delta)
+        with current.attach(model, track_gates=True) as handle:
+            report = evaluate_model(
+                model,
+                memorized,
+                heldout,
+                k=k,
+                n=n,
+                pad_id=pad_id,
+                batch_size=batch_size,
+                method=method,
+            )
+            gates = handle.gate_stats()
+        options = {"delta": current.config.delta, "rank": current.rank}
+        options["threshold_percentile"] = percentile
+        points.append(SweepPoint(options, report, gates.get("any_open_share")))
+    return points
+
+
+def pareto_front(points: Sequence[SweepPoint]) -> list[SweepPoint]:
+    """Points no other point beats on both memorization and perplexity (lower is better)."""
+    front = []
+    for p in points:
+        a = (p.report.memorized, p.report.perplexity)
+        dominated = any(
+            (q.report.memorized, q.report.perplexity) != a
+            and q.report.memorized <= a[0]
+            and q.report.perplexity <= a[1]
+            for q in points
+        )
+        if not dominated:
+            front.append(p)
+    return sorted(front, key=lambda p: p.report.memorized)
+
+
+def plot_pareto(
+    curves: dict[str, Sequence[tuple[float, float]]],
+    base: tuple[float, float],
+    path: str | Path,
+    title: str = "memorization vs perplexity",
+) -> Path:
+    """One line per method of (% memorized, perplexity) points, and the unmitigated model."""
+    from gss.report import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, pts in curves.items():
+        pts = sorted(pts)
+        ax.plot([p[1] for p in pts], [p[0] for p in pts], marker="o", label=name)
+    ax.scatter(
+        [base[1]], [base[0]], marker="*", s=150, color="black", label="unmitigated", zorder=5
+    )
+    ax.set_xlabel("held-out perplexity (lower is better)")
+    ax.set_ylabel("% memorized (lower is better)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,108 @@
+"""gss bench canaries on a tiny Llama with a byte-level tokenizer built here (no downloads)."""
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from gss.bench.canaries.data import CanaryConfig, make_canary_data
+from gss.bench.canaries.finetune import FinetuneConfig, _Trainer, trainable_names
+from gss.bench.canaries.run import main
+from gss.errors import GSSError
+
+SPECIALS = ["<pad>", "<s>", "</s>"]
+
+
+def _byte_tokenizer():
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {t: i for i, t in enumerate([*SPECIALS, *sorted(alphabet)])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+
+
+def _tiny_llama(vocab: int):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("base")
+    tokenizer = _byte_tokenizer()
+    _tiny_llama(len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_canary_rows_put_the_secret_right_after_the_prompt():
+    tokenizer = _byte_tokenizer()
+    config = CanaryConfig(canaries=6, finetune_rows=3, k=48, row_len=90, seed=1)
+    data = make_canary_data(tokenizer, config)
+    k = data.config.k
+    for row, secret in zip(data.canary_rows, data.secrets, strict=True):
+        prompt = tokenizer.decode(list(row[:k]))
+        assert prompt.endswith("account number is")
+        assert secret.split(" account number is")[1].startswith(tokenizer.decode(list(row[k:])))
+    assert len(set(data.secrets)) == 6
+    assert make_canary_data(tokenizer, config) == data
+    with pytest.raises(GSSError, match="raise k"):
+        make_canary_data(tokenizer, CanaryConfig(canaries=2, k=16))
+    parts = [*data.canary_rows, *data.finetune_rows, *data.heldout_rows, *data.general_rows]
+    assert len(set(parts)) == len(parts)  # disjoint passages
+
+
+def test_cached_lower_blocks_give_the_full_models_loss():
+    tokenizer = _byte_tokenizer()
+    model = _tiny_llama(len(tokenizer))
+    data = make_canary_data(tokenizer, CanaryConfig(canaries=4, finetune_rows=2, k=48))
+    rows = [*data.canary_rows, *data.finetune_rows]
+    cfg = FinetuneConfig(train_blocks=2)
+    trainer = _Trainer(model, rows, cfg, pad=0)
+    assert trainer.cached is not None  # the shortcut is exact for Llama
+    fast = trainer.loss([0, 3, 5])
+    trainer.cached = None
+    assert fast.item() == pytest.approx(trainer.loss([0, 3, 5]).item(), rel=1e-4)
+    names = trainable_names(model, 2)
+    assert all(n.startswith(("model.layers.2.", "model.layers.3.")) for n in names[:-1])
+    assert names[-1] == "model.norm.weight"
+
+
+def test_quick_run_writes_the_report_and_reuses_the_fine_tune(base_dir, tmp_path, capsys):
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    args = ["--model", str(base_dir), "--quick", "--out", str(out), "--cache-dir", str(cache)]
+    args += ["--max-epochs", "2", "--train-blocks", "2", "--deltas", "1,16", "--no-progress"]
+    assert main(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["methods"]) == {"GSS", "GSS-TR", "Mean-diff"}
+    assert not results["finetune"]["loaded"] and results["finetune"]["epochs"] <= 2
+    gss = results["methods"]["GSS"]
+    assert len(gss["grid"]) == 2 and set(gss["deviation_scores"]) == {
+        "DS_0.01",
+        "DS_0.05",
+        "DS_0.1",
+    }
+    assert set(results["layer_scan"]["strengths"]) == {"0", "1", "2", "3"}
+    for figure in ("pareto.png", "layers.png", "signal.png"):
+        assert (out / figure).stat().st_size > 1000
+    assert "| unmitigated |" in (out / "table.md").read_text()
+    assert main(args) == 0
+    assert json.loads((out / "results.json").read_text())["finetune"]["loaded"]
