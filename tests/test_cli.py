@@ -90,14 +90,19 @@ def test_signal_writes_statistics_and_figure(workdir, capsys):
             str(workdir / "reference"),
             "--data",
             str(workdir / "data.txt"),
+            "--normal-data",
+            str(workdir / "data.jsonl"),
             "--out",
             str(out),
             "--plot",
         ]
     )
     assert code == 0
-    stats = json.loads((out / "signal.json").read_text())
+    report = json.loads((out / "signal.json").read_text())
+    stats = report["data"]
     assert {"share_above_mean", "burst_mean_length", "burst_single_share"} <= set(stats)
+    assert report["normal"]["tokens"] == stats["tokens"]  # the same lines in both files
+    assert stats["burst_count"] <= stats["tokens"]
     assert (out / "signal.png").stat().st_size > 1000
 
 
@@ -186,3 +191,28 @@ def test_layers_writes_strengths_and_plot(workdir, capsys):
     assert set(scan["strengths"]) == {"0", "1"} and (out / "layers.png").is_file()
     assert main([*args, "--layers", "x"]) == 2
     assert "--layers takes" in capsys.readouterr().err
+
+
+def test_sweep_writes_grid_front_and_plot(workdir, capsys):
+    steer = workdir / "artifact-sweep"
+    common = ["--model", str(workdir / "model")]
+    calibrate = ["calibrate", *common, "--reference", str(workdir / "reference")]
+    calibrate += ["--data", str(workdir / "data.txt"), "--layer", "1", "--rank", "2"]
+    assert main([*calibrate, "--out", str(steer)]) == 0
+    out = workdir / "sweep"
+    args = ["sweep", *common, "--steer", str(steer), "--memorized", str(workdir / "data.txt")]
+    args += ["--heldout", str(workdir / "data.jsonl"), "--k", "4", "--n", "10"]
+    args += ["--deltas", "1,50", "--ranks", "1,2", "--out", str(out)]
+    assert main([*args, "--percentiles", "90", "--general", str(workdir / "data.txt")]) == 0
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert len(sweep["points"]) == 4
+    assert {(p["options"]["delta"], p["options"]["rank"]) for p in sweep["points"]} == {
+        (1.0, 1),
+        (1.0, 2),
+        (50.0, 1),
+        (50.0, 2),
+    }
+    assert "yes" in (out / "sweep.md").read_text() and (out / "sweep.png").is_file()
+    capsys.readouterr()
+    assert main([*args, "--percentiles", "90"]) == 2
+    assert "need general text" in capsys.readouterr().err

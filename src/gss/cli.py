@@ -156,29 +156,33 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_signal(args: argparse.Namespace) -> int:
-    from .data import batches, encode, read_texts
-    from .signal import memorization_signal, signal_statistics
+    import torch
+
+    from .data import encode, read_texts
+    from .signal import omega_rows, signal_statistics
 
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
     reference, _ = _load_model(args.reference, args.device, args.dtype)
-    seqs = encode(read_texts(args.data), tokenizer, args.max_length)
-    import torch
 
-    omegas = []
-    for batch in batches(seqs, args.batch_size):
-        omega = memorization_signal(model, reference, batch.input_ids, batch.attention_mask)
-        omegas.append(omega.flatten())
-    omega = torch.cat(omegas)
+    def omega_of(path: str) -> torch.Tensor:
+        seqs = encode(read_texts(path), tokenizer, args.max_length)
+        return omega_rows(model, reference, seqs, args.batch_size)
+
+    omega = omega_of(args.data)
+    normal = omega_of(args.normal_data) if args.normal_data else None
     stats = signal_statistics(omega)
-    print(json.dumps(stats.to_dict(), indent=2))
+    report = {"data": stats.to_dict()}
+    if normal is not None:
+        report["normal"] = signal_statistics(normal).to_dict()
+    print(json.dumps(report, indent=2))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "signal.json").write_text(json.dumps(stats.to_dict(), indent=2))
+        (out / "signal.json").write_text(json.dumps(report, indent=2))
         if args.plot:
             from .report import plot_signal
 
-            plot_signal(omega, stats, out / "signal.png", title=f"omega: {args.model}")
+            plot_signal(omega, stats, out / "signal.png", f"omega: {args.model}", normal)
         print(f"wrote {out}")
     return 0
 
@@ -254,6 +258,74 @@ def _cmd_models(args: argparse.Namespace) -> int:
     if not args.name:
         raise GSSError(f"gss models get NAME: name one of {', '.join(KNOWN_MODELS)}.")
     print(get_model(args.name, args.dir))
+    return 0
+
+
+def _floats(text: str | None, flag: str) -> list[float] | None:
+    if not text:
+        return None
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise GSSError(f"{flag} takes comma-separated numbers, got {text!r}.") from None
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from .artifact import load
+    from .data import encode, read_texts
+    from .evaluate.suite import evaluate_model
+    from .evaluate.sweep import pareto_front, plot_pareto, steering_sweep
+    from .report import markdown_table, write_json
+
+    model, tokenizer = _load_model(args.model, args.device, args.dtype)
+    artifact = load(args.steer)
+    artifact.check_model(model)
+    memorized = encode(read_texts(args.memorized), tokenizer, args.n)
+    heldout = encode(read_texts(args.heldout), tokenizer, args.max_length)
+    general = encode(read_texts(args.general), tokenizer, args.max_length) if args.general else None
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ranks = _floats(args.ranks, "--ranks")
+    common = {"k": args.k, "n": args.n, "pad_id": pad, "batch_size": args.batch_size}
+    base = evaluate_model(model, memorized, heldout, method="forced", **common)
+    points = steering_sweep(
+        model,
+        artifact,
+        memorized,
+        heldout,
+        deltas=_floats(args.deltas, "--deltas"),
+        percentiles=_floats(args.percentiles, "--percentiles"),
+        ranks=[int(r) for r in ranks] if ranks else None,
+        general=general,
+        **common,
+    )
+    front = {id(p) for p in pareto_front(points)}
+    rows = [["unsteered", "", "", "", f"{base.memorized:.1f}", f"{base.perplexity:.3f}", "", ""]]
+    for p in points:
+        o = p.options
+        rows.append(
+            [
+                "steered",
+                f"{o['delta']:g}",
+                "" if o["threshold_percentile"] is None else f"{o['threshold_percentile']:g}",
+                str(o["rank"]),
+                f"{p.report.memorized:.1f}",
+                f"{p.report.perplexity:.3f}",
+                "" if p.gate_open_share is None else f"{100 * p.gate_open_share:.1f}",
+                "yes" if id(p) in front else "",
+            ]
+        )
+    header = ["run", "delta", "percentile", "rank", "% memorized", "perplexity", "% gate open"]
+    table = markdown_table([*header, "Pareto"], rows)
+    print(table)
+    out = Path(args.out)
+    write_json(
+        out / "sweep.json",
+        {"unsteered": base.to_dict(), "points": [p.to_dict() for p in points], **common},
+    )
+    (out / "sweep.md").write_text(table)
+    curve = [(p.report.memorized, p.report.perplexity) for p in points]
+    plot_pareto({"GSS sweep": curve}, (base.memorized, base.perplexity), out / "sweep.png")
+    print(f"wrote {out}/sweep.json, sweep.md and sweep.png")
     return 0
 
 
@@ -377,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--normal-data", help="normal text: its omega beside --data's in the figure")
     p.add_argument("--out", help="directory for signal.json (and signal.png with --plot)")
     p.add_argument("--plot", action="store_true", help="write the omega / burst histograms")
     p.set_defaults(func=_cmd_signal)
@@ -395,6 +468,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, default=512, help="held-out tokens per row")
     p.add_argument("--out", help="directory for evaluation.json and evaluation.md")
     p.set_defaults(func=_cmd_evaluate)
+
+    p = sub.add_parser("sweep", help="memorization vs perplexity over delta/threshold/rank")
+    _add_model_args(p)
+    p.add_argument("--steer", required=True, help="artifact directory from `gss calibrate`")
+    p.add_argument("--memorized", required=True, help="candidate sequences (.txt or .jsonl)")
+    p.add_argument("--heldout", required=True, help="held-out text for perplexity")
+    p.add_argument("--general", help="general text for re-set thresholds (with --percentiles)")
+    p.add_argument("--deltas", default="0.25,1,4,16", help="comma-separated strengths")
+    p.add_argument("--percentiles", help="comma-separated threshold percentiles, e.g. 90,95,99")
+    p.add_argument("--ranks", help="comma-separated ranks <= the artifact's, e.g. 1,2,4")
+    p.add_argument("--k", type=int, default=32, help="prompt tokens (default 32)")
+    p.add_argument("--n", type=int, default=72, help="match tokens k..n-1 (default 72)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-length", type=int, default=512, help="held-out tokens per row")
+    p.add_argument("--out", required=True, help="directory for sweep.json, sweep.md, sweep.png")
+    p.set_defaults(func=_cmd_sweep)
 
     p = sub.add_parser("layers", help="memorization signal strength per block (layer choice)")
     _add_model_args(p)

@@ -50,12 +50,26 @@ def _pyplot() -> Any:
     return plt
 
 
-def plot_signal(omega: Tensor, stats: Any, path: str | Path, title: str) -> Path:
-    """The pilot-study figure: omega histogram and burst-length histogram."""
+def plot_signal(
+    omega: Tensor, stats: Any, path: str | Path, title: str, normal: Tensor | None = None
+) -> Path:
+    """The pilot-study figure: omega histogram and burst-length histogram of `stats`.
+
+    With `normal` (omega on normal text), the histogram shows `omega` (the candidate, possibly
+    memorized text) and `normal` side by side on the same bins.
+    """
+    import numpy as np
+
     plt = _pyplot()
     values = omega[~omega.isnan()].double().numpy()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    axes[0].hist(values, bins=80, color="#4c72b0", log=True)
+    if normal is None:
+        axes[0].hist(values, bins=80, color="#4c72b0", log=True)
+    else:
+        other = normal[~normal.isnan()].double().numpy()
+        bins = np.histogram_bin_edges(np.concatenate([values, other]), bins=80)
+        axes[0].hist(values, bins=bins, color="#c44e52", alpha=0.6, log=True, label="candidate")
+        axes[0].hist(other, bins=bins, color="#4c72b0", alpha=0.6, log=True, label="normal")
     axes[0].axvline(stats.mean, color="#c44e52", ls="--", label=f"mean {stats.mean:.2f}")
     axes[0].set_xlabel("omega = log p_model - log p_ref (nats)")
     axes[0].set_ylabel("tokens (log scale)")

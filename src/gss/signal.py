@@ -7,9 +7,11 @@ spikes mark memorized tokens; the pilot statistics describe how sparse and burst
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .errors import GSSError
@@ -52,6 +54,19 @@ def memorization_signal(
         omega = lp_model - lp_ref
         chunks.append(omega.masked_fill(~target_mask(mask).cpu(), float("nan")))
     return torch.cat(chunks)
+
+
+def omega_rows(
+    model: nn.Module, reference: nn.Module, rows: Sequence[Sequence[int]], batch_size: int = 8
+) -> Tensor:
+    """omega of every row of token ids, (rows, longest - 1), NaN past each row's end."""
+    from .data import batches
+
+    out = []
+    for batch in batches([list(r) for r in rows], batch_size):
+        out += list(memorization_signal(model, reference, batch.input_ids, batch.attention_mask))
+    width = max(len(r) for r in out)
+    return torch.stack([F.pad(r, (0, width - len(r)), value=float("nan")) for r in out])
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ...evaluate.suite import evaluate_model
     from ...evaluate.sweep import SweepPoint, plot_pareto, steering_sweep
     from ...layer_scan import scan_layers
-    from ..tinymem.run import pilot_signal
+    from ...report import plot_signal
+    from ...signal import omega_rows, signal_statistics
     from .data import CanaryConfig, make_canary_data
     from .finetune import FinetuneConfig
 
@@ -152,9 +153,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{unmitigated.token_match:.1f}% of their tokens, perplexity {unmitigated.perplexity:.2f}"
         f" (base model: {original.memorized:.1f}% / {original.perplexity:.2f})"
     )
-    signal = pilot_signal(
-        model, base, list(canaries), list(heldout), out / "signal.png", "omega: canaries + clean"
-    )
+    omega, normal = omega_rows(model, base, canaries), omega_rows(model, base, heldout)
+    pilot = signal_statistics(torch.cat([omega, normal[:, : omega.shape[1]]]))
+    signal = {
+        "all": pilot.to_dict(),
+        "canaries": signal_statistics(omega).to_dict(),
+        "heldout": signal_statistics(normal).to_dict(),
+    }
+    title = "omega with the base model as reference: canary rows vs held-out text"
+    plot_signal(omega, pilot, out / "signal.png", title, normal)
     scan = scan_layers(model, base, train_rows, gen_texts=general, batch_size=8, progress=progress)
     scan.plot(out / "layers.png", f"signal strength per block: {base_path.name} + canaries")
     layer = scan.best if args.layer is None else args.layer
