@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 from .artifact import SteeringArtifact, SteeringConfig, load, steer
 from .calibrate import calibrate, calibrate_thresholds
 from .errors import GSSError
+from .layer_scan import LayerScan, scan_layers
 from .layers import find_decoder_blocks
 from .signal import SignalStatistics, memorization_signal, signal_statistics
 from .solve import ProbeSteer, solve_probe_steer
@@ -18,6 +19,7 @@ from .variants import VARIANTS, variant
 __all__ = [
     "VARIANTS",
     "GSSError",
+    "LayerScan",
     "ProbeSteer",
     "SignalStatistics",
     "SteeringArtifact",
@@ -28,6 +30,7 @@ __all__ = [
     "find_decoder_blocks",
     "load",
     "memorization_signal",
+    "scan_layers",
     "signal_statistics",
     "solve_probe_steer",
     "steer",

@@ -6,13 +6,21 @@ from gss.evaluate.memorization import (
     backdoor_success,
     nk_memorization,
 )
+from gss.evaluate.suite import EvaluationReport, deviation_score, evaluate_model
+from gss.evaluate.sweep import SweepPoint, pareto_front, steering_sweep
 from gss.evaluate.utility import perplexity, token_accuracy
 
 __all__ = [
     "BackdoorResult",
+    "EvaluationReport",
     "MemorizationResult",
+    "SweepPoint",
     "backdoor_success",
+    "deviation_score",
+    "evaluate_model",
     "nk_memorization",
+    "pareto_front",
     "perplexity",
+    "steering_sweep",
     "token_accuracy",
 ]
