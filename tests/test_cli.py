@@ -155,12 +155,18 @@ def test_variant_sets_options_and_explicit_flags_win(workdir):
     assert config["memorized_rule"]["omega_threshold"] == 0.05
 
 
-def test_evaluate_compares_steered_with_unsteered(workdir, capsys):
-    steer = workdir / "artifact-eval"
+@pytest.fixture(scope="module")
+def steer(workdir):
+    """A rank-2 artifact at block 1 of the model, for the commands that apply one."""
+    out = workdir / "artifact-k2"
+    args = ["calibrate", "--model", str(workdir / "model"), "--reference"]
+    args += [str(workdir / "reference"), "--data", str(workdir / "data.txt"), "--layer", "1"]
+    assert main([*args, "--rank", "2", "--out", str(out)]) == 0
+    return out
+
+
+def test_evaluate_compares_steered_with_unsteered(workdir, steer, capsys):
     common = ["--model", str(workdir / "model")]
-    calibrate = ["calibrate", *common, "--reference", str(workdir / "reference")]
-    calibrate += ["--data", str(workdir / "data.txt"), "--layer", "1", "--rank", "2"]
-    assert main([*calibrate, "--out", str(steer)]) == 0
     out = workdir / "evaluation"
     args = ["evaluate", *common, "--memorized", str(workdir / "data.txt")]
     args += ["--heldout", str(workdir / "data.jsonl"), "--k", "4", "--n", "10"]
@@ -193,12 +199,8 @@ def test_layers_writes_strengths_and_plot(workdir, capsys):
     assert "--layers takes" in capsys.readouterr().err
 
 
-def test_sweep_writes_grid_front_and_plot(workdir, capsys):
-    steer = workdir / "artifact-sweep"
+def test_sweep_writes_grid_front_and_plot(workdir, steer, capsys):
     common = ["--model", str(workdir / "model")]
-    calibrate = ["calibrate", *common, "--reference", str(workdir / "reference")]
-    calibrate += ["--data", str(workdir / "data.txt"), "--layer", "1", "--rank", "2"]
-    assert main([*calibrate, "--out", str(steer)]) == 0
     out = workdir / "sweep"
     args = ["sweep", *common, "--steer", str(steer), "--memorized", str(workdir / "data.txt")]
     args += ["--heldout", str(workdir / "data.jsonl"), "--k", "4", "--n", "10"]

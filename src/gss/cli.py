@@ -187,11 +187,11 @@ def _cmd_signal(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_evaluate(args: argparse.Namespace) -> int:
+def _evaluation_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
+    """Model, tokenizer, artifact (None without --steer), candidate and held-out token rows
+    and the pad id, for `gss evaluate` and `gss sweep`."""
     from .artifact import load
     from .data import encode, read_texts
-    from .evaluate.suite import evaluate_model
-    from .report import markdown_table, write_json
 
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
     artifact = load(args.steer) if args.steer else None
@@ -200,6 +200,14 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     memorized = encode(read_texts(args.memorized), tokenizer, args.n)
     heldout = encode(read_texts(args.heldout), tokenizer, args.max_length)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return model, tokenizer, artifact, memorized, heldout, pad
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from .evaluate.suite import evaluate_model
+    from .report import markdown_table, write_json
+
+    model, _, artifact, memorized, heldout, pad = _evaluation_inputs(args)
 
     def measure() -> Any:
         return evaluate_model(
@@ -271,19 +279,13 @@ def _floats(text: str | None, flag: str) -> list[float] | None:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from .artifact import load
     from .data import encode, read_texts
     from .evaluate.suite import evaluate_model
     from .evaluate.sweep import pareto_front, plot_pareto, steering_sweep
     from .report import markdown_table, write_json
 
-    model, tokenizer = _load_model(args.model, args.device, args.dtype)
-    artifact = load(args.steer)
-    artifact.check_model(model)
-    memorized = encode(read_texts(args.memorized), tokenizer, args.n)
-    heldout = encode(read_texts(args.heldout), tokenizer, args.max_length)
+    model, tokenizer, artifact, memorized, heldout, pad = _evaluation_inputs(args)
     general = encode(read_texts(args.general), tokenizer, args.max_length) if args.general else None
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ranks = _floats(args.ranks, "--ranks")
     common = {"k": args.k, "n": args.n, "pad_id": pad, "batch_size": args.batch_size}
     base = evaluate_model(model, memorized, heldout, method="forced", **common)

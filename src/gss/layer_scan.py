@@ -61,7 +61,7 @@ class LayerScan:
         }
 
     def plot(self, path: str | Path, title: str = "memorization signal per layer") -> Path:
-        from .report import _pyplot
+        from .report import _pyplot, save_figure
 
         plt = _pyplot()
         fig, ax = plt.subplots(figsize=(6, 3.2))
@@ -72,12 +72,7 @@ class LayerScan:
         ax.set_ylabel("top singular value of Sigma^-1/2 M")
         ax.set_title(title)
         ax.legend()
-        fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        return path
+        return save_figure(fig, path)
 
 
 def scan_layers(

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import platform
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 
@@ -39,6 +42,30 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def machine_info(**extra: Any) -> dict[str, Any]:
+    """Where a benchmark ran: what its timings depend on."""
+    return {
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "cuda": torch.cuda.is_available(),
+        **extra,
+    }
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Lay out, write (120 dpi, creating the folder) and close a figure."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(p, dpi=120)
+    _pyplot().close(fig)
+    return p
 
 
 def _pyplot() -> Any:
@@ -83,9 +110,4 @@ def plot_signal(
         f"mean {stats.burst_mean_length:.2f}, {100 * stats.burst_single_share:.1f}% single"
     )
     fig.suptitle(title)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return p
+    return save_figure(fig, path)

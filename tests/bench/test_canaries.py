@@ -3,14 +3,15 @@
 import json
 
 import pytest
-import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from gss.bench.canaries.data import CanaryConfig, make_canary_data
 from gss.bench.canaries.finetune import FinetuneConfig, _Trainer, trainable_names
 from gss.bench.canaries.run import main
 from gss.errors import GSSError
+
+from ..conftest import tiny_model
 
 SPECIALS = ["<pad>", "<s>", "</s>"]
 
@@ -27,21 +28,7 @@ def _byte_tokenizer():
 
 
 def _tiny_llama(vocab: int):
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_model("llama", layers=4, vocab=vocab)
 
 
 @pytest.fixture(scope="module")

@@ -122,7 +122,7 @@ def plot_pareto(
     title: str = "memorization vs perplexity",
 ) -> Path:
     """One line per method of (% memorized, perplexity) points, and the unmitigated model."""
-    from gss.report import _pyplot
+    from gss.report import _pyplot, save_figure
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -136,9 +136,4 @@ def plot_pareto(
     ax.set_ylabel("% memorized (lower is better)")
     ax.set_title(title)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

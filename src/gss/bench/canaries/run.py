@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 
 from ... import __version__
-from ...report import markdown_table, write_json
+from ...report import machine_info, markdown_table, write_json
 
 PPL_TOLERANCE = 0.05  # selected points keep perplexity within +5% of the unmitigated model
 DELTAS = (0.25, 1.0, 4.0, 16.0, 64.0)
@@ -171,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     methods: dict[str, Any] = {}
     curves: dict[str, list[tuple[float, float]]] = {}
     calibrations = {"GSS": {}, "GSS-TR": {"target": "toward-reference"}}
-    stats_by = {}
+    stats_by, attach = {}, {}
     for name, options in calibrations.items():
         stats = collect_statistics(
             model,
@@ -198,12 +197,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=progress,
         )
         methods[name] = (points, artifact.config.timings["total"])
+        attach[name] = lambda o, a=artifact: a.attach(model, delta=o["delta"])
     from ...baselines.steering import MeanDifferenceSteer, mean_difference_vector
 
     vector = mean_difference_vector(stats_by["GSS"])
+    attach["Mean-diff"] = lambda o: MeanDifferenceSteer(vector, o["alpha"]).attach(model, layer)
     mean_points = []
     for alpha in ALPHAS:
-        with MeanDifferenceSteer(vector, alpha).attach(model, layer):
+        with attach["Mean-diff"]({"alpha": alpha}):
             mean_points.append(SweepPoint({"alpha": alpha}, measure(model, "forced")))
     t = stats_by["GSS"].timings
     methods["Mean-diff"] = (mean_points, t["signal"] + t["statistics"])
@@ -228,13 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, (points, seconds) in methods.items():
         chosen = _select(points, base_ppl)
         curves[name] = [(p.report.memorized, p.report.perplexity) for p in points]
-        if name == "Mean-diff":
-            with MeanDifferenceSteer(vector, chosen.options["alpha"]).attach(model, layer):
-                final = measure(model)
-        else:
-            artifact = build_artifact(model, stats_by[name], rank=args.rank, progress=False)
-            with artifact.attach(model, delta=chosen.options["delta"]):
-                final = measure(model)
+        with attach[name](chosen.options):  # re-measured by greedy decoding
+            final = measure(model)
         label = ", ".join(f"{k_}={v}" for k_, v in chosen.options.items() if v is not None)
         within = chosen.report.perplexity <= base_ppl * (1 + PPL_TOLERANCE)
         rows.append(row(name + ("" if within else " *"), final, label, seconds))
@@ -260,13 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         {
             "command": "gss bench canaries " + " ".join(argv or []),
             "gss_version": __version__,
-            "machine": {
-                "cpu_count": os.cpu_count(),
-                "threads": torch.get_num_threads(),
-                "platform": platform.platform(),
-                "torch": torch.__version__,
-                "device": args.device,
-            },
+            "machine": machine_info(device=args.device),
             "model": str(base_path),
             "data": data.describe(),
             "finetune": {**ft_cfg.to_dict(), **ft_info},

@@ -8,14 +8,11 @@ read as the median of the per-round ratios, which cancels drift that hits both a
 from __future__ import annotations
 
 import copy
-import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -171,15 +168,3 @@ def summary(values: Sequence[float]) -> dict[str, float]:
 def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> list[float]:
     """Per-round ratios of two arms measured in the same rounds."""
     return [a / b for a, b in zip(numerator, denominator, strict=True)]
-
-
-def machine_info() -> dict[str, Any]:
-    return {
-        "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "cuda": torch.cuda.is_available(),
-    }

@@ -6,14 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ...report import _pyplot
-
-
-def _save(fig: Any, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    _pyplot().close(fig)
-    return path
+from ...report import save_figure as _save
 
 
 def overhead(result: dict[str, Any], path: Path) -> Path:

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from ... import __version__
-from ...report import write_json
+from ...report import machine_info, write_json
 from . import calibration, figures, memory, overhead, scaling
-from .common import QUICK, Sizes, log, machine_info
+from .common import QUICK, Sizes, log
 
 PARTS = ("overhead", "calibration", "solve", "memory")
 

@@ -11,8 +11,6 @@ is in the JSON. Writes ``results.json``, ``table.md`` and PNG figures under ``--
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,7 +20,7 @@ import torch
 
 from ... import __version__
 from ...baselines import get_method
-from ...report import markdown_table, write_json
+from ...report import machine_info, markdown_table, write_json
 from ...variants import variant
 from . import methods as M
 from .data import SETTINGS
@@ -292,7 +290,7 @@ class BaselineCheckpoint:
     def __init__(
         self, out: Path, setting: str, seed: int, preset: str, models: dict[str, Any]
     ) -> None:
-        self.path = out / "partial" / f"{setting}-seed{seed}-{preset}.json"
+        self.path = self._path(out, setting, seed, preset)
         self.models = {role: str(rec.get("cache")) for role, rec in models.items()}
         self.done: dict[str, Any] = {}
         if self.path.exists():
@@ -308,14 +306,16 @@ class BaselineCheckpoint:
         write_json(self.path, {"models": self.models, "methods": self.done})
 
     @staticmethod
+    def _path(out: Path, setting: str, seed: int, preset: str) -> Path:
+        return out / "partial" / f"{setting}-seed{seed}-{preset}.json"
+
+    @staticmethod
     def clear(out: Path, record: dict[str, Any]) -> None:
         """Drop the checkpoint of a run now saved in results.json (and the folder if empty)."""
-        folder = out / "partial"
-        (folder / f"{record['setting']}-seed{record['seed']}-{record['preset']}.json").unlink(
-            missing_ok=True
-        )
-        if folder.is_dir() and not any(folder.iterdir()):
-            folder.rmdir()
+        path = BaselineCheckpoint._path(out, record["setting"], record["seed"], record["preset"])
+        path.unlink(missing_ok=True)
+        if path.parent.is_dir() and not any(path.parent.iterdir()):
+            path.parent.rmdir()
 
 
 def _log_choice(name: str, chosen: dict[str, Any]) -> None:
@@ -654,12 +654,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         {
             "command": "gss bench tinymem " + " ".join(argv or []),
             "gss_version": __version__,
-            "machine": {
-                "cpu_count": os.cpu_count(),
-                "threads": torch.get_num_threads(),
-                "platform": platform.platform(),
-                "torch": torch.__version__,
-            },
+            "machine": machine_info(),
             "selection_rule": {
                 "acc_tolerance_points": M.ACC_TOLERANCE,
                 "ppl_tolerance_relative": M.PPL_TOLERANCE,
