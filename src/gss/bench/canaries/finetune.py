@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from gss.data import right_pad
 from gss.errors import GSSError
 from gss.evaluate.suite import evaluate_model
+from gss.forward import model_device
 from gss.layers import find_decoder_blocks
 
 from .data import CanaryData
@@ -89,6 +90,7 @@ class _Trainer:
         self, model: nn.Module, rows: Sequence[Sequence[int]], cfg: FinetuneConfig, pad: int
     ):
         self.model, self.cfg, self.pad = model, cfg, pad
+        self.device = model_device(model)
         self.blocks = find_decoder_blocks(model)
         n_blocks = len(self.blocks)
         if not 1 <= cfg.train_blocks <= n_blocks:
@@ -105,14 +107,14 @@ class _Trainer:
         out = {}
         with torch.no_grad():
             for i, row in enumerate(self.rows):
-                ids = torch.tensor([row])
+                ids = torch.tensor([row], device=self.device)
                 hidden = self.model(input_ids=ids, output_hidden_states=True).hidden_states
                 out[i] = hidden[self.first][0]  # input of block `first`
         return out
 
     def _shortcut_is_exact(self) -> bool:
         index = list(range(min(4, len(self.rows))))
-        ids, mask = right_pad([self.rows[i] for i in index], self.pad)
+        ids, mask = self._batch(index)
         with torch.no_grad():
             full = self.model(input_ids=ids, attention_mask=mask).logits
             short = self._forward(index, ids, mask)
@@ -122,14 +124,19 @@ class _Trainer:
         if self.cached is None:
             return self.model(input_ids=ids, attention_mask=mask).logits
         width = ids.shape[1]
-        embeds = torch.zeros(len(index), width, self.cached[index[0]].shape[-1])
+        first = self.cached[index[0]]
+        embeds = first.new_zeros(len(index), width, first.shape[-1])
         for j, i in enumerate(index):
             embeds[j, : len(self.rows[i])] = self.cached[i]
         with _top_blocks_only(self.model, self.blocks, self.first):
             return self.model(inputs_embeds=embeds, attention_mask=mask).logits
 
-    def loss(self, index: list[int]) -> Tensor:
+    def _batch(self, index: list[int]) -> tuple[Tensor, Tensor]:
         ids, mask = right_pad([self.rows[i] for i in index], self.pad)
+        return ids.to(self.device), mask.to(self.device)
+
+    def loss(self, index: list[int]) -> Tensor:
+        ids, mask = self._batch(index)
         return _loss(self._forward(index, ids, mask), ids, mask)
 
 
