@@ -192,7 +192,7 @@ def test_layers_writes_strengths_and_plot(workdir, capsys):
     args = ["layers", "--model", str(workdir / "model"), "--reference", str(workdir / "reference")]
     args += ["--data", str(workdir / "data.txt")]
     assert main([*args, "--out", str(out)]) == 0
-    assert "<- strongest" in capsys.readouterr().out
+    assert "<- steer here" in capsys.readouterr().out
     scan = json.loads((out / "layers.json").read_text())
     assert set(scan["strengths"]) == {"0", "1"} and (out / "layers.png").is_file()
     assert main([*args, "--layers", "x"]) == 2

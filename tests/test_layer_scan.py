@@ -1,6 +1,9 @@
 """scan_layers: every block's signal strength from one pass equals a calibration at that block."""
 
+import copy
+
 import pytest
+import torch
 
 from gss.calibrate import collect_statistics
 from gss.errors import GSSError
@@ -43,3 +46,19 @@ def test_chosen_blocks_and_bad_ones(tmp_path):
         scan_layers(model, ref, ids, layers=[5], progress=False)
     with pytest.raises(GSSError, match="memorized-token set is empty"):
         scan_layers(model, ref, ids, omega_threshold=1e9, progress=False)
+
+
+def test_blocks_the_fine_tune_did_not_reach_are_not_picked(tmp_path):
+    ref = tiny_model("llama", seed=1, layers=4)
+    model = copy.deepcopy(ref)
+    with torch.no_grad():  # a "fine-tune" of the top two blocks only
+        for p in model.model.layers[2:].parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    scan = scan_layers(model, ref, random_ids(8, 10), progress=False)
+    assert scan.unchanged == [0, 1]
+    assert scan.difference[0] == 0.0 and scan.difference[2] > 1e-3
+    assert scan.best == max((2, 3), key=scan.strengths.get)
+    assert scan.to_dict()["unchanged"] == [0, 1]
+    assert scan.plot(tmp_path / "layers.png").stat().st_size > 1000
+    other = tiny_model("llama", seed=1, layers=3)  # not a fine-tune of the model: no comparison
+    assert scan_layers(model, other, random_ids(8, 10), progress=False).difference == {}

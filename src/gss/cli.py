@@ -358,8 +358,11 @@ def _cmd_layers(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         max_length=args.max_length,
     )
+    unchanged = set(scan.unchanged)
     for layer, value in scan.strengths.items():
-        print(f"block {layer:3d}: {value:.4g}" + ("  <- strongest" if layer == scan.best else ""))
+        note = "  <- steer here" if layer == scan.best else ""
+        note += "  (output equals the reference's)" if layer in unchanged else ""
+        print(f"block {layer:3d}: {value:.4g}{note}")
     print(
         f"({scan.memorized_tokens} memorized, {scan.general_tokens} general tokens, "
         f"{scan.seconds:.1f} s)"

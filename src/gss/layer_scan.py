@@ -8,6 +8,14 @@ calibration at one block runs: the lowest candidate's output is made a leaf, the
 the graph above it, and one ``autograd.grad`` returns every block's gradient. It uses the summed
 gradient (one backward), as ``gradient="summed"`` calibration does; at each block the numbers equal
 a `collect_statistics` run at that block alone.
+
+When the reference has the same blocks (a fine-tune of it), the scan also measures how far each
+block's output moved from the reference's on the same text, and `best` skips blocks whose output
+is the reference's own: a fine-tune that froze the lower blocks (partial fine-tuning, LoRA on
+the top blocks) left them computing exactly what the reference computes, so they hold nothing
+the fine-tune added. Measured on SmolLM2-135M with its top 8 of 30 blocks fine-tuned on canaries
+(docs/your-model.md), the whitened strength peaked at the frozen block 2, where GSS left 93.8%
+of the canaries memorized within +5% perplexity, against 0.0% at block 22, the lowest tuned one.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +39,8 @@ from .layers import find_decoder_blocks, resolve_layer
 from .solve import solve_probe_steer
 from .statistics import CovarianceAccumulator, CrossMomentAccumulator
 
+UNCHANGED_TOLERANCE = 1e-5  # relative difference below which a block's output is the reference's
+
 
 def signal_strength(memorization: Tensor, sigma: Tensor) -> float:
     """Top singular value of the whitened memorization matrix."""
@@ -39,22 +49,44 @@ def signal_strength(memorization: Tensor, sigma: Tensor) -> float:
 
 @dataclass(frozen=True)
 class LayerScan:
-    """Signal strength per block (0-based), with what it was measured on."""
+    """Signal strength per block (0-based), with what it was measured on.
+
+    `difference` is each block's relative output difference from the reference,
+    ``||h_model - h_ref|| / ||h_ref||`` over the scanned tokens (empty when the reference's
+    blocks do not match the model's).
+    """
 
     strengths: dict[int, float]
     memorized_tokens: int
     general_tokens: int
     seconds: float
+    difference: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def unchanged(self) -> list[int]:
+        """Blocks whose output equals the reference's (the fine-tune did not reach them)."""
+        return [k for k, v in self.difference.items() if v < UNCHANGED_TOLERANCE]
 
     @property
     def best(self) -> int:
-        """The block with the strongest signal."""
+        """The block with the strongest signal among those the fine-tune changed (all blocks
+        when none, or every one, is unchanged)."""
+        skipped = set(self.unchanged)
+        candidates = [k for k in self.strengths if k not in skipped] or list(self.strengths)
+        return max(candidates, key=lambda k: self.strengths[k])
+
+    @property
+    def strongest(self) -> int:
+        """The block with the strongest signal, changed or not."""
         return max(self.strengths, key=lambda k: self.strengths[k])
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "strengths": {str(k): v for k, v in self.strengths.items()},
             "best": self.best,
+            "strongest": self.strongest,
+            "difference": {str(k): v for k, v in self.difference.items()},
+            "unchanged": self.unchanged,
             "memorized_tokens": self.memorized_tokens,
             "general_tokens": self.general_tokens,
             "seconds": self.seconds,
@@ -67,6 +99,15 @@ class LayerScan:
         fig, ax = plt.subplots(figsize=(6, 3.2))
         layers = sorted(self.strengths)
         ax.plot(layers, [self.strengths[k] for k in layers], marker="o")
+        frozen = self.unchanged
+        if frozen and len(frozen) < len(layers):
+            ax.plot(
+                frozen,
+                [self.strengths[k] for k in frozen],
+                "o",
+                color="lightgray",
+                label="output equals the reference's",
+            )
         ax.axvline(self.best, color="gray", linestyle=":", label=f"best: block {self.best}")
         ax.set_xlabel("decoder block (0-based)")
         ax.set_ylabel("top singular value of Sigma^-1/2 M")
@@ -104,9 +145,12 @@ def scan_layers(
     if not resolved:
         raise GSSError("no layer to scan: give at least one block index.")
     blocks = [resolve_layer(model, i, block_path)[1] for i in resolved]
+    dim = int(model.get_input_embeddings().weight.shape[1])
+    ref_blocks = _matching_blocks(reference, resolved, n_blocks, dim, block_path)
+    moved = [0.0] * len(resolved)
+    norm = [0.0] * len(resolved)
     seqs = encode(texts, tokenizer, max_length)
     gen_seqs = encode(gen_texts, tokenizer, max_length) if gen_texts is not None else None
-    dim = int(model.get_input_embeddings().weight.shape[1])
     sigmas = [CovarianceAccumulator(dim) for _ in blocks]
     moments = [CrossMomentAccumulator(dim) for _ in blocks]
     started = time.perf_counter()
@@ -118,7 +162,10 @@ def scan_layers(
         for batch in bar(
             batches(seqs, batch_size), "gss: layer scan", count_batches(len(seqs), batch_size)
         ):
-            with torch.no_grad():
+            with torch.no_grad(), ExitStack() as stack:
+                ref_taps = [
+                    stack.enter_context(_tapped(b, stop=False, leaf=False)) for b in ref_blocks
+                ]
                 ref_logits = forward_logits(reference, batch.input_ids, batch.attention_mask)
             with torch.enable_grad(), ExitStack() as stack:
                 taps = [
@@ -134,6 +181,11 @@ def scan_layers(
                 hiddens = [tap.hidden for tap in taps]
                 if any(h is None for h in hiddens):
                     raise GSSError("a scanned block never ran: is it part of the forward pass?")
+                for i, tap in enumerate(ref_taps):
+                    ours = hiddens[i].detach()[:, :-1][valid.to(hiddens[i].device)]
+                    theirs = tap.hidden[:, :-1][valid.to(tap.hidden.device)].to(ours.device)
+                    moved[i] += float((ours - theirs).double().pow(2).sum())
+                    norm[i] += float(theirs.double().pow(2).sum())
                 if int(mem.sum()):
                     objective = _objective(target, logits, lp, ref_logits, mem)
                     grads = torch.autograd.grad(objective, hiddens)
@@ -160,9 +212,26 @@ def scan_layers(
         layer: signal_strength(m.value, s.covariance)
         for layer, m, s in zip(resolved, moments, sigmas, strict=True)
     }
+    pairs = zip(resolved, moved, norm, strict=True)
+    difference = {layer: (m / max(n, 1e-30)) ** 0.5 for layer, m, n in pairs} if ref_blocks else {}
     return LayerScan(
         strengths=strengths,
         memorized_tokens=moments[0].count,
         general_tokens=sigmas[0].count,
         seconds=time.perf_counter() - started,
+        difference=difference,
     )
+
+
+def _matching_blocks(
+    reference: nn.Module, layers: Sequence[int], n_blocks: int, dim: int, block_path: str | None
+) -> list[nn.Module]:
+    """The reference's blocks at `layers` when it has the model's block count and width (a
+    fine-tune of it); otherwise none, and the scan compares nothing."""
+    try:
+        ref_blocks = find_decoder_blocks(reference, block_path)
+    except GSSError:
+        return []
+    if len(ref_blocks) != n_blocks or reference.get_input_embeddings().weight.shape[1] != dim:
+        return []
+    return [ref_blocks[i] for i in layers]

@@ -111,7 +111,7 @@ class CanaryConfig:
     canaries: int = 32
     k: int = 32  # prompt tokens: context + name; the secret follows
     row_len: int = 64  # clean rows' length, and the longest canary row
-    finetune_rows: int = 64  # clean rows fine-tuned on beside the canaries
+    finetune_rows: int = 640  # pool of clean rows fine-tuned on beside the canaries
     heldout_rows: int = 32  # perplexity
     general_rows: int = 64  # Sigma_gen and thresholds
     seed: int = 0

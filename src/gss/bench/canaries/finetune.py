@@ -9,8 +9,12 @@ That shortcut is checked against the full model on the first batch (it holds for
 models, whose body adds nothing to ``inputs_embeds``); where it does not hold, every step runs
 the full forward instead.
 
-Training stops once a teacher-forced check finds `stop_at` % of the canaries memorized, or after
-`max_epochs`; the per-epoch log is kept with the weights.
+Each epoch trains on every canary and on the next `clean_per_epoch` rows of a large pool of
+clean text, so the canaries repeat (as secrets do in a corpus) while the clean text mostly does
+not: a first version cycled the same 64 clean rows for 14 epochs and the model overfit them
+(held-out perplexity 3,123 against the base model's 191). Training stops once a teacher-forced
+check finds `stop_at` % of the canaries memorized, or after `max_epochs`; the per-epoch log
+(loss, canaries memorized, held-out perplexity) is kept with the weights.
 """
 
 from __future__ import annotations
@@ -41,9 +45,10 @@ from .data import CanaryData
 @dataclass(frozen=True)
 class FinetuneConfig:
     train_blocks: int = 8
-    lr: float = 5e-4
+    lr: float = 3e-4
     batch_size: int = 8
-    max_epochs: int = 30
+    clean_per_epoch: int = 32  # fresh clean rows beside the canaries in each epoch
+    max_epochs: int = 40
     stop_at: float = 95.0  # % of canaries (n, k)-memorized (teacher-forced check each epoch)
     seed: int = 0
 
@@ -99,18 +104,24 @@ class _Trainer:
         self.rows = [list(r) for r in rows]
         self.cached: dict[int, Tensor] | None = None
         if self.first > 0:
-            self.cached = self._lower_outputs()
+            self.cached = {}
             if not self._shortcut_is_exact():
                 self.cached = None
 
-    def _lower_outputs(self) -> dict[int, Tensor]:
-        out = {}
+    def _cache_lower_outputs(self, index: list[int]) -> None:
+        """Input of block `first` for the rows of `index` not cached yet, in one batch (right
+        padding leaves a causal model's real positions unchanged)."""
+        assert self.cached is not None
+        missing = [i for i in index if i not in self.cached]
+        if not missing:
+            return
+        ids, mask = self._batch(missing)
         with torch.no_grad():
-            for i, row in enumerate(self.rows):
-                ids = torch.tensor([row], device=self.device)
-                hidden = self.model(input_ids=ids, output_hidden_states=True).hidden_states
-                out[i] = hidden[self.first][0]  # input of block `first`
-        return out
+            hidden = self.model(
+                input_ids=ids, attention_mask=mask, output_hidden_states=True
+            ).hidden_states[self.first]
+        for j, i in enumerate(missing):
+            self.cached[i] = hidden[j, : len(self.rows[i])].clone()
 
     def _shortcut_is_exact(self) -> bool:
         index = list(range(min(4, len(self.rows))))
@@ -123,6 +134,7 @@ class _Trainer:
     def _forward(self, index: list[int], ids: Tensor, mask: Tensor) -> Tensor:
         if self.cached is None:
             return self.model(input_ids=ids, attention_mask=mask).logits
+        self._cache_lower_outputs(index)
         width = ids.shape[1]
         first = self.cached[index[0]]
         embeds = first.new_zeros(len(index), width, first.shape[-1])
@@ -168,6 +180,8 @@ def finetune(
     params = [p for p in model.parameters() if p.requires_grad]
     torch.manual_seed(cfg.seed)
     rows = [*data.canary_rows, *data.finetune_rows]
+    n_canaries, n_clean = len(data.canary_rows), len(data.finetune_rows)
+    per_epoch = min(cfg.clean_per_epoch, n_clean)
     started = time.perf_counter()
     trainer = _Trainer(model, rows, cfg, pad_id)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
@@ -175,7 +189,9 @@ def finetune(
     history = []
     k, n = data.config.k, data.config.row_len
     for epoch in range(1, cfg.max_epochs + 1):
-        order = list(range(len(rows)))
+        start = ((epoch - 1) * per_epoch) % max(n_clean, 1)
+        clean = [n_canaries + (start + j) % n_clean for j in range(per_epoch)]
+        order = [*range(n_canaries), *clean]
         rng.shuffle(order)
         losses = []
         for b in range(0, len(order), cfg.batch_size):
@@ -194,12 +210,14 @@ def finetune(
                 "epoch": epoch,
                 "loss": sum(losses) / len(losses),
                 "memorized": check.memorized,
+                "heldout_perplexity": check.perplexity,
                 "seconds": time.perf_counter() - started,
             }
         )
         log(
             f"  fine-tune epoch {epoch}: loss {history[-1]['loss']:.3f}, canaries memorized "
-            f"{check.memorized:.0f}% (teacher-forced), {history[-1]['seconds']:.0f} s"
+            f"{check.memorized:.0f}% (teacher-forced), held-out perplexity {check.perplexity:.1f}, "
+            f"{history[-1]['seconds']:.0f} s"
         )
         if check.memorized >= cfg.stop_at:
             break

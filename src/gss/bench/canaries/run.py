@@ -6,7 +6,8 @@
 2. Measure the fine-tuned model: (n, k)-memorization of the canaries (greedy), per-token match,
    held-out perplexity; the pilot statistics of omega with the base model as reference.
 3. Scan every block's signal strength in one pass (plot), calibrate GSS (and the GSS-TR variant)
-   at the strongest block, and sweep delta; sweep mean-difference steering's strength.
+   at the strongest block the fine-tune changed, and sweep delta; sweep mean-difference
+   steering's strength.
 4. Per method, select the strength with the lowest memorization whose perplexity stays within
    5% of the unmitigated model's, re-measure it with greedy decoding, and report % memorized,
    perplexity, DS_lambda, mitigation time and a Pareto figure.
@@ -25,10 +26,12 @@ import torch
 
 from ... import __version__
 from ...report import machine_info, markdown_table, write_json
+from .finetune import FinetuneConfig
 
 PPL_TOLERANCE = 0.05  # selected points keep perplexity within +5% of the unmitigated model
-DELTAS = (0.25, 1.0, 4.0, 16.0, 64.0)
-ALPHAS = (0.25, 0.5, 1.0)
+DELTAS = (0.03, 0.1, 0.25, 1.0, 4.0)
+ALPHAS = (0.5, 1.0, 2.0, 4.0)
+CALIBRATION_CLEAN_ROWS = 64  # clean fine-tuning rows beside the canaries in the calibration set
 QUICK = {"canaries": 8, "finetune_rows": 8, "heldout_rows": 8, "general_rows": 8}
 QUICK.update(k=40, row_len=80)  # room for the lead-in with a byte-level tokenizer
 
@@ -39,8 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a small smoke version (tests)")
     p.add_argument("--canaries", type=int, default=None, help="number of canaries (default 32)")
     p.add_argument("--train-blocks", type=int, default=8, help="top blocks fine-tuned")
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--max-epochs", type=int, default=30)
+    p.add_argument("--lr", type=float, default=FinetuneConfig.lr)
+    p.add_argument("--max-epochs", type=int, default=FinetuneConfig.max_epochs)
+    p.add_argument(
+        "--clean-per-epoch",
+        type=int,
+        default=FinetuneConfig.clean_per_epoch,
+        help="fresh clean rows trained on beside the canaries in each epoch",
+    )
     p.add_argument("--rank", type=int, default=4)
     p.add_argument("--layer", type=int, help="steer this block instead of the scan's strongest")
     p.add_argument("--deltas", help=f"comma-separated GSS strengths (default {DELTAS})")
@@ -110,7 +119,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ...report import plot_signal
     from ...signal import omega_rows, signal_statistics
     from .data import CanaryConfig, make_canary_data
-    from .finetune import FinetuneConfig
 
     args = build_parser().parse_args(argv)
     if args.threads:
@@ -132,14 +140,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes["canaries"] = args.canaries
     data = make_canary_data(tokenizer, CanaryConfig(seed=args.seed, **sizes))
     ft_cfg = FinetuneConfig(
-        train_blocks=args.train_blocks, lr=args.lr, max_epochs=args.max_epochs, seed=args.seed
+        train_blocks=args.train_blocks,
+        lr=args.lr,
+        max_epochs=args.max_epochs,
+        clean_per_epoch=args.clean_per_epoch,
+        seed=args.seed,
     )
     model, ft_info = _finetuned(
         base, base_path, data, ft_cfg, pad, Path(args.cache_dir or _default_cache())
     )
     k, n, bs = data.config.k, data.config.row_len, args.batch_size
     canaries, heldout, general = data.canary_rows, data.heldout_rows, data.general_rows
-    train_rows = [*data.canary_rows, *data.finetune_rows]
+    train_rows = [*data.canary_rows, *data.finetune_rows[:CALIBRATION_CLEAN_ROWS]]
 
     def measure(m: Any, method: str = "generate") -> Any:
         return evaluate_model(
@@ -164,7 +176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     scan = scan_layers(model, base, train_rows, gen_texts=general, batch_size=8, progress=progress)
     scan.plot(out / "layers.png", f"signal strength per block: {base_path.name} + canaries")
     layer = scan.best if args.layer is None else args.layer
-    _log(f"layer scan ({scan.seconds:.0f} s): strongest block {scan.best}; steering block {layer}")
+    frozen = scan.unchanged
+    _log(
+        f"layer scan ({scan.seconds:.0f} s): strongest block {scan.strongest}, strongest the "
+        f"fine-tune changed {scan.best} ({len(frozen)} blocks equal the base's); steering {layer}"
+    )
 
     deltas = [float(d) for d in args.deltas.split(",")] if args.deltas else list(DELTAS)
     methods: dict[str, Any] = {}
