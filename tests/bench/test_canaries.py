@@ -82,7 +82,9 @@ def test_quick_run_writes_the_report_and_reuses_the_fine_tune(base_dir, tmp_path
     assert set(results["methods"]) == {"GSS", "GSS-TR", "Mean-diff"}
     assert not results["finetune"]["loaded"] and results["finetune"]["epochs"] <= 2
     gss = results["methods"]["GSS"]
-    assert len(gss["grid"]) == 2 and set(gss["deviation_scores"]) == {
+    percentiles = [p["options"]["threshold_percentile"] for p in gss["grid"]]
+    assert percentiles == [None, None, 90.0, 99.0]  # two deltas, then the gate at the chosen one
+    assert set(gss["deviation_scores"]) == {
         "DS_0.01",
         "DS_0.05",
         "DS_0.1",

@@ -6,8 +6,8 @@
 2. Measure the fine-tuned model: (n, k)-memorization of the canaries (greedy), per-token match,
    held-out perplexity; the pilot statistics of omega with the base model as reference.
 3. Scan every block's signal strength in one pass (plot), calibrate GSS (and the GSS-TR variant)
-   at the strongest block the fine-tune changed, and sweep delta; sweep mean-difference
-   steering's strength.
+   at the strongest block the fine-tune changed, sweep delta, then the gate's threshold
+   percentile at the chosen delta; sweep mean-difference steering's strength.
 4. Per method, select the strength with the lowest memorization whose perplexity stays within
    5% of the unmitigated model's, re-measure it with greedy decoding, and report % memorized,
    perplexity, DS_lambda, mitigation time and a Pareto figure.
@@ -30,7 +30,8 @@ from .finetune import FinetuneConfig
 
 PPL_TOLERANCE = 0.05  # selected points keep perplexity within +5% of the unmitigated model
 DELTAS = (0.03, 0.1, 0.25, 1.0, 4.0)
-ALPHAS = (0.5, 1.0, 2.0, 4.0)
+PERCENTILES = (90.0, 99.0)  # gate thresholds tried beside the default 95th, at the chosen delta
+ALPHAS = (0.5, 1.0, 2.0)
 CALIBRATION_CLEAN_ROWS = 64  # clean fine-tuning rows beside the canaries in the calibration set
 QUICK = {"canaries": 8, "finetune_rows": 8, "heldout_rows": 8, "general_rows": 8}
 QUICK.update(k=40, row_len=80)  # room for the lead-in with a byte-level tokenizer
@@ -100,6 +101,19 @@ def _finetuned(base: Any, base_path: Path, data: Any, cfg: Any, pad: int, cache:
     model, info = finetune(base, data, cfg, pad, log=_log)
     save_trained(model, trainable_names(model, cfg.train_blocks), info, folder)
     return model, {**info, "cache": str(folder), "loaded": False}
+
+
+def _configured(artifact: Any, options: dict, model: Any, general: Any, batch_size: int) -> Any:
+    """`artifact` with a sweep point's delta and, when it has one, its threshold percentile."""
+    from ...calibrate import probe_responses, thresholds_from_responses
+
+    if options.get("threshold_percentile") is not None:
+        responses = probe_responses(model, artifact, general, batch_size=batch_size)
+        eps, info = thresholds_from_responses(
+            responses, artifact.config.gate, options["threshold_percentile"]
+        )
+        artifact = artifact.with_thresholds(eps, info["rule"])
+    return artifact.with_options(delta=options["delta"])
 
 
 def _select(points: Sequence[Any], base_ppl: float) -> Any:
@@ -200,20 +214,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         stats_by[name] = stats
         artifact = build_artifact(model, stats, rank=args.rank, progress=False)
-        points = steering_sweep(
+        sweep = {"k": k, "n": n, "pad_id": pad, "batch_size": bs, "progress": progress}
+        points = steering_sweep(model, artifact, canaries, heldout, deltas=deltas, **sweep)
+        chosen = _select(points, unmitigated.perplexity).options["delta"]
+        points += steering_sweep(  # the gate's threshold, at the strength chosen so far
             model,
             artifact,
             canaries,
             heldout,
-            deltas=deltas,
-            k=k,
-            n=n,
-            pad_id=pad,
-            batch_size=bs,
-            progress=progress,
+            deltas=[chosen],
+            percentiles=PERCENTILES,
+            general=general,
+            **sweep,
         )
         methods[name] = (points, artifact.config.timings["total"])
-        attach[name] = lambda o, a=artifact: a.attach(model, delta=o["delta"])
+        attach[name] = lambda o, a=artifact: _configured(a, o, model, general, bs).attach(model)
     from ...baselines.steering import MeanDifferenceSteer, mean_difference_vector
 
     vector = mean_difference_vector(stats_by["GSS"])
