@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +28,13 @@ __all__ = ["SweepPoint", "pareto_front", "plot_pareto", "steering_sweep"]
 
 @dataclass(frozen=True)
 class SweepPoint:
-    """One grid point: the options it used, what it measured, and the gate's open share."""
+    """One grid point: the options it used, what it measured, the gate's open share, and the
+    artifact configured with those options (ready to attach; not serialized)."""
 
     options: dict[str, Any]
     report: EvaluationReport
     gate_open_share: float | None = None
+    artifact: SteeringArtifact | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -95,7 +97,7 @@ def steering_sweep(
             gates = handle.gate_stats()
         options = {"delta": current.config.delta, "rank": current.rank}
         options["threshold_percentile"] = percentile
-        points.append(SweepPoint(options, report, gates.get("any_open_share")))
+        points.append(SweepPoint(options, report, gates.get("any_open_share"), current))
     return points
 
 

@@ -103,19 +103,6 @@ def _finetuned(base: Any, base_path: Path, data: Any, cfg: Any, pad: int, cache:
     return model, {**info, "cache": str(folder), "loaded": False}
 
 
-def _configured(artifact: Any, options: dict, model: Any, general: Any, batch_size: int) -> Any:
-    """`artifact` with a sweep point's delta and, when it has one, its threshold percentile."""
-    from ...calibrate import probe_responses, thresholds_from_responses
-
-    if options.get("threshold_percentile") is not None:
-        responses = probe_responses(model, artifact, general, batch_size=batch_size)
-        eps, info = thresholds_from_responses(
-            responses, artifact.config.gate, options["threshold_percentile"]
-        )
-        artifact = artifact.with_thresholds(eps, info["rule"])
-    return artifact.with_options(delta=options["delta"])
-
-
 def _select(points: Sequence[Any], base_ppl: float) -> Any:
     """Lowest memorization within the perplexity tolerance (ties: lower perplexity); if none is
     within it, the mildest point."""
@@ -201,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     curves: dict[str, list[tuple[float, float]]] = {}
     calibrations = {"GSS": {}, "GSS-TR": {"target": "toward-reference"}}
     stats_by, attach = {}, {}
+    sweep = {"k": k, "n": n, "pad_id": pad, "batch_size": bs, "progress": progress}
     for name, options in calibrations.items():
         stats = collect_statistics(
             model,
@@ -214,28 +202,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         stats_by[name] = stats
         artifact = build_artifact(model, stats, rank=args.rank, progress=False)
-        sweep = {"k": k, "n": n, "pad_id": pad, "batch_size": bs, "progress": progress}
         points = steering_sweep(model, artifact, canaries, heldout, deltas=deltas, **sweep)
-        chosen = _select(points, unmitigated.perplexity).options["delta"]
+        delta = _select(points, unmitigated.perplexity).options["delta"]
         points += steering_sweep(  # the gate's threshold, at the strength chosen so far
             model,
             artifact,
             canaries,
             heldout,
-            deltas=[chosen],
+            deltas=[delta],
             percentiles=PERCENTILES,
             general=general,
             **sweep,
         )
         methods[name] = (points, artifact.config.timings["total"])
-        attach[name] = lambda o, a=artifact: _configured(a, o, model, general, bs).attach(model)
+        attach[name] = lambda point: point.artifact.attach(model)
     from ...baselines.steering import MeanDifferenceSteer, mean_difference_vector
 
     vector = mean_difference_vector(stats_by["GSS"])
-    attach["Mean-diff"] = lambda o: MeanDifferenceSteer(vector, o["alpha"]).attach(model, layer)
+    attach["Mean-diff"] = lambda point: MeanDifferenceSteer(vector, point.options["alpha"]).attach(
+        model, layer
+    )
     mean_points = []
     for alpha in ALPHAS:
-        with attach["Mean-diff"]({"alpha": alpha}):
+        with MeanDifferenceSteer(vector, alpha).attach(model, layer):
             mean_points.append(SweepPoint({"alpha": alpha}, measure(model, "forced")))
     t = stats_by["GSS"].timings
     methods["Mean-diff"] = (mean_points, t["signal"] + t["statistics"])
@@ -260,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, (points, seconds) in methods.items():
         chosen = _select(points, base_ppl)
         curves[name] = [(p.report.memorized, p.report.perplexity) for p in points]
-        with attach[name](chosen.options):  # re-measured by greedy decoding
+        with attach[name](chosen):  # re-measured by greedy decoding
             final = measure(model)
         label = ", ".join(f"{k_}={v}" for k_, v in chosen.options.items() if v is not None)
         within = chosen.report.perplexity <= base_ppl * (1 + PPL_TOLERANCE)
