@@ -6,9 +6,10 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from gss.baselines import get_method
 from gss.bench.canaries.data import CanaryConfig, make_canary_data
 from gss.bench.canaries.finetune import FinetuneConfig, _Trainer, trainable_names
-from gss.bench.canaries.run import main
+from gss.bench.canaries.run import ABLATION, main
 from gss.errors import GSSError
 
 from ..conftest import tiny_model
@@ -93,5 +94,26 @@ def test_quick_run_writes_the_report_and_reuses_the_fine_tune(base_dir, tmp_path
     for figure in ("pareto.png", "layers.png", "signal.png"):
         assert (out / figure).stat().st_size > 1000
     assert "| unmitigated |" in (out / "table.md").read_text()
-    assert main(args) == 0
-    assert json.loads((out / "results.json").read_text())["finetune"]["loaded"]
+    # the rerun reuses the fine-tune, with the variant's single changes and two baselines
+    extra = ["--ablation", "--baselines", "alphasteer,gradient-ascent"]
+    assert main([*args, *extra]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["finetune"]["loaded"]
+    names = set(results["methods"])
+    assert names == {"GSS", "GSS-TR", "Mean-diff", "alphasteer", "gradient-ascent", *ABLATION}
+    assert results["methods"]["GSS, per-position"]["calibration_options"] == {
+        "gradient": "per-position"
+    }
+    assert results["methods"]["GSS, per-position"]["grid"]
+    # two epochs memorize nothing here: no token passes omega > 1 nat, and the run says so
+    assert "passed the memorized-token rule" in results["methods"]["GSS, all three"]["error"]
+    ascent = results["methods"]["gradient-ascent"]
+    assert [p["options"] for p in ascent["grid"]] == list(get_method("gradient-ascent").grid)
+    assert all(p["seconds"] > 0 for p in ascent["grid"])
+    table = (out / "table.md").read_text()
+    assert "| alphasteer" in table and "| GSS, all three" in table
+
+
+def test_unknown_baseline_is_refused_before_any_work(tmp_path):
+    with pytest.raises(SystemExit, match="unknown baseline 'nope'"):
+        main(["--model", str(tmp_path), "--baselines", "steering,nope"])

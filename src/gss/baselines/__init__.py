@@ -17,7 +17,14 @@ from __future__ import annotations
 
 import importlib
 
-from .interface import Method, Mitigation, MitigationData, get_method, method_names
+from .interface import (
+    Method,
+    Mitigation,
+    MitigationData,
+    get_method,
+    method_names,
+    resolve_method_names,
+)
 from .steering import MeanDifferenceSteer, mean_difference_vector
 
 # Modules that register methods, imported on first lookup (keeps `import gss` light).
@@ -37,4 +44,5 @@ __all__ = [
     "get_method",
     "mean_difference_vector",
     "method_names",
+    "resolve_method_names",
 ]

@@ -187,3 +187,22 @@ def method_names(family: str | None = None) -> list[str]:
 
     _load_all()
     return [n for n, m in REGISTRY.items() if family is None or m.family == family]
+
+
+def resolve_method_names(text: str) -> list[str]:
+    """Baseline names from a comma-separated list of names, families or ``all`` (the
+    ``--baselines`` option of the benchmarks), in registration order, without repeats."""
+    out: list[str] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        everything = method_names()
+        found = everything if item == "all" else method_names(item)
+        found = found or ([item] if item in everything else [])
+        if not found:
+            raise GSSError(
+                f"unknown baseline {item!r}; use 'all', a family (steering, unlearning, "
+                f"fine-tuning, neuron, weight) or one of {', '.join(everything)}."
+            )
+        out += [n for n in found if n not in out]
+    return out

@@ -18,21 +18,37 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ... import __version__
+from ...errors import GSSError
 from ...report import machine_info, markdown_table, write_json
 from .finetune import FinetuneConfig
 
 PPL_TOLERANCE = 0.05  # selected points keep perplexity within +5% of the unmitigated model
-DELTAS = (0.03, 0.1, 0.25, 1.0, 4.0)
+# Strengths of GSS (and GSS-TR). 4.0 was dropped to keep the warm run under 15 minutes: at block
+# 22 both methods already reach 0% at 1.0, and 4.0 only raised perplexity (`--deltas` adds it).
+DELTAS = (0.03, 0.1, 0.25, 1.0)
 PERCENTILES = (90.0, 99.0)  # gate thresholds tried beside the default 95th, at the chosen delta
 ALPHAS = (0.5, 1.0, 2.0)
 CALIBRATION_CLEAN_ROWS = 64  # clean fine-tuning rows beside the canaries in the calibration set
+# `--ablation`: GSS as published with each change of the GSS-TR study (docs/gss-tr.md) alone, and
+# all three; the toward-reference target alone is GSS-TR itself.
+ABLATION = {
+    "GSS, omega > 1 nat": {"omega_threshold": 1.0},
+    "GSS, per-position": {"gradient": "per-position"},
+    "GSS, all three": {
+        "omega_threshold": 1.0,
+        "target": "toward-reference",
+        "gradient": "per-position",
+    },
+}
 QUICK = {"canaries": 8, "finetune_rows": 8, "heldout_rows": 8, "general_rows": 8}
 QUICK.update(k=40, row_len=80)  # room for the lead-in with a byte-level tokenizer
 
@@ -54,6 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=4)
     p.add_argument("--layer", type=int, help="steer this block instead of the scan's strongest")
     p.add_argument("--deltas", help=f"comma-separated GSS strengths (default {DELTAS})")
+    p.add_argument(
+        "--ablation",
+        action="store_true",
+        help="also calibrate GSS with each single change of the GSS-TR study (omega > 1 nat, "
+        "per-position gradients) and with all three changes (slow: per-position gradients)",
+    )
+    p.add_argument(
+        "--baselines",
+        default="",
+        help="also run these baselines over their default grids: comma-separated names "
+        "(see `gss baselines`), families or 'all' (default none; the neuron and weight "
+        "methods take hours on a 135M model)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None)
@@ -112,6 +141,85 @@ def _select(points: Sequence[Any], base_ppl: float) -> Any:
     return min(ok, key=lambda p: (p.report.memorized, p.report.perplexity))
 
 
+@dataclass
+class _Method:
+    """A method's grid points, each point's mitigation seconds, and how to apply one point: a
+    context manager that yields the model to evaluate with that point in effect."""
+
+    points: list[Any]
+    seconds: list[float]
+    attach: Callable[[Any], AbstractContextManager[Any]]
+
+
+def _index(points: Sequence[Any], point: Any) -> int:
+    return next(i for i, p in enumerate(points) if p is point)
+
+
+def _hooked(model: Any, handle: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`_Method.attach` for a steer: ``handle(point)`` attaches it to `model` (and detaches
+    on exit)."""
+
+    @contextmanager
+    def attach(point: Any) -> Iterator[Any]:
+        with handle(point):
+            yield model
+
+    return attach
+
+
+def _baseline(
+    name: str, model: Any, data: Any, measure: Callable[[Any], Any], base_ppl: float
+) -> _Method:
+    """Every point of a baseline's default grid, measured with `measure`.
+
+    Only the edited copy the selection rule would pick so far is kept (a 135M model's grid
+    then holds at most two copies in memory); a hook method is fitted again from its cache
+    when its chosen point is re-measured.
+    """
+    from ...baselines import get_method
+    from ...evaluate.sweep import SweepPoint
+
+    method = get_method(name)
+    points: list[Any] = []
+    seconds: list[float] = []
+    kept: dict[int, Any] = {}
+    for params in method.grid:
+        result = method.run(model, data, **params)
+        try:
+            report = measure(result.model)
+        finally:
+            result.remove()
+        points.append(SweepPoint(dict(params), report))
+        seconds.append(result.total_seconds)
+        if result.model is not model and _select(points, base_ppl) is points[-1]:
+            kept = {len(points) - 1: result}
+        del result
+        _log(
+            f"  {name} {params}: {report.memorized:.1f}% memorized, perplexity "
+            f"{report.perplexity:.2f}, {seconds[-1]:.0f} s"
+        )
+
+    @contextmanager
+    def attach(point: Any) -> Iterator[Any]:
+        i = _index(points, point)
+        result = kept.get(i) or method.run(model, data, **method.grid[i])
+        try:
+            yield result.model
+        finally:
+            result.remove()
+
+    return _Method(points, seconds, attach)
+
+
+def _baseline_names(text: str) -> list[str]:
+    from ...baselines import resolve_method_names
+
+    try:
+        return resolve_method_names(text)
+    except GSSError as err:
+        raise SystemExit(f"gss bench canaries: {err}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from ...calibrate import build_artifact, collect_statistics
     from ...evaluate.suite import evaluate_model
@@ -122,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .data import CanaryConfig, make_canary_data
 
     args = build_parser().parse_args(argv)
+    baseline_names = _baseline_names(args.baselines)
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
@@ -184,24 +293,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     deltas = [float(d) for d in args.deltas.split(",")] if args.deltas else list(DELTAS)
-    methods: dict[str, Any] = {}
+    methods: dict[str, _Method] = {}
     curves: dict[str, list[tuple[float, float]]] = {}
-    calibrations = {"GSS": {}, "GSS-TR": {"target": "toward-reference"}}
-    stats_by, attach = {}, {}
+    calibrations: dict[str, dict[str, Any]] = {
+        "GSS": {},
+        "GSS-TR": {"target": "toward-reference"},
+        **(ABLATION if args.ablation else {}),
+    }
+    stats_by = {}
     sweep = {"k": k, "n": n, "pad_id": pad, "batch_size": bs, "progress": progress}
+    skipped: dict[str, str] = {}  # ablation rows that could not be calibrated, and why
     for name, options in calibrations.items():
-        stats = collect_statistics(
-            model,
-            base,
-            train_rows,
-            layer=layer,
-            gen_texts=general,
-            batch_size=8,
-            progress=progress,
-            **options,
-        )
+        try:
+            stats = collect_statistics(
+                model,
+                base,
+                train_rows,
+                layer=layer,
+                gen_texts=general,
+                batch_size=8,
+                progress=progress,
+                **options,
+            )
+            artifact = build_artifact(model, stats, rank=args.rank, progress=False)
+        except GSSError as err:
+            if name not in ABLATION:
+                raise
+            skipped[name] = str(err)  # e.g. no token passes omega > 1 nat
+            _log(f"{name}: not calibrated: {err}")
+            continue
         stats_by[name] = stats
-        artifact = build_artifact(model, stats, rank=args.rank, progress=False)
         points = steering_sweep(model, artifact, canaries, heldout, deltas=deltas, **sweep)
         delta = _select(points, unmitigated.perplexity).options["delta"]
         points += steering_sweep(  # the gate's threshold, at the strength chosen so far
@@ -214,20 +335,41 @@ def main(argv: Sequence[str] | None = None) -> int:
             general=general,
             **sweep,
         )
-        methods[name] = (points, artifact.config.timings["total"])
-        attach[name] = lambda point: point.artifact.attach(model)
+        seconds = artifact.config.timings["total"]
+        methods[name] = _Method(
+            points, [seconds] * len(points), _hooked(model, lambda p: p.artifact.attach(model))
+        )
     from ...baselines.steering import MeanDifferenceSteer, mean_difference_vector
 
     vector = mean_difference_vector(stats_by["GSS"])
-    attach["Mean-diff"] = lambda point: MeanDifferenceSteer(vector, point.options["alpha"]).attach(
-        model, layer
-    )
     mean_points = []
     for alpha in ALPHAS:
         with MeanDifferenceSteer(vector, alpha).attach(model, layer):
             mean_points.append(SweepPoint({"alpha": alpha}, measure(model, "forced")))
     t = stats_by["GSS"].timings
-    methods["Mean-diff"] = (mean_points, t["signal"] + t["statistics"])
+    methods["Mean-diff"] = _Method(
+        mean_points,
+        [t["signal"] + t["statistics"]] * len(mean_points),
+        _hooked(
+            model, lambda p: MeanDifferenceSteer(vector, p.options["alpha"]).attach(model, layer)
+        ),
+    )
+    if baseline_names:
+        from ...baselines import MitigationData
+
+        mdata = MitigationData(
+            memorized=canaries,
+            clean=data.finetune_rows[:CALIBRATION_CLEAN_ROWS],
+            pad_id=pad,
+            prompt_len=k,
+            layer=layer,
+            reference=base,
+        )
+        for name in baseline_names:
+            _log(f"baseline {name} ...")
+            methods[name] = _baseline(
+                name, model, mdata, lambda m: measure(m, "forced"), unmitigated.perplexity
+            )
 
     rows, record_methods = [], {}
     base_ppl = unmitigated.perplexity
@@ -246,21 +388,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
 
     rows.append(row("unmitigated", unmitigated, "", None))
-    for name, (points, seconds) in methods.items():
+    for name, method in methods.items():
+        points = method.points
         chosen = _select(points, base_ppl)
+        seconds = method.seconds[_index(points, chosen)]
         curves[name] = [(p.report.memorized, p.report.perplexity) for p in points]
-        with attach[name](chosen):  # re-measured by greedy decoding
-            final = measure(model)
+        with method.attach(chosen) as steered:  # re-measured by greedy decoding
+            final = measure(steered)
         label = ", ".join(f"{k_}={v}" for k_, v in chosen.options.items() if v is not None)
         within = chosen.report.perplexity <= base_ppl * (1 + PPL_TOLERANCE)
         rows.append(row(name + ("" if within else " *"), final, label, seconds))
+        grid = [
+            {**p.to_dict(), "seconds": sec} for p, sec in zip(points, method.seconds, strict=True)
+        ]
         record_methods[name] = {
             "selected": {"options": chosen.options, **final.to_dict(), "within_tolerance": within},
             "deviation_scores": final.deviation_scores(unmitigated),
             "mitigation_seconds": seconds,
-            "grid": [p.to_dict() for p in points],
+            "grid": grid,
         }
+        if name in calibrations:
+            record_methods[name]["calibration_options"] = calibrations[name]
         _log(f"{name} {label}: {final.memorized:.1f}% memorized, perplexity {final.perplexity:.2f}")
+    for name, reason in skipped.items():
+        rows.append([name, "not calibrated", "", "", "", "", "", "", ""])
+        record_methods[name] = {"calibration_options": calibrations[name], "error": reason}
     header = ["method", "selected", "% memorized", "% tokens", "perplexity"]
     header += ["DS 0.01", "DS 0.05", "DS 0.1", "mitigation s"]
     table = markdown_table(header, rows)

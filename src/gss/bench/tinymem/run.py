@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from ... import __version__
-from ...baselines import get_method
+from ...baselines import get_method, resolve_method_names
+from ...errors import GSSError
 from ...report import machine_info, markdown_table, write_json
 from ...variants import variant
 from . import methods as M
@@ -138,26 +139,10 @@ def _settings(text: str) -> list[str]:
 
 
 def _baseline_names(text: str) -> list[str]:
-    """Names from a comma-separated list of baseline names, families or 'all'."""
-    from ...baselines import method_names
-
-    out: list[str] = []
-    for item in (t.strip() for t in text.split(",")):
-        if not item:
-            continue
-        found = (
-            method_names()
-            if item == "all"
-            else method_names(item) or ([item] if item in method_names() else [])
-        )
-        if not found:
-            raise SystemExit(
-                f"gss bench tinymem: unknown baseline {item!r}; use 'all', a family "
-                f"(steering, unlearning, fine-tuning, neuron, weight) or one of "
-                f"{', '.join(method_names())}"
-            )
-        out += [n for n in found if n not in out]
-    return out
+    try:
+        return resolve_method_names(text)
+    except GSSError as err:
+        raise SystemExit(f"gss bench tinymem: {err}") from None
 
 
 def _log(message: str) -> None:
