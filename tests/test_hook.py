@@ -139,3 +139,26 @@ def test_hidden_size_mismatch_is_refused():
     hook = GatedSteer(torch.ones(1, 4), torch.ones(1, 4), torch.zeros(1))
     with pytest.raises(GSSError, match="hidden size 6"):
         hook(None, None, torch.ones(1, 2, 6))
+
+
+@pytest.mark.parametrize("gate", ["hard", "none"])
+def test_fused_steer_equals_the_masked_one_and_leaves_closed_tokens_exact(gate):
+    gen = torch.Generator().manual_seed(0)
+    k, d = 3, 16
+    probe = torch.randn(k, d, generator=gen)
+    steer = torch.nn.functional.normalize(torch.randn(k, d, generator=gen), dim=-1)
+    eps, offset = torch.tensor([4.0, 6.0, 8.0]), torch.randn(k, generator=gen)
+    hidden = torch.randn(2, 6, d, generator=gen)
+    fused = GatedSteer(probe, steer, eps, offset, gate=gate)
+    masked = GatedSteer(probe, steer, eps, offset, gate=gate, track_gates=True)
+    assert fused._fused is not None  # without tracking, the paper's case runs fused
+    ours, none = fused.steer_hidden(hidden)
+    theirs, is_open = masked.steer_hidden(hidden)
+    assert none is None and is_open is not None
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    if gate == "hard":
+        closed = ~is_open.any(-1)
+        assert closed.any() and (~closed).any()
+        assert torch.equal(ours[closed], hidden[closed])
+    low, _ = fused.steer_hidden(hidden.bfloat16())
+    assert low.dtype == torch.bfloat16

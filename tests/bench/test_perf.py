@@ -52,6 +52,10 @@ def test_quick_perf_writes_results_table_and_figures(tmp_path, capsys):
     for r in rows:
         assert r["tokens_per_s_steered"]["median"] > 0
         assert 0.0 <= r["gate_open_share"] <= 1.0
+        # every timed decode step was recorded (4 new tokens: 3 steps after the prompt pass)
+        assert r["decode_step_seconds"]["steered"]["n"] == 2 * 3
+        assert math.isfinite(r["step_ratio"]) and r["step_ratio"] > 0
+        assert r["hook_seconds_per_call"] > 0 and 0 < r["hook_share_of_step"] < 1
     assert overhead["peer"] in ("available", "not installed")
 
     calib = results["parts"]["calibration"]

@@ -33,11 +33,12 @@ class Sizes:
     batch_sizes: tuple[int, ...] = (1, 16)
     ranks: tuple[int, ...] = (1, 4, 16)
     peer_rank: int = 4
-    overhead_repeats: int = 7
+    overhead_repeats: int = 21
+    hook_calls: int = 2000
     warmup: int = 2
     artifact_texts: int = 64
     model_new_tokens: int = 16
-    model_repeats: int = 3
+    model_repeats: int = 7
     model_warmup: int = 1
     # calibration cost
     calib_texts: int = 256
@@ -63,6 +64,7 @@ QUICK = Sizes(
     new_tokens=4,
     batch_sizes=(1, 4),
     overhead_repeats=2,
+    hook_calls=20,
     warmup=1,
     artifact_texts=16,
     model_new_tokens=4,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +76,9 @@ class _Peer:
         import nnsight
 
         wrapper = getattr(nnsight, "LanguageModel", None) or nnsight.TransformersModel
-        self.wrapped = wrapper(model, tokenizer=tokenizer)
+        with warnings.catch_warnings():  # its deprecation notices, once per call
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.wrapped = wrapper(model, tokenizer=tokenizer)
         _, block = resolve_layer(model, artifact.config.layer, artifact.config.block_path)
         path = next(name for name, module in model.named_modules() if module is block)
         envoy: Any = self.wrapped
@@ -84,8 +88,13 @@ class _Peer:
         self.hook = artifact.make_hook()
 
     def generate(self, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
-        envoy, hook = self.envoy, self.hook
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return self._generate(inputs, new_tokens)
+
+    def _generate(self, inputs: dict[str, torch.Tensor], new_tokens: int) -> torch.Tensor:
+        envoy, hook = self.envoy, self.hook
         with self.wrapped.generate(
             inputs,
             max_new_tokens=new_tokens,
@@ -112,6 +121,76 @@ def word_tokenizer(vocab: int) -> Any:
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="t0", bos_token="t1", eos_token="t2"
     )
+
+
+class StepClock:
+    """Times every decode step of ``generate``: forward pre/post hooks on the whole model.
+
+    A step's median over all calls of an arm is robust to the spikes of this machine that move
+    whole-call times by several percent; the prompt pass (each call's first forward) and the
+    warm-up calls are left out.
+    """
+
+    def __init__(self, model: nn.Module, warmup: int) -> None:
+        self.warmup = warmup
+        self.steps: dict[str, list[float]] = {}
+        self._calls: dict[str, int] = {}
+        self._arm: str | None = None
+        self._first = False
+        self._start = 0.0
+        self._handles = [
+            model.register_forward_pre_hook(self._pre),
+            model.register_forward_hook(self._post),
+        ]
+
+    def arm(self, name: str, fn: Callable[[], float]) -> Callable[[], float]:
+        """`fn` with its decode steps recorded under `name`."""
+
+        def run() -> float:
+            self._calls[name] = self._calls.get(name, 0) + 1
+            self._arm = name if self._calls[name] > self.warmup else None
+            self._first = True
+            try:
+                return fn()
+            finally:
+                self._arm = None
+
+        return run
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        self._start = time.perf_counter()
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        elapsed = time.perf_counter() - self._start
+        if self._arm is not None and not self._first:
+            self.steps.setdefault(self._arm, []).append(elapsed)
+        self._first = False
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def hook_seconds(
+    model: nn.Module, artifact: gss.SteeringArtifact, batch: int, calls: int, rounds: int = 5
+) -> float:
+    """Median seconds of one call of the steer's hook on a decode step's block output
+    (batch x 1 token), timed alone: the part of the generate ratio that is ours, free of the
+    whole-call noise."""
+    _, block = resolve_layer(model, artifact.config.layer, artifact.config.block_path)
+    hook = artifact.make_hook()
+    param = next(model.parameters())
+    hidden = torch.randn(batch, 1, hook.hidden_size, dtype=param.dtype, device=param.device)
+    with torch.no_grad():
+        for _ in range(calls // 10):
+            hook(block, (), hidden)
+        per_call = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(calls):
+                hook(block, (), hidden)
+            per_call.append((time.perf_counter() - start) / calls)
+    return summary(per_call)["median"]
 
 
 def nnsight_status() -> str:
@@ -178,7 +257,13 @@ def measure_model(
                 arms["nnsight"] = peer_arm
             except Exception as err:
                 peer_row["error"] = f"{type(err).__name__}: {err}"
-        times = interleaved(arms, repeats, warmup, f"overhead {name} batch {batch}", progress)
+        clock = StepClock(model, warmup)
+        try:
+            arms = {arm: clock.arm(arm, fn) for arm, fn in arms.items()}
+            times = interleaved(arms, repeats, warmup, f"overhead {name} batch {batch}", progress)
+        finally:
+            clock.remove()
+        plain_step = summary(clock.steps["unsteered"])["median"]
         base = times["unsteered"]
         for k, art in artifacts.items():
             ours = times[f"gss K={k}"]
@@ -186,6 +271,9 @@ def measure_model(
                 _generate(model, ids, new_tokens)
                 gates = handle.gate_stats()
             ratios = paired_ratios(base, ours)  # tokens/s steered over tokens/s unsteered
+            # one decode step of the unsteered model, from its median tokens/s at this batch
+            step = batch / summary([tokens / t for t in base])["median"]
+            hook_s = hook_seconds(model, art, batch, calls=sizes.hook_calls)
             row: dict[str, Any] = {
                 "model": name,
                 "batch": batch,
@@ -196,6 +284,13 @@ def measure_model(
                 "tokens_per_s_steered": summary([tokens / t for t in ours]),
                 "ratio": summary(ratios),
                 "gate_open_share": gates.get("any_open_share", 0.0),
+                "decode_step_seconds": {
+                    "unsteered": summary(clock.steps["unsteered"]),
+                    "steered": summary(clock.steps[f"gss K={k}"]),
+                },
+                "step_ratio": plain_step / summary(clock.steps[f"gss K={k}"])["median"],
+                "hook_seconds_per_call": hook_s,
+                "hook_share_of_step": hook_s / step,
                 "seconds": {"unsteered": base, "steered": ours},
             }
             if k == sizes.peer_rank and runner is not None:
@@ -206,6 +301,9 @@ def measure_model(
                     row["peer"]["ratio"] = summary(paired_ratios(base, theirs_t))
                     row["peer"]["gss_over_peer"] = summary(paired_ratios(theirs_t, ours))
                     row["peer"]["seconds"] = theirs_t
+                    if clock.steps.get("nnsight"):
+                        theirs_step = summary(clock.steps["nnsight"])["median"]
+                        row["peer"]["step_ratio"] = plain_step / theirs_step
             rows.append(row)
             log(
                 f"overhead/{name} batch {batch} K={k}: "
@@ -288,7 +386,12 @@ def run(
             "greedy model.generate with min_new_tokens = max_new_tokens; tokens/s counts new "
             "tokens (batch x new_tokens) over the whole call including the prompt pass. Arms "
             "run interleaved after warm-up; ratio = median over rounds of "
-            "(unsteered seconds / steered seconds), i.e. steered tokens/s over unsteered."
+            "(unsteered seconds / steered seconds), i.e. steered tokens/s over unsteered. "
+            "hook_seconds_per_call: one call of the hook on a decode step's block output "
+            "(batch x 1 x d), timed alone (median of 5 rounds); hook_share_of_step: that over "
+            "one unsteered decode step (batch / median unsteered tokens/s). step_ratio: median "
+            "unsteered decode-step seconds over median steered ones, every step of every timed "
+            "call (forward hooks on the model; prompt passes and warm-up calls left out)."
         ),
         "goal": ">= 0.99 of unsteered, and no slower than any peer",
         "peer": nnsight_status(),
@@ -300,6 +403,12 @@ def _fmt_ratio(s: dict[str, float]) -> str:
     return f"{s['median']:.3f} ({s['q1']:.3f}-{s['q3']:.3f})"
 
 
+def _fmt_hook(row: dict[str, Any]) -> str:
+    if "hook_seconds_per_call" not in row:  # rows kept from runs before it was measured
+        return "--"
+    return f"{1e6 * row['hook_seconds_per_call']:.0f} ({100 * row['hook_share_of_step']:.2f}%)"
+
+
 def table(result: dict[str, Any]) -> str:
     header = [
         "model",
@@ -308,6 +417,8 @@ def table(result: dict[str, Any]) -> str:
         "unsteered tok/s",
         "GSS tok/s",
         "GSS / unsteered (IQR)",
+        "decode step: GSS / unsteered",
+        "hook us/step (share)",
         "gate open",
         "nnsight / unsteered",
     ]
@@ -317,6 +428,8 @@ def table(result: dict[str, Any]) -> str:
             peer = r.get("peer", {})
             if "ratio" in peer:
                 peer_cell = _fmt_ratio(peer["ratio"])
+                if "step_ratio" in peer:
+                    peer_cell += f"; step {peer['step_ratio']:.3f}"
             elif "error" in peer:
                 peer_cell = f"failed: {peer['error']}"[:80]
             elif m["peer"]["status"] != "available":
@@ -331,6 +444,8 @@ def table(result: dict[str, Any]) -> str:
                     f"{r['tokens_per_s_unsteered']['median']:.1f}",
                     f"{r['tokens_per_s_steered']['median']:.1f}",
                     _fmt_ratio(r["ratio"]),
+                    f"{r['step_ratio']:.3f}" if "step_ratio" in r else "--",
+                    _fmt_hook(r),
                     f"{100 * r['gate_open_share']:.0f}%",
                     peer_cell,
                 ]
