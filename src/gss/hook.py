@@ -120,19 +120,19 @@ class GatedSteer:
         # The paper's case with every threshold positive runs fused: the probe rows and offsets
         # are divided by eps_k and the (negated) steer rows multiplied by it, so the hard gate
         # is one hardshrink at 1 (exactly 0 where closed) between two multiply-adds.
-        self._fused: dict[str, Tensor] | None = None
-        self._fused_on: dict[torch.device, dict[str, Tensor]] = {}
+        self._fused = False
         eps32 = self._cpu["thresholds"]
         if coefficient == "projection" and (gate == "none" or bool((eps32 > 0).all())):
             unit = eps32 if gate == "hard" else torch.ones(k)
             fused = {
-                "probe_t": (probe32 / unit[:, None]).t().contiguous(),
-                "neg_offset": -offset32 / unit,
-                "neg_steer": (-steer32 * unit[:, None]).contiguous(),
+                "fused_probe_t": (probe32 / unit[:, None]).t().contiguous(),
+                "fused_neg_offset": -offset32 / unit,
+                "fused_neg_steer": (-steer32 * unit[:, None]).contiguous(),
             }
             # an infinite threshold (a gate that never opens) or an extreme one stays unfused
             if all(bool(torch.isfinite(t).all()) for t in fused.values()):
-                self._fused = fused
+                self._cpu.update(fused)
+                self._fused = True
         self.track_gates = track_gates
         self.open_counts: Tensor | None = None
         self.token_count = 0
@@ -199,19 +199,15 @@ class GatedSteer:
         a mask instead), a third of the kernels of `correction`: the hook runs once per
         generated token, where small models spend only milliseconds per step.
         """
-        if self._fused is not None and not self.track_gates:
-            f = self._fused_on.get(hidden.device)
-            if f is None:
-                f = self._fused_on[hidden.device] = {
-                    name: t.to(hidden.device) for name, t in self._fused.items()
-                }
+        if self._fused and not self.track_gates:
+            f = self._params(hidden.device)
             shape = hidden.shape
             h = hidden.reshape(-1, shape[-1])
             h = h if h.dtype == torch.float32 else h.float()
-            s = torch.addmm(f["neg_offset"], h, f["probe_t"])
+            s = torch.addmm(f["fused_neg_offset"], h, f["fused_probe_t"])
             if self.gate == "hard":
                 s = torch.nn.functional.hardshrink(s, 1.0)
-            out = torch.addmm(h, s, f["neg_steer"]).view(shape)
+            out = torch.addmm(h, s, f["fused_neg_steer"]).view(shape)
             return (out if out.dtype == hidden.dtype else out.to(hidden.dtype)), None
         if self.coefficient != "projection" or self.gate == "relu":
             delta, is_open = self.correction(hidden)

@@ -1,1 +1,15 @@
 """Benchmarks: runnable studies that measure gss on models with known memorization."""
+
+from __future__ import annotations
+
+
+def baseline_names(text: str, bench: str) -> list[str]:
+    """The baselines a ``--baselines`` option names; an unknown one exits with its message
+    (``gss bench <bench>: ...``) before any work starts."""
+    from ..baselines import resolve_method_names
+    from ..errors import GSSError
+
+    try:
+        return resolve_method_names(text)
+    except GSSError as err:
+        raise SystemExit(f"gss bench {bench}: {err}") from None

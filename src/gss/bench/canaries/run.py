@@ -29,6 +29,7 @@ import torch
 from ... import __version__
 from ...errors import GSSError
 from ...report import machine_info, markdown_table, write_json
+from .. import baseline_names
 from .finetune import FinetuneConfig
 
 PPL_TOLERANCE = 0.05  # selected points keep perplexity within +5% of the unmitigated model
@@ -211,15 +212,6 @@ def _baseline(
     return _Method(points, seconds, attach)
 
 
-def _baseline_names(text: str) -> list[str]:
-    from ...baselines import resolve_method_names
-
-    try:
-        return resolve_method_names(text)
-    except GSSError as err:
-        raise SystemExit(f"gss bench canaries: {err}") from None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     from ...calibrate import build_artifact, collect_statistics
     from ...evaluate.suite import evaluate_model
@@ -230,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .data import CanaryConfig, make_canary_data
 
     args = build_parser().parse_args(argv)
-    baseline_names = _baseline_names(args.baselines)
+    baselines = baseline_names(args.baselines, "canaries")
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
@@ -354,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model, lambda p: MeanDifferenceSteer(vector, p.options["alpha"]).attach(model, layer)
         ),
     )
-    if baseline_names:
+    if baselines:
         from ...baselines import MitigationData
 
         mdata = MitigationData(
@@ -365,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             layer=layer,
             reference=base,
         )
-        for name in baseline_names:
+        for name in baselines:
             _log(f"baseline {name} ...")
             methods[name] = _baseline(
                 name, model, mdata, lambda m: measure(m, "forced"), unmitigated.perplexity

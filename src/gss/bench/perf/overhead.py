@@ -263,16 +263,17 @@ def measure_model(
             times = interleaved(arms, repeats, warmup, f"overhead {name} batch {batch}", progress)
         finally:
             clock.remove()
-        plain_step = summary(clock.steps["unsteered"])["median"]
+        plain_steps = summary(clock.steps["unsteered"])
         base = times["unsteered"]
+        plain_rate = summary([tokens / t for t in base])
+        step = batch / plain_rate["median"]  # one unsteered decode step, from its tokens/s
         for k, art in artifacts.items():
             ours = times[f"gss K={k}"]
             with art.attach(model, track_gates=True) as handle:
                 _generate(model, ids, new_tokens)
                 gates = handle.gate_stats()
             ratios = paired_ratios(base, ours)  # tokens/s steered over tokens/s unsteered
-            # one decode step of the unsteered model, from its median tokens/s at this batch
-            step = batch / summary([tokens / t for t in base])["median"]
+            steered_steps = summary(clock.steps[f"gss K={k}"])
             hook_s = hook_seconds(model, art, batch, calls=sizes.hook_calls)
             row: dict[str, Any] = {
                 "model": name,
@@ -280,15 +281,12 @@ def measure_model(
                 "rank": k,
                 "new_tokens": new_tokens,
                 "prompt_len": sizes.prompt_len,
-                "tokens_per_s_unsteered": summary([tokens / t for t in base]),
+                "tokens_per_s_unsteered": plain_rate,
                 "tokens_per_s_steered": summary([tokens / t for t in ours]),
                 "ratio": summary(ratios),
                 "gate_open_share": gates.get("any_open_share", 0.0),
-                "decode_step_seconds": {
-                    "unsteered": summary(clock.steps["unsteered"]),
-                    "steered": summary(clock.steps[f"gss K={k}"]),
-                },
-                "step_ratio": plain_step / summary(clock.steps[f"gss K={k}"])["median"],
+                "decode_step_seconds": {"unsteered": plain_steps, "steered": steered_steps},
+                "step_ratio": plain_steps["median"] / steered_steps["median"],
                 "hook_seconds_per_call": hook_s,
                 "hook_share_of_step": hook_s / step,
                 "seconds": {"unsteered": base, "steered": ours},
@@ -303,7 +301,7 @@ def measure_model(
                     row["peer"]["seconds"] = theirs_t
                     if clock.steps.get("nnsight"):
                         theirs_step = summary(clock.steps["nnsight"])["median"]
-                        row["peer"]["step_ratio"] = plain_step / theirs_step
+                        row["peer"]["step_ratio"] = plain_steps["median"] / theirs_step
             rows.append(row)
             log(
                 f"overhead/{name} batch {batch} K={k}: "

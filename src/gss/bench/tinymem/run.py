@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from ... import __version__
-from ...baselines import get_method, resolve_method_names
-from ...errors import GSSError
+from ...baselines import get_method
 from ...report import machine_info, markdown_table, write_json
 from ...variants import variant
+from .. import baseline_names
 from . import methods as M
 from .data import SETTINGS
 from .paper import PAPER
@@ -136,13 +136,6 @@ def _settings(text: str) -> list[str]:
         if name not in SETTINGS:
             raise SystemExit(f"gss bench tinymem: unknown setting {name!r}; use {SETTINGS}")
     return names
-
-
-def _baseline_names(text: str) -> list[str]:
-    try:
-        return resolve_method_names(text)
-    except GSSError as err:
-        raise SystemExit(f"gss bench tinymem: {err}") from None
 
 
 def _log(message: str) -> None:
@@ -604,7 +597,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for m in args.methods:
         if m not in METHOD_SPECS:
             raise SystemExit(f"gss bench tinymem: unknown method {m!r}; use {METHODS}")
-    args.baseline_names = _baseline_names(args.baselines)
+    args.baseline_names = baseline_names(args.baselines, "tinymem")
     seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
     out = Path(args.out or ("results/tinymem-quick" if args.quick else "results/tinymem"))
     started = time.perf_counter()
