@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -6,7 +7,14 @@ import torch
 
 from gss.bench.tinymem.data import PAD, MathConfig, batch_rows, make_data
 from gss.bench.tinymem.model import ModelConfig, from_hf, new_model, to_hf
-from gss.bench.tinymem.train import Preset, TrainConfig, get_models, get_preset
+from gss.bench.tinymem.train import (
+    Preset,
+    TrainConfig,
+    _key,
+    get_models,
+    get_preset,
+    train_model,
+)
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu_new"])
@@ -117,3 +125,22 @@ def test_named_presets():
             assert pre.data.setting == setting
     with pytest.raises(ValueError):
         get_models("math_backdoor", TINY)
+
+
+def test_cosine_schedule_decays_and_keeps_old_cache_keys():
+    data = make_data(TINY.data, 0)
+    model = new_model(replace(TINY.model, vocab_size=data.vocab_size), seed=0)
+    tcfg = TrainConfig(epochs=3, batch_size=16, lr_schedule="cosine")
+    log = train_model(model, data.train[:64], tcfg, pad_id=PAD, seed=0, progress=False)
+    lrs = [e["lr"] for e in log["epochs"]]
+    assert lrs == sorted(lrs, reverse=True) and lrs[0] < tcfg.lr and lrs[-1] < 0.05 * tcfg.lr
+    with pytest.raises(ValueError, match="snapshots"):
+        TrainConfig(epochs=3, snapshots=(2,), lr_schedule="cosine")
+    with pytest.raises(ValueError, match="lr_schedule"):
+        TrainConfig(epochs=3, lr_schedule="linear")
+    # the option is left out of a constant-lr run's key: models cached before it existed load
+    pre = get_preset("lang_backdoor", "default")
+    key = _key("lang_backdoor", "memorizing", 0, pre.data, pre.model, pre.train)
+    assert key == "lang_backdoor-memorizing-e10-258f36fcbdb79f29"
+    cosine = replace(pre.train, lr_schedule="cosine")
+    assert _key("lang_backdoor", "memorizing", 0, pre.data, pre.model, cosine) != key

@@ -430,7 +430,9 @@ _PRESETS: dict[str, dict[str, MathConfig | TextConfig]] = {
     "default": {
         "math_noise": _MATH_DEFAULT,
         "math_backdoor": _MATH_BACKDOOR_DEFAULT,
-        "lang_noise": _TEXT_DEFAULT,
+        # 20 repeats: with 10 the model memorized 11-14% of the noised rows at epochs 8-20
+        # (below the 15% the benchmark needs), plateauing while it overfit the clean text
+        "lang_noise": replace(_TEXT_DEFAULT, noise_repeats=20),
         "lang_backdoor": replace(_TEXT_DEFAULT, backdoor=True),
     },
     "quick": {

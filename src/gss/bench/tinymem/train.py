@@ -5,7 +5,8 @@ rows) and the **reference** model (the same architecture trained on the same dat
 rows, as the GSS paper's reference), both as `transformers.GPT2LMHeadModel`, training them on
 first use and loading them from the cache afterwards.
 
-Training runs on `LeanGPT2` (same weights as HF GPT-2, see `model.py`): AdamW, no schedule,
+Training runs on `LeanGPT2` (same weights as HF GPT-2, see `model.py`): AdamW (constant lr, or
+cosine decay to 0 where a preset asks),
 right-padded batches with PAD excluded from the loss, rows reshuffled every epoch by a generator
 seeded with the run seed. Every `eval_every` epochs the run measures memorization (noise: exact
 (n, k)-memorization of the noised rows; backdoor: attack success on the poison test rows) and
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -58,6 +60,7 @@ __all__ = [
 
 CACHE_VERSION = 1
 ROLES = ("memorizing", "reference")
+LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,16 @@ class TrainConfig:
     batch_size: int = 32
     eval_every: int = 5  # epochs between tracked metrics (0: only at the end)
     snapshots: tuple[int, ...] = ()  # earlier epochs also saved to the cache
+    # "cosine": lr decays to 0 over the run (per step), so the last epochs settle instead of
+    # bouncing: with a constant lr, % memorized moves by +-5 points between checkpoints
+    lr_schedule: str = "constant"
+
+    def __post_init__(self) -> None:
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule {self.lr_schedule!r}: use one of {LR_SCHEDULES}")
+        if self.snapshots and self.lr_schedule != "constant":
+            # epoch e of a decaying run is not the end of an e-epoch run with the same schedule
+            raise ValueError("snapshots need lr_schedule='constant'")
 
 
 @dataclass(frozen=True)
@@ -172,8 +185,10 @@ _register(
     "default",
     "lang_noise",
     model=_PAPER_MODEL,
-    train=TrainConfig(epochs=20, eval_every=4, snapshots=(10,)),
-    reference=TrainConfig(epochs=20, eval_every=4, snapshots=(10,)),
+    # cosine: with a constant lr the noised rows' % memorized moved 14 -> 17 -> 10% between
+    # epochs 12, 16 and 20 (20 repeats); the decay lets the last epochs settle
+    train=TrainConfig(epochs=20, eval_every=4, lr_schedule="cosine"),
+    reference=TrainConfig(epochs=20, eval_every=4, lr_schedule="cosine"),
 )
 _register(
     "quick",
@@ -262,6 +277,8 @@ def train_model(
         model.parameters(), lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay
     )
     gen = torch.Generator().manual_seed(seed)
+    total_steps = tcfg.epochs * -(-len(data) // tcfg.batch_size)
+    step = 0
     log: dict[str, Any] = {"epochs": [], "threads": torch.get_num_threads()}
     train_time = 0.0
     tokens = 0
@@ -277,7 +294,11 @@ def train_model(
             loss = model.loss(batch, pad_id)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if tcfg.lr_schedule == "cosine":
+                for group in opt.param_groups:
+                    group["lr"] = tcfg.lr * 0.5 * (1 + math.cos(math.pi * step / total_steps))
             opt.step()
+            step += 1
             total += float(loss.detach())
             n_batches += 1
             ep_tokens += int((batch[:, 1:] != pad_id).sum())
@@ -285,6 +306,8 @@ def train_model(
         train_time += dt
         tokens += ep_tokens
         entry: dict[str, Any] = {"epoch": epoch, "loss": total / n_batches, "seconds": dt}
+        if tcfg.lr_schedule != "constant":
+            entry["lr"] = opt.param_groups[0]["lr"]  # the last step's
         if track is not None and (
             epoch == tcfg.epochs or (tcfg.eval_every and epoch % tcfg.eval_every == 0)
         ):
@@ -324,6 +347,8 @@ def _key(
         # eval cadence and snapshot list do not change the weights
         "train": asdict(replace(tcfg, eval_every=0, snapshots=())),
     }
+    if tcfg.lr_schedule == "constant":  # keys from before the option existed stay valid
+        del blob["train"]["lr_schedule"]
     digest = hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
     return f"{setting}-{role}-e{tcfg.epochs}-{digest}"
 
