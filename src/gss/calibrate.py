@@ -550,6 +550,7 @@ def calibrate(
     jitter: float = 1e-6,
     solve_method: str = "auto",
     max_threshold_samples: int = 2_000_000,
+    keep_general: int | None = None,
     seed: int = 0,
     progress: bool = True,
 ) -> SteeringArtifact:
@@ -582,6 +583,9 @@ def calibrate(
         gradient: ``"summed"`` (one backward of the summed objective: exact at the last block,
             an approximation below it) or ``"per-position"`` (each memorized token's own
             gradient, exact; costs a replica forward per memorized token).
+        keep_general: general tokens whose hidden states are kept on the host so that the
+            thresholds need no second pass (default: as many as fit in 2^24 floats); past
+            that, or with 0, the thresholds take a second pass and memory stays O(d^2).
     """
     _validate(gate, coefficient, centering, rank, delta)
     if (
@@ -604,6 +608,7 @@ def calibrate(
         batch_size=batch_size,
         max_length=max_length,
         block_path=block_path,
+        keep_general=keep_general,
         progress=progress,
     )
     return build_artifact(

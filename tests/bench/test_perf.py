@@ -70,6 +70,9 @@ def test_quick_perf_writes_results_table_and_figures(tmp_path, capsys):
     memory = results["parts"]["memory"]["rows"]
     assert [r["texts"] for r in memory] == [8, 32]
     assert all(r["peak_rss_mb"] > 0 for r in memory)
+    streaming = results["parts"]["memory"]["streaming_rows"]
+    assert [r["texts"] for r in streaming] == [8, 32]
+    assert "keep_general=0" in (out / "table.md").read_text()
 
     for name in ("overhead", "calibration", "solve", "memory"):
         assert (out / f"{name}.png").stat().st_size > 1000

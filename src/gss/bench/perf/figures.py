@@ -105,6 +105,13 @@ def memory(result: dict[str, Any], path: Path) -> Path:
         "s-",
         label="increase during calibration",
     )
+    if result.get("streaming_rows"):
+        ax.plot(
+            texts,
+            [r["calibration_increase_mb"] for r in result["streaming_rows"]],
+            "^--",
+            label="increase, keep_general=0 (second pass)",
+        )
     ax.set_xscale("log")
     ax.set_xlabel("calibration texts")
     ax.set_ylabel("MB")

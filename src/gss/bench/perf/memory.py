@@ -45,6 +45,9 @@ def child(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--texts", type=int, required=True)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--keep-general", type=int, default=None, help="calibrate's keep_general (0: stream)"
+    )
     args = p.parse_args(argv)
     import torch
 
@@ -70,6 +73,7 @@ def child(argv: Sequence[str] | None = None) -> int:
         layer=sizes.layers // 2,
         rank=sizes.calib_rank,
         batch_size=sizes.calib_batch,
+        keep_general=args.keep_general,
         progress=False,
     )
     seconds = time.perf_counter() - start
@@ -88,14 +92,20 @@ def child(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def run(sizes: Sizes, *, quick: bool, threads: int | None, progress: bool) -> dict[str, Any]:
+def _series(
+    sizes: Sizes, quick: bool, threads: int | None, progress: bool, keep_general: int | None
+) -> list[dict[str, Any]]:
+    """One fresh process per corpus size, all with the same ``keep_general``."""
     rows = []
-    for n in tqdm(sizes.memory_texts, desc="memory", disable=not progress, leave=False):
+    label = "default" if keep_general is None else f"keep_general={keep_general}"
+    for n in tqdm(sizes.memory_texts, desc=f"memory ({label})", disable=not progress, leave=False):
         cmd = [sys.executable, "-m", "gss.bench.perf.memory", "--texts", str(n)]
         if quick:
             cmd.append("--quick")
         if threads:
             cmd += ["--threads", str(threads)]
+        if keep_general is not None:
+            cmd += ["--keep-general", str(keep_general)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
         if proc.returncode != 0:
             raise RuntimeError(
@@ -104,9 +114,17 @@ def run(sizes: Sizes, *, quick: bool, threads: int | None, progress: bool) -> di
         record = json.loads(proc.stdout.strip().splitlines()[-1])
         rows.append(record)
         log(
-            f"memory: {n} texts, peak {record['peak_rss_mb']:.0f} MB "
+            f"memory ({label}): {n} texts, peak {record['peak_rss_mb']:.0f} MB "
             f"(+{record['calibration_increase_mb']:.1f} MB during calibration)"
         )
+    return rows
+
+
+def run(sizes: Sizes, *, quick: bool, threads: int | None, progress: bool) -> dict[str, Any]:
+    rows = _series(sizes, quick, threads, progress, None)
+    # keep_general=0: the thresholds take a second pass instead of keeping general tokens'
+    # hidden states, so what is left of the growth is everything else calibration holds
+    streaming = _series(sizes, quick, threads, progress, 0)
     d = sizes.hidden
     return {
         "method": (
@@ -119,11 +137,17 @@ def run(sizes: Sizes, *, quick: bool, threads: int | None, progress: bool) -> di
         "kept_general_cap_mb": 2**24 * 4 / 2**20,  # calibrate's default keep_general, float32
         "rows": rows,
         "growth_mb": rows[-1]["calibration_increase_mb"] - rows[0]["calibration_increase_mb"],
+        "streaming_rows": streaming,
+        "streaming_growth_mb": streaming[-1]["calibration_increase_mb"]
+        - streaming[0]["calibration_increase_mb"],
     }
 
 
 def table(result: dict[str, Any]) -> str:
     header = ["texts", "tokens", "peak RSS MB", "calibration increase MB", "calibrate s"]
+    streaming = result.get("streaming_rows")
+    if streaming:
+        header += ["keep_general=0: increase MB", "calibrate s"]
     rows = [
         [
             r["texts"],
@@ -132,7 +156,12 @@ def table(result: dict[str, Any]) -> str:
             f"{r['calibration_increase_mb']:.1f}",
             f"{r['seconds']:.2f}",
         ]
-        for r in result["rows"]
+        + (
+            [f"{streaming[i]['calibration_increase_mb']:.1f}", f"{streaming[i]['seconds']:.2f}"]
+            if streaming
+            else []
+        )
+        for i, r in enumerate(result["rows"])
     ]
     cap = result.get("kept_general_cap_mb")
     return markdown_table(header, rows) + (
@@ -141,8 +170,14 @@ def table(result: dict[str, Any]) -> str:
         + (
             f" The increase includes the general tokens' hidden states that calibration keeps "
             f"so that the thresholds need no second pass, at most {cap:.0f} MB (2^24 floats, "
-            f"`keep_general`); past that it drops them and makes a second pass instead.\n"
+            f"`keep_general`); past that it drops them and makes a second pass instead."
             if cap
+            else ""
+        )
+        + (
+            f" With `keep_general=0` (always the second pass, nothing kept) the increase grows "
+            f"by {result['streaming_growth_mb']:+.1f} MB over the same corpora.\n"
+            if streaming
             else "\n"
         )
     )
