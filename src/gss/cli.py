@@ -400,6 +400,8 @@ def _cmd_baselines(args: argparse.Namespace) -> int:
         print(f"{name} [{method.family}]: {method.summary}\n    default grid: {grid}")
         if method.reduced_grid:
             print(f"    reduced grid: {method.reduced_grid}")
+        if method.stronger:
+            print(f"    stronger with: {', '.join(method.stronger)} (see docs/baselines.md)")
     return 0
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import gss
-from gss.baselines import MitigationData, get_method, method_names
+from gss.baselines import Mitigation, MitigationData, get_method, method_names
 from gss.baselines.activations import block_activations
 from gss.baselines.steering import alphasteer_matrix
 from gss.baselines.training import mean_nll
@@ -83,19 +83,80 @@ def test_shared_work_is_reused_across_a_grid_and_charged(memorizer):
     torch.testing.assert_close(d2, 2 * d1)
 
 
-def test_finetune_epochs_continue_one_trajectory(memorizer):
+def test_a_point_no_milder_than_a_failed_one_is_dominated():
+    subnet = get_method("subnet")  # stronger along ratio and epochs
+    failed = [{"ratio": 0.01, "epochs": 10}]
+    assert subnet.dominated({"ratio": 0.05, "epochs": 10}, failed)
+    assert subnet.dominated({"ratio": 0.01, "epochs": 10}, failed)
+    assert not subnet.dominated({"ratio": 0.05, "epochs": 1}, failed)
+    assert not subnet.dominated({"ratio": 0.001, "epochs": 10}, failed)
+    assert not subnet.dominated({"ratio": 0.05, "epochs": 10}, [])
+    # NPO's retain guard stops a run early, so a higher lr can harm less: nothing is ruled out
+    assert get_method("npo").stronger == ()
+    assert not get_method("npo").dominated({"lr": 3e-4, "epochs": 5}, [{"lr": 1e-4, "epochs": 5}])
+
+
+def test_baseline_sweep_skips_only_points_a_failed_milder_point_rules_out(monkeypatch):
+    from types import SimpleNamespace
+
+    from gss.bench.tinymem import methods as M
+
+    subnet = get_method("subnet")  # grid: ratio-major, epochs (1, 10) within each ratio
+    grid = subnet.grid
+
+    def breaks(i: int) -> bool:  # a stand-in model whose utility breaks from ratio 0.05, 10 ep
+        return grid[i]["ratio"] >= 0.05 and grid[i]["epochs"] == 10
+
+    def fake_apply(model, data, **params):
+        return Mitigation(model=grid.index(params))  # the "model" evaluated: the point's index
+
+    def fake_evaluate(index, data, batch_size, decode="generate"):
+        acc = 50.0 if breaks(index) else 90.0
+        return M.Evaluation(10.0, 50.0, 10, acc, acc, 0.0, decode=decode)
+
+    fake = dataclasses.replace(subnet, apply=fake_apply)
+    monkeypatch.setattr(M, "get_method", lambda name: fake)
+    monkeypatch.setattr(M, "evaluate", fake_evaluate)
+    base = M.Evaluation(20.0, 40.0, 10, 90.0, 90.0, 0.0)
+    data = SimpleNamespace(setting="math_noise")
+    points = M.baseline_sweep(torch.nn.Linear(1, 1), data, "subnet", None, base=base)
+    ran = {int(p["strength"]) for p in points}
+    first_failure = grid.index({"ratio": 0.05, "epochs": 10})
+    ruled_out = {i for i in range(len(grid)) if breaks(i) and i != first_failure}
+    assert ruled_out and ran == set(range(len(grid))) - ruled_out
+
+
+def _same_weights(a, b) -> bool:
+    sb = b.state_dict()
+    return all(torch.equal(v, sb[k]) for k, v in a.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "short", "long"),
+    [
+        ("clean-ft", {"lr": 1e-2, "batch_size": 4}, 1, 2),
+        ("gradient-ascent", {"lr": 1e-3}, 1, 3),
+        ("npo", {"lr": 1e-3}, 2, 5),
+        ("simnpo", {"lr": 1e-3, "batch_size": 4}, 1, 2),
+    ],
+)
+def test_epoch_grid_continues_one_run_with_the_weights_of_separate_runs(
+    memorizer, name, params, short, long
+):
     model, data = memorizer
-    data = dataclasses.replace(data)
-    method = get_method("clean-ft")
-    one = method.run(model, data, epochs=1)
-    two = method.run(model, data, epochs=2)
-    again = method.run(model, data, epochs=1)
-    assert two.info["reused_seconds"] > 0  # epoch 1 came from the first call
-    for k, v in one.model.state_dict().items():
-        assert torch.equal(v, again.model.state_dict()[k])
-    assert any(
-        not torch.equal(v, two.model.state_dict()[k]) for k, v in one.model.state_dict().items()
-    )
+    shared = dataclasses.replace(data)  # a new identity: nothing cached for it yet
+    method = get_method(name)
+    first = method.run(model, shared, epochs=short, **params)
+    longer = method.run(model, shared, epochs=long, **params)
+    again = method.run(model, shared, epochs=short, **params)  # behind the live run: restarts
+    alone = method.run(model, dataclasses.replace(data), epochs=long, **params)
+    assert first.info["reused_seconds"] == 0.0 == again.info["reused_seconds"]
+    assert longer.info["reused_seconds"] > 0  # the first epochs came from the first call
+    assert longer.total_seconds >= longer.info["reused_seconds"]
+    assert _same_weights(first.model, again.model)
+    assert _same_weights(longer.model, alone.model)  # continued run == one run of `long` epochs
+    assert not _same_weights(first.model, longer.model)
+    assert longer.info["steps"] > first.info["steps"] or longer.info["stopped_early"]
 
 
 def test_lunar_edits_only_the_down_projection_and_moves_forget_activations(memorizer):

@@ -57,7 +57,7 @@ def test_baselines_join_the_table_with_their_grids(tmp_path, cache):
     for name in ("alphasteer", "clean-ft"):
         method = run["methods"][name]
         assert method["baseline"] and method["mitigation_seconds"] > 0
-        assert len(method["grid"]) == len(get_method(name).grid)
+        assert len(method["grid"]) + len(method["skipped"]) == len(get_method(name).grid)
         assert all("params" in p and p["seconds"] > 0 for p in method["grid"])
     table = (out / "table.md").read_text()
     assert "| alphasteer |" in table and "| clean-ft |" in table

@@ -9,63 +9,23 @@ optimizer state is not part of a saved Hugging Face model, so here AdamW starts 
 the difference from the original, and why the grid adds lr 1e-4: fresh AdamW's first steps
 move every weight by about the learning rate whatever its gradient, which at 1e-3 costs a
 TinyMem model points of accuracy before the moments settle. Epochs are swept along one
-trajectory per (model, data, kind, lr), trained once and snapshotted per epoch; each grid
-point is charged the time of every epoch up to its own.
+training run per (model, data, kind, lr) (:class:`~gss.baselines.trajectory.EpochTrajectory`);
+each grid point is charged the time of every epoch up to its own.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ..errors import GSSError
 from .interface import Mitigation, MitigationData, SharedWork, register
 from .training import edited_copy, row_batches, sequence_nll
+from .trajectory import EpochStep, EpochTrajectory
 
 _SHARED = SharedWork()
 EPOCHS_GRID = (1, 2, 5)
 LR_GRID = (1e-4, 1e-3)  # TinyMem's 1e-3, and a gentler rate for the fresh optimizer
-
-
-@dataclass
-class _Trajectory:
-    """A copy being fine-tuned epoch by epoch, with a snapshot and the seconds of each epoch."""
-
-    model: nn.Module
-    rows: Sequence[Sequence[int]]
-    pad_id: int
-    lr: float
-    batch_size: int
-    seed: int
-    snapshots: list[dict[str, Tensor]] = field(default_factory=list)
-    epoch_seconds: list[float] = field(default_factory=list)
-    _opt: torch.optim.Optimizer | None = None
-    _gen: torch.Generator | None = None
-
-    def advance_to(self, epochs: int) -> None:
-        if self._opt is None:
-            for p in self.model.parameters():
-                p.requires_grad_(p.is_floating_point())
-            self._opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.1)
-            self._gen = torch.Generator().manual_seed(self.seed)
-        while len(self.snapshots) < epochs:
-            t0 = time.perf_counter()
-            self.model.train()
-            for ids, mask in row_batches(self.rows, self.batch_size, self.pad_id, self._gen):
-                loss = sequence_nll(self.model, ids, mask).mean()
-                self._opt.zero_grad(set_to_none=True)
-                loss.backward()
-                self._opt.step()
-            self.model.eval()
-            self.snapshots.append(
-                {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-            )
-            self.epoch_seconds.append(time.perf_counter() - t0)
 
 
 def _rows(data: MitigationData, kind: str) -> list:
@@ -86,20 +46,33 @@ def _finetune(
     batch_size: int,
     seed: int,
 ) -> Mitigation:
-    if epochs < 1:
-        raise GSSError(f"epochs must be >= 1, got {epochs}.")
+    rows = _rows(data, kind)
 
-    def start() -> _Trajectory:
-        return _Trajectory(edited_copy(model), _rows(data, kind), data.pad_id, lr, batch_size, seed)
+    def start() -> tuple[nn.Module, EpochStep]:
+        tuned = edited_copy(model)
+        params = [p for p in tuned.parameters() if p.is_floating_point()]
+        for p in params:
+            p.requires_grad_(True)
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
+        gen = torch.Generator().manual_seed(seed)
 
-    traj, _, _ = _SHARED.get(model, data, ("ft", kind, lr, batch_size, seed), start)
-    done_before = len(traj.snapshots)
-    traj.advance_to(epochs)
-    edited = edited_copy(model)
-    edited.load_state_dict(traj.snapshots[epochs - 1])
-    reused = sum(traj.epoch_seconds[: min(done_before, epochs)])
-    info: dict[str, Any] = {"rows": len(traj.rows), "reused_seconds": reused}
-    return Mitigation(edited, info=info)
+        def epoch() -> tuple[int, bool]:
+            steps = 0
+            for ids, mask in row_batches(rows, batch_size, data.pad_id, gen):
+                loss = sequence_nll(tuned, ids, mask).mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                steps += 1
+            return steps, False
+
+        return tuned, epoch
+
+    traj, _, _ = _SHARED.get(
+        model, data, ("ft", kind, lr, batch_size, seed), lambda: EpochTrajectory(start, seed)
+    )
+    edited, info = traj.model_at(epochs)
+    return Mitigation(edited, info={"rows": len(rows), **info})
 
 
 def _register(kind: str, summary: str) -> None:

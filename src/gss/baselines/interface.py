@@ -83,6 +83,18 @@ class Method:
     grid: tuple[dict[str, Any], ...]
     summary: str
     reduced_grid: str = ""  # why the default grid is smaller than the original's, if it is
+    stronger: tuple[str, ...] = ()  # hyperparameters along which the edit only grows stronger
+
+    def dominated(self, params: dict[str, Any], failed: Sequence[dict[str, Any]]) -> bool:
+        """Whether a grid point that already broke the model's utility (one of `failed`) is no
+        stronger than `params`: equal on every other hyperparameter and at most as large on each
+        of `stronger`. Then `params` breaks it too, and a sweep may skip it."""
+        for q in failed:
+            if set(q) == set(params) and all(
+                q[k] <= params[k] if k in self.stronger else q[k] == params[k] for k in params
+            ):
+                return True
+        return False
 
     def run(self, model: nn.Module, data: MitigationData, **params: Any) -> Mitigation:
         """Apply the method and time it (the method's own wall time, nothing else)."""
@@ -159,13 +171,17 @@ def register(
     grid: Sequence[dict[str, Any]],
     summary: str,
     reduced_grid: str = "",
+    stronger: Sequence[str] = (),
 ) -> Callable[[Callable[..., Mitigation]], Callable[..., Mitigation]]:
-    """Decorator: register ``apply`` under `name` with its default grid."""
+    """Decorator: register ``apply`` under `name` with its default grid (`stronger`: see
+    :meth:`Method.dominated`)."""
 
     def wrap(fn: Callable[..., Mitigation]) -> Callable[..., Mitigation]:
         if name in REGISTRY:
             raise RuntimeError(f"baseline {name!r} registered twice")
-        REGISTRY[name] = Method(name, family, fn, tuple(grid), summary, reduced_grid)
+        REGISTRY[name] = Method(
+            name, family, fn, tuple(grid), summary, reduced_grid, tuple(stronger)
+        )
         return fn
 
     return wrap

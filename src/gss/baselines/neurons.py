@@ -222,6 +222,7 @@ def activation_scores(model: nn.Module, layers: list[MLP], data: MitigationData)
     "neuron",
     [{"ratio": r} for r in RATIOS],
     "ablate the MLP neurons with the largest mean |activation| x output-weight norm on U",
+    stronger=("ratio",),
 )
 def act(model: nn.Module, data: MitigationData, ratio: float = 0.01) -> Mitigation:
     """Activation magnitude: cheap (one pass over U), blind to what the neuron does."""
@@ -443,6 +444,7 @@ IG_MAX_POSITIONS = 10_000
         "the candidates held 5/5 of each layer's exact top 5 and 21-25 of its top 25. "
         "candidates=1.0 is the full method"
     ),
+    stronger=("ratio",),
 )
 def zero_out(
     model: nn.Module, data: MitigationData, ratio: float = 0.01, candidates: float = 1.0
@@ -622,6 +624,7 @@ def _ig_chunk(
         "(all of them took 28 min), 75% of language backdoor's 207 x 64. "
         "max_positions=None is the full method"
     ),
+    stronger=("ratio",),
 )
 def ig(
     model: nn.Module,
@@ -783,6 +786,7 @@ def _gate_method(
     "neuron",
     [{"ratio": r, "epochs": e} for r in RATIOS for e in EPOCHS],
     "ablate the MLP neurons whose learned L1-penalized coefficient stays highest on U",
+    stronger=("ratio",),
 )
 def slimming(
     model: nn.Module,
@@ -804,6 +808,7 @@ def slimming(
     "neuron",
     [{"ratio": r, "epochs": e} for r in RATIOS for e in EPOCHS],
     "ablate the MLP neurons whose learned hard-concrete (L0) gate stays most open on U",
+    stronger=("ratio",),
 )
 def hard_concrete(
     model: nn.Module,

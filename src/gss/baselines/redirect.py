@@ -31,6 +31,7 @@ _SHARED = SharedWork()
     grid=[{"coeff": c} for c in (0.5, 1.0, 2.0, 4.0)],
     summary="LUNAR: retrain one MLP output projection so the unlearn set's activations move "
     "toward the clean mean (Shen et al. 2025).",
+    stronger=("coeff",),
 )
 def lunar(
     model: nn.Module,

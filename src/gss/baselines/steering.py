@@ -110,6 +110,7 @@ def alphasteer_matrix(
     summary="AlphaSteer: a steering matrix constrained to the general activations' null "
     "space, fitted to map memorized activations to the clean-minus-memorized mean "
     "(Sheng et al. 2025).",
+    stronger=("strength",),
 )
 def alphasteer(
     model: nn.Module,

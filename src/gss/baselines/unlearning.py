@@ -4,7 +4,9 @@ All four edit a copy of every parameter with AdamW on the unlearn set U (whole r
 sequence-level methods, unlike GSS's token-level signal). NPO and SimNPO add a retain loss on
 the clean set C and stop early when it exceeds three times its starting value, as the GSS
 paper describes (its Appendix E). Learning rates and epochs are scaled to TinyMem-sized models;
-the paper's own settings (LoRA, lr 1e-5) are for 1B-parameter models.
+the paper's own settings (LoRA, lr 1e-5) are for 1B-parameter models. A grid over epochs
+continues one training run per learning rate instead of restarting for each point (the same
+weights; see :mod:`gss.baselines.trajectory`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import Tensor, nn
 
 from .interface import Mitigation, MitigationData, SharedWork, register, reuse_info
 from .training import edited_copy, row_batches, sequence_nll
+from .trajectory import EpochStep, EpochTrajectory
 
 _SHARED = SharedWork()
 
@@ -27,6 +30,7 @@ def _train(
     model: nn.Module,
     data: MitigationData,
     forget_loss: Callable[[nn.Module, Tensor, Tensor], Tensor],
+    key: tuple | None,
     *,
     lr: float,
     epochs: int,
@@ -38,42 +42,51 @@ def _train(
     """AdamW on ``forget_loss`` over U (+ ``retain_weight`` x NLL of C), on an edited copy.
 
     With a retain loss, stops when it exceeds 3x its value at the start (collapse guard).
+    `key` names the loss and its own hyperparameters: calls that differ only in `epochs` share
+    one training run (:class:`~gss.baselines.trajectory.EpochTrajectory`, kept in this
+    module's `SharedWork`); None trains without keeping anything.
     """
-    edited = edited_copy(model)
-    params = [p for p in edited.parameters() if p.is_floating_point()]
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    gen = torch.Generator().manual_seed(seed)
-    retain = (
-        itertools.cycle(list(row_batches(data.clean, batch_size, data.pad_id, gen)))
-        if retain_weight > 0 and data.clean
-        else None
-    )
-    start_retain, steps, stopped = None, 0, False
-    edited.train()
-    for _ in range(epochs):
-        for ids, mask in row_batches(data.memorized, batch_size, data.pad_id, gen):
-            loss = forget_loss(edited, ids, mask)
-            if retain is not None:
-                r_ids, r_mask = next(retain)
-                retain_loss = sequence_nll(edited, r_ids, r_mask).mean()
-                value = float(retain_loss.detach())
-                start_retain = value if start_retain is None else start_retain
-                if value > 3.0 * start_retain:
-                    stopped = True
-                    break
-                loss = loss + retain_weight * retain_loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            steps += 1
-        if stopped:
-            break
-    edited.eval()
-    for p in params:
-        p.requires_grad_(False)
-    return edited, {"steps": steps, "stopped_early": stopped}
+
+    def start() -> tuple[nn.Module, EpochStep]:
+        edited = edited_copy(model)
+        params = [p for p in edited.parameters() if p.is_floating_point()]
+        for p in params:
+            p.requires_grad_(True)
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        gen = torch.Generator().manual_seed(seed)
+        retain = (
+            itertools.cycle(list(row_batches(data.clean, batch_size, data.pad_id, gen)))
+            if retain_weight > 0 and data.clean
+            else None
+        )
+        start_retain: list[float] = []
+
+        def epoch() -> tuple[int, bool]:
+            steps = 0
+            for ids, mask in row_batches(data.memorized, batch_size, data.pad_id, gen):
+                loss = forget_loss(edited, ids, mask)
+                if retain is not None:
+                    r_ids, r_mask = next(retain)
+                    retain_loss = sequence_nll(edited, r_ids, r_mask).mean()
+                    value = float(retain_loss.detach())
+                    if not start_retain:
+                        start_retain.append(value)
+                    if value > 3.0 * start_retain[0]:
+                        return steps, True
+                    loss = loss + retain_weight * retain_loss
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                steps += 1
+            return steps, False
+
+        return edited, epoch
+
+    if key is None:
+        return EpochTrajectory(start, seed).model_at(epochs)
+    full_key = (*key, lr, batch_size, retain_weight, seed, weight_decay)
+    trajectory, _, _ = _SHARED.get(model, data, full_key, lambda: EpochTrajectory(start, seed))
+    return trajectory.model_at(epochs)
 
 
 def _reference_logps(model: nn.Module, data: MitigationData, batch_size: int) -> dict:
@@ -106,7 +119,10 @@ def gradient_ascent(
     def loss(m: nn.Module, ids: Tensor, mask: Tensor) -> Tensor:
         return -sequence_nll(m, ids, mask).mean()
 
-    edited, info = _train(model, data, loss, lr=lr, epochs=epochs, batch_size=batch_size, seed=seed)
+    key = ("gradient-ascent",)
+    edited, info = _train(
+        model, data, loss, key, lr=lr, epochs=epochs, batch_size=batch_size, seed=seed
+    )
     return Mitigation(edited, info=info)
 
 
@@ -146,6 +162,7 @@ def npo(
         model,
         data,
         loss,
+        ("npo", beta),
         lr=lr,
         epochs=epochs,
         batch_size=batch_size,
@@ -183,6 +200,7 @@ def simnpo(
         model,
         data,
         loss,
+        ("simnpo", beta, gamma),
         lr=lr,
         epochs=epochs,
         batch_size=batch_size,
@@ -199,6 +217,7 @@ def simnpo(
     grid=[{"alpha": a} for a in (0.01, 0.03, 0.1, 0.3, 1.0)],
     summary="Task-vector negation: fine-tune a copy on U, subtract alpha x the change "
     "(Ilharco et al. 2023).",
+    stronger=("alpha",),
 )
 def task_vector(
     model: nn.Module,
@@ -217,7 +236,9 @@ def task_vector(
         def nll(m: nn.Module, ids: Tensor, mask: Tensor) -> Tensor:
             return sequence_nll(m, ids, mask).mean()
 
-        tuned, _ = _train(model, data, nll, lr=lr, epochs=epochs, batch_size=batch_size, seed=seed)
+        tuned, _ = _train(
+            model, data, nll, None, lr=lr, epochs=epochs, batch_size=batch_size, seed=seed
+        )
         base = dict(model.named_parameters())  # tied weights appear once
         return {k: (v - base[k]).detach() for k, v in tuned.named_parameters()}
 

@@ -163,6 +163,7 @@ def _score_info(seconds: float, cached: bool, pruned: int, total: int) -> dict[s
     reduced_grid="ratio {1e-5, 1e-4} of TinyMem's {1e-5, 1e-4, 1e-3, 0.01, 0.05}: one "
     "forward and backward per zeroed weight (~0.5 s on one CPU core for the 4-layer d-128 "
     "model), so 1e-3 is ~810 iterations (~7 min) and 0.05 ~40 k. TinyMem ran Pythia at 1e-5.",
+    stronger=("ratio",),
 )
 def greedy(
     model: nn.Module,
@@ -284,6 +285,7 @@ _DURABLE_GRID = [{"ratio": r} for r in RATIOS]
     grid=_DURABLE_GRID,
     summary="Durable: zero the top-ratio fraction of each MLP tensor by |grad of the LM loss "
     "on U|.",
+    stronger=("ratio",),
 )
 def durable(
     model: nn.Module, data: MitigationData, ratio: float = 1e-3, batch_size: int = BATCH
@@ -298,6 +300,7 @@ def durable(
     "weight",
     grid=_DURABLE_GRID,
     summary="Durable-agg: as Durable, with one top-ratio |grad| threshold over all MLP tensors.",
+    stronger=("ratio",),
 )
 def durable_agg(
     model: nn.Module, data: MitigationData, ratio: float = 1e-3, batch_size: int = BATCH
@@ -392,6 +395,7 @@ def fisher_scores(
     reduced_grid="TinyMem's ratios; the Fisher uses m = 64 gradients of batches of 16 rows of U "
     "(TinyMem: 256-512 batches of 64) so that scoring takes ~16 s on one CPU core for the "
     "4-layer d-128 model.",
+    stronger=("ratio",),
 )
 def sou(
     model: nn.Module,
@@ -528,6 +532,7 @@ def _subnet_grid(ratios: Sequence[float], epochs: Sequence[int]) -> list[dict[st
     reduced_grid="ratio {1e-3, 0.01, 0.05, 0.1, 0.25, 0.5} x epochs {1, 10} of TinyMem's "
     "{1e-5, 1e-4, 1e-3, 0.01, 0.05, 0.1, 0.25, 0.3, 0.5, 0.8} x {1, 10, 20}: ~0.8 s per epoch "
     "over ~90 rows on one CPU core; 1e-5 and 1e-4 mask almost nothing of a d-128 model.",
+    stronger=("ratio", "epochs"),
 )
 def subnet(
     model: nn.Module,
@@ -578,6 +583,7 @@ def _group_mean(nll: Tensor, mask: Tensor, rows: Tensor) -> Tensor:
     reduced_grid="ratio {0.01, 0.05, 0.1} x w {0.9, 0.5} x 1 epoch of TinyMem's 10 ratios x "
     "w {0.9, 0.7, 0.5} x epochs {1, 10, 20}: an epoch covers all of U and C (~9 s for ~1100 "
     "rows on one CPU core).",
+    stronger=("ratio",),
 )
 def balanced_subnet(
     model: nn.Module,

@@ -180,12 +180,14 @@ def sweep(
     batch_size: int,
     base: Evaluation | None = None,
     patience: int | None = 2,
+    skip: Callable[[float, list[dict[str, Any]]], bool] | None = None,
 ) -> list[dict[str, Any]]:
     """Evaluate the model with ``make_handle(strength)`` attached, for ascending strengths.
 
     With ``base`` and a ``patience``, stop after that many consecutive points outside the
     utility tolerance: damage grows with strength, and the selection rule cannot pick such
-    points. ``make_handle`` returns a hook handle or a baseline's Mitigation (then its
+    points. ``skip(strength, points so far)`` leaves out a point for the same reason.
+    ``make_handle`` returns a hook handle or a baseline's Mitigation (then its
     ``model`` is evaluated); either is removed after the evaluation.
     """
     points: list[dict[str, Any]] = []
@@ -199,6 +201,8 @@ def sweep(
             handle.remove()
 
     for strength in sorted(strengths):
+        if skip is not None and skip(strength, points):
+            continue
         ev = run(strength, "forced")
         points.append({"strength": strength, "eval": ev})
         if base is not None and patience is not None:
@@ -296,10 +300,20 @@ def baseline_sweep(
     A grid point's strength is its index (grids go mildest first); its parameters and the
     method's full time (its own plus any shared work it reused) are added to the point.
     Edited copies are kept until the sweep ends, so the selected point is re-decoded without
-    re-training; hook methods are re-attached (their fit is cached).
+    re-training; hook methods are re-attached (their fit is cached). With `base`, a point is
+    skipped when a milder one along the method's `stronger` hyperparameters already broke the
+    utility tolerance (:meth:`~gss.baselines.Method.dominated`): the rule could not pick it.
     """
     method = get_method(name)
     made: dict[int, Any] = {}
+
+    def skip(index: float, points: list[dict[str, Any]]) -> bool:
+        failed = [
+            method.grid[int(p["strength"])]
+            for p in points
+            if not within_tolerance(p["eval"], base, data)
+        ]
+        return method.dominated(method.grid[int(index)], failed)
 
     def make(index: float) -> Any:
         i = int(index)
@@ -307,7 +321,16 @@ def baseline_sweep(
             made[i] = method.run(model, mdata, **method.grid[i])
         return made[i]
 
-    points = sweep(model, data, make, range(len(method.grid)), batch_size, base, patience=None)
+    points = sweep(
+        model,
+        data,
+        make,
+        range(len(method.grid)),
+        batch_size,
+        base,
+        patience=None,
+        skip=skip if base is not None else None,
+    )
     for point in points:
         result = made[int(point["strength"])]
         point["params"] = dict(method.grid[int(point["strength"])])

@@ -215,18 +215,26 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
             swept = time.perf_counter()
             points = M.baseline_sweep(mem, data, name, mdata, args.batch_size, base)
             chosen = M.select(points, base, data)
+            grid = get_method(name).grid
+            evaluated = {int(p["strength"]) for p in points}
             methods[name] = {
                 "baseline": True,
                 "family": get_method(name).family,
                 "selected": {**chosen, "eval": chosen["eval"].to_dict()},
                 "grid": M.summarize(points),
+                # grid points a milder failed point ruled out (Method.dominated): not run
+                "skipped": [dict(g) for i, g in enumerate(grid) if i not in evaluated],
                 "mitigation_seconds": chosen["seconds"],
                 # the whole default grid: every point's mitigation and evaluation
                 "grid_seconds": time.perf_counter() - swept,
             }
             checkpoint.save(name, methods[name])
             _log_choice(name, chosen)
-            _log(f"    grid of {len(points)} points: {methods[name]['grid_seconds']:.1f} s")
+            skipped = len(grid) - len(points)
+            _log(
+                f"    grid of {len(points)} points: {methods[name]['grid_seconds']:.1f} s"
+                + (f" ({skipped} stronger points skipped)" if skipped else "")
+            )
     record: dict[str, Any] = {
         "setting": setting,
         "seed": seed,
