@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -321,3 +323,21 @@ def test_prompt_covering_the_rows_is_a_gss_error(memorizer, name):
     short = MitigationData(memorized=data.memorized, clean=(), pad_id=PAD, prompt_len=12)
     with pytest.raises(GSSError, match="after the prompt"):
         get_method(name).run(model, short, **QUICK.get(name, {}))
+
+
+def test_zero_out_scores_a_fixed_sample_of_at_most_max_rows(memorizer):
+    model, data = memorizer
+    method = get_method("zero-out")
+    n = len(data.memorized)
+    whole = method.run(model, data, ratio=0.1, max_rows=n)  # not fewer rows than U: all of U
+    full = method.run(model, data, ratio=0.1)
+    assert whole.info["rows_scored"] == n == full.info["rows_scored"]
+    for a, b in zip(whole.model.parameters(), full.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    cut = method.run(model, data, ratio=0.1, max_rows=2)
+    again = method.run(model, dataclasses.replace(data), ratio=0.1, max_rows=2)
+    assert cut.info["rows_scored"] == 2
+    for a, b in zip(cut.model.parameters(), again.model.parameters(), strict=True):
+        assert torch.equal(a, b)  # the same sample every time
+    with pytest.raises(GSSError, match="max_rows"):
+        method.run(model, data, max_rows=0)

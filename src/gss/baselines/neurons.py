@@ -46,6 +46,7 @@ Differences from TinyMem's code, each towards what the method is meant to do:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -429,28 +430,49 @@ def zero_out_scores(
 
 
 ZERO_OUT_CANDIDATES = 0.125
-IG_MAX_POSITIONS = 10_000
+ZERO_OUT_MAX_ROWS = 128
+IG_MAX_POSITIONS = 5_000
+
+
+def _sampled_rows(data: MitigationData, max_rows: int | None) -> MitigationData:
+    """`data` with U cut to a fixed (seed 0) uniform sample of `max_rows` rows, in U's order,
+    when it has more; the same object otherwise."""
+    if max_rows is None or len(data.memorized) <= max_rows:
+        return data
+    gen = torch.Generator().manual_seed(0)
+    keep = sorted(torch.randperm(len(data.memorized), generator=gen)[:max_rows].tolist())
+    return dataclasses.replace(data, memorized=[data.memorized[i] for i in keep])
 
 
 @register(
     "zero-out",
     "neuron",
-    [{"ratio": r, "candidates": ZERO_OUT_CANDIDATES} for r in RATIOS],
+    [
+        {"ratio": r, "candidates": ZERO_OUT_CANDIDATES, "max_rows": ZERO_OUT_MAX_ROWS}
+        for r in RATIOS
+    ],
     "ablate the MLP neurons whose zeroing alone raises the loss on U the most",
     reduced_grid=(
         "scores exactly only the 1/8 of each layer's neurons with the highest first-order "
-        "estimate (one backward pass; the rest rank below, by the estimate). On the TinyMem "
+        "estimate (one backward pass; the rest rank below, by the estimate), on at most "
+        f"{ZERO_OUT_MAX_ROWS} rows of U (a fixed sample: the backdoor settings' U has 207-452 "
+        "rows, and the cost grows with them: 271 s on math backdoor's 452). On the TinyMem "
         "math model (4 x 512 neurons, 162 rows of 101 tokens) the exact scores took 876 s; "
         "the candidates held 5/5 of each layer's exact top 5 and 21-25 of its top 25. "
-        "candidates=1.0 is the full method"
+        "candidates=1.0, max_rows=None is the full method"
     ),
     stronger=("ratio",),
 )
 def zero_out(
-    model: nn.Module, data: MitigationData, ratio: float = 0.01, candidates: float = 1.0
+    model: nn.Module,
+    data: MitigationData,
+    ratio: float = 0.01,
+    candidates: float = 1.0,
+    max_rows: int | None = None,
 ) -> Mitigation:
     """Zero-out: each neuron's direct effect on the memorized loss, one pass over U per neuron
-    (per `candidates` neuron: the fraction of each layer scored exactly, see `zero_out_scores`)."""
+    (per `candidates` neuron: the fraction of each layer scored exactly, see `zero_out_scores`;
+    over a fixed sample of `max_rows` rows of U when it has more)."""
     ratio = _check_ratio(ratio)
     number = isinstance(candidates, int | float) and not isinstance(candidates, bool)
     if not number or not 0 < candidates <= 1:
@@ -458,16 +480,19 @@ def zero_out(
             f"candidates must be the fraction of each layer's neurons scored exactly, in (0, 1]; "
             f"got {candidates!r}."
         )
-    _check_rows(data)
+    if max_rows is not None:
+        _check_positive("max_rows", max_rows, integer=True)
+    scored = _sampled_rows(data, max_rows)
+    _check_rows(scored)
     edited = edited_copy(model)
     layers = mlp_layers(edited)
     scores, info = _cached_scores(
-        ("zero-out", float(candidates)),
+        ("zero-out", float(candidates), max_rows),
         model,
         data,
-        lambda: zero_out_scores(edited, layers, data, candidates=float(candidates)),
+        lambda: zero_out_scores(edited, layers, scored, candidates=float(candidates)),
     )
-    return _ablate(edited, layers, scores, ratio, info)
+    return _ablate(edited, layers, scores, ratio, {**info, "rows_scored": len(scored.memorized)})
 
 
 # --- integrated gradients -------------------------------------------------------------------------
@@ -619,9 +644,9 @@ def _ig_chunk(
     "ablate the MLP neurons with the largest integrated-gradients attribution to U's tokens",
     reduced_grid=(
         f"scores a fixed sample of at most {IG_MAX_POSITIONS:,} (row, position) pairs of U "
-        "(each costs steps x layers single-token passes): all of them on TinyMem math noise "
-        "(162 x 51 positions, 83 s) and language noise, 18% of math backdoor's 452 x 120 "
-        "(all of them took 28 min), 75% of language backdoor's 207 x 64. "
+        "(each costs steps x layers single-token passes, 40-55 per second on this CPU): all of "
+        "them on TinyMem math noise (88 x 50) and language noise, 9% of math backdoor's "
+        "452 x 120 (all of them took 28 min), 38% of language backdoor's 207 x 64. "
         "max_positions=None is the full method"
     ),
     stronger=("ratio",),
