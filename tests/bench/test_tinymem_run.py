@@ -1,6 +1,7 @@
 """`gss bench tinymem --quick` end to end: trains tiny models, runs every method, writes files."""
 
 import json
+import os
 
 import pytest
 
@@ -64,6 +65,21 @@ def test_baselines_join_the_table_with_their_grids(tmp_path, cache):
     assert not (out / "partial").exists()  # the finished run's checkpoint is gone
     with pytest.raises(SystemExit, match="unknown baseline"):
         main([*args[:-5], "--baselines", "magic"])
+
+
+def test_jobs_run_pairs_in_processes_in_order(tmp_path, cache):
+    out = tmp_path / "out"
+    args = ["--quick", "--settings", "math_noise,math_backdoor", "--methods", "GSS"]
+    args += ["--deltas", "0.1", "--jobs", "2", "--out", str(out), "--cache-dir", str(cache)]
+    assert main(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["jobs"] == 2
+    assert [r["setting"] for r in results["runs"]] == ["math_noise", "math_backdoor"]
+    for run in results["runs"]:
+        assert run["threads"] == max(1, (os.cpu_count() or 1) // 2)
+        assert run["unmitigated"]["rows"] > 0 and "GSS" in run["methods"]
+    with pytest.raises(SystemExit, match="--jobs"):
+        main([*args[:-6], "--jobs", "0"])
 
 
 def test_an_interrupted_baseline_run_resumes_only_on_the_same_models(tmp_path):

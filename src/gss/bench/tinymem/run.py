@@ -11,6 +11,7 @@ is in the JSON. Writes ``results.json``, ``table.md`` and PNG figures under ``--
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -102,7 +103,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-dir", default=None, help=f"trained models (default {default_cache_dir()})"
     )
     p.add_argument("--out", default=None, help="results folder (default results/tinymem[-quick])")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per process (default: the cores, split evenly among --jobs)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="run this many (setting, seed) pairs at once, each in its own process with its "
+        "share of the cores, and no progress bars (default 1). Times in the table are then "
+        "measured on that share",
+    )
     p.add_argument("--batch-size", type=int, default=256, help="evaluation batch size")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
@@ -142,9 +156,39 @@ def _log(message: str) -> None:
     print(f"[tinymem {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
+def _worker_start(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def _run_in_processes(
+    units: list[tuple[str, int]], args: argparse.Namespace, out: Path
+) -> list[dict[str, Any]]:
+    """`run_one` for every (setting, seed) in `args.jobs` spawned processes, in `units`' order.
+
+    On a small CPU, one process per core runs these small models faster than one process using
+    every core (their ops are too small to split well); each process gets its share of threads.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = min(args.jobs, len(units))
+    threads = args.threads or max(1, (os.cpu_count() or 1) // jobs)
+    _log(f"{len(units)} runs in {jobs} processes of {threads} thread(s) each")
+    worker_args = argparse.Namespace(**{**vars(args), "no_progress": True})
+    with ProcessPoolExecutor(
+        jobs,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_worker_start,
+        initargs=(threads,),
+    ) as pool:
+        futures = [pool.submit(run_one, s, seed, worker_args, out) for s, seed in units]
+        return [f.result() for f in futures]
+
+
 def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Everything measured for one (setting, seed)."""
     started = time.perf_counter()
+    _log(f"{setting}, seed {seed}")
     preset = args.preset or ("quick" if args.quick else "default")
     mem, ref, data, info = get_models(
         setting, preset, seed, args.cache_dir, progress=not args.no_progress
@@ -260,6 +304,7 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
         "signal": signal,
         "methods": methods,
         "seconds": {"models": trained, "total": time.perf_counter() - started},
+        "threads": torch.get_num_threads(),
     }
     for name in args.ablation:
         record.setdefault("ablations", {})[name] = run_ablation(
@@ -612,11 +657,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.baseline_names = baseline_names(args.baselines, "tinymem")
     seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
     out = Path(args.out or ("results/tinymem-quick" if args.quick else "results/tinymem"))
+    if args.jobs < 1:
+        raise SystemExit(f"gss bench tinymem: --jobs must be >= 1, got {args.jobs}")
+    units = [(setting, seed) for setting in settings for seed in seeds]
     started = time.perf_counter()
-    records = []
-    for setting in settings:
-        for seed in seeds:
-            _log(f"{setting}, seed {seed}")
+    if args.jobs > 1 and len(units) > 1:
+        records = _run_in_processes(units, args, out)
+    else:
+        records = []
+        for setting, seed in units:
             records.append(run_one(setting, seed, args, out))
     fresh_runs = list(records)
     total = time.perf_counter() - started
@@ -652,6 +701,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "alphas": M.ALPHAS,
             },
             "total_seconds": total,
+            "jobs": min(args.jobs, len(units)),
             "runs": records,
         },
     )
