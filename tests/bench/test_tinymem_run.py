@@ -80,6 +80,14 @@ def test_jobs_run_pairs_in_processes_in_order(tmp_path, cache):
         assert run["unmitigated"]["rows"] > 0 and "GSS" in run["methods"]
     with pytest.raises(SystemExit, match="--jobs"):
         main([*args[:-6], "--jobs", "0"])
+    # runs made apart join one table: --merge runs nothing and keeps --out's own runs
+    merged = tmp_path / "merged"
+    assert main(["--quick", "--merge", str(out), "--out", str(merged)]) == 0
+    assert json.loads((merged / "results.json").read_text())["runs"] == results["runs"]
+    assert "| GSS |" in (merged / "table.md").read_text()
+    assert (merged / "signal_math_backdoor_seed0.png").is_file()
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["--merge", str(tmp_path / "nowhere"), "--out", str(merged)])
 
 
 def test_an_interrupted_baseline_run_resumes_only_on_the_same_models(tmp_path):

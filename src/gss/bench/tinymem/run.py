@@ -120,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=256, help="evaluation batch size")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
+        "--merge",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="run nothing: add the runs saved in DIR/results.json (repeatable) to --out's and "
+        "rewrite its table and figures",
+    )
+    p.add_argument(
         "--fresh",
         action="store_true",
         help="overwrite --out; by default runs of other settings/seeds already in its "
@@ -154,6 +162,29 @@ def _settings(text: str) -> list[str]:
 
 def _log(message: str) -> None:
     print(f"[tinymem {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def _merged_from(folders: Sequence[str], out: Path) -> list[dict[str, Any]]:
+    """The runs saved in other results folders (later folders win on the same setting, seed
+    and preset), with their pilot-study figures copied into `out`: so seeds or settings run
+    apart (other processes, other machines) make one table."""
+    import json
+    import shutil
+
+    records: list[dict[str, Any]] = []
+    out.mkdir(parents=True, exist_ok=True)
+    for folder in map(Path, folders):
+        path = folder / "results.json"
+        if not path.is_file():
+            raise SystemExit(f"gss bench tinymem --merge: {path} does not exist")
+        runs = json.loads(path.read_text()).get("runs", [])
+        records = merge_runs(records, runs)
+        for run in runs:
+            name = f"signal_{run['setting']}_seed{run['seed']}.png"
+            if (folder / name).is_file() and folder.resolve() != out.resolve():
+                shutil.copyfile(folder / name, out / name)
+        _log(f"merging {len(runs)} run(s) from {path}")
+    return records
 
 
 def _worker_start(threads: int) -> None:
@@ -615,9 +646,8 @@ def summary_table(records: list[dict[str, Any]]) -> str:
     def cell(evs: list[dict[str, Any]], seconds: list[float] | None, ok: bool = True) -> str:
         if not evs:
             return "--"
-        mem, _ = M.mean_std([e["memorized"] for e in evs])
-        util, _ = M.mean_std([e["utility"] for e in evs])
-        text = f"{mem:.1f} / {util:.2f}"
+        mem = _fmt([e["memorized"] for e in evs], 1)
+        text = f"{mem} / {_fmt([e['utility'] for e in evs])}"
         if seconds:
             text += f" ({M.mean_std(seconds)[0]:.3g})"
         return text + ("" if ok else "*")
@@ -661,15 +691,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"gss bench tinymem: --jobs must be >= 1, got {args.jobs}")
     units = [(setting, seed) for setting in settings for seed in seeds]
     started = time.perf_counter()
-    if args.jobs > 1 and len(units) > 1:
+    if args.merge:
+        records = _merged_from(args.merge, out)
+    elif args.jobs > 1 and len(units) > 1:
         records = _run_in_processes(units, args, out)
     else:
         records = []
         for setting, seed in units:
             records.append(run_one(setting, seed, args, out))
-    fresh_runs = list(records)
+    fresh_runs = [] if args.merge else list(records)
     total = time.perf_counter() - started
-    for record in records:
+    for record in fresh_runs:
         record["command"] = "gss bench tinymem " + " ".join(argv or [])
     previous_file = out / "results.json"
     if previous_file.exists() and not args.fresh:
@@ -708,7 +740,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "table.md").write_text(md)
     (out / "summary.md").write_text(
         summary_table(records)
-        + "\n\nSeed means; (s): mitigation time; * = no grid point within the utility "
+        + "\n\nMeans over the seeds each cell has (± their std when more than one); (s): "
+        "mitigation time; * = no grid point within the utility "
         "tolerance (the mildest is shown). Per-setting tables with % correct, strengths and "
         "the paper's numbers: table.md.\n"
     )
