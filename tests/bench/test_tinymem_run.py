@@ -88,6 +88,15 @@ def test_jobs_run_pairs_in_processes_in_order(tmp_path, cache):
     assert (merged / "signal_math_backdoor_seed0.png").is_file()
     with pytest.raises(SystemExit, match="does not exist"):
         main(["--merge", str(tmp_path / "nowhere"), "--out", str(merged)])
+    # a setting's seeds are listed in seed order, each with its own row count
+    from gss.bench.tinymem.run import table
+
+    first = results["runs"][0]
+    later = {**first, "seed": 1, "unmitigated": {**first["unmitigated"], "rows": 999}}
+    rows = first["unmitigated"]["rows"]
+    assert table([later, first]).splitlines()[0] == (
+        f"### math_noise (seeds 0 / 1; % memorized rests on {rows} / 999 rows)"
+    )
 
 
 def test_an_interrupted_baseline_run_resumes_only_on_the_same_models(tmp_path):

@@ -144,3 +144,23 @@ def test_cosine_schedule_decays_and_keeps_old_cache_keys():
     assert key == "lang_backdoor-memorizing-e10-258f36fcbdb79f29"
     cosine = replace(pre.train, lr_schedule="cosine")
     assert _key("lang_backdoor", "memorizing", 0, pre.data, pre.model, cosine) != key
+
+
+def test_tracked_epochs_print_a_line_without_a_bar(capsys):
+    """Worker processes train without progress bars; the tracked epochs still show."""
+    data = make_data(TINY.data, 0)
+    model = new_model(replace(TINY.model, vocab_size=data.vocab_size), seed=0)
+    tcfg = TrainConfig(epochs=2, batch_size=16, eval_every=1)
+    train_model(
+        model,
+        data.train[:32],
+        tcfg,
+        pad_id=PAD,
+        seed=0,
+        progress=False,
+        track=lambda m: {"mem": 0.5},
+        desc="tiny",
+    )
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[tiny]")]
+    assert [ln.split(" {")[0] for ln in lines] == ["[tiny] epoch 1/2", "[tiny] epoch 2/2"]
+    assert "'mem': 0.5" in lines[-1]

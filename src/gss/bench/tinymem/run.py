@@ -220,6 +220,10 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
     """Everything measured for one (setting, seed)."""
     started = time.perf_counter()
     _log(f"{setting}, seed {seed}")
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # the loading/saving bars of from/save_pretrained
     preset = args.preset or ("quick" if args.quick else "default")
     mem, ref, data, info = get_models(
         setting, preset, seed, args.cache_dir, progress=not args.no_progress
@@ -564,7 +568,7 @@ def table(records: list[dict[str, Any]]) -> str:
     settings = list(dict.fromkeys(r["setting"] for r in records))
     lines = []
     for setting in settings:
-        runs = [r for r in records if r["setting"] == setting]
+        runs = sorted((r for r in records if r["setting"] == setting), key=lambda r: r["seed"])
         utility = "Acc %" if setting.startswith("math") else "Perp"
         header = [
             "Method",
@@ -613,10 +617,11 @@ def table(records: list[dict[str, Any]]) -> str:
                     paper(name),
                 ]
             )
-        n_rows = sorted({r["unmitigated"]["rows"] for r in runs})
+        seeds = " / ".join(str(r["seed"]) for r in runs)
+        n_rows = " / ".join(str(r["unmitigated"]["rows"]) for r in runs)
         lines.append(
-            f"### {setting} ({len(runs)} seed{'s' if len(runs) > 1 else ''}; % memorized rests "
-            f"on {', '.join(map(str, n_rows))} rows)\n"
+            f"### {setting} (seed{'s' if len(runs) > 1 else ''} {seeds}; % memorized rests "
+            f"on {n_rows} rows)\n"
         )
         lines.append(markdown_table(header, rows_out))
     lines.append(

@@ -171,7 +171,10 @@ _register(
     "default",
     "math_backdoor",
     model=_PAPER_MODEL,
-    train=TrainConfig(epochs=10, eval_every=2, snapshots=(6, 8)),
+    # cosine, 12 epochs: with a constant lr over 10 epochs attack success ended at 96% (seed 0)
+    # but 32% and 58% (seeds 1, 2), having moved 40 -> 81 -> 32% between epochs 4, 8 and 10;
+    # cosine: 93 / 81 / 88%. The clean reference needs no such care and keeps its 10 epochs.
+    train=TrainConfig(epochs=12, eval_every=2, lr_schedule="cosine"),
     reference=TrainConfig(epochs=10, eval_every=2, snapshots=(6, 8)),
 )
 _register(
@@ -316,9 +319,11 @@ def train_model(
             model.train()
             entry["eval_seconds"] = time.perf_counter() - t1
         log["epochs"].append(entry)
-        bar.set_postfix(
-            {k: round(v, 3) for k, v in entry.items() if k in ("loss", "mem", "backdoor")}
-        )
+        shown = {k: round(v, 3) for k, v in entry.items() if k in ("loss", "mem", "backdoor")}
+        bar.set_postfix(shown)
+        if not progress and "eval_seconds" in entry:
+            # without a bar (worker processes), the tracked epochs still show how it goes
+            print(f"[{desc}] epoch {epoch}/{tcfg.epochs} {shown}", flush=True)
         if on_epoch is not None:
             on_epoch(epoch, model, log)
     log |= {
