@@ -201,13 +201,14 @@ class GatedSteer:
         """
         if self._fused and not self.track_gates:
             f = self._params(hidden.device)
-            shape = hidden.shape
-            h = hidden.reshape(-1, shape[-1])
+            h = hidden.reshape(-1, self.hidden_size)
             h = h if h.dtype == torch.float32 else h.float()
             s = torch.addmm(f["fused_neg_offset"], h, f["fused_probe_t"])
             if self.gate == "hard":
                 s = torch.nn.functional.hardshrink(s, 1.0)
-            out = torch.addmm(h, s, f["fused_neg_steer"]).view(shape)
+            # view_as, not view(hidden.shape): parsing a torch.Size costs ~10 us a call on CPU,
+            # a fifth of this hook on a small model's decode step
+            out = torch.addmm(h, s, f["fused_neg_steer"]).view_as(hidden)
             return (out if out.dtype == hidden.dtype else out.to(hidden.dtype)), None
         if self.coefficient != "projection" or self.gate == "relu":
             delta, is_open = self.correction(hidden)
@@ -222,7 +223,7 @@ class GatedSteer:
             s = s * is_open
         elif self.track_gates:
             is_open = torch.ones_like(s, dtype=torch.bool)
-        steered = torch.addmm(h, s, p["steer"], alpha=-1.0).reshape(shape).to(hidden.dtype)
+        steered = torch.addmm(h, s, p["steer"], alpha=-1.0).view_as(hidden).to(hidden.dtype)
         return steered, None if is_open is None else is_open.reshape(*shape[:-1], -1)
 
     def _count(self, is_open: Tensor) -> None:
