@@ -201,7 +201,7 @@ class GatedSteer:
         """
         if self._fused and not self.track_gates:
             f = self._params(hidden.device)
-            h = hidden.reshape(-1, self.hidden_size)
+            h = hidden.reshape(-1, hidden.shape[-1])  # a wrong width fails in addmm, never reshapes
             h = h if h.dtype == torch.float32 else h.float()
             s = torch.addmm(f["fused_neg_offset"], h, f["fused_probe_t"])
             if self.gate == "hard":
