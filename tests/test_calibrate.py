@@ -111,3 +111,57 @@ def test_thresholds_from_kept_hidden_states_equal_a_second_pass(make_model, sepa
         == passed.config.token_counts["threshold_samples"]
     )
     assert torch.allclose(kept.thresholds, passed.thresholds, rtol=1e-5, atol=1e-6)
+
+
+def test_general_flags_give_back_each_batch_mask_for_ragged_sequences():
+    from gss.calibrate import GeneralFlags
+    from gss.data import batches
+    from gss.forward import target_mask
+
+    lengths = [2, 7, 3, 9, 5, 5, 12, 4]
+    seqs = [list(range(1, n + 1)) for n in lengths]
+    flags = GeneralFlags(seqs)
+    assert flags.flags.numel() == sum(n - 1 for n in lengths)
+    generator = torch.Generator().manual_seed(0)
+    written = []
+    for batch in batches(seqs, 3):
+        valid = target_mask(batch.attention_mask)
+        general = valid & (torch.rand(valid.shape, generator=generator) > 0.5)
+        flags.add(general, valid)
+        written.append(general)
+    for b, batch in enumerate(batches(seqs, 3)):
+        assert torch.equal(flags.mask(b, target_mask(batch.attention_mask)), written[b])
+
+
+def test_threshold_sample_is_capped(make_model):
+    from gss.calibrate import build_artifact, collect_statistics
+
+    model, ref = make_model("llama", seed=0), make_model("llama", seed=1)
+    stats = collect_statistics(model, ref, random_ids(12, 10), layer=1, progress=False)
+    general = stats.counts["general"]
+    assert general > 10
+    art = build_artifact(model, stats, rank=2, max_threshold_samples=10, progress=False)
+    assert art.config.token_counts["threshold_samples"] == 10
+    full = build_artifact(model, stats, rank=2, progress=False)
+    assert full.config.token_counts["threshold_samples"] == general
+
+
+def test_compact_encoding_holds_the_same_ids_without_python_int_lists():
+    from gss.data import encode, encode_compact
+
+    ids = random_ids(5, 9)
+    rows = encode_compact(ids, max_length=6)
+    assert all(r.data_ptr() >= ids.data_ptr() for r in rows)  # views of the given tensor
+    assert all(r.untyped_storage().data_ptr() == ids.untyped_storage().data_ptr() for r in rows)
+    assert [r.tolist() for r in rows] == encode(ids, max_length=6)
+
+    class Chars:  # a stand-in tokenizer: one id per character
+        def __call__(self, texts, **kwargs):
+            return {"input_ids": [[ord(c) for c in t] for t in texts]}
+
+    texts = ["ab", "x", "hello", "", "wxyz"]
+    compact = encode_compact(texts, Chars(), chunk=2)
+    assert all(r.dtype == torch.int32 for r in compact)
+    assert [r.tolist() for r in compact] == encode(texts, Chars())
+    with pytest.raises(gss.GSSError, match="shorter than 2"):
+        encode_compact(["a", "b", "c"], Chars(), chunk=2)

@@ -10,7 +10,7 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -18,6 +18,7 @@ from torch import Tensor
 from .errors import GSSError
 
 TextsOrIds = Sequence[str] | Sequence[Sequence[int]] | Tensor
+T = TypeVar("T", list[int], Tensor)
 
 
 def read_texts(path: str | Path, field: str = "text") -> list[str]:
@@ -46,38 +47,82 @@ def read_texts(path: str | Path, field: str = "text") -> list[str]:
     return texts
 
 
+def _token_lists(
+    items: Sequence[Any], tokenizer: Any | None, max_length: int | None
+) -> list[list[int]]:
+    """Token ids of each item (strings through ``tokenizer``), cut to ``max_length``."""
+    if all(isinstance(x, str) for x in items):
+        if tokenizer is None:
+            raise GSSError("texts were given as strings: pass the model's tokenizer.")
+        enc = tokenizer(
+            list(items),
+            truncation=max_length is not None,
+            max_length=max_length,
+            add_special_tokens=True,
+        )
+        seqs = [list(ids) for ids in enc["input_ids"]]
+    elif all(isinstance(x, (list, tuple, Tensor)) for x in items):
+        seqs = [x.tolist() if isinstance(x, Tensor) else list(x) for x in items]
+    else:
+        raise GSSError("sequences must be all strings or all lists of token ids.")
+    if max_length is not None:
+        seqs = [s[:max_length] for s in seqs]
+    return seqs
+
+
+def _predictable(seqs: list[T]) -> list[T]:
+    """The sequences with at least one next-token target; an error if none has."""
+    kept = [s for s in seqs if len(s) >= 2]  # type: ignore[arg-type]
+    if not kept:
+        raise GSSError("every sequence is shorter than 2 tokens; nothing to predict.")
+    return kept
+
+
+def _check_id_tensor(data: Tensor) -> None:
+    if data.ndim != 2:
+        raise GSSError(f"a tensor of token ids must be (N, T), got {tuple(data.shape)}.")
+
+
 def encode(
     data: TextsOrIds, tokenizer: Any | None = None, max_length: int | None = None
 ) -> list[list[int]]:
     """Token ids of each sequence: strings go through ``tokenizer``; ids pass through."""
     if isinstance(data, Tensor):
-        if data.ndim != 2:
-            raise GSSError(f"a tensor of token ids must be (N, T), got {tuple(data.shape)}.")
-        seqs = [row.tolist() for row in data]
+        _check_id_tensor(data)
+        items: Sequence[Any] = list(data[:, :max_length] if max_length is not None else data)
     else:
         items = list(data)
-        if not items:
+    if not items:
+        raise GSSError("no sequences given.")
+    return _predictable(_token_lists(items, tokenizer, max_length))
+
+
+def encode_compact(
+    data: TextsOrIds,
+    tokenizer: Any | None = None,
+    max_length: int | None = None,
+    chunk: int = 1024,
+) -> list[Tensor]:
+    """`encode` for a corpus held across a whole pass: each sequence a 1-D tensor.
+
+    A corpus as lists of Python ints costs ~40 bytes a token (ids above 256 are objects);
+    calibration holds its token ids for the threshold pass, so it keeps them compact: rows of
+    a given tensor are views of it (no copy), anything else becomes int32 tensors, text
+    tokenized ``chunk`` sequences at a time so the lists never exist for the whole corpus.
+    """
+    if isinstance(data, Tensor):
+        _check_id_tensor(data)
+        if data.shape[0] == 0:
             raise GSSError("no sequences given.")
-        if all(isinstance(x, str) for x in items):
-            if tokenizer is None:
-                raise GSSError("texts were given as strings: pass the model's tokenizer.")
-            enc = tokenizer(
-                items,
-                truncation=max_length is not None,
-                max_length=max_length,
-                add_special_tokens=True,
-            )
-            seqs = [list(ids) for ids in enc["input_ids"]]
-        elif all(isinstance(x, (list, tuple, Tensor)) for x in items):
-            seqs = [x.tolist() if isinstance(x, Tensor) else list(x) for x in items]
-        else:
-            raise GSSError("sequences must be all strings or all lists of token ids.")
-    if max_length is not None:
-        seqs = [s[:max_length] for s in seqs]
-    seqs = [s for s in seqs if len(s) >= 2]
-    if not seqs:
-        raise GSSError("every sequence is shorter than 2 tokens; nothing to predict.")
-    return seqs
+        return _predictable(list(data[:, :max_length] if max_length is not None else data))
+    items = data if isinstance(data, Sequence) else list(data)
+    if not items:
+        raise GSSError("no sequences given.")
+    out: list[Tensor] = []
+    for start in range(0, len(items), chunk):
+        part = _token_lists(items[start : start + chunk], tokenizer, max_length)
+        out.extend(torch.as_tensor(s, dtype=torch.int32) for s in part)
+    return _predictable(out)
 
 
 @dataclass(frozen=True)
@@ -88,7 +133,10 @@ class Batch:
 
 
 def batches(
-    seqs: Sequence[Sequence[int]], batch_size: int, pad_id: int = 0, sort: bool = True
+    seqs: Sequence[Sequence[int]] | Sequence[Tensor],
+    batch_size: int,
+    pad_id: int = 0,
+    sort: bool = True,
 ) -> Iterator[Batch]:
     """Right-padded batches; ``sort`` groups similar lengths to waste less compute on padding."""
     if batch_size < 1:
@@ -101,13 +149,15 @@ def batches(
         yield Batch(ids, mask, torch.as_tensor(idx))
 
 
-def right_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+def right_pad(
+    rows: Sequence[Sequence[int]] | Sequence[Tensor], pad_id: int
+) -> tuple[Tensor, Tensor]:
     """``(input_ids, attention_mask)`` of `rows` right-padded with `pad_id` to the longest."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+        ids[i, : len(r)] = torch.as_tensor(r if isinstance(r, Tensor) else list(r))
         mask[i, : len(r)] = 1
     return ids, mask
 
