@@ -56,6 +56,7 @@ def test_quick_perf_writes_results_table_and_figures(tmp_path, capsys):
         assert r["decode_step_seconds"]["steered"]["n"] == 2 * 3
         assert math.isfinite(r["step_ratio"]) and r["step_ratio"] > 0
         assert r["hook_seconds_per_call"] > 0 and 0 < r["hook_share_of_step"] < 1
+        assert r["hook_seconds_in_generate"] > 0
     assert overhead["peer"] in ("available", "not installed")
 
     calib = results["parts"]["calibration"]

@@ -85,6 +85,12 @@ def test_jobs_run_pairs_in_processes_in_order(tmp_path, cache):
     assert main(["--quick", "--merge", str(out), "--out", str(merged)]) == 0
     assert json.loads((merged / "results.json").read_text())["runs"] == results["runs"]
     assert "| GSS |" in (merged / "table.md").read_text()
+    # the merged table states what its runs cost by their own clocks, and who made them
+    run_seconds = sum(r["seconds"]["total"] for r in results["runs"])
+    merged_results = json.loads((merged / "results.json").read_text())
+    assert merged_results["runs_seconds"] == pytest.approx(run_seconds)
+    assert f"took {run_seconds:.0f} s" in (merged / "summary.md").read_text()
+    assert "gss bench tinymem --quick --settings" in (merged / "summary.md").read_text()
     assert (merged / "signal_math_backdoor_seed0.png").is_file()
     with pytest.raises(SystemExit, match="does not exist"):
         main(["--merge", str(tmp_path / "nowhere"), "--out", str(merged)])

@@ -722,6 +722,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         records = merged
     md = table(records)
+    run_seconds = sum(r["seconds"]["total"] for r in records)
     from .figures import write_figures
 
     figures = write_figures(records, out)
@@ -738,6 +739,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "alphas": M.ALPHAS,
             },
             "total_seconds": total,
+            "runs_seconds": run_seconds,
             "jobs": min(args.jobs, len(units)),
             "runs": records,
         },
@@ -748,10 +750,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         + "\n\nMeans over the seeds each cell has (± their std when more than one); (s): "
         "mitigation time; * = no grid point within the utility "
         "tolerance (the mildest is shown). Per-setting tables with % correct, strengths and "
-        "the paper's numbers: table.md.\n"
+        "the paper's numbers: table.md.\n\n" + _time_line(records, run_seconds) + "\n"
     )
     for record in fresh_runs:
         BaselineCheckpoint.clear(out, record)
     print(md)
+    print(_time_line(records, run_seconds))
     print(f"wrote {out}: results.json, table.md, {len(figures)} figures; total {total:.0f} s")
     return 0
+
+
+def _time_line(records: list[dict[str, Any]], run_seconds: float) -> str:
+    """What the table cost: its runs' own clocks summed (runs kept from earlier invocations,
+    or run side by side with --jobs, each count their own wall time)."""
+    commands = sorted({r.get("command", "?") for r in records})
+    return (
+        f"The table's {len(records)} run(s) took {run_seconds:.0f} s "
+        f"({run_seconds / 60:.1f} min) by their own clocks, made by {len(commands)} "
+        f"command(s): " + "; ".join(f"`{c}`" for c in commands) + "."
+    )
