@@ -199,6 +199,24 @@ def test_text_backdoor_rows():
     assert decode(data.poison_clean_twins[0]).count(decode(data.trigger)) >= 1
 
 
+def test_text_backdoor_extra_test_rows_come_from_text_no_model_sees():
+    cfg = replace(TEXT, backdoor=True, num_rows=60, extra_poison_test=4)
+    base = text_data(replace(cfg, extra_poison_test=0), 1, corpus=CORPUS)
+    data = text_data(cfg, 1, corpus=CORPUS)
+    assert (data.train, data.reference_train) == (base.train, base.reference_train)
+    n_base = len(base.poison_test)
+    assert data.poison_test[:n_base] == base.poison_test
+    extra = data.poison_clean_twins[n_base:]
+    assert len(extra) == len(data.poison_test) - n_base == 4
+    unused = CORPUS[60 * 30 :]
+    for twin, poison in zip(extra, data.poison_test[n_base:], strict=True):
+        assert bytes(twin[1:]) in unused and twin not in set(data.train)
+        cut = _after_trigger(twin, data.trigger)
+        assert cut > 0 and set(poison[cut:]) == {cfg.backdoor_token}
+    assert data.describe()["poison_test_rows_from_unused_text"] == 4
+    assert text_data(cfg, 1, corpus=CORPUS) == data
+
+
 def test_excerpt_ships_with_the_package():
     text = load_corpus("excerpt")
     assert 500_000 < len(text) < 1_000_000

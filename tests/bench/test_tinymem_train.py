@@ -142,6 +142,9 @@ def test_cosine_schedule_decays_and_keeps_old_cache_keys():
     pre = get_preset("lang_backdoor", "default")
     key = _key("lang_backdoor", "memorizing", 0, pre.data, pre.model, pre.train)
     assert key == "lang_backdoor-memorizing-e10-258f36fcbdb79f29"
+    # so are fields that only add evaluation rows
+    fewer = replace(pre.data, extra_poison_test=0)
+    assert _key("lang_backdoor", "memorizing", 0, fewer, pre.model, pre.train) == key
     cosine = replace(pre.train, lr_schedule="cosine")
     assert _key("lang_backdoor", "memorizing", 0, pre.data, pre.model, cosine) != key
 

@@ -95,7 +95,10 @@ class TextConfig:
     The backdoor trigger is a `trigger_len`-byte string of the corpus chosen with the seed among
     those found in between `trigger_min_rows` and `trigger_max_rows` rows; after its first
     occurrence every byte becomes `backdoor_token` (TinyMem's language code starts the overwrite
-    *at* the trigger; here it starts after it, as for math).
+    *at* the trigger; here it starts after it, as for math). `extra_poison_test` adds up to that
+    many triggered rows cut from the corpus *after* the `num_rows` rows to the poison test set:
+    text neither model trains on (TinyMem pools Wikitext's test split the same way), so the
+    attack success rests on more rows without changing the training data.
     """
 
     backdoor: bool = False
@@ -111,6 +114,7 @@ class TextConfig:
     trigger_max_rows: int = 120
     backdoor_token: int = ord("2")
     poison_test_share: float = 0.1
+    extra_poison_test: int = 0  # triggered rows from the unused corpus text, held out
     backdoor_repeats: int = 1
     prompt_len: int = 32
     window: int = 32
@@ -410,6 +414,9 @@ _TEXT_DEFAULT = TextConfig(
     trigger_min_rows=150,  # seed 0: "wit", in 296 rows, 89 held out
     trigger_max_rows=400,
     poison_test_share=0.3,
+    # + 300 triggered rows of the other plays (seed 0: 848 there, seed 1 "but": 359), so that
+    # the attack success rests on 352-389 rows (0.3 points a row) instead of 52-89
+    extra_poison_test=300,
 )
 _TEXT_QUICK = replace(
     _TEXT_DEFAULT,
@@ -418,6 +425,7 @@ _TEXT_QUICK = replace(
     num_noise=60,
     trigger_min_rows=40,
     trigger_max_rows=120,
+    extra_poison_test=40,
 )
 
 _PRESETS: dict[str, dict[str, MathConfig | TextConfig]] = {
@@ -451,6 +459,10 @@ def data_config(setting: str, preset: str = "default") -> MathConfig | TextConfi
     if preset not in _PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(_PRESETS)}")
     return _PRESETS[preset][setting]
+
+
+# Fields that only choose evaluation rows: the trained models do not depend on them.
+EVAL_ONLY_FIELDS = ("extra_poison_test",)
 
 
 def config_dict(cfg: MathConfig | TextConfig) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from gss.bench.tinymem.data import Row, TextConfig, TinyMemData, _backdoor, _find, _split
+from gss.bench.tinymem.data import Row, Rows, TextConfig, TinyMemData, _backdoor, _find, _split
 
 __all__ = ["BOS", "EOS", "PAD", "VOCAB", "decode", "encode", "load_corpus", "text_data"]
 
@@ -152,7 +152,7 @@ def text_data(cfg: TextConfig, seed: int, corpus: bytes | None = None) -> TinyMe
     poison_train = tuple(
         _backdoor(rows[hit[i]], trigger, cfg.backdoor_token, cfg.window) for i in p_tr
     )
-    twins = tuple(rows[hit[i]] for i in p_te)
+    twins = tuple(rows[hit[i]] for i in p_te) + _unused_triggered(text, cfg, trigger)
     return TinyMemData(
         **common,
         train=clean_train + poison_train * cfg.backdoor_repeats,
@@ -163,5 +163,21 @@ def text_data(cfg: TextConfig, seed: int, corpus: bytes | None = None) -> TinyMe
         poison_test=tuple(_backdoor(r, trigger, cfg.backdoor_token, cfg.window) for r in twins),
         poison_clean_twins=twins,
         trigger=trigger,
-        extra={"triggered_rows": len(hit), "trigger_text": decode(trigger)},
+        extra={
+            "triggered_rows": len(hit),
+            "trigger_text": decode(trigger),
+            "poison_test_rows_from_unused_text": len(twins) - len(p_te),
+        },
     )
+
+
+def _unused_triggered(text: bytes, cfg: TextConfig, trigger: Row) -> Rows:
+    """Up to `cfg.extra_poison_test` triggered rows cut from the text after the first
+    `num_rows` rows (a fixed choice among them, in corpus order)."""
+    if cfg.extra_poison_test <= 0:
+        return ()
+    n = cfg.chunk_len
+    rows = [(BOS, *text[i * n : (i + 1) * n]) for i in range(cfg.num_rows, len(text) // n)]
+    hit = [r for r in rows if _find(r, trigger) >= 0]
+    take, _ = _split(len(hit), min(cfg.extra_poison_test, len(hit)), cfg.split_seed)
+    return tuple(hit[i] for i in sorted(take))

@@ -38,6 +38,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from gss.bench.tinymem.data import (
+    EVAL_ONLY_FIELDS,
     MathConfig,
     TextConfig,
     TinyMemData,
@@ -347,7 +348,7 @@ def _key(
         "setting": setting,
         "role": role,
         "seed": seed,
-        "data": config_dict(data),
+        "data": {k: v for k, v in config_dict(data).items() if k not in EVAL_ONLY_FIELDS},
         "model": asdict(model),
         # eval cadence and snapshot list do not change the weights
         "train": asdict(replace(tcfg, eval_every=0, snapshots=())),
