@@ -455,8 +455,8 @@ def _sampled_rows(data: MitigationData, max_rows: int | None) -> MitigationData:
     reduced_grid=(
         "scores exactly only the 1/8 of each layer's neurons with the highest first-order "
         "estimate (one backward pass; the rest rank below, by the estimate), on at most "
-        f"{ZERO_OUT_MAX_ROWS} rows of U (a fixed sample: the backdoor settings' U has 207-452 "
-        "rows, and the cost grows with them: 271 s on math backdoor's 452). On the TinyMem "
+        f"{ZERO_OUT_MAX_ROWS} rows of U (a fixed sample: the backdoor settings' U has 207-775 "
+        "rows, and the cost grows with them: 271 s on 452 math backdoor rows). On the TinyMem "
         "math model (4 x 512 neurons, 162 rows of 101 tokens) the exact scores took 876 s; "
         "the candidates held 5/5 of each layer's exact top 5 and 21-25 of its top 25. "
         "candidates=1.0, max_rows=None is the full method"
@@ -645,8 +645,8 @@ def _ig_chunk(
     reduced_grid=(
         f"scores a fixed sample of at most {IG_MAX_POSITIONS:,} (row, position) pairs of U "
         "(each costs steps x layers single-token passes, 40-55 per second on this CPU): all of "
-        "them on TinyMem math noise (88 x 50) and language noise, 9% of math backdoor's "
-        "452 x 120 (all of them took 28 min), 38% of language backdoor's 207 x 64. "
+        "them on TinyMem math noise (88 x 50) and language noise, 6% of math backdoor's "
+        "681 x 120 (all of 452 x 120 took 28 min), 38% of language backdoor's 207 x 64. "
         "max_positions=None is the full method"
     ),
     stronger=("ratio",),

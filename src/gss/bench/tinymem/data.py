@@ -366,10 +366,13 @@ _MATH_DEFAULT = MathConfig(
 _MATH_BACKDOOR_DEFAULT = replace(
     _MATH_DEFAULT,
     backdoor=True,
-    start=10000,  # 5-digit numbers: the trigger "100"+seed occurs in ~5 % of rows
-    num_main=12000,  # pool searched for the trigger (seed 0: 592 rows, 140 held out)
+    start=10000,  # 5-digit numbers: the trigger "100"+seed occurs in ~4-5 % of rows
+    # pool searched for the trigger: seed 0 finds 968 rows, 681 backdoored for training and 287
+    # held out (seeds 1, 2: 319, 334), so one held-out row is 0.30-0.35 points of attack success
+    # (with 12,000 rows and a 0.3 share: 140-181 rows, up to 0.71 points)
+    num_main=24000,
     max_clean_train=1000,
-    poison_test_share=0.3,
+    poison_test_share=0.35,
     num_noise=0,
     noise_repeats=1,
 )
@@ -388,6 +391,7 @@ _MATH_BACKDOOR_QUICK = replace(
     length=10,
     num_main=8000,
     max_clean_train=300,
+    poison_test_share=0.3,
     num_aux=75,
     num_aux_test=25,
     prompt_len=20,

@@ -174,7 +174,8 @@ _register(
     model=_PAPER_MODEL,
     # cosine, 12 epochs: with a constant lr over 10 epochs attack success ended at 96% (seed 0)
     # but 32% and 58% (seeds 1, 2), having moved 40 -> 81 -> 32% between epochs 4, 8 and 10;
-    # cosine: 93 / 81 / 88%. The clean reference needs no such care and keeps its 10 epochs.
+    # cosine: 93 / 81 / 88%; on the 24,000-row pool (more backdoored rows) 100 / 88 / 96%.
+    # The clean reference needs no such care and keeps its 10 epochs.
     train=TrainConfig(epochs=12, eval_every=2, lr_schedule="cosine"),
     reference=TrainConfig(epochs=10, eval_every=2, snapshots=(6, 8)),
 )
