@@ -241,6 +241,7 @@ def measure_model(
     full = build_artifact(model, sizes, max(sizes.ranks))
     artifacts = {k: full.with_options(rank=k) for k in sizes.ranks}
     log(f"overhead/{name}: artifact calibrated in {time.perf_counter() - t0:.1f} s")
+    block = gss.find_decoder_blocks(model)[full.config.layer]
     peer: dict[str, Any] = {"library": "nnsight", "status": nnsight_status()}
     runner = None
     if peer["status"] == "available":
@@ -266,7 +267,17 @@ def measure_model(
                 _generate(model, ids, new_tokens)
                 return time.perf_counter() - start
 
-        arms = {"unsteered": plain}
+        def noop(ids: torch.Tensor = ids) -> float:
+            # the noise floor: a forward hook that does nothing, on the steered block
+            handle = block.register_forward_hook(_noop_hook)
+            try:
+                start = time.perf_counter()
+                _generate(model, ids, new_tokens)
+                return time.perf_counter() - start
+            finally:
+                handle.remove()
+
+        arms = {"unsteered": plain, "no-op hook": noop}
         for k, art in artifacts.items():
             arms[f"gss K={k}"] = lambda art=art: steered(art)
         peer_row: dict[str, Any] = {}
@@ -313,13 +324,16 @@ def measure_model(
                 "tokens_per_s_unsteered": plain_rate,
                 "tokens_per_s_steered": summary([tokens / t for t in ours]),
                 "ratio": summary(ratios),
+                # a hook that does nothing, timed the same way: how far from 1 noise alone goes
+                "noop_over_unsteered": summary(paired_ratios(base, times["no-op hook"])),
+                "gss_over_noop": summary(paired_ratios(times["no-op hook"], ours)),
                 "gate_open_share": gates.get("any_open_share", 0.0),
                 "decode_step_seconds": {"unsteered": plain_steps, "steered": steered_steps},
                 "step_ratio": plain_steps["median"] / steered_steps["median"],
                 "hook_seconds_per_call": hook_s,
                 "hook_seconds_in_generate": hook_in_generate,
                 "hook_share_of_step": hook_in_generate / step,
-                "seconds": {"unsteered": base, "steered": ours},
+                "seconds": {"unsteered": base, "steered": ours, "no-op hook": times["no-op hook"]},
             }
             if k == sizes.peer_rank and runner is not None:
                 row["peer"] = dict(peer_row)
@@ -421,12 +435,19 @@ def run(
             "step pays; hook_share_of_step: that over one unsteered decode step (batch / median "
             "unsteered tokens/s). step_ratio: median "
             "unsteered decode-step seconds over median steered ones, every step of every timed "
-            "call (forward hooks on the model; prompt passes and warm-up calls left out)."
+            "call (forward hooks on the model; prompt passes and warm-up calls left out). "
+            "noop_over_unsteered: a forward hook that returns at once, on the same block, timed "
+            "as a fourth arm: how far from 1 the ratio goes when nothing is computed (the "
+            "measurement's floor); gss_over_noop: GSS over that arm."
         ),
         "goal": ">= 0.99 of unsteered, and no slower than any peer",
         "peer": nnsight_status(),
         "models": models,
     }
+
+
+def _noop_hook(module: nn.Module, args: Any, output: Any) -> None:
+    return None
 
 
 def _fmt_ratio(s: dict[str, float]) -> str:
@@ -450,6 +471,8 @@ def table(result: dict[str, Any]) -> str:
         "unsteered tok/s",
         "GSS tok/s",
         "GSS / unsteered (IQR)",
+        "no-op hook / unsteered",
+        "GSS / no-op hook",
         "decode step: GSS / unsteered",
         "hook us/step: in generate / alone (share of a step)",
         "gate open",
@@ -477,6 +500,8 @@ def table(result: dict[str, Any]) -> str:
                     f"{r['tokens_per_s_unsteered']['median']:.1f}",
                     f"{r['tokens_per_s_steered']['median']:.1f}",
                     _fmt_ratio(r["ratio"]),
+                    _fmt_ratio(r["noop_over_unsteered"]) if "noop_over_unsteered" in r else "--",
+                    _fmt_ratio(r["gss_over_noop"]) if "gss_over_noop" in r else "--",
                     f"{r['step_ratio']:.3f}" if "step_ratio" in r else "--",
                     _fmt_hook(r),
                     f"{100 * r['gate_open_share']:.0f}%",
