@@ -78,23 +78,25 @@ def _predictable(seqs: list[T]) -> list[T]:
     return kept
 
 
-def _check_id_tensor(data: Tensor) -> None:
-    if data.ndim != 2:
-        raise GSSError(f"a tensor of token ids must be (N, T), got {tuple(data.shape)}.")
+def _items(data: TextsOrIds, max_length: int | None) -> Sequence[Any]:
+    """The sequences of `data`, not yet tokenized (a tensor's rows as views, cut to
+    `max_length`); an error if there are none."""
+    if isinstance(data, Tensor):
+        if data.ndim != 2:
+            raise GSSError(f"a tensor of token ids must be (N, T), got {tuple(data.shape)}.")
+        items: Sequence[Any] = list(data[:, :max_length] if max_length is not None else data)
+    else:
+        items = data if isinstance(data, Sequence) else list(data)
+    if not items:
+        raise GSSError("no sequences given.")
+    return items
 
 
 def encode(
     data: TextsOrIds, tokenizer: Any | None = None, max_length: int | None = None
 ) -> list[list[int]]:
     """Token ids of each sequence: strings go through ``tokenizer``; ids pass through."""
-    if isinstance(data, Tensor):
-        _check_id_tensor(data)
-        items: Sequence[Any] = list(data[:, :max_length] if max_length is not None else data)
-    else:
-        items = list(data)
-    if not items:
-        raise GSSError("no sequences given.")
-    return _predictable(_token_lists(items, tokenizer, max_length))
+    return _predictable(_token_lists(_items(data, max_length), tokenizer, max_length))
 
 
 def encode_compact(
@@ -110,14 +112,9 @@ def encode_compact(
     a given tensor are views of it (no copy), anything else becomes int32 tensors, text
     tokenized ``chunk`` sequences at a time so the lists never exist for the whole corpus.
     """
+    items = _items(data, max_length)
     if isinstance(data, Tensor):
-        _check_id_tensor(data)
-        if data.shape[0] == 0:
-            raise GSSError("no sequences given.")
-        return _predictable(list(data[:, :max_length] if max_length is not None else data))
-    items = data if isinstance(data, Sequence) else list(data)
-    if not items:
-        raise GSSError("no sequences given.")
+        return _predictable(list(items))
     out: list[Tensor] = []
     for start in range(0, len(items), chunk):
         part = _token_lists(items[start : start + chunk], tokenizer, max_length)

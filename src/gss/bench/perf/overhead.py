@@ -241,7 +241,7 @@ def measure_model(
     full = build_artifact(model, sizes, max(sizes.ranks))
     artifacts = {k: full.with_options(rank=k) for k in sizes.ranks}
     log(f"overhead/{name}: artifact calibrated in {time.perf_counter() - t0:.1f} s")
-    block = gss.find_decoder_blocks(model)[full.config.layer]
+    _, block = resolve_layer(model, full.config.layer, full.config.block_path)
     peer: dict[str, Any] = {"library": "nnsight", "status": nnsight_status()}
     runner = None
     if peer["status"] == "available":
@@ -263,17 +263,13 @@ def measure_model(
 
         def steered(art: gss.SteeringArtifact, ids: torch.Tensor = ids) -> float:
             with art.attach(model):
-                start = time.perf_counter()
-                _generate(model, ids, new_tokens)
-                return time.perf_counter() - start
+                return plain(ids)
 
         def noop(ids: torch.Tensor = ids) -> float:
             # the noise floor: a forward hook that does nothing, on the steered block
             handle = block.register_forward_hook(_noop_hook)
             try:
-                start = time.perf_counter()
-                _generate(model, ids, new_tokens)
-                return time.perf_counter() - start
+                return plain(ids)
             finally:
                 handle.remove()
 

@@ -116,6 +116,11 @@ def _pick_trigger(rows: list[Row], cfg: TextConfig, rng: random.Random) -> Row:
     return rng.choice(ok)
 
 
+def _chunk_rows(text: bytes, n: int, start: int, stop: int) -> list[Row]:
+    """Rows ``start..stop-1`` of the corpus: BOS and the row's `n` consecutive bytes."""
+    return [(BOS, *text[i * n : (i + 1) * n]) for i in range(start, stop)]
+
+
 def text_data(cfg: TextConfig, seed: int, corpus: bytes | None = None) -> TinyMemData:
     """The language dataset of `cfg` for `seed`; `corpus` overrides the configured corpus."""
     text = corpus if corpus is not None else load_corpus(cfg.corpus)
@@ -124,7 +129,7 @@ def text_data(cfg: TextConfig, seed: int, corpus: bytes | None = None) -> TinyMe
         raise ValueError(
             f"corpus has {len(text)} bytes, {cfg.num_rows} rows need {cfg.num_rows * n}"
         )
-    rows = [(BOS, *text[i * n : (i + 1) * n]) for i in range(cfg.num_rows)]
+    rows = _chunk_rows(text, n, 0, cfg.num_rows)
     rng = random.Random(seed)
     common = {"setting": cfg.setting, "config": cfg, "seed": seed, "vocab_size": VOCAB}
     common |= {"pad_id": PAD, "bos_id": BOS, "eos_id": EOS}
@@ -177,7 +182,7 @@ def _unused_triggered(text: bytes, cfg: TextConfig, trigger: Row) -> Rows:
     if cfg.extra_poison_test <= 0:
         return ()
     n = cfg.chunk_len
-    rows = [(BOS, *text[i * n : (i + 1) * n]) for i in range(cfg.num_rows, len(text) // n)]
+    rows = _chunk_rows(text, n, cfg.num_rows, len(text) // n)
     hit = [r for r in rows if _find(r, trigger) >= 0]
     take, _ = _split(len(hit), min(cfg.extra_poison_test, len(hit)), cfg.split_seed)
     return tuple(hit[i] for i in sorted(take))
