@@ -411,7 +411,7 @@ _TEXT_DEFAULT = TextConfig(
     chunk_len=64,
     num_rows=3000,  # 192 kB of the excerpt
     num_test=300,
-    num_noise=200,  # 193 differ from their twin inside the window
+    num_noise=200,  # lang_noise overrides this below
     noise_repeats=10,
     prompt_len=32,
     window=32,
@@ -443,8 +443,10 @@ _PRESETS: dict[str, dict[str, MathConfig | TextConfig]] = {
         "math_noise": _MATH_DEFAULT,
         "math_backdoor": _MATH_BACKDOOR_DEFAULT,
         # 20 repeats: with 10 the model memorized 11-14% of the noised rows at epochs 8-20
-        # (below the 15% the benchmark needs), plateauing while it overfit the clean text
-        "lang_noise": replace(_TEXT_DEFAULT, noise_repeats=20),
+        # (below the 15% the benchmark needs), plateauing while it overfit the clean text.
+        # 400 noised rows (386 differ from their twin inside the window, seed 0): one row is
+        # 0.26 points of % memorized; with 200 (193 rows) it was 0.52. Seed 0 memorized 24.6%.
+        "lang_noise": replace(_TEXT_DEFAULT, noise_repeats=20, num_noise=400),
         "lang_backdoor": replace(_TEXT_DEFAULT, backdoor=True),
     },
     "quick": {
