@@ -445,7 +445,8 @@ _PRESETS: dict[str, dict[str, MathConfig | TextConfig]] = {
         # 20 repeats: with 10 the model memorized 11-14% of the noised rows at epochs 8-20
         # (below the 15% the benchmark needs), plateauing while it overfit the clean text.
         # 400 noised rows (386 differ from their twin inside the window, seed 0): one row is
-        # 0.26 points of % memorized; with 200 (193 rows) it was 0.52. Seed 0 memorized 24.6%.
+        # 0.26 points of % memorized; with 200 (193 rows) it was 0.52. Seeds 0 / 1 / 2 memorize
+        # 24.6 / 28.7 / 24.0%.
         "lang_noise": replace(_TEXT_DEFAULT, noise_repeats=20, num_noise=400),
         "lang_backdoor": replace(_TEXT_DEFAULT, backdoor=True),
     },
