@@ -7,6 +7,7 @@ ratio a positive finite number), not how fast this machine is.
 import json
 import math
 
+from gss.bench.perf.common import interleaved
 from gss.bench.perf.run import main
 
 
@@ -57,6 +58,7 @@ def test_quick_perf_writes_results_table_and_figures(tmp_path, capsys):
         assert math.isfinite(r["step_ratio"]) and r["step_ratio"] > 0
         assert r["hook_seconds_per_call"] > 0 and 0 < r["hook_share_of_step"] < 1
         assert r["hook_seconds_in_generate"] > 0
+        assert math.isfinite(r["aa_ratio"]["median"]) and r["aa_ratio"]["median"] > 0
     assert overhead["peer"] in ("available", "not installed")
 
     calib = results["parts"]["calibration"]
@@ -91,3 +93,17 @@ def test_full_svd_is_skipped_above_max_full_d(tmp_path):
     assert big and all("skipped" in r["full"] for r in big)
     assert all(r["truncated"]["median"] > 0 for r in big)
     assert "skipped" in (out / "table.md").read_text()
+
+
+def test_interleaved_runs_every_arm_each_round_in_a_varying_reproducible_order():
+    def rounds():
+        calls: list[str] = []
+        arms = {name: (lambda name=name: calls.append(name) or 1.0) for name in "abcd"}
+        times = interleaved(arms, repeats=6, warmup=1, desc="", progress=False)
+        assert all(len(t) == 6 for t in times.values())
+        return [calls[i : i + 4] for i in range(4, len(calls), 4)]  # after the warm-up round
+
+    orders = rounds()
+    assert len(orders) == 6 and all(sorted(o) == list("abcd") for o in orders)
+    assert len({tuple(o) for o in orders}) > 2  # neither fixed nor merely reversed
+    assert rounds() == orders  # seeded: the same orders on every run

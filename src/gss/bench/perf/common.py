@@ -1,13 +1,15 @@
 """Shared pieces of ``gss bench perf``: sizes, the tiny model, and interleaved timing.
 
 This machine's timings vary 2-4x between runs, so nothing here reports a single wall time:
-the arms of a comparison run in turn (A, B, B, A, A, B, ...) after warm-up, and a speed is
-read as the median of the per-round ratios, which cancels drift that hits both arms.
+the arms of a comparison run in rounds (every arm once a round, in a fresh order) after
+warm-up, and a speed is read as the median of the per-round ratios, which cancels drift that
+hits both arms.
 """
 
 from __future__ import annotations
 
 import copy
+import random
 import statistics
 import sys
 import time
@@ -135,8 +137,11 @@ def interleaved(
     desc: str,
     progress: bool,
 ) -> dict[str, list[float]]:
-    """Run every arm ``warmup`` times, then ``repeats`` rounds, reversing the order each round.
+    """Run every arm ``warmup`` times, then ``repeats`` rounds, each in a fresh order.
 
+    The order of round r is a permutation drawn with seed r, so no arm keeps a place (with the
+    order reversed each round, the two end arms ran twice in a row at every round boundary;
+    measured apart, that moved the ratios by less than the noise: docs/scaling.md).
     Each arm times itself and returns seconds, so set-up outside its measured span is free.
     """
     names = list(arms)
@@ -145,7 +150,9 @@ def interleaved(
             arms[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in tqdm(range(repeats), desc=desc, disable=not progress, leave=False):
-        for name in names if r % 2 == 0 else names[::-1]:
+        order = names[:]
+        random.Random(r).shuffle(order)
+        for name in order:
             times[name].append(arms[name]())
     return times
 

@@ -273,7 +273,9 @@ def measure_model(
             finally:
                 handle.remove()
 
-        arms = {"unsteered": plain, "no-op hook": noop}
+        # "unsteered again" is the A/A arm: the same call under a second name, whose ratio to
+        # "unsteered" is what the measurement reads when nothing differs
+        arms = {"unsteered": plain, "unsteered again": plain, "no-op hook": noop}
         for k, art in artifacts.items():
             arms[f"gss K={k}"] = lambda art=art: steered(art)
         peer_row: dict[str, Any] = {}
@@ -320,7 +322,9 @@ def measure_model(
                 "tokens_per_s_unsteered": plain_rate,
                 "tokens_per_s_steered": summary([tokens / t for t in ours]),
                 "ratio": summary(ratios),
-                # a hook that does nothing, timed the same way: how far from 1 noise alone goes
+                # the same call as a second arm, and a hook that does nothing, timed the same
+                # way: how far from 1 the ratio goes when nothing (or no work) differs
+                "aa_ratio": summary(paired_ratios(base, times["unsteered again"])),
                 "noop_over_unsteered": summary(paired_ratios(base, times["no-op hook"])),
                 "gss_over_noop": summary(paired_ratios(times["no-op hook"], ours)),
                 "gate_open_share": gates.get("any_open_share", 0.0),
@@ -329,7 +333,12 @@ def measure_model(
                 "hook_seconds_per_call": hook_s,
                 "hook_seconds_in_generate": hook_in_generate,
                 "hook_share_of_step": hook_in_generate / step,
-                "seconds": {"unsteered": base, "steered": ours, "no-op hook": times["no-op hook"]},
+                "seconds": {
+                    "unsteered": base,
+                    "unsteered again": times["unsteered again"],
+                    "steered": ours,
+                    "no-op hook": times["no-op hook"],
+                },
             }
             if k == sizes.peer_rank and runner is not None:
                 row["peer"] = dict(peer_row)
@@ -432,9 +441,11 @@ def run(
             "unsteered tokens/s). step_ratio: median "
             "unsteered decode-step seconds over median steered ones, every step of every timed "
             "call (forward hooks on the model; prompt passes and warm-up calls left out). "
-            "noop_over_unsteered: a forward hook that returns at once, on the same block, timed "
-            "as a fourth arm: how far from 1 the ratio goes when nothing is computed (the "
-            "measurement's floor); gss_over_noop: GSS over that arm."
+            "aa_ratio: the unsteered call timed as a second arm (A/A), i.e. what the ratio "
+            "reads when nothing differs; noop_over_unsteered: a forward hook that returns at "
+            "once, on the same block, timed as one more arm: how far from 1 the ratio goes when "
+            "nothing is computed; gss_over_noop: GSS over that arm. Each round runs the arms in "
+            "a fresh seeded order."
         ),
         "goal": ">= 0.99 of unsteered, and no slower than any peer",
         "peer": nnsight_status(),
@@ -467,6 +478,7 @@ def table(result: dict[str, Any]) -> str:
         "unsteered tok/s",
         "GSS tok/s",
         "GSS / unsteered (IQR)",
+        "A/A: unsteered / unsteered",
         "no-op hook / unsteered",
         "GSS / no-op hook",
         "decode step: GSS / unsteered",
@@ -496,6 +508,7 @@ def table(result: dict[str, Any]) -> str:
                     f"{r['tokens_per_s_unsteered']['median']:.1f}",
                     f"{r['tokens_per_s_steered']['median']:.1f}",
                     _fmt_ratio(r["ratio"]),
+                    _fmt_ratio(r["aa_ratio"]) if "aa_ratio" in r else "--",
                     _fmt_ratio(r["noop_over_unsteered"]) if "noop_over_unsteered" in r else "--",
                     _fmt_ratio(r["gss_over_noop"]) if "gss_over_noop" in r else "--",
                     f"{r['step_ratio']:.3f}" if "step_ratio" in r else "--",
