@@ -91,9 +91,10 @@ def table(results: dict[str, Any]) -> str:
         lines += [
             "## Inference overhead (greedy generate)\n",
             overhead.table(parts["overhead"]),
-            f"Goal: {parts['overhead']['goal']}. No-op hook: a forward hook on the same block "
-            "that returns at once, timed as one more arm; its ratio is how far from 1 this "
-            "measurement goes when the hook computes nothing.\n",
+            f"Goal: {parts['overhead']['goal']}. A/A: the unsteered call timed as a second arm; "
+            "its ratio is how far from 1 this measurement goes when nothing differs. No-op "
+            "hook: a forward hook on the same block that returns at once, timed as one more "
+            "arm. Each round runs the arms in a fresh seeded order.\n",
         ]
     if "calibration" in parts:
         lines += [
