@@ -24,6 +24,8 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

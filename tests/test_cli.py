@@ -218,3 +218,18 @@ def test_sweep_writes_grid_front_and_plot(workdir, steer, capsys):
     capsys.readouterr()
     assert main([*args, "--percentiles", "90"]) == 2
     assert "need general text" in capsys.readouterr().err
+
+
+def test_version_and_help_show_defaults(capsys):
+    import gss
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"gss {gss.__version__}"
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "number of directions K (default: 4)" in help_text
+    assert "are memorized (default: 0.0)" in help_text  # a zero default is still shown
+    assert "(default: None)" not in help_text and "(default: False)" not in help_text

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -23,9 +23,12 @@ from torch import Tensor, nn
 
 from . import __version__
 from .errors import GSSError
-from .forward import vocab_size
+from .forward import input_embedding_weight, vocab_size
 from .hook import COEFFICIENT_MODES, GATE_MODES, GatedSteer, SteerHandle, register
 from .layers import find_decoder_blocks, resolve_layer
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "gss_config.json"
@@ -39,12 +42,14 @@ def model_fingerprint(model: nn.Module, block_path: str | None = None) -> dict[s
     The sample is compared with a tolerance, so the same weights in float32, bfloat16 or
     float16 match, while another model does not.
     """
-    emb = model.get_input_embeddings().weight.detach()
+    emb = input_embedding_weight(model).detach()
     rows = torch.linspace(0, emb.shape[0] - 1, _SAMPLE).long().to(emb.device)
     cols = torch.linspace(0, emb.shape[1] - 1, _SAMPLE).long().to(emb.device)
     sample = emb[rows][:, cols].float().cpu()
     hash_rows = torch.linspace(0, emb.shape[0] - 1, min(256, emb.shape[0])).long().to(emb.device)
-    digest = hashlib.sha256(emb[hash_rows].to(torch.bfloat16).view(torch.int16).cpu().numpy())
+    sampled = emb[hash_rows].to(torch.bfloat16).view(torch.int16).cpu().numpy()
+    # numpy's stubs declare the buffer protocol of arrays only for Python >= 3.12
+    digest = hashlib.sha256(cast("Buffer", sampled))
     config = getattr(model, "config", None)
     return {
         "architecture": type(model).__name__,

@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -34,13 +34,14 @@ from .forward import (
     check_same_vocab,
     execution_device,
     forward_logits,
+    input_embedding_weight,
     target_mask,
     token_logprobs,
 )
 from .gradients import per_position_gradients
 from .hook import COEFFICIENT_MODES, GATE_MODES, split_block_output
 from .layers import resolve_layer
-from .solve import solve_probe_steer
+from .solve import SolveMethod, solve_probe_steer
 from .statistics import CovarianceAccumulator, CrossMomentAccumulator, MeanAccumulator
 
 CENTERINGS = ("covariance", "full", "none")
@@ -324,7 +325,7 @@ def collect_statistics(
         if gen_texts is not None
         else None
     )
-    dim = int(model.get_input_embeddings().weight.shape[1])
+    dim = int(input_embedding_weight(model).shape[1])
     device = execution_device(model, block)
     keeper = _GeneralKeeper(keep_general if keep_general is not None else 2**24 // dim)
     sigma_acc = CovarianceAccumulator(dim, device)
@@ -495,7 +496,7 @@ def build_artifact(
         rank,
         delta,
         jitter=jitter,
-        method=solve_method,
+        method=cast(SolveMethod, solve_method),  # validated by solve_probe_steer
         seed=seed,
     )
     probe, steer, singular_values = distributed.broadcast_tensors(

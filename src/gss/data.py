@@ -72,7 +72,7 @@ def _token_lists(
 
 def _predictable(seqs: list[T]) -> list[T]:
     """The sequences with at least one next-token target; an error if none has."""
-    kept = [s for s in seqs if len(s) >= 2]  # type: ignore[arg-type]
+    kept = [s for s in seqs if len(s) >= 2]
     if not kept:
         raise GSSError("every sequence is shorter than 2 tokens; nothing to predict.")
     return kept
@@ -146,9 +146,7 @@ def batches(
         yield Batch(ids, mask, torch.as_tensor(idx))
 
 
-def right_pad(
-    rows: Sequence[Sequence[int]] | Sequence[Tensor], pad_id: int
-) -> tuple[Tensor, Tensor]:
+def right_pad(rows: Sequence[Sequence[int] | Tensor], pad_id: int) -> tuple[Tensor, Tensor]:
     """``(input_ids, attention_mask)`` of `rows` right-padded with `pad_id` to the longest."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)

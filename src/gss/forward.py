@@ -8,6 +8,8 @@ the mask makes a padded row score exactly like the same row alone.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -46,7 +48,14 @@ def execution_device(model: nn.Module, block: nn.Module) -> torch.device:
     for p in block.parameters():
         if p.device.type != "meta":
             return p.device
-    return model.get_input_embeddings().weight.device
+    return input_embedding_weight(model).device
+
+
+def input_embedding_weight(model: nn.Module) -> Tensor:
+    """The (vocab, d) input embedding matrix of a transformers model."""
+    # nn.Module.__getattr__ types both lookups as `Tensor | Module`
+    get_emb = cast(Callable[[], nn.Module], model.get_input_embeddings)
+    return cast(Tensor, get_emb().weight)
 
 
 def vocab_size(model: nn.Module) -> int:
@@ -75,13 +84,14 @@ def check_same_vocab(model: nn.Module, reference: nn.Module) -> None:
 def forward_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     """Logits (B, T, V) of a forward pass with mask-derived positions, no KV cache."""
     device = model_device(model)
-    kwargs = {
+    mask = attention_mask.to(device)
+    kwargs: dict[str, Any] = {
         "input_ids": input_ids.to(device),
-        "attention_mask": attention_mask.to(device),
+        "attention_mask": mask,
         "use_cache": False,
     }
     if accepts_position_ids(model):
-        kwargs["position_ids"] = position_ids_from_mask(kwargs["attention_mask"])
+        kwargs["position_ids"] = position_ids_from_mask(mask)
     return model(**kwargs).logits
 
 

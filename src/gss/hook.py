@@ -217,20 +217,24 @@ class GatedSteer:
         shape = hidden.shape
         h = hidden.reshape(-1, shape[-1]).float()
         s = torch.addmm(p["neg_offset"], h, p["probe_t"])
-        is_open: Tensor | None = None
+        open_mask: Tensor | None = None
         if self.gate == "hard":
-            is_open = s.abs() > p["thresholds"]
-            s = s * is_open
+            open_mask = s.abs() > p["thresholds"]
+            s = s * open_mask
         elif self.track_gates:
-            is_open = torch.ones_like(s, dtype=torch.bool)
+            open_mask = torch.ones_like(s, dtype=torch.bool)
         steered = torch.addmm(h, s, p["steer"], alpha=-1.0).view_as(hidden).to(hidden.dtype)
-        return steered, None if is_open is None else is_open.reshape(*shape[:-1], -1)
+        return steered, None if open_mask is None else open_mask.reshape(*shape[:-1], -1)
 
     def _count(self, is_open: Tensor) -> None:
         flat = is_open.reshape(-1, is_open.shape[-1])
         counts = flat.sum(0)
         any_open = flat.any(-1).sum()
-        if self.open_counts is None or self.open_counts.device != flat.device:
+        if (
+            self.open_counts is None
+            or self.any_open_count is None  # always set together with open_counts
+            or self.open_counts.device != flat.device
+        ):
             self.open_counts = torch.zeros_like(counts)
             self.any_open_count = torch.zeros_like(any_open)
             self.token_count = 0

@@ -31,10 +31,16 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .calibrate import TARGETS, _calibration_mode, _objective, _tapped
+from .calibrate import TARGETS, _calibration_mode, _objective, _Tap, _tapped
 from .data import TextsOrIds, batches, count_batches, encode
 from .errors import GSSError
-from .forward import check_same_vocab, forward_logits, target_mask, token_logprobs
+from .forward import (
+    check_same_vocab,
+    forward_logits,
+    input_embedding_weight,
+    target_mask,
+    token_logprobs,
+)
 from .layers import find_decoder_blocks, resolve_layer
 from .solve import solve_probe_steer
 from .statistics import CovarianceAccumulator, CrossMomentAccumulator
@@ -145,7 +151,7 @@ def scan_layers(
     if not resolved:
         raise GSSError("no layer to scan: give at least one block index.")
     blocks = [resolve_layer(model, i, block_path)[1] for i in resolved]
-    dim = int(model.get_input_embeddings().weight.shape[1])
+    dim = int(input_embedding_weight(model).shape[1])
     ref_blocks = _matching_blocks(reference, resolved, n_blocks, dim, block_path)
     moved = [0.0] * len(resolved)
     norm = [0.0] * len(resolved)
@@ -178,23 +184,21 @@ def scan_layers(
                 omega = lp.detach() - token_logprobs(ref_logits, batch.input_ids)
                 valid = target_mask(batch.attention_mask).to(lp.device)
                 mem = valid & (omega > omega_threshold)
-                hiddens = [tap.hidden for tap in taps]
-                if any(h is None for h in hiddens):
-                    raise GSSError("a scanned block never ran: is it part of the forward pass?")
-                for i, tap in enumerate(ref_taps):
+                hiddens = _outputs(taps)
+                for i, ref_hidden in enumerate(_outputs(ref_taps, " of the reference")):
                     ours = hiddens[i].detach()[:, :-1][valid.to(hiddens[i].device)]
-                    theirs = tap.hidden[:, :-1][valid.to(tap.hidden.device)].to(ours.device)
+                    theirs = ref_hidden[:, :-1][valid.to(ref_hidden.device)].to(ours.device)
                     moved[i] += float((ours - theirs).double().pow(2).sum())
                     norm[i] += float(theirs.double().pow(2).sum())
                 if int(mem.sum()):
                     objective = _objective(target, logits, lp, ref_logits, mem)
                     grads = torch.autograd.grad(objective, hiddens)
-                    for acc, h, g in zip(moments, hiddens, grads, strict=True):
+                    for moment, h, g in zip(moments, hiddens, grads, strict=True):
                         m = mem.to(h.device)
-                        acc.update(h[:, :-1][m], g[:, :-1][m])
+                        moment.update(h[:, :-1][m], g[:, :-1][m])
                 if gen_seqs is None:
-                    for acc, h in zip(sigmas, hiddens, strict=True):
-                        acc.update(h.detach()[:, :-1][(valid & ~mem).to(h.device)])
+                    for sigma, h in zip(sigmas, hiddens, strict=True):
+                        sigma.update(h.detach()[:, :-1][(valid & ~mem).to(h.device)])
         if gen_seqs is not None:
             for batch in bar(
                 batches(gen_seqs, batch_size),
@@ -205,9 +209,8 @@ def scan_layers(
                     taps = [stack.enter_context(_tapped(b, stop=False, leaf=False)) for b in blocks]
                     forward_logits(model, batch.input_ids, batch.attention_mask)
                 valid = target_mask(batch.attention_mask)
-                for acc, tap in zip(sigmas, taps, strict=True):
-                    h = tap.hidden
-                    acc.update(h[:, :-1][valid.to(h.device)])
+                for sigma, h in zip(sigmas, _outputs(taps), strict=True):
+                    sigma.update(h[:, :-1][valid.to(h.device)])
     strengths = {
         layer: signal_strength(m.value, s.covariance)
         for layer, m, s in zip(resolved, moments, sigmas, strict=True)
@@ -223,6 +226,14 @@ def scan_layers(
     )
 
 
+def _outputs(taps: Sequence[_Tap], whose: str = "") -> list[Tensor]:
+    """What each tapped block output; an error if one never ran."""
+    hiddens = [tap.hidden for tap in taps if tap.hidden is not None]
+    if len(hiddens) != len(taps):
+        raise GSSError(f"a scanned block{whose} never ran: is it part of the forward pass?")
+    return hiddens
+
+
 def _matching_blocks(
     reference: nn.Module, layers: Sequence[int], n_blocks: int, dim: int, block_path: str | None
 ) -> list[nn.Module]:
@@ -232,6 +243,6 @@ def _matching_blocks(
         ref_blocks = find_decoder_blocks(reference, block_path)
     except GSSError:
         return []
-    if len(ref_blocks) != n_blocks or reference.get_input_embeddings().weight.shape[1] != dim:
+    if len(ref_blocks) != n_blocks or input_embedding_weight(reference).shape[1] != dim:
         return []
     return [ref_blocks[i] for i in layers]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +28,17 @@ def is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D"
 
 
+# nn.Module.__getattr__ types parameters as `Tensor | Module`: these say what a projection holds
+def weight_of(proj: nn.Module) -> Tensor:
+    """``proj.weight``."""
+    return cast(Tensor, proj.weight)
+
+
+def bias_of(proj: nn.Module) -> Tensor | None:
+    """``proj.bias`` (None when the projection has no bias)."""
+    return cast("Tensor | None", proj.bias)
+
+
 @dataclass(frozen=True)
 class MLP:
     """The projections of one block's MLP."""
@@ -39,22 +51,22 @@ class MLP:
     @property
     def width(self) -> int:
         """Number of neurons."""
-        return int(self.down.weight.shape[0 if is_conv1d(self.down) else 1])
+        return int(weight_of(self.down).shape[0 if is_conv1d(self.down) else 1])
 
     def neuron_inputs(self) -> list[tuple[Tensor, int]]:
         """``(tensor, dim)`` pairs whose slice ``i`` along ``dim`` feeds neuron ``i``."""
-        out = []
+        out: list[tuple[Tensor, int]] = []
         for proj in (self.up, self.gate):
             if proj is None:
                 continue
-            out.append((proj.weight, 1 if is_conv1d(proj) else 0))
+            out.append((weight_of(proj), 1 if is_conv1d(proj) else 0))
             if getattr(proj, "bias", None) is not None:
-                out.append((proj.bias, 0))
+                out.append((cast(Tensor, proj.bias), 0))
         return out
 
     def neuron_outputs(self) -> tuple[Tensor, int]:
         """``(weight, dim)``: slice ``i`` along ``dim`` is neuron ``i``'s output vector."""
-        return self.down.weight, 0 if is_conv1d(self.down) else 1
+        return weight_of(self.down), 0 if is_conv1d(self.down) else 1
 
     def output_norms(self) -> Tensor:
         """L2 norm of each neuron's output vector (float32)."""
@@ -63,13 +75,13 @@ class MLP:
 
     def weight_tensors(self) -> dict[str, Tensor]:
         """The MLP's parameters by short name (what weight-level methods may edit)."""
-        out = {}
+        out: dict[str, Tensor] = {}
         for label, proj in (("up", self.up), ("gate", self.gate), ("down", self.down)):
             if proj is None:
                 continue
-            out[f"{label}.weight"] = proj.weight
+            out[f"{label}.weight"] = weight_of(proj)
             if getattr(proj, "bias", None) is not None:
-                out[f"{label}.bias"] = proj.bias
+                out[f"{label}.bias"] = cast(Tensor, proj.bias)
         return out
 
 

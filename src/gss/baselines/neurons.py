@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -62,7 +62,7 @@ from ..forward import accepts_position_ids, model_device, vocab_size
 from ..hook import split_block_output
 from ..layers import find_decoder_blocks
 from .interface import Mitigation, MitigationData, SharedWork, register, reuse_info
-from .mlp import MLP, mlp_layers, neuron_activations, scaled_neurons, zero_neurons
+from .mlp import MLP, mlp_layers, neuron_activations, scaled_neurons, weight_of, zero_neurons
 from .training import edited_copy, loss_mask, row_batches, token_nll
 
 RATIOS = (0.001, 0.01, 0.05)
@@ -240,8 +240,11 @@ def act(model: nn.Module, data: MitigationData, ratio: float = 0.01) -> Mitigati
 # --- zero-out -------------------------------------------------------------------------------------
 
 
+_Blocks = Sequence[nn.Module] | nn.ModuleList  # a ModuleList is no Sequence to the type checker
+
+
 @contextmanager
-def _replayed(blocks: Sequence[nn.Module], output: Any) -> Iterator[None]:
+def _replayed(blocks: _Blocks, output: Any) -> Iterator[None]:
     """Blocks that return `output` at once instead of computing (restored afterwards)."""
 
     def replay(*args: Any, **kwargs: Any) -> Any:
@@ -269,7 +272,7 @@ def _group_scale(width: int, chunk: Tensor, rows: int) -> Tensor:
 
 def _zeroed_nll(model: nn.Module, mlp: MLP, chunk: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
     """Token NLL of the rows repeated once per neuron of `chunk`, that neuron zeroed in its copy."""
-    scale = _group_scale(mlp.width, chunk, len(ids)).to(mlp.down.weight.device)
+    scale = _group_scale(mlp.width, chunk, len(ids)).to(weight_of(mlp.down).device)
     with scaled_neurons(mlp, scale):
         return token_nll(model, ids.repeat(len(chunk), 1), mask.repeat(len(chunk), 1))
 
@@ -284,7 +287,7 @@ class _BatchRun:
 
 
 def _run_batch(
-    model: nn.Module, blocks: Sequence[nn.Module], layers: list[MLP], ids: Tensor, mask: Tensor
+    model: nn.Module, blocks: _Blocks, layers: list[MLP], ids: Tensor, mask: Tensor
 ) -> _BatchRun:
     outputs: list[Any] = [None] * len(blocks)
 
@@ -307,7 +310,7 @@ def _run_batch(
 
 def _replayed_nll(
     model: nn.Module,
-    blocks: Sequence[nn.Module],
+    blocks: _Blocks,
     layer: int,
     run: _BatchRun,
     vectors: Tensor,
@@ -724,7 +727,7 @@ class _GateTraining:
     def penalty(self) -> Tensor:
         """Slimming: ||m||_1 / #neurons. Hard concrete: the mean of P(gate != 0) per layer."""
         if self.kind == "slimming":
-            total = sum(p.abs().sum() for p in self.params)
+            total = cast(Tensor, sum(p.abs().sum() for p in self.params))  # params: never empty
             return total / sum(p.numel() for p in self.params)
         shift = _BETA * math.log(-_LEFT / _RIGHT)
         return torch.stack([torch.sigmoid(p - shift).mean() for p in self.params]).mean()

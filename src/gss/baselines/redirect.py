@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .activations import BlockActivations, block_activations, default_layer
 from .interface import Mitigation, MitigationData, SharedWork, register, reuse_info
-from .mlp import is_conv1d, mlp_layers
+from .mlp import bias_of, is_conv1d, mlp_layers, weight_of
 from .training import edited_copy
 
 MAX_CLEAN_ROWS = 256  # clean rows kept for the retain term and a_ref
@@ -58,9 +58,10 @@ def lunar(
 
     edited = edited_copy(model)
     down = mlp_layers(edited)[layer].down
+    down_w, down_b = weight_of(down), bias_of(down)
     conv = is_conv1d(down)
-    weight = (down.weight.detach().float() if conv else down.weight.detach().float().T).clone()
-    bias0 = down.bias.detach().float().clone() if down.bias is not None else None
+    weight = (down_w.detach().float() if conv else down_w.detach().float().T).clone()
+    bias0 = down_b.detach().float().clone() if down_b is not None else None
 
     def projected(acts: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         return acts @ w + (b if b is not None else 0.0)
@@ -90,8 +91,8 @@ def lunar(
             opt.step()
     with torch.no_grad():
         new = w.detach() if conv else w.detach().T
-        down.weight.copy_(new.to(down.weight.dtype))
-        if b is not None:
-            down.bias.copy_(b.detach().to(down.bias.dtype))
+        down_w.copy_(new.to(down_w.dtype))
+        if b is not None and down_b is not None:  # b exists exactly when down_b does
+            down_b.copy_(b.detach().to(down_b.dtype))
     info = {"layer": layer, "r_norm": float(r.norm()), "forget_tokens": n_f, "retain_tokens": n_r}
     return Mitigation(edited, info={**info, **reuse_info(seconds, reused)})

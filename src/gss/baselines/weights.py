@@ -32,7 +32,7 @@ from torch.nn.utils import parametrize
 from ..data import right_pad
 from ..errors import GSSError
 from .interface import Mitigation, MitigationData, SharedWork, register, reuse_info
-from .mlp import mlp_layers
+from .mlp import mlp_layers, weight_of
 from .training import edited_copy, loss_mask, row_batches, sequence_nll, token_nll
 
 BATCH = 64  # TinyMem's batch size for every weight-level method
@@ -493,7 +493,7 @@ def _train_mask(
     projections = _masked_weights(edited)
     masks = []
     for proj in projections:
-        mask = Supermask(_init_scores(proj.weight, gen), ratio)
+        mask = Supermask(_init_scores(weight_of(proj), gen), ratio)
         parametrize.register_parametrization(proj, "weight", mask)
         masks.append(mask)
     optimizer = torch.optim.SGD([m.scores for m in masks], lr=0.1, momentum=0.9, weight_decay=5e-4)
@@ -510,12 +510,13 @@ def _train_mask(
         for proj, mask in zip(projections, masks, strict=True):
             hard = mask.hard()
             parametrize.remove_parametrizations(proj, "weight", leave_parametrized=False)
+            weight = weight_of(proj)  # the plain parameter again
             with torch.no_grad():
-                drop = (hard == 0).to(proj.weight.device)
-                pruned += int((proj.weight[drop] != 0).sum())
-                proj.weight.masked_fill_(drop, 0.0)
+                drop = (hard == 0).to(weight.device)
+                pruned += int((weight[drop] != 0).sum())
+                weight.masked_fill_(drop, 0.0)
         _frozen(edited)
-    total = sum(p.weight.numel() for p in projections)
+    total = sum(weight_of(p).numel() for p in projections)
     return {"pruned": pruned, "pruned_fraction": pruned / total, "final_loss": last}
 
 

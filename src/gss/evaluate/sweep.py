@@ -11,7 +11,7 @@ thresholds do not depend on delta).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,12 +67,13 @@ def steering_sweep(
     """
     from gss.calibrate import probe_responses, thresholds_from_responses
 
-    if percentiles and general is None:
-        raise GSSError("threshold percentiles need general text (held-out rows) to set them.")
     responses = None
     if percentiles:
+        if general is None:
+            raise GSSError("threshold percentiles need general text (held-out rows) to set them.")
         responses = probe_responses(model, artifact, general, batch_size=batch_size)
-    grid = list(itertools.product(deltas or [None], percentiles or [None], ranks or [None]))
+    own: list[None] = [None]  # the artifact's own value
+    grid = list(itertools.product(deltas or own, percentiles or own, ranks or own))
     points = []
     for delta, percentile, rank in tqdm(grid, desc="gss: sweep", disable=not progress):
         current = artifact.with_options(rank=rank)
@@ -118,7 +119,7 @@ def pareto_front(points: Sequence[SweepPoint]) -> list[SweepPoint]:
 
 
 def plot_pareto(
-    curves: dict[str, Sequence[tuple[float, float]]],
+    curves: Mapping[str, Sequence[tuple[float, float]]],
     base: tuple[float, float],
     path: str | Path,
     title: str = "memorization vs perplexity",

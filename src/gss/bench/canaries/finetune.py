@@ -57,7 +57,11 @@ class FinetuneConfig:
 
 
 def cache_key(base_fingerprint: dict[str, Any], data: CanaryData, cfg: FinetuneConfig) -> str:
-    blob = {"base": base_fingerprint, "data": data.describe(), "finetune": cfg.to_dict()}
+    blob: dict[str, Any] = {
+        "base": base_fingerprint,
+        "data": data.describe(),
+        "finetune": cfg.to_dict(),
+    }
     rows = [list(r) for r in (*data.canary_rows, *data.finetune_rows)]
     blob["rows"] = hashlib.sha256(json.dumps(rows).encode()).hexdigest()
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]

@@ -41,7 +41,7 @@ ALPHAS = (0.5, 1.0, 2.0)
 CALIBRATION_CLEAN_ROWS = 64  # clean fine-tuning rows beside the canaries in the calibration set
 # `--ablation`: GSS as published with each change of the GSS-TR study (docs/gss-tr.md) alone, and
 # all three; the toward-reference target alone is GSS-TR itself.
-ABLATION = {
+ABLATION: dict[str, dict[str, Any]] = {
     "GSS, omega > 1 nat": {"omega_threshold": 1.0},
     "GSS, per-position": {"gradient": "per-position"},
     "GSS, all three": {
@@ -106,7 +106,10 @@ def _default_cache() -> Path:
 def _load(path: Path, device: str) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    # as nn.Module: mypy reads the `@wraps`-decorated `to` of transformers as taking `self` again
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, local_files_only=True
+    )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model.to(device).eval(), tokenizer
 
@@ -286,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     deltas = [float(d) for d in args.deltas.split(",")] if args.deltas else list(DELTAS)
     methods: dict[str, _Method] = {}
-    curves: dict[str, list[tuple[float, float]]] = {}
+    curves: dict[str, Sequence[tuple[float, float]]] = {}
     calibrations: dict[str, dict[str, Any]] = {
         "GSS": {},
         "GSS-TR": {"target": "toward-reference"},

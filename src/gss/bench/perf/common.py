@@ -13,7 +13,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -131,7 +131,7 @@ def random_ids(n: int, length: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 def interleaved(
-    arms: dict[str, Callable[[], float]],
+    arms: Mapping[str, Callable[[], float]],
     repeats: int,
     warmup: int,
     desc: str,

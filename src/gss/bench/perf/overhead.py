@@ -12,8 +12,9 @@ import importlib.util
 import time
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -33,9 +34,18 @@ from .common import (
     tiny_model,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+def _embedding_weight(model: nn.Module) -> torch.Tensor:
+    """The ``(vocab, hidden)`` input embedding matrix of an HF model."""
+    embeddings = cast("PreTrainedModel", model).get_input_embeddings()
+    return cast(torch.Tensor, embeddings.weight)
+
 
 def _vocab(model: nn.Module) -> int:
-    return int(model.get_input_embeddings().weight.shape[0])
+    return int(_embedding_weight(model).shape[0])
 
 
 def build_artifact(model: nn.Module, sizes: Sizes, rank: int) -> gss.SteeringArtifact:
@@ -58,8 +68,10 @@ def build_artifact(model: nn.Module, sizes: Sizes, rank: int) -> gss.SteeringArt
 
 
 def _generate(model: nn.Module, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    # greedy, no return_dict_in_generate: `generate` returns the token ids
+    generate = cast(Callable[..., torch.Tensor], model.generate)
     with torch.no_grad():
-        return model.generate(
+        return generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=new_tokens,
@@ -275,9 +287,13 @@ def measure_model(
 
         # "unsteered again" is the A/A arm: the same call under a second name, whose ratio to
         # "unsteered" is what the measurement reads when nothing differs
-        arms = {"unsteered": plain, "unsteered again": plain, "no-op hook": noop}
+        arms: dict[str, Callable[[], float]] = {
+            "unsteered": plain,
+            "unsteered again": plain,
+            "no-op hook": noop,
+        }
         for k, art in artifacts.items():
-            arms[f"gss K={k}"] = lambda art=art: steered(art)
+            arms[f"gss K={k}"] = partial(steered, art)
         peer_row: dict[str, Any] = {}
         if runner is not None:
             try:
@@ -362,7 +378,7 @@ def measure_model(
     return {
         "model": name,
         "architecture": type(model).__name__,
-        "hidden_size": int(model.get_input_embeddings().weight.shape[1]),
+        "hidden_size": int(_embedding_weight(model).shape[1]),
         "num_layers": len(gss.find_decoder_blocks(model)),
         "vocab_size": _vocab(model),
         "name_or_path": getattr(config, "_name_or_path", None) or None,

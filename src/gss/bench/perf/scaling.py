@@ -8,13 +8,14 @@ Cholesky factor (itself O(d^3) but with a small constant), so the gap widens wit
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ...report import markdown_table
-from ...solve import solve_probe_steer
+from ...solve import SolveMethod, solve_probe_steer
 from .common import Sizes, interleaved, log, paired_ratios, summary
 
 GOAL = {"d": 4096, "rank": 8, "seconds": 2.0}
@@ -36,7 +37,9 @@ def synthetic(d: int, seed: int = 0) -> tuple[Tensor, Tensor]:
     return m, sigma
 
 
-def _timer(m: Tensor, sigma: Tensor, k: int, method: str, results: dict[str, Any]) -> Any:
+def _timer(
+    m: Tensor, sigma: Tensor, k: int, method: SolveMethod, results: dict[str, Any]
+) -> Callable[[], float]:
     """An arm that solves once with ``method``, keeps the solution and returns its seconds."""
 
     def arm() -> float:
@@ -50,7 +53,8 @@ def _timer(m: Tensor, sigma: Tensor, k: int, method: str, results: dict[str, Any
 def run(sizes: Sizes, *, max_full_d: int | None, progress: bool) -> dict[str, Any]:
     limit = sizes.max_full_d if max_full_d is None else max_full_d
     small_m, small_s = synthetic(sizes.solve_dims[0])
-    for method in ("full", "truncated"):  # warm-up: LAPACK/BLAS initialisation
+    methods: tuple[SolveMethod, ...] = ("full", "truncated")
+    for method in methods:  # warm-up: LAPACK/BLAS initialisation
         solve_probe_steer(small_m, small_s, 1, method=method)
     del small_m, small_s
     rows = []

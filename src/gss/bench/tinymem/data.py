@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -198,6 +198,18 @@ class TinyMemData:
         return out
 
 
+class _Common(TypedDict):
+    """The `TinyMemData` fields set alike by the noise and the backdoor builds."""
+
+    setting: str
+    config: MathConfig | TextConfig
+    seed: int
+    vocab_size: int
+    pad_id: int
+    bos_id: int
+    eos_id: int
+
+
 # ---------------------------------------------------------------------------------------------
 # math
 
@@ -264,8 +276,15 @@ def _math_data(cfg: MathConfig, seed: int) -> TinyMemData:
         te, tr = _split(len(rows), cfg.num_aux_test, cfg.split_seed)
         test[f"aux{c}"] = tuple(rows[i] for i in te)
         aux_train.extend(rows[i] for i in tr)
-    common = {"setting": cfg.setting, "config": cfg, "seed": seed, "vocab_size": MATH_VOCAB}
-    common |= {"pad_id": PAD, "bos_id": BOS, "eos_id": EOS}
+    common = _Common(
+        setting=cfg.setting,
+        config=cfg,
+        seed=seed,
+        vocab_size=MATH_VOCAB,
+        pad_id=PAD,
+        bos_id=BOS,
+        eos_id=EOS,
+    )
 
     if not cfg.backdoor:
         te, tr = _split(len(main_rows), cfg.num_test, cfg.split_seed)

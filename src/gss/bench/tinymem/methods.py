@@ -308,6 +308,8 @@ def baseline_sweep(
     made: dict[int, Any] = {}
 
     def skip(index: float, points: list[dict[str, Any]]) -> bool:
+        if base is None:  # never: `skip` is only passed on with a base
+            return False
         failed = [
             method.grid[int(p["strength"])]
             for p in points

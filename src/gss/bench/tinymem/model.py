@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
 __all__ = ["LeanGPT2", "ModelConfig", "from_hf", "gpt2_config", "new_model", "to_hf"]
 
@@ -201,5 +201,5 @@ def _copy_body(state: dict[str, torch.Tensor], target: nn.Module) -> None:
     with torch.no_grad():
         for k, v in state.items():
             own[k].copy_(v)
-    if hasattr(target, "tie_weights"):
+    if isinstance(target, PreTrainedModel):  # the lean model has no tied copy to refresh
         target.tie_weights()

@@ -504,9 +504,9 @@ def run_ablation(
         return rows
     stats = M.calibrate_layer(mem, ref, texts, gen, args.layer)
     if name == "rank":
-        full = M.build_artifact(mem, stats, rank=16, progress=False)
+        full_art = M.build_artifact(mem, stats, rank=16, progress=False)
         for k in (1, 2, 4, 8, 16):
-            art = full.with_options(rank=k)
+            art = full_art.with_options(rank=k)
             add(
                 k, M.gss_sweep(mem, data, art, deltas=args.delta_grid, batch_size=bs, base=base), {}
             )

@@ -23,7 +23,16 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from gss.bench.tinymem.data import Row, Rows, TextConfig, TinyMemData, _backdoor, _find, _split
+from gss.bench.tinymem.data import (
+    Row,
+    Rows,
+    TextConfig,
+    TinyMemData,
+    _backdoor,
+    _Common,
+    _find,
+    _split,
+)
 
 __all__ = ["BOS", "EOS", "PAD", "VOCAB", "decode", "encode", "load_corpus", "text_data"]
 
@@ -131,8 +140,15 @@ def text_data(cfg: TextConfig, seed: int, corpus: bytes | None = None) -> TinyMe
         )
     rows = _chunk_rows(text, n, 0, cfg.num_rows)
     rng = random.Random(seed)
-    common = {"setting": cfg.setting, "config": cfg, "seed": seed, "vocab_size": VOCAB}
-    common |= {"pad_id": PAD, "bos_id": BOS, "eos_id": EOS}
+    common = _Common(
+        setting=cfg.setting,
+        config=cfg,
+        seed=seed,
+        vocab_size=VOCAB,
+        pad_id=PAD,
+        bos_id=BOS,
+        eos_id=EOS,
+    )
     if not cfg.backdoor:
         te, tr = _split(len(rows), cfg.num_test, cfg.split_seed)
         noised_idx = sorted(rng.sample(tr, cfg.num_noise))

@@ -31,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -344,7 +345,7 @@ def train_model(
 def _key(
     setting: str, role: str, seed: int, data: Any, model: ModelConfig, tcfg: TrainConfig
 ) -> str:
-    blob = {
+    blob: dict[str, Any] = {
         "version": CACHE_VERSION,
         "setting": setting,
         "role": role,
@@ -460,15 +461,8 @@ def get_models(
         raise ValueError(f"preset data is for {pre.data.setting!r}, not {setting!r}")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     data = make_data(pre.data, seed)
-    fill = {
-        "vocab_size": data.vocab_size,
-        "n_positions": data.max_len,
-        "pad_id": data.pad_id,
-        "bos_id": data.bos_id,
-        "eos_id": data.eos_id,
-    }
-    mem_cfg = replace(pre.model, **fill)
-    ref_cfg = replace(reference_model or pre.reference_model or pre.model, **fill)
+    mem_cfg = _fill(pre.model, data)
+    ref_cfg = _fill(reference_model or pre.reference_model or pre.model, data)
     mem_train = (
         pre.train if memorizing_epochs is None else replace(pre.train, epochs=memorizing_epochs)
     )
@@ -477,7 +471,21 @@ def get_models(
         if reference_epochs is None
         else replace(pre.reference, epochs=reference_epochs)
     )
-    common = {"setting": setting, "data": data, "seed": seed, "cache": cache, "progress": progress}
-    mem, mem_info = _train_or_load(role="memorizing", mcfg=mem_cfg, tcfg=mem_train, **common)
-    ref, ref_info = _train_or_load(role="reference", mcfg=ref_cfg, tcfg=ref_train, **common)
+    train_or_load = partial(
+        _train_or_load, setting=setting, data=data, seed=seed, cache=cache, progress=progress
+    )
+    mem, mem_info = train_or_load(role="memorizing", mcfg=mem_cfg, tcfg=mem_train)
+    ref, ref_info = train_or_load(role="reference", mcfg=ref_cfg, tcfg=ref_train)
     return mem, ref, data, {"memorizing": mem_info, "reference": ref_info}
+
+
+def _fill(cfg: ModelConfig, data: TinyMemData) -> ModelConfig:
+    """`cfg` with the vocabulary, positions and special ids of `data`."""
+    return replace(
+        cfg,
+        vocab_size=data.vocab_size,
+        n_positions=data.max_len,
+        pad_id=data.pad_id,
+        bos_id=data.bos_id,
+        eos_id=data.eos_id,
+    )
