@@ -162,3 +162,47 @@ def test_fused_steer_equals_the_masked_one_and_leaves_closed_tokens_exact(gate):
         assert torch.equal(ours[closed], hidden[closed])
     low, _ = fused.steer_hidden(hidden.bfloat16())
     assert low.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("gate", ["hard", "none"])
+def test_fast_path_after_the_first_call_is_exact_and_falls_back_on_anything_else(gate):
+    gen = torch.Generator().manual_seed(1)
+    k, d = 3, 16
+    probe = torch.randn(k, d, generator=gen)
+    steer = torch.nn.functional.normalize(torch.randn(k, d, generator=gen), dim=-1)
+    hook = GatedSteer(probe, steer, torch.tensor([4.0, 6.0, 8.0]), gate=gate)
+    hidden = torch.randn(2, 5, d, generator=gen) * 3
+    assert hook._fast is None
+    first = hook(None, None, hidden)  # the checked call builds the closure
+    assert hook._fast is not None
+    for h in (hidden, hidden[:, -1:].contiguous(), torch.randn(1, 1, d, generator=gen)):
+        assert torch.equal(hook(None, None, h), hook.steer_hidden(h)[0])
+    assert torch.equal(hook(None, None, hidden), first)
+    # tuple outputs and other dtypes take the checked path, with the closure kept
+    steered, extra = hook(None, None, (hidden, "cache"))
+    assert torch.equal(steered, first) and extra == "cache" and hook._fast is not None
+    low = hook(None, None, hidden.bfloat16())
+    assert low.dtype == torch.bfloat16 and torch.equal(low, hook.steer_hidden(hidden.bfloat16())[0])
+    # a wrong width fails inside torch and reaches the checked path's clear error
+    with pytest.raises(GSSError, match="hidden size 8"):
+        hook(None, None, torch.randn(2, 1, 8))
+    assert hook._fast is None  # dropped, not rebuilt: the checked path runs from now on
+    assert torch.equal(hook(None, None, hidden), first)
+    # another device: the checked path moves the tensors there (meta stands in for a GPU)
+    fresh = GatedSteer(probe, steer, torch.tensor([4.0, 6.0, 8.0]), gate=gate)
+    fresh(None, None, hidden)
+    on_meta = fresh(None, None, hidden.to("meta"))
+    assert on_meta.device.type == "meta" and on_meta.shape == hidden.shape
+
+
+def test_turning_gate_tracking_on_leaves_the_fast_path():
+    gen = torch.Generator().manual_seed(2)
+    probe = torch.randn(2, 8, generator=gen)
+    steer = torch.nn.functional.normalize(torch.randn(2, 8, generator=gen), dim=-1)
+    hook = GatedSteer(probe, steer, torch.tensor([0.5, 0.5]))
+    hidden = torch.randn(4, 3, 8, generator=gen)
+    before = hook(None, None, hidden)
+    hook.track_gates = True
+    assert hook._fast is None
+    assert torch.allclose(hook(None, None, hidden), before, atol=1e-6)
+    assert hook.gate_stats()["tokens"] == 12

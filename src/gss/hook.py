@@ -133,10 +133,24 @@ class GatedSteer:
             if all(bool(torch.isfinite(t).all()) for t in fused.values()):
                 self._cpu.update(fused)
                 self._fused = True
-        self.track_gates = track_gates
+        # the fused steer bound to one device's tensors, built on the first float32 call: what
+        # every decode step runs (see __call__)
+        self._fast: Callable[[Tensor], Tensor] | None = None
+        self._fast_failed = False
+        self._track_gates = track_gates
         self.open_counts: Tensor | None = None
         self.token_count = 0
         self.any_open_count: Tensor | None = None
+
+    @property
+    def track_gates(self) -> bool:
+        """Count gate openings (the fused fast path does not, so it is off while this is on)."""
+        return self._track_gates
+
+    @track_gates.setter
+    def track_gates(self, value: bool) -> None:
+        self._track_gates = value
+        self._fast = None
 
     def _params(self, device: torch.device) -> dict[str, Tensor]:
         params = self._on.get(device)
@@ -175,8 +189,18 @@ class GatedSteer:
         return torch.matmul(coef, p["steer"]), is_open
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        # Runs once per block call, i.e. once per generated token: the plain-tensor output of
-        # transformers 5 blocks skips the split and rebuild.
+        # Runs once per block call, i.e. once per generated token. On a small model's decode
+        # step the checks below cost about a third of the hook, so after one checked float32
+        # call the fused steer runs from a closure over that device's tensors. It computes
+        # exactly what the checked path does; anything it was not built for (another device,
+        # dtype or hidden size) fails inside torch before any result exists and is handed to
+        # the checked path, which steers it or says what is wrong, and the closure is dropped.
+        fast = self._fast
+        if fast is not None and type(output) is Tensor:
+            try:
+                return fast(output)
+            except RuntimeError:
+                self._fast, self._fast_failed = None, True
         plain = isinstance(output, Tensor)
         hidden, rebuild = (output, None) if plain else split_block_output(output)
         if hidden.shape[-1] != self.hidden_size:
@@ -188,7 +212,35 @@ class GatedSteer:
         steered, is_open = self.steer_hidden(hidden)
         if self.track_gates and is_open is not None:
             self._count(is_open)
+        elif plain and hidden.dtype == torch.float32 and self._fused and not self._fast_failed:
+            self._fast = self._fused_closure(hidden.device)
         return steered if rebuild is None else rebuild(steered)
+
+    def _fused_closure(self, device: torch.device) -> Callable[[Tensor], Tensor]:
+        """The fused steer of `steer_hidden` for float32 tensors on `device`, as few Python
+        operations as it takes: the same three kernels in the same order."""
+        f = self._params(device)
+        probe_t, neg_offset, neg_steer = (
+            f["fused_probe_t"],
+            f["fused_neg_offset"],
+            f["fused_neg_steer"],
+        )
+        addmm, hardshrink = torch.addmm, torch.nn.functional.hardshrink
+        if self.gate == "hard":
+
+            def steer_gated(hidden: Tensor) -> Tensor:
+                h = hidden.view(-1, hidden.shape[-1])  # a wrong width fails in addmm
+                return addmm(h, hardshrink(addmm(neg_offset, h, probe_t), 1.0), neg_steer).view_as(
+                    hidden
+                )
+
+            return steer_gated
+
+        def steer_ungated(hidden: Tensor) -> Tensor:
+            h = hidden.view(-1, hidden.shape[-1])
+            return addmm(h, addmm(neg_offset, h, probe_t), neg_steer).view_as(hidden)
+
+        return steer_ungated
 
     def steer_hidden(self, hidden: Tensor) -> tuple[Tensor, Tensor | None]:
         """The steered hidden states (in their dtype) and the open mask (..., K), or None when
