@@ -7,6 +7,7 @@ forward hook that subtracts the steer only on tokens whose probe response passes
 
 __version__ = "0.1.0"
 
+from .adapters import adapters_off
 from .artifact import SteeringArtifact, SteeringConfig, load, steer
 from .calibrate import calibrate, calibrate_thresholds
 from .errors import GSSError
@@ -25,6 +26,7 @@ __all__ = [
     "SteeringArtifact",
     "SteeringConfig",
     "__version__",
+    "adapters_off",
     "calibrate",
     "calibrate_thresholds",
     "find_decoder_blocks",

@@ -28,8 +28,46 @@ def _load_model(path: str, device: str, dtype: str) -> tuple[Any, Any]:
     # Any: transformers types `to` through a decorator that mypy reads as taking the model
     model: Any = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype, local_files_only=True)
     model.to(device)
-    tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError):
+        # an adapter directory without tokenizer files: the base model's tokenizer
+        base = _adapter_base(p)
+        if base is None:
+            raise
+        tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
     return model, tokenizer
+
+
+def _adapter_base(path: Path) -> str | None:
+    """The base model path a PEFT adapter directory names, if it is one."""
+    config = path / "adapter_config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text()).get("base_model_name_or_path") or None
+
+
+ADAPTERS_OFF = "adapters-off"
+
+
+def _load_reference(path: str, model: Any, device: str, dtype: str) -> Any:
+    """The reference model: loaded from ``path``, or ``adapters-off``: the model's own base
+    under its adapters (no second copy)."""
+    if path == ADAPTERS_OFF:
+        from .adapters import adapters_off
+
+        return adapters_off(model)
+    reference, _ = _load_model(path, device, dtype)
+    return reference
+
+
+def _add_reference_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--reference",
+        required=True,
+        help=f"local directory of the reference model, or {ADAPTERS_OFF} when --model is a "
+        "PEFT adapter directory: its base model with the adapters switched off",
+    )
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -102,7 +140,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     args.device = _init_distributed(args.device)
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
-    reference, _ = _load_model(args.reference, args.device, args.dtype)
+    reference = _load_reference(args.reference, model, args.device, args.dtype)
     texts = read_texts(args.data)
     gen_texts = read_texts(args.gen_data) if args.gen_data else None
     _apply_variant(args)
@@ -188,7 +226,7 @@ def _cmd_signal(args: argparse.Namespace) -> int:
     from .signal import omega_rows, signal_statistics
 
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
-    reference, _ = _load_model(args.reference, args.device, args.dtype)
+    reference = _load_reference(args.reference, model, args.device, args.dtype)
 
     def omega_of(path: str) -> torch.Tensor:
         seqs = encode(read_texts(path), tokenizer, args.max_length)
@@ -363,7 +401,7 @@ def _cmd_layers(args: argparse.Namespace) -> int:
     from .report import write_json
 
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
-    reference, _ = _load_model(args.reference, args.device, args.dtype)
+    reference = _load_reference(args.reference, model, args.device, args.dtype)
     layers = None
     if args.layers != "all":
         try:
@@ -449,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("calibrate", "calibrate a steering artifact")
     _add_model_args(p)
-    p.add_argument("--reference", required=True, help="local directory of the reference model")
+    _add_reference_arg(p)
     p.add_argument("--data", required=True, help=".txt (one sequence a line) or .jsonl (text)")
     p.add_argument("--gen-data", help="held-out text for Sigma_gen and thresholds")
     p.add_argument("--layer", type=int, required=True, help="0-based decoder block (neg. ok)")
@@ -524,7 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("signal", "memorization-signal pilot statistics")
     _add_model_args(p)
-    p.add_argument("--reference", required=True, help="local directory of the reference model")
+    _add_reference_arg(p)
     p.add_argument("--data", required=True, help=".txt (one sequence a line) or .jsonl (text)")
     _add_batch_args(p)
     p.add_argument("--normal-data", help="normal text: its omega beside --data's in the figure")
@@ -561,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("layers", "memorization signal strength per block (layer choice)")
     _add_model_args(p)
-    p.add_argument("--reference", required=True, help="local directory of the reference model")
+    _add_reference_arg(p)
     p.add_argument("--data", required=True, help="calibration text with the memorized sequences")
     p.add_argument("--gen-data", help="held-out text for Sigma_gen")
     p.add_argument("--layers", default="all", help="'all' or block indices, e.g. 4,8,12")

@@ -1,0 +1,94 @@
+"""The reference a PEFT (LoRA, ...) fine-tune already holds: its base model, adapters off.
+
+A model fine-tuned with adapters was tuned from the base model whose weights sit under the
+adapters, and that base is the reference the memorization signal wants. `adapters_off(model)`
+returns a module that runs `model` with its adapters switched off for the length of each call,
+so calibration, the signal and the layer scan need no second copy of the weights: half the
+memory of loading the base again, which matters most for the large models adapters are used
+on. Both kinds of adapter models are supported: a ``peft.PeftModel`` and a transformers model
+with adapters loaded (``model.load_adapter`` / ``add_adapter``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, cast
+
+from torch import Tensor, nn
+
+from .errors import GSSError
+
+
+def _switch(model: nn.Module) -> Callable[[], AbstractContextManager[None]]:
+    """A context manager factory that switches `model`'s adapters off, or a clear error."""
+    disable_adapter = getattr(model, "disable_adapter", None)  # peft.PeftModel
+    if callable(disable_adapter) and hasattr(model, "peft_config"):
+        return cast(Callable[[], AbstractContextManager[None]], disable_adapter)
+    if getattr(model, "_hf_peft_config_loaded", False):  # transformers' adapter integration
+
+        @contextmanager
+        def off() -> Iterator[None]:
+            model.disable_adapters()  # type: ignore[operator]
+            try:
+                yield
+            finally:
+                model.enable_adapters()  # type: ignore[operator]
+
+        return off
+    raise GSSError(
+        f"adapters_off needs a model with adapters (a peft.PeftModel, or a transformers model "
+        f"after load_adapter/add_adapter), got a plain {type(model).__name__}. Pass the model it "
+        "was fine-tuned from as the reference instead."
+    )
+
+
+class AdaptersOff(nn.Module):
+    """`model` with its adapters switched off for each call; the weights are `model`'s own.
+
+    Moving or freezing this module moves or freezes `model`: they are one set of weights.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self._off = _switch(model)
+        self.model = model
+
+    @property
+    def config(self) -> Any:
+        return getattr(self.model, "config", None)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return cast(Callable[[], nn.Module], self.model.get_input_embeddings)()
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        get = getattr(self.model, "get_output_embeddings", None)
+        return get() if callable(get) else None
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
+        with self._off():
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
+def adapters_off(model: nn.Module) -> AdaptersOff:
+    """The reference of an adapter fine-tune without a second copy of its weights.
+
+    Example::
+
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(base, "my-lora")  # base: the model it was tuned from
+        artifact = gss.calibrate(model, gss.adapters_off(model), texts, tokenizer=tok, layer=12)
+        with gss.steer(model, artifact):
+            ...
+
+    Raises GSSError when `model` has no adapters to switch off.
+    """
+    return AdaptersOff(model)

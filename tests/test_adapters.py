@@ -1,0 +1,139 @@
+"""gss.adapters_off: an adapter fine-tune's own base as the reference, without a second copy."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+import gss
+from gss import GSSError
+from gss.cli import main
+from gss.forward import forward_logits
+
+from .conftest import random_ids, tiny_model
+from .test_cli import _tokenizer
+
+peft = pytest.importorskip("peft")
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+
+
+def _randomise_lora(model: torch.nn.Module, seed: int = 0) -> None:
+    """LoRA starts as a no-op (B = 0): give B weights so the adapter changes the outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+
+def _lora(model: torch.nn.Module) -> torch.nn.Module:
+    config = peft.LoraConfig(r=4, target_modules=TARGETS, lora_dropout=0.0)
+    tuned = peft.get_peft_model(model, config)
+    _randomise_lora(tuned)
+    return tuned.eval()
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return forward_logits(model, ids, torch.ones_like(ids))
+
+
+@pytest.fixture
+def models():
+    base = tiny_model("llama", layers=3)
+    reference = copy.deepcopy(base)  # get_peft_model edits `base` in place
+    return _lora(base), reference
+
+
+def test_runs_the_base_and_leaves_the_adapters_on(models):
+    model, reference = models
+    ids = random_ids(3, 12)
+    tuned = _logits(model, ids)
+    assert not torch.allclose(tuned, _logits(reference, ids), atol=1e-3)  # the adapter matters
+    off = gss.adapters_off(model)
+    torch.testing.assert_close(_logits(off, ids), _logits(reference, ids))
+    assert torch.equal(_logits(model, ids), tuned)  # switched back on after the call
+    assert sum(p.numel() for p in off.parameters()) == sum(p.numel() for p in model.parameters())
+
+
+def test_calibration_against_adapters_off_equals_calibration_against_the_loaded_base(models):
+    model, reference = models
+    rows = random_ids(12, 16, seed=4)
+    lora_flags = [p.requires_grad for p in model.parameters()]
+    kwargs = dict(layer=1, rank=2, progress=False)
+    ours = gss.calibrate(model, gss.adapters_off(model), rows, **kwargs)
+    loaded = gss.calibrate(model, reference, rows, **kwargs)
+    assert ours.config.token_counts == loaded.config.token_counts
+    for name in ("probe", "steer", "thresholds"):
+        torch.testing.assert_close(getattr(ours, name), getattr(loaded, name), rtol=1e-4, atol=1e-5)
+    assert [p.requires_grad for p in model.parameters()] == lora_flags  # restored
+    scan = gss.scan_layers(model, gss.adapters_off(model), rows, progress=False)
+    assert set(scan.strengths) == {0, 1, 2} and not scan.unchanged
+
+
+def test_transformers_adapter_integration():
+    base = tiny_model("llama")
+    reference = copy.deepcopy(base)
+    base.add_adapter(peft.LoraConfig(r=4, target_modules=TARGETS, lora_dropout=0.0))
+    _randomise_lora(base, seed=1)
+    ids = random_ids(2, 10)
+    tuned = _logits(base, ids)
+    assert not torch.allclose(tuned, _logits(reference, ids), atol=1e-3)
+    torch.testing.assert_close(_logits(gss.adapters_off(base), ids), _logits(reference, ids))
+    assert torch.equal(_logits(base, ids), tuned)
+
+
+def test_a_model_without_adapters_is_refused():
+    with pytest.raises(GSSError, match="needs a model with adapters"):
+        gss.adapters_off(tiny_model("llama"))
+
+
+def test_cli_calibrates_an_adapter_directory_against_its_base(tmp_path, capsys):
+    base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
+    tiny_model("llama").save_pretrained(base_dir)
+    _tokenizer().save_pretrained(base_dir)
+    from transformers import AutoModelForCausalLM
+
+    _lora(AutoModelForCausalLM.from_pretrained(base_dir)).save_pretrained(adapter_dir)
+    assert json.loads((adapter_dir / "adapter_config.json").read_text())[
+        "base_model_name_or_path"
+    ] == str(base_dir)  # no tokenizer in the adapter directory: the base's is used
+    lines = [" ".join(f"w{(i * 7 + j * 3) % 44}" for j in range(12)) for i in range(20)]
+    (tmp_path / "data.txt").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "artifact"
+    code = main(
+        [
+            "calibrate",
+            "--model",
+            str(adapter_dir),
+            "--reference",
+            "adapters-off",
+            "--data",
+            str(tmp_path / "data.txt"),
+            "--layer",
+            "1",
+            "--rank",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0 and (out / "gss_config.json").is_file()
+    counts = gss.load(out).config.token_counts
+    assert 0 < counts["memorized"] < counts["tokens"]  # the adapter moved some tokens, not all
+    assert "saved" in capsys.readouterr().out
+
+
+def test_the_artifact_steers_the_merged_model_alike(models):
+    model, _ = models
+    rows = random_ids(12, 16, seed=4)
+    art = gss.calibrate(model, gss.adapters_off(model), rows, layer=1, rank=2, progress=False)
+    ids = random_ids(4, 16, seed=4)  # calibration rows: some gates open on them
+    with gss.steer(model, art):
+        steered = _logits(model, ids)
+    assert not torch.allclose(steered, _logits(model, ids))  # the steer acted
+    merged = model.merge_and_unload()
+    with gss.steer(merged, art):
+        torch.testing.assert_close(_logits(merged, ids), steered, rtol=1e-4, atol=1e-4)
