@@ -210,7 +210,7 @@ def hook_seconds_in_generate(
 ) -> float:
     """Median seconds of one call of the steer's hook on a decode step, inside real
     ``generate`` calls. On a CPU this is ~3x the call timed alone (a tiny model, 2 threads:
-    ~45 against ~14 us): between two calls the model's other ops evict the caches the hook's
+    ~35 against ~12 us): between two calls the model's other ops evict the caches the hook's
     three kernels and their dispatch ran from, so the loop alone understates what a step pays."""
     _, block = resolve_layer(model, artifact.config.layer, artifact.config.block_path)
     hook = artifact.make_hook()
