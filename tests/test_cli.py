@@ -233,3 +233,23 @@ def test_version_and_help_show_defaults(capsys):
     assert "number of directions K (default: 4)" in help_text
     assert "are memorized (default: 0.0)" in help_text  # a zero default is still shown
     assert "(default: None)" not in help_text and "(default: False)" not in help_text
+
+
+def test_an_adapter_directory_without_peft_installed_says_what_to_install(
+    tmp_path, monkeypatch, capsys
+):
+    import importlib.util
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "base"}))
+    (tmp_path / "data.txt").write_text("w1 w2 w3\n")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "peft" else find_spec(name, *a),
+    )
+    args = ["--model", str(adapter), "--reference", "adapters-off", "--data"]
+    assert main(["signal", *args, str(tmp_path / "data.txt")]) == 2
+    assert "needs peft: pip install" in capsys.readouterr().err

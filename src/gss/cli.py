@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Sequence
@@ -25,6 +26,11 @@ def _load_model(path: str, device: str, dtype: str) -> tuple[Any, Any]:
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
         dtype
     ]
+    if _adapter_base(p) is not None and importlib.util.find_spec("peft") is None:
+        raise GSSError(
+            f"{path} is a PEFT adapter directory; loading it needs peft: pip install "
+            "'gated-subspace-steering[peft]'."
+        )
     # Any: transformers types `to` through a decorator that mypy reads as taking the model
     model: Any = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype, local_files_only=True)
     model.to(device)
