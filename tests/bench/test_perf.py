@@ -7,6 +7,9 @@ ratio a positive finite number), not how fast this machine is.
 import json
 import math
 
+import pytest
+import torch
+
 from gss.bench.perf.common import interleaved
 from gss.bench.perf.run import main
 
@@ -107,3 +110,36 @@ def test_interleaved_runs_every_arm_each_round_in_a_varying_reproducible_order()
     assert len(orders) == 6 and all(sorted(o) == list("abcd") for o in orders)
     assert len({tuple(o) for o in orders}) > 2  # neither fixed nor merely reversed
     assert rounds() == orders  # seeded: the same orders on every run
+
+
+def test_quick_perf_in_bfloat16_records_its_dtype_and_skips_memory(tmp_path):
+    out = tmp_path / "bf16"
+    parts = "overhead,calibration,solve,memory"
+    args = ["--quick", "--only", parts, "--dtype", "bfloat16", "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["dtype"] == results["machine"]["dtype"] == "bfloat16"
+    assert results["device"] == results["machine"]["device"] == "cpu"
+    overhead = results["parts"]["overhead"]
+    assert overhead["dtype"] == "bfloat16"
+    for row in overhead["models"][0]["rows"]:
+        for key in ("ratio", "aa_ratio", "noop_over_unsteered", "gss_over_noop"):
+            value = row[key]["median"]
+            assert math.isfinite(value) and value > 0, f"{key} = {value}"
+    assert results["parts"]["calibration"]["dtype"] == "bfloat16"
+    assert math.isfinite(results["parts"]["calibration"]["ratio"]["median"])
+    # host RSS of float32 CPU calibration says nothing about bfloat16: skipped, and said so
+    assert "skipped" in results["parts"]["memory"]
+    table = (out / "table.md").read_text()
+    assert "device cpu, bfloat16" in table and "Skipped:" in table
+    assert not (out / "memory.png").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
+def test_device_cuda_without_cuda_exits_with_a_clear_message(tmp_path):
+    out = tmp_path / "cuda"
+    with pytest.raises(SystemExit) as info:
+        main(["--quick", "--device", "cuda", "--out", str(out), "--no-progress"])
+    message = str(info.value)
+    assert message.startswith("gss bench perf:") and "torch.cuda.is_available() is False" in message
+    assert not out.exists()  # refused before anything ran or was written

@@ -33,6 +33,7 @@ from .common import (
     perturbed_copy,
     random_ids,
     summary,
+    sync,
     tiny_model,
 )
 
@@ -74,9 +75,20 @@ def unavoidable_passes(
         handle.remove()
 
 
-def run(sizes: Sizes, *, repeats: int | None, progress: bool, out: Path) -> dict[str, Any]:
-    model = tiny_model(sizes)
+def run(
+    sizes: Sizes,
+    *,
+    repeats: int | None,
+    progress: bool,
+    out: Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Any]:
+    model = tiny_model(sizes, device=device, dtype=dtype)
     reference = perturbed_copy(model)
+    # the ids stay on the CPU, as a user's token ids do: both arms batch them on the CPU and
+    # move every batch to the model's device (ids on the GPU would make calibrate's batching
+    # copy them back row by row, a cost no real run pays)
     ids = random_ids(sizes.calib_texts, sizes.text_len, sizes.vocab, seed=3)
     seqs = encode(ids)
     layer = sizes.layers // 2
@@ -90,16 +102,20 @@ def run(sizes: Sizes, *, repeats: int | None, progress: bool, out: Path) -> dict
     last: dict[str, Any] = {}
 
     def calib() -> float:
+        sync(device)
         start = time.perf_counter()
         artifact = calibrate(model, reference, ids, **kwargs)
+        sync(device)
         elapsed = time.perf_counter() - start
         phase_runs.append(dict(artifact.config.timings))
         last["artifact"] = artifact
         return elapsed
 
     def passes() -> float:
+        sync(device)
         start = time.perf_counter()
         unavoidable_passes(model, reference, seqs, layer, sizes.calib_batch)
+        sync(device)
         return time.perf_counter() - start
 
     times = interleaved(
@@ -124,8 +140,12 @@ def run(sizes: Sizes, *, repeats: int | None, progress: bool, out: Path) -> dict
             "gss.calibrate (statistics, solve, thresholds) vs the unavoidable passes over the "
             "same batches (reference forward + model forward + backward of the summed "
             "log-likelihood to the block-L output, weights frozen); interleaved after one "
-            "warm-up each; ratio = median over rounds of calibrate seconds / passes seconds."
+            "warm-up each; ratio = median over rounds of calibrate seconds / passes seconds. "
+            "On CUDA each call starts and ends with torch.cuda.synchronize (a no-op on CPU); "
+            "the phase split is calibrate's own timers, which do not synchronize."
         ),
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
         "goal": "<= 1.2",
         "model": {"hidden": sizes.hidden, "layers": sizes.layers, "vocab": sizes.vocab},
         "texts": sizes.calib_texts,

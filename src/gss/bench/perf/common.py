@@ -4,6 +4,9 @@ This machine's timings vary 2-4x between runs, so nothing here reports a single 
 the arms of a comparison run in rounds (every arm once a round, in a fresh order) after
 warm-up, and a speed is read as the median of the per-round ratios, which cancels drift that
 hits both arms.
+
+On CUDA, kernels run asynchronously: every timed span starts and ends with ``sync`` (or a
+``syncer``), so a timer reads finished work. On CPU both are no-ops.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -84,8 +88,40 @@ def log(message: str) -> None:
     print(f"[perf {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def tiny_model(sizes: Sizes, seed: int = 0) -> nn.Module:
-    """A small Llama with random weights, built from a config (no download), in eval mode."""
+def sync(device: torch.device | str) -> None:
+    """Wait until every kernel queued on ``device`` has finished, so a timer read next is real.
+
+    CUDA launches return before the work is done; on CPU every op has finished when it
+    returns, so this does nothing there (CPU timings stay comparable with earlier runs).
+    """
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _nothing() -> None:
+    return None
+
+
+def syncer(device: torch.device | str) -> Callable[[], None]:
+    """``sync`` bound to ``device``, resolved once: for timers around microsecond spans
+    (a hook call, a decode step), where even the device check would show. On CPU a function
+    that does nothing."""
+    if torch.device(device).type == "cuda":
+        return partial(torch.cuda.synchronize, device)
+    return _nothing
+
+
+def tiny_model(
+    sizes: Sizes,
+    seed: int = 0,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """A small Llama with random weights, built from a config (no download), in eval mode.
+
+    The weights are drawn in float32 on the CPU and then moved, so every device and dtype
+    starts from the same model (the default is a no-op move)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -101,7 +137,8 @@ def tiny_model(sizes: Sizes, seed: int = 0) -> nn.Module:
         eos_token_id=2,
         pad_token_id=0,
     )
-    return freeze(LlamaForCausalLM(config))
+    model: nn.Module = LlamaForCausalLM(config)  # nn.Module's `to` (HF's wrapper is untyped)
+    return freeze(model.to(device=device, dtype=dtype))
 
 
 def freeze(model: nn.Module) -> nn.Module:

@@ -144,6 +144,8 @@ def run(sizes: Sizes, *, quick: bool, threads: int | None, progress: bool) -> di
 
 
 def table(result: dict[str, Any]) -> str:
+    if "skipped" in result:  # --device / --dtype other than cpu / float32: nothing measured
+        return f"Skipped: {result['skipped']}.\n"
     header = ["texts", "tokens", "peak RSS MB", "calibration increase MB", "calibrate s"]
     streaming = result.get("streaming_rows")
     if streaming:

@@ -21,6 +21,7 @@ from torch import nn
 
 import gss
 
+from ...forward import model_device
 from ...layers import resolve_layer
 from ...report import markdown_table
 from .common import (
@@ -31,6 +32,8 @@ from .common import (
     perturbed_copy,
     random_ids,
     summary,
+    sync,
+    syncer,
     tiny_model,
 )
 
@@ -52,6 +55,7 @@ def build_artifact(model: nn.Module, sizes: Sizes, rank: int) -> gss.SteeringArt
     """Calibrate a rank-``rank`` steer at the middle block; the gates open on ~10% of tokens."""
     n_layers = len(gss.find_decoder_blocks(model))
     reference = perturbed_copy(model)
+    # CPU ids, as a user passes them: calibrate moves each batch to the model's device
     ids = random_ids(sizes.artifact_texts, sizes.text_len, _vocab(model), seed=7)
     artifact = gss.calibrate(
         model,
@@ -140,11 +144,13 @@ class StepClock:
 
     A step's median over all calls of an arm is robust to the spikes of this machine that move
     whole-call times by several percent; the prompt pass (each call's first forward) and the
-    warm-up calls are left out.
+    warm-up calls are left out. On CUDA each step is bracketed by a synchronize, so it starts
+    after the work generate queued between steps and ends when its own kernels have run.
     """
 
     def __init__(self, model: nn.Module, warmup: int) -> None:
         self.warmup = warmup
+        self._sync = syncer(model_device(model))
         self.steps: dict[str, list[float]] = {}
         self._calls: dict[str, int] = {}
         self._arm: str | None = None
@@ -170,9 +176,11 @@ class StepClock:
         return run
 
     def _pre(self, module: nn.Module, args: Any) -> None:
+        self._sync()
         self._start = time.perf_counter()
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._sync()
         elapsed = time.perf_counter() - self._start
         if self._arm is not None and not self._first:
             self.steps.setdefault(self._arm, []).append(elapsed)
@@ -198,9 +206,11 @@ def hook_seconds(
             hook(block, (), hidden)
         per_call = []
         for _ in range(rounds):
+            sync(param.device)  # the warm-up's (or last round's) kernels are not this round's
             start = time.perf_counter()
             for _ in range(calls):
                 hook(block, (), hidden)
+            sync(param.device)
             per_call.append((time.perf_counter() - start) / calls)
     return summary(per_call)["median"]
 
@@ -211,14 +221,19 @@ def hook_seconds_in_generate(
     """Median seconds of one call of the steer's hook on a decode step, inside real
     ``generate`` calls. On a CPU this is ~3x the call timed alone (a tiny model, 2 threads:
     ~35 against ~12 us): between two calls the model's other ops evict the caches the hook's
-    three kernels and their dispatch ran from, so the loop alone understates what a step pays."""
+    three kernels and their dispatch ran from, so the loop alone understates what a step pays.
+    On CUDA every call is bracketed by a synchronize: the block's queued kernels finish before
+    the clock starts and the hook's own before it stops (which stalls the step, untimed)."""
     _, block = resolve_layer(model, artifact.config.layer, artifact.config.block_path)
     hook = artifact.make_hook()
     spent: list[float] = []
+    done = syncer(model_device(model))
 
     def timed(module: nn.Module, args: Any, output: Any) -> Any:
+        done()
         start = time.perf_counter()
         out = hook(module, args, output)
+        done()
         hidden = output if isinstance(output, torch.Tensor) else output[0]
         if hidden.shape[1] == 1:  # decode steps only, not the prompt pass
             spent.append(time.perf_counter() - start)
@@ -264,13 +279,16 @@ def measure_model(
         except Exception as err:  # a peer's API drift must not sink the benchmark
             peer["status"] = f"failed to wrap: {type(err).__name__}: {err}"
     rows = []
+    device = model_device(model)
     for batch in sizes.batch_sizes:
-        ids = random_ids(batch, sizes.prompt_len, _vocab(model), seed=100 + batch)
+        ids = random_ids(batch, sizes.prompt_len, _vocab(model), seed=100 + batch).to(device)
         tokens = batch * new_tokens
 
         def plain(ids: torch.Tensor = ids) -> float:
+            sync(device)  # nothing queued before the call counts towards it
             start = time.perf_counter()
             _generate(model, ids, new_tokens)
+            sync(device)
             return time.perf_counter() - start
 
         def steered(art: gss.SteeringArtifact, ids: torch.Tensor = ids) -> float:
@@ -303,8 +321,10 @@ def measure_model(
                 peer_row["same_output"] = bool(torch.equal(ours_ids.cpu(), theirs_ids.cpu()))
 
                 def peer_arm(ids: torch.Tensor = ids) -> float:
+                    sync(device)
                     start = time.perf_counter()
                     runner.generate(ids, new_tokens)
+                    sync(device)
                     return time.perf_counter() - start
 
                 arms["nnsight"] = peer_arm
@@ -391,13 +411,19 @@ def measure_model(
     }
 
 
-def load_local_model(path: str) -> tuple[nn.Module, Any]:
-    """A local HF model directory in float32 (never downloads), and its tokenizer if any."""
+def load_local_model(
+    path: str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> tuple[nn.Module, Any]:
+    """A local HF model directory in ``dtype`` on ``device`` (never downloads), and its
+    tokenizer if any."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not Path(path).is_dir():
         raise SystemExit(f"gss bench perf: --model {path} is not a local model directory")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    loaded: nn.Module = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, local_files_only=True
+    )
+    model = loaded.to(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception:
@@ -415,11 +441,13 @@ def run(
     repeats: int | None,
     new_tokens: int | None,
     progress: bool,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
     models = [
         measure_model(
             "tiny-llama",
-            tiny_model(sizes),
+            tiny_model(sizes, device=device, dtype=dtype),
             sizes,
             new_tokens=new_tokens or sizes.new_tokens,
             repeats=repeats or sizes.overhead_repeats,
@@ -429,7 +457,7 @@ def run(
     ]
     if model_path:
         t0 = time.perf_counter()
-        model, tokenizer = load_local_model(model_path)
+        model, tokenizer = load_local_model(model_path, dtype=dtype, device=device)
         log(f"overhead: loaded {model_path} in {time.perf_counter() - t0:.1f} s")
         models.append(
             measure_model(
@@ -461,8 +489,14 @@ def run(
             "reads when nothing differs; noop_over_unsteered: a forward hook that returns at "
             "once, on the same block, timed as one more arm: how far from 1 the ratio goes when "
             "nothing is computed; gss_over_noop: GSS over that arm. Each round runs the arms in "
-            "a fresh seeded order."
+            "a fresh seeded order. On CUDA every timed span (each arm's call, hook loop, "
+            "decode step) starts and ends with torch.cuda.synchronize, and "
+            "hook_seconds_in_generate synchronizes before and after every hook call, so it "
+            "times the hook's own kernels (stalling the step, outside the timed span); on CPU "
+            "these synchronizes are no-ops."
         ),
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
         "goal": ">= 0.99 of unsteered, and no slower than any peer",
         "peer": nnsight_status(),
         "models": models,

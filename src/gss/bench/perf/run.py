@@ -4,7 +4,9 @@ Parts (``--only`` picks some): ``overhead`` (generate tokens/s steered vs unstee
 ``calibration`` (gss.calibrate vs the passes it cannot avoid, plus a profile), ``solve``
 (solve_probe_steer vs d and K, full vs truncated SVD) and ``memory`` (peak RSS of calibration
 vs corpus size, a fresh process per size). Writes ``results.json``, ``table.md``,
-``profile.txt`` and PNG figures under ``--out``.
+``profile.txt`` and PNG figures under ``--out``. ``--device cuda --dtype bfloat16`` runs the
+first three parts on a GPU in half precision (every timing synchronizes); memory is then
+skipped, as it measures host RSS of float32 CPU calibration.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from . import calibration, figures, memory, overhead, scaling
 from .common import QUICK, Sizes, log
 
 PARTS = ("overhead", "calibration", "solve", "memory")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,8 +57,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--new-tokens", type=int, default=None, help="new tokens per generate (overhead part)"
     )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the models and solves run: cpu, cuda or cuda:N (default cpu); on CUDA "
+        "every timed span synchronizes",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default="float32",
+        help="model dtype for the overhead and calibration parts (default float32; the solve "
+        "stays float64 like calibration's statistics)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
+
+
+def _device(spec: str) -> torch.device:
+    """``--device`` as a torch device, refused clearly where its timings would not be real."""
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError) as err:
+        raise SystemExit(
+            f"gss bench perf: --device {spec!r} is not a torch device ({err})"
+        ) from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":  # only CUDA has a synchronize here; other queues would mis-time
+        raise SystemExit(f"gss bench perf: --device {spec}: use cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            f"gss bench perf: --device {spec} needs CUDA, but torch.cuda.is_available() is False "
+            f"here (torch {torch.__version__}); run on a GPU machine or use --device cpu"
+        )
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise SystemExit(
+            f"gss bench perf: --device {spec}: only {torch.cuda.device_count()} CUDA device(s)"
+        )
+    return device
+
+
+def _memory_skip_reason(device: torch.device, dtype: str) -> str | None:
+    """Why the memory part cannot run with these options (None: it can)."""
+    if device.type == "cpu" and dtype == "float32":
+        return None
+    return (
+        f"not run with --device {device} --dtype {dtype}: it measures the host peak RSS of "
+        "float32 CPU calibration in fresh processes; run it with the defaults"
+    )
 
 
 def _parts(spec: str) -> list[str]:
@@ -69,9 +119,13 @@ def _parts(spec: str) -> list[str]:
 def table(results: dict[str, Any]) -> str:
     """The Markdown report: one section per part that ran."""
     m = results["machine"]
+    device = m.get("device", "cpu")  # runs before --device were all cpu / float32
+    if m.get("gpu"):
+        device += f" ({m['gpu']})"
     lines = [
         "# gss bench perf\n",
-        f"`{results['command']}`; {m['cpu_count']} CPUs, {m['threads']} torch threads, "
+        f"`{results['command']}`; device {device}, {m.get('dtype', 'float32')}; "
+        f"{m['cpu_count']} CPUs, {m['threads']} torch threads, "
         f"torch {m['torch']}, {m['platform']}. Every speed figure is a ratio of arms run in "
         "turn in one process after warm-up (median over rounds, IQR in brackets).\n",
     ]
@@ -116,6 +170,8 @@ def table(results: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     parts = _parts(args.only)
+    device = _device(args.device)
+    dtype = DTYPES[args.dtype]
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = QUICK if args.quick else Sizes()
@@ -124,10 +180,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = "gss bench perf " + " ".join(argv if argv is not None else [])
     started = time.perf_counter()
+    gpu = {"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}
     results: dict[str, Any] = {
         "command": command.strip(),
         "gss_version": __version__,
-        "machine": machine_info(),
+        "device": str(device),
+        "dtype": args.dtype,
+        "machine": machine_info(device=str(device), dtype=args.dtype, **gpu),
         "sizes": asdict(sizes),
         "parts": {},
         "seconds": {},
@@ -144,14 +203,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 repeats=args.repeats,
                 new_tokens=args.new_tokens,
                 progress=progress,
+                device=device,
+                dtype=dtype,
             )
             figure_paths.append(figures.overhead(result, out / "overhead.png"))
         elif part == "calibration":
-            result = calibration.run(sizes, repeats=args.repeats, progress=progress, out=out)
+            result = calibration.run(
+                sizes, repeats=args.repeats, progress=progress, out=out, device=device, dtype=dtype
+            )
             figure_paths.append(figures.calibration(result, out / "calibration.png"))
         elif part == "solve":
-            result = scaling.run(sizes, max_full_d=args.max_full_d, progress=progress)
+            result = scaling.run(
+                sizes, max_full_d=args.max_full_d, progress=progress, device=device
+            )
             figure_paths.append(figures.solve(result, out / "solve.png"))
+        elif reason := _memory_skip_reason(device, args.dtype):
+            log(f"memory: skipped, {reason}")
+            result = {"skipped": reason}
         else:
             result = memory.run(sizes, quick=args.quick, threads=args.threads, progress=progress)
             figure_paths.append(figures.memory(result, out / "memory.png"))
@@ -164,7 +232,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         import json
 
         old = json.loads(previous.read_text())
-        kept = [k for k in old.get("parts", {}) if k not in results["parts"]]
+        # parts measured on another device or dtype are not kept: one table, one setting
+        # (results from before --device existed were cpu / float32)
+        old_setting = (old.get("device", "cpu"), old.get("dtype", "float32"))
+        same = old_setting == (results["device"], results["dtype"])
+        if not same:
+            log(f"not keeping the parts of {previous}: measured with {'/'.join(old_setting)}")
+        kept = [k for k in old.get("parts", {}) if same and k not in results["parts"]]
         old_commands = old.get("part_commands", {})
         for k in kept:  # --only: keep the other parts' last results, say so
             results["parts"][k] = old["parts"][k]

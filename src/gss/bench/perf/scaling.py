@@ -16,24 +16,31 @@ from torch import Tensor
 
 from ...report import markdown_table
 from ...solve import SolveMethod, solve_probe_steer
-from .common import Sizes, interleaved, log, paired_ratios, summary
+from .common import Sizes, interleaved, log, paired_ratios, summary, sync
 
 GOAL = {"d": 4096, "rank": 8, "seconds": 2.0}
 
 
-def synthetic(d: int, seed: int = 0) -> tuple[Tensor, Tensor]:
-    """(M, Sigma) in float64: M = A B^T / r + noise, Sigma = G G^T / q + diagonal (SPD)."""
+def synthetic(d: int, seed: int = 0, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """(M, Sigma) in float64 on ``device``: M = A B^T / r + noise, Sigma = G G^T / q + diagonal
+    (SPD). The random draws come from one CPU generator, so every device solves the same
+    statistics; the products are formed on the device."""
     gen = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+
+    def randn(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen, dtype=f64).to(device)
+
     r, q = min(d, 32), min(d, 256)
-    a = torch.randn(d, r, generator=gen, dtype=torch.float64)
-    b = torch.randn(d, r, generator=gen, dtype=torch.float64)
+    a = randn(d, r)
+    b = randn(d, r)
     m = a @ b.T / r
-    m += 0.01 * torch.randn(d, d, generator=gen, dtype=torch.float64)
-    g = torch.randn(d, q, generator=gen, dtype=torch.float64)
-    g *= torch.arange(1, q + 1, dtype=torch.float64).rsqrt()
+    m += 0.01 * randn(d, d)
+    g = randn(d, q)
+    g *= torch.arange(1, q + 1, dtype=f64, device=device).rsqrt()
     sigma = g @ g.T / q
     sigma = (sigma + sigma.T) / 2
-    sigma += torch.diag(0.05 + 0.45 * torch.rand(d, generator=gen, dtype=torch.float64))
+    sigma += torch.diag(0.05 + 0.45 * torch.rand(d, generator=gen, dtype=f64).to(device))
     return m, sigma
 
 
@@ -43,24 +50,33 @@ def _timer(
     """An arm that solves once with ``method``, keeps the solution and returns its seconds."""
 
     def arm() -> float:
+        sync(m.device)
         start = time.perf_counter()
         results[method] = solve_probe_steer(m, sigma, k, method=method)
+        sync(m.device)
         return time.perf_counter() - start
 
     return arm
 
 
-def run(sizes: Sizes, *, max_full_d: int | None, progress: bool) -> dict[str, Any]:
+def run(
+    sizes: Sizes,
+    *,
+    max_full_d: int | None,
+    progress: bool,
+    device: torch.device | str = "cpu",
+) -> dict[str, Any]:
     limit = sizes.max_full_d if max_full_d is None else max_full_d
-    small_m, small_s = synthetic(sizes.solve_dims[0])
+    small_m, small_s = synthetic(sizes.solve_dims[0], device=device)
     methods: tuple[SolveMethod, ...] = ("full", "truncated")
-    for method in methods:  # warm-up: LAPACK/BLAS initialisation
+    for method in methods:  # warm-up: LAPACK/BLAS (or cuSOLVER/cuBLAS) initialisation
         solve_probe_steer(small_m, small_s, 1, method=method)
     del small_m, small_s
     rows = []
     for d in sizes.solve_dims:
         t0 = time.perf_counter()
-        m, sigma = synthetic(d)
+        m, sigma = synthetic(d, device=device)
+        sync(device)
         log(f"solve: d={d} data built in {time.perf_counter() - t0:.1f} s")
         repeats = 1 if d >= sizes.solve_big_d else sizes.solve_repeats
         for k in sizes.solve_ranks:
@@ -105,8 +121,11 @@ def run(sizes: Sizes, *, max_full_d: int | None, progress: bool) -> dict[str, An
             "solve_probe_steer(M, Sigma, K) on synthetic float64 statistics (M low rank + "
             "noise, Sigma decaying spectrum + diagonal), method 'full' vs 'truncated' "
             "(randomized SVD, oversample 16, 6 power iterations), run in turn; median of "
-            f"{sizes.solve_repeats} runs (1 from d={sizes.solve_big_d})."
+            f"{sizes.solve_repeats} runs (1 from d={sizes.solve_big_d}). float64 whatever "
+            "--dtype (calibration's statistics are float64); on CUDA each solve starts and ends "
+            "with torch.cuda.synchronize (a no-op on CPU)."
         ),
+        "device": str(device),
         "goal": f"d={GOAL['d']}, K={GOAL['rank']} under {GOAL['seconds']} s",
         "max_full_d": limit,
         "rows": rows,
