@@ -195,6 +195,26 @@ def test_fast_path_after_the_first_call_is_exact_and_falls_back_on_anything_else
     assert on_meta.device.type == "meta" and on_meta.shape == hidden.shape
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fast_path_in_half_precision_is_exact_and_refuses_another_dtype(dtype):
+    gen = torch.Generator().manual_seed(3)
+    probe = torch.randn(3, 16, generator=gen)
+    steer = torch.nn.functional.normalize(torch.randn(3, 16, generator=gen), dim=-1)
+    hook = GatedSteer(probe, steer, torch.tensor([4.0, 6.0, 8.0]))
+    hidden = (torch.randn(2, 5, 16, generator=gen) * 3).to(dtype)
+    first = hook(None, None, hidden)
+    assert hook._fast is not None and first.dtype == dtype
+    for h in (hidden, hidden[:, -1:].contiguous()):
+        out = hook(None, None, h)
+        assert out.dtype == dtype and torch.equal(out, hook.steer_hidden(h)[0])
+    assert torch.equal(hook(None, None, hidden), first)
+    # another dtype would be cast back to the wrong one: refused, handed to the checked path
+    other = hidden.float()
+    out = hook(None, None, other)
+    assert out.dtype == torch.float32 and torch.equal(out, hook.steer_hidden(other)[0])
+    assert hook._fast is None
+
+
 def test_turning_gate_tracking_on_leaves_the_fast_path():
     gen = torch.Generator().manual_seed(2)
     probe = torch.randn(2, 8, generator=gen)

@@ -45,6 +45,14 @@ def split_block_output(output: Any) -> tuple[Tensor, Callable[[Tensor], Any]]:
     )
 
 
+class _NotBuiltFor(RuntimeError):
+    """A tensor the hook's fast path was not built for: the checked path takes it."""
+
+
+def _ungated(s: Tensor, _lambd: float) -> Tensor:
+    return s
+
+
 class GatedSteer:
     """Gated rank-K steer: ``h <- h - sum_k c_k(s_k) v_k`` where the gate of k is open.
 
@@ -190,11 +198,12 @@ class GatedSteer:
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
         # Runs once per block call, i.e. once per generated token. On a small model's decode
-        # step the checks below cost about a third of the hook, so after one checked float32
-        # call the fused steer runs from a closure over that device's tensors. It computes
-        # exactly what the checked path does; anything it was not built for (another device,
-        # dtype or hidden size) fails inside torch before any result exists and is handed to
-        # the checked path, which steers it or says what is wrong, and the closure is dropped.
+        # step the checks below cost about a third of the hook, so after one checked call the
+        # fused steer runs from a closure over that device's tensors and that call's dtype. It
+        # computes exactly what the checked path does; anything it was not built for (another
+        # device, dtype or hidden size) fails inside torch, or at its dtype check, before any
+        # result exists and is handed to the checked path, which steers it or says what is
+        # wrong, and the closure is dropped.
         fast = self._fast
         if fast is not None and type(output) is Tensor:
             try:
@@ -212,35 +221,44 @@ class GatedSteer:
         steered, is_open = self.steer_hidden(hidden)
         if self.track_gates and is_open is not None:
             self._count(is_open)
-        elif plain and hidden.dtype == torch.float32 and self._fused and not self._fast_failed:
-            self._fast = self._fused_closure(hidden.device)
+        elif plain and self._fused and not self._fast_failed and hidden.dtype.is_floating_point:
+            self._fast = self._fused_closure(hidden.device, hidden.dtype)
         return steered if rebuild is None else rebuild(steered)
 
-    def _fused_closure(self, device: torch.device) -> Callable[[Tensor], Tensor]:
-        """The fused steer of `steer_hidden` for float32 tensors on `device`, as few Python
-        operations as it takes: the same three kernels in the same order."""
+    def _fused_closure(
+        self, device: torch.device, dtype: torch.dtype
+    ) -> Callable[[Tensor], Tensor]:
+        """The fused steer of `steer_hidden` for `dtype` tensors on `device`, in as few Python
+        operations as it takes: the same kernels in the same order."""
         f = self._params(device)
         probe_t, neg_offset, neg_steer = (
             f["fused_probe_t"],
             f["fused_neg_offset"],
             f["fused_neg_steer"],
         )
-        addmm, hardshrink = torch.addmm, torch.nn.functional.hardshrink
-        if self.gate == "hard":
+        addmm = torch.addmm
+        shrink = torch.nn.functional.hardshrink if self.gate == "hard" else _ungated
 
-            def steer_gated(hidden: Tensor) -> Tensor:
+        if dtype == torch.float32:
+
+            def steer(hidden: Tensor) -> Tensor:
                 h = hidden.view(-1, hidden.shape[-1])  # a wrong width fails in addmm
-                return addmm(h, hardshrink(addmm(neg_offset, h, probe_t), 1.0), neg_steer).view_as(
+                return addmm(h, shrink(addmm(neg_offset, h, probe_t), 1.0), neg_steer).view_as(
                     hidden
                 )
 
-            return steer_gated
+            return steer
 
-        def steer_ungated(hidden: Tensor) -> Tensor:
-            h = hidden.view(-1, hidden.shape[-1])
-            return addmm(h, addmm(neg_offset, h, probe_t), neg_steer).view_as(hidden)
+        def steer_cast(hidden: Tensor) -> Tensor:
+            # .float() takes any dtype, so another one is refused here rather than cast back
+            # to the wrong one
+            if hidden.dtype is not dtype:
+                raise _NotBuiltFor(f"built for {dtype}, got {hidden.dtype}")
+            h = hidden.view(-1, hidden.shape[-1]).float()
+            out = addmm(h, shrink(addmm(neg_offset, h, probe_t), 1.0), neg_steer)
+            return out.to(dtype).view_as(hidden)
 
-        return steer_ungated
+        return steer_cast
 
     def steer_hidden(self, hidden: Tensor) -> tuple[Tensor, Tensor | None]:
         """The steered hidden states (in their dtype) and the open mask (..., K), or None when
