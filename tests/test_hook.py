@@ -178,9 +178,13 @@ def test_fast_path_after_the_first_call_is_exact_and_falls_back_on_anything_else
     for h in (hidden, hidden[:, -1:].contiguous(), torch.randn(1, 1, d, generator=gen)):
         assert torch.equal(hook(None, None, h), hook.steer_hidden(h)[0])
     assert torch.equal(hook(None, None, hidden), first)
-    # tuple outputs and other dtypes take the checked path, with the closure kept
+    # transformers 4 blocks return (hidden, cache, ...): the same closure, the rest kept
     steered, extra = hook(None, None, (hidden, "cache"))
     assert torch.equal(steered, first) and extra == "cache" and hook._fast is not None
+    from_tuple = GatedSteer(probe, steer, torch.tensor([4.0, 6.0, 8.0]), gate=gate)
+    from_tuple(None, None, (hidden, None))
+    assert from_tuple._fast is not None and torch.equal(from_tuple(None, None, (hidden,))[0], first)
+    # another dtype: the checked path
     low = hook(None, None, hidden.bfloat16())
     assert low.dtype == torch.bfloat16 and torch.equal(low, hook.steer_hidden(hidden.bfloat16())[0])
     # a wrong width fails inside torch and reaches the checked path's clear error

@@ -205,10 +205,14 @@ class GatedSteer:
         # result exists and is handed to the checked path, which steers it or says what is
         # wrong, and the closure is dropped.
         fast = self._fast
-        if fast is not None and type(output) is Tensor:
+        if fast is not None:
+            kind = type(output)
             try:
-                return fast(output)
-            except RuntimeError:
+                if kind is Tensor:  # transformers 5 blocks
+                    return fast(output)
+                if kind is tuple:  # transformers 4: (hidden, cache, ...)
+                    return (fast(output[0]), *output[1:])
+            except (RuntimeError, AttributeError, IndexError):
                 self._fast, self._fast_failed = None, True
         plain = isinstance(output, Tensor)
         hidden, rebuild = (output, None) if plain else split_block_output(output)
@@ -221,7 +225,12 @@ class GatedSteer:
         steered, is_open = self.steer_hidden(hidden)
         if self.track_gates and is_open is not None:
             self._count(is_open)
-        elif plain and self._fused and not self._fast_failed and hidden.dtype.is_floating_point:
+        elif (
+            self._fused
+            and not self._fast_failed
+            and (plain or type(output) is tuple)
+            and hidden.dtype.is_floating_point
+        ):
             self._fast = self._fused_closure(hidden.device, hidden.dtype)
         return steered if rebuild is None else rebuild(steered)
 
