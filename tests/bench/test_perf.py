@@ -32,7 +32,7 @@ def test_quick_perf_writes_results_table_and_figures(tmp_path, capsys):
     out = tmp_path / "perf"
     assert main(["--quick", "--out", str(out), "--no-progress"]) == 0
     results = json.loads((out / "results.json").read_text())
-    assert set(results["parts"]) == {"overhead", "calibration", "solve", "memory"}
+    assert set(results["parts"]) == {"overhead", "calibration", "solve", "memory", "adapters"}
     for key in ("cpu_count", "threads", "torch", "platform"):
         assert results["machine"][key]
 
@@ -78,6 +78,13 @@ def test_quick_perf_writes_results_table_and_figures(tmp_path, capsys):
     assert all(r["peak_rss_mb"] > 0 for r in memory)
     streaming = results["parts"]["memory"]["streaming_rows"]
     assert [r["texts"] for r in streaming] == [8, 32]
+
+    lora = results["parts"]["adapters"]  # peft is a dev dependency
+    assert [r["reference"] for r in lora["rows"]] == ["loaded", "adapters-off"]
+    assert lora["same_artifact"] and all(r["peak_rss_mb"] > 0 for r in lora["rows"])
+    assert (out / "adapters.png").is_file() and "adapters_off lowers the peak" in (
+        out / "table.md"
+    ).read_text()
     assert "keep_general=0" in (out / "table.md").read_text()
 
     for name in ("overhead", "calibration", "solve", "memory"):

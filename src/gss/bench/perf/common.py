@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import random
+import resource
 import statistics
 import sys
 import time
@@ -109,6 +110,20 @@ def syncer(device: torch.device | str) -> Callable[[], None]:
     if torch.device(device).type == "cuda":
         return partial(torch.cuda.synchronize, device)
     return _nothing
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory. Linux: ``VmHWM`` from /proc, which starts afresh
+    at exec; ``ru_maxrss`` does not (it inherits the parent's peak across fork + exec, so a
+    child of a big process would report the parent's peak)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
 
 
 def tiny_model(

@@ -119,3 +119,24 @@ def memory(result: dict[str, Any], path: Path) -> Path:
     ax.set_title("Calibration memory vs corpus size (fresh process each)")
     ax.legend()
     return _save(fig, path)
+
+
+def adapters(result: dict[str, Any], path: Path) -> Path:
+    """Peak RSS of calibrating a LoRA fine-tune against a second base copy vs adapters_off."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.0, 3.6))
+    labels = ["base loaded again", "adapters_off"]
+    rows = result["rows"]
+    ax.bar(labels, [r["peak_rss_mb"] for r in rows], color=["#999999", "#2a6fbb"], label="peak")
+    ax.bar(
+        labels,
+        [r["peak_rss_models_mb"] for r in rows],
+        color="none",
+        edgecolor="black",
+        hatch="//",
+        label="with the models resident",
+    )
+    ax.set_ylabel("peak RSS, MB")
+    ax.set_title(f"Calibrating a LoRA fine-tune: {result['model']}")
+    ax.legend(fontsize=8)
+    return _save(fig, path)

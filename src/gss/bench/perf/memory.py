@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -22,21 +21,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ...report import markdown_table
-from .common import QUICK, Sizes, log
-
-
-def _peak_mb() -> float:
-    """This process's peak resident memory. Linux: ``VmHWM`` from /proc, which starts afresh
-    at exec; ``ru_maxrss`` does not (it inherits the parent's peak across fork + exec, so a
-    child of a big process would report the parent's peak)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024  # kB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+from .common import QUICK, Sizes, log, peak_rss_mb
 
 
 def child(argv: Sequence[str] | None = None) -> int:
@@ -64,7 +49,7 @@ def child(argv: Sequence[str] | None = None) -> int:
     with torch.no_grad():  # touch the kernels once, so the baseline includes their buffers
         warm = ids[: sizes.calib_batch]
         forward_logits(model, warm, torch.ones_like(warm))
-    before = _peak_mb()
+    before = peak_rss_mb()
     start = time.perf_counter()
     artifact = calibrate(
         model,
@@ -77,7 +62,7 @@ def child(argv: Sequence[str] | None = None) -> int:
         progress=False,
     )
     seconds = time.perf_counter() - start
-    after = _peak_mb()
+    after = peak_rss_mb()
     record = {
         "texts": args.texts,
         "tokens": int(ids.numel()),

@@ -22,10 +22,10 @@ import torch
 
 from ... import __version__
 from ...report import machine_info, write_json
-from . import calibration, figures, memory, overhead, scaling
+from . import adapters, calibration, figures, memory, overhead, scaling
 from .common import QUICK, Sizes, log
 
-PARTS = ("overhead", "calibration", "solve", "memory")
+PARTS = ("overhead", "calibration", "solve", "memory", "adapters")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=None,
         help="local HF model directory to also measure the inference overhead on "
-        "(e.g. SmolLM2-135M); never downloaded",
+        "(e.g. SmolLM2-135M), and the adapters part's model instead of the tiny one; never "
+        "downloaded",
     )
     p.add_argument(
         "--max-full-d",
@@ -99,7 +100,7 @@ def _device(spec: str) -> torch.device:
 
 
 def _memory_skip_reason(device: torch.device, dtype: str) -> str | None:
-    """Why the memory part cannot run with these options (None: it can)."""
+    """Why the memory parts (memory, adapters) cannot run with these options (None: they can)."""
     if device.type == "cpu" and dtype == "float32":
         return None
     return (
@@ -164,6 +165,11 @@ def table(results: dict[str, Any]) -> str:
         ]
     if "memory" in parts:
         lines += ["## Calibration memory vs corpus size\n", memory.table(parts["memory"])]
+    if "adapters" in parts:
+        lines += [
+            "## Calibrating an adapter (LoRA) fine-tune: base loaded again vs adapters_off\n",
+            adapters.table(parts["adapters"]),
+        ]
     return "\n".join(lines)
 
 
@@ -218,11 +224,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             figure_paths.append(figures.solve(result, out / "solve.png"))
         elif reason := _memory_skip_reason(device, args.dtype):
-            log(f"memory: skipped, {reason}")
+            log(f"{part}: skipped, {reason}")
             result = {"skipped": reason}
-        else:
+        elif part == "memory":
             result = memory.run(sizes, quick=args.quick, threads=args.threads, progress=progress)
             figure_paths.append(figures.memory(result, out / "memory.png"))
+        else:
+            result = adapters.run(
+                sizes,
+                model_path=args.model,
+                quick=args.quick,
+                threads=args.threads,
+                progress=progress,
+            )
+            if "skipped" not in result:
+                figure_paths.append(figures.adapters(result, out / "adapters.png"))
         results["parts"][part] = result
         results["seconds"][part] = time.perf_counter() - t0
         results["part_commands"][part] = results["command"]
