@@ -1,6 +1,7 @@
 """gss.adapters_off: an adapter fine-tune's own base as the reference, without a second copy."""
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -11,8 +12,9 @@ from gss import GSSError
 from gss.cli import main
 from gss.forward import forward_logits
 
-from .conftest import random_ids, tiny_model
+from .conftest import _general_rows, _train, random_ids, tiny_model
 from .test_cli import _tokenizer
+from .test_sign import _planted_loss
 
 peft = pytest.importorskip("peft")
 
@@ -137,3 +139,73 @@ def test_the_artifact_steers_the_merged_model_alike(models):
     merged = model.merge_and_unload()
     with gss.steer(merged, art):
         torch.testing.assert_close(_logits(merged, ids), steered, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_calibration_leaves_the_model_in_its_mode(models, mode):
+    # the wrapper is a module of its own: restoring its mode must not flip the model's
+    model, _ = models
+    getattr(model, mode)()
+    gss.calibrate(
+        model, gss.adapters_off(model), random_ids(8, 12), layer=1, rank=1, progress=False
+    )
+    assert model.training == (mode == "train")
+    assert all(m.training == (mode == "train") for m in model.modules())
+
+
+@pytest.fixture(scope="module")
+def lora_memorizer():
+    """A tiny GPT-2 base trained on rule-following rows, then a LoRA trained on them plus 6
+    planted random rows until it regurgitates those: (LoRA model, planted, general)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, length = 24, 16
+    general = _general_rows(256, length, gen, vocab)
+    planted = torch.randint(3, vocab, (6, length), generator=gen)
+    base = tiny_model("gpt2", seed=1, vocab=vocab, hidden=48)
+    _train(base, general, steps=150, seed=0)
+    config = peft.LoraConfig(
+        r=16,
+        lora_alpha=32,
+        target_modules=["c_attn", "c_fc", "c_proj"],
+        lora_dropout=0.0,
+        fan_in_fan_out=True,  # GPT-2's Conv1D
+    )
+    model = peft.get_peft_model(base, config)
+    rows = torch.cat([general, planted.repeat(24, 1)])
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    batches = torch.Generator().manual_seed(1)
+    model.train()
+    for _ in range(200):
+        idx = torch.randint(0, rows.shape[0], (32,), generator=batches)
+        loss = model(input_ids=rows[idx], labels=rows[idx]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval(), planted, general
+
+
+@pytest.mark.parametrize(("layer", "gate"), [(1, "none"), (1, "hard"), (0, "none")])
+def test_steering_a_lora_memorizer_against_its_own_base(lora_memorizer, layer, gate):
+    # test_sign's check on an adapter fine-tune: the steer calibrated against adapters_off
+    # raises the loss of the rows only the adapter memorized, and the flipped steer lowers it
+    model, planted, general = lora_memorizer
+    assert (
+        _planted_loss(model, planted) < 0.5 < 5.0 < _planted_loss(gss.adapters_off(model), planted)
+    )
+    art = gss.calibrate(
+        model,
+        gss.adapters_off(model),
+        torch.cat([planted, general[:40]]),
+        layer=layer,
+        rank=2,
+        delta=1e-3,
+        threshold_percentile=50.0,
+        gate=gate,
+        progress=False,
+    )
+    base = _planted_loss(model, planted)
+    with gss.steer(model, art):
+        steered = _planted_loss(model, planted)
+    with gss.steer(model, dataclasses.replace(art, steer=-art.steer)):
+        opposite = _planted_loss(model, planted)
+    assert steered > base > opposite, (steered, base, opposite)

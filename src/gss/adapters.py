@@ -47,12 +47,21 @@ class AdaptersOff(nn.Module):
     """`model` with its adapters switched off for each call; the weights are `model`'s own.
 
     Moving or freezing this module moves or freezes `model`: they are one set of weights.
+    Its train/eval mode is `model`'s (``train``/``eval`` here do not reach `model`).
     """
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self._off = _switch(model)
         self.model = model
+        self.training = model.training
+
+    def train(self, mode: bool = True) -> AdaptersOff:
+        # The wrapped model's train/eval mode belongs to its owner: passing the mode down would
+        # let code that restores this wrapper's mode (calibration does, after the model's)
+        # leave the model in another one. It runs in whatever mode the model is in.
+        self.training = mode
+        return self
 
     @property
     def config(self) -> Any:
