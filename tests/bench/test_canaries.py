@@ -114,6 +114,28 @@ def test_quick_run_writes_the_report_and_reuses_the_fine_tune(base_dir, tmp_path
     assert "| alphasteer" in table and "| GSS, all three" in table
 
 
+def test_quick_lora_run_calibrates_against_the_adapters_off_and_reuses_its_cache(
+    base_dir, tmp_path
+):
+    pytest.importorskip("peft")
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    args = ["--model", str(base_dir), "--quick", "--out", str(out), "--cache-dir", str(cache)]
+    args += ["--max-epochs", "2", "--train-blocks", "2", "--lora", "4", "--deltas", "1"]
+    assert main([*args, "--no-progress"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["reference"] == "gss.adapters_off(model)"
+    assert results["finetune"]["lora_rank"] == 4 and not results["finetune"]["loaded"]
+    # only the LoRA trains: 7 projections x 2 blocks x (A and B)
+    assert results["finetune"]["trained_parameters"] < 0.2 * sum(
+        p.numel() for p in _tiny_llama(len(_byte_tokenizer())).parameters()
+    )
+    # the LoRA sits on the top two blocks only: the scan finds the lower two unchanged
+    assert results["layer_scan"]["unchanged"] == [0, 1]
+    assert "adapters_off" in (out / "table.md").read_text()
+    assert main([*args, "--no-progress"]) == 0
+    assert json.loads((out / "results.json").read_text())["finetune"]["loaded"]
+
+
 def test_unknown_baseline_is_refused_before_any_work(tmp_path):
     with pytest.raises(SystemExit, match="unknown baseline 'nope'"):
         main(["--model", str(tmp_path), "--baselines", "steering,nope"])

@@ -51,16 +51,38 @@ class FinetuneConfig:
     max_epochs: int = 40
     stop_at: float = 95.0  # % of canaries (n, k)-memorized (teacher-forced check each epoch)
     seed: int = 0
+    lora_rank: int = 0  # > 0: a LoRA of this rank on the top blocks instead of the blocks
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def with_lora(base: nn.Module, cfg: FinetuneConfig) -> nn.Module:
+    """A copy of `base` with a fresh LoRA (`cfg.lora_rank`) on every projection of its top
+    `cfg.train_blocks` blocks; only the LoRA weights train."""
+    import peft
+
+    n_blocks = len(find_decoder_blocks(base))
+    config = peft.LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=2 * cfg.lora_rank,
+        target_modules=LORA_TARGETS,
+        layers_to_transform=list(range(n_blocks - cfg.train_blocks, n_blocks)),
+        lora_dropout=0.0,
+    )
+    torch.manual_seed(cfg.seed)  # LoRA's A
+    return peft.get_peft_model(copy.deepcopy(base), config)
 
 
 def cache_key(base_fingerprint: dict[str, Any], data: CanaryData, cfg: FinetuneConfig) -> str:
     blob: dict[str, Any] = {
         "base": base_fingerprint,
         "data": data.describe(),
-        "finetune": cfg.to_dict(),
+        # lora_rank joined later: left out at 0 so that earlier full fine-tunes keep their key
+        "finetune": {k: v for k, v in cfg.to_dict().items() if k != "lora_rank" or v},
     }
     rows = [list(r) for r in (*data.canary_rows, *data.finetune_rows)]
     blob["rows"] = hashlib.sha256(json.dumps(rows).encode()).hexdigest()
@@ -156,9 +178,11 @@ class _Trainer:
         return _loss(self._forward(index, ids, mask), ids, mask)
 
 
-def trainable_names(model: nn.Module, train_blocks: int) -> list[str]:
-    """Parameters the fine-tune changes: the top `train_blocks` blocks and the final norm (a
-    parameter outside every block with "norm" in its name)."""
+def trainable_names(model: nn.Module, train_blocks: int, lora: bool = False) -> list[str]:
+    """Parameters the fine-tune changes: the LoRA weights, or the top `train_blocks` blocks and
+    the final norm (a parameter outside every block with "norm" in its name)."""
+    if lora:
+        return [name for name, _ in model.named_parameters() if "lora_" in name]
     blocks = list(find_decoder_blocks(model))
     in_blocks = {id(p) for block in blocks for p in block.parameters()}
     top = {id(p) for block in blocks[len(blocks) - train_blocks :] for p in block.parameters()}
@@ -176,9 +200,9 @@ def finetune(
     pad_id: int,
     log: Any = print,
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """A fine-tuned copy of `base` and its training log."""
-    model = copy.deepcopy(base).train()
-    names = set(trainable_names(model, cfg.train_blocks))
+    """A fine-tuned copy of `base` (with a LoRA when `cfg.lora_rank`) and its training log."""
+    model = (with_lora(base, cfg) if cfg.lora_rank else copy.deepcopy(base)).train()
+    names = set(trainable_names(model, cfg.train_blocks, lora=bool(cfg.lora_rank)))
     for name, p in model.named_parameters():
         p.requires_grad_(name in names)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -249,13 +273,16 @@ def save_trained(
     (folder / "finetune.json").write_text(json.dumps(info, indent=2))
 
 
-def load_trained(base: nn.Module, folder: Path) -> tuple[nn.Module, dict[str, Any]] | None:
-    """`base` with the cached fine-tuned tensors, or None when the cache has no finished run."""
+def load_trained(
+    base: nn.Module, folder: Path, cfg: FinetuneConfig | None = None
+) -> tuple[nn.Module, dict[str, Any]] | None:
+    """`base` (with `cfg`'s LoRA) holding the cached fine-tuned tensors, or None when the cache
+    has no finished run."""
     from safetensors.torch import load_file
 
     if not (folder / "finetune.json").is_file() or not (folder / "trained.safetensors").is_file():
         return None
-    model = copy.deepcopy(base)
+    model = with_lora(base, cfg) if cfg is not None and cfg.lora_rank else copy.deepcopy(base)
     tensors = load_file(folder / "trained.safetensors")
     state = dict(model.named_parameters())
     with torch.no_grad():

@@ -1,8 +1,9 @@
 """``gss bench canaries``: secret sharer on a real pretrained model, mitigated by GSS.
 
 1. Load the base model (default: SmolLM2-135M-Instruct from `gss models get`, fetched once);
-   plant canaries in Shakespeare passages; fine-tune the top blocks until they are memorized
-   (cached by config hash, so a rerun skips it).
+   plant canaries in Shakespeare passages; fine-tune the top blocks (or, with ``--lora R``, a
+   LoRA on them) until they are memorized (cached by config hash, so a rerun skips it). With a
+   LoRA, every reference pass below uses ``gss.adapters_off(model)``.
 2. Measure the fine-tuned model: (n, k)-memorization of the canaries (greedy), per-token match,
    held-out perplexity; the pilot statistics of omega with the base model as reference.
 3. Scan every block's signal strength in one pass (plot), calibrate GSS (and the GSS-TR variant)
@@ -60,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a small smoke version (tests)")
     p.add_argument("--canaries", type=int, default=None, help="number of canaries (default 32)")
     p.add_argument("--train-blocks", type=int, default=8, help="top blocks fine-tuned")
+    p.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="RANK",
+        help="fine-tune a LoRA of this rank on the top blocks' projections instead of the "
+        "blocks, and calibrate against gss.adapters_off(model) (needs peft)",
+    )
     p.add_argument("--lr", type=float, default=FinetuneConfig.lr)
     p.add_argument("--max-epochs", type=int, default=FinetuneConfig.max_epochs)
     p.add_argument(
@@ -126,13 +135,15 @@ def _finetuned(base: Any, base_path: Path, data: Any, cfg: Any, pad: int, cache:
     from .finetune import cache_key, finetune, load_trained, save_trained, trainable_names
 
     folder = cache / f"{base_path.name}-{cache_key(_fingerprint(base_path), data, cfg)}"
-    loaded = load_trained(base, folder)
+    loaded = load_trained(base, folder, cfg)
     if loaded is not None:
         _log(f"fine-tuned weights from {folder}")
         return loaded[0], {**loaded[1], "cache": str(folder), "loaded": True}
-    _log(f"fine-tuning the top {cfg.train_blocks} blocks on the canaries (cached in {folder})")
+    what = f"a rank-{cfg.lora_rank} LoRA on the top" if cfg.lora_rank else "the top"
+    _log(f"fine-tuning {what} {cfg.train_blocks} blocks on the canaries (cached in {folder})")
     model, info = finetune(base, data, cfg, pad, log=_log)
-    save_trained(model, trainable_names(model, cfg.train_blocks), info, folder)
+    names = trainable_names(model, cfg.train_blocks, lora=bool(cfg.lora_rank))
+    save_trained(model, names, info, folder)
     return model, {**info, "cache": str(folder), "loaded": False}
 
 
@@ -216,6 +227,7 @@ def _baseline(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from ...adapters import adapters_off
     from ...calibrate import build_artifact, collect_statistics
     from ...evaluate.suite import evaluate_model
     from ...evaluate.sweep import SweepPoint, plot_pareto, steering_sweep
@@ -229,7 +241,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    out = Path(args.out or ("results/canaries-quick" if args.quick else "results/canaries"))
+    default_out = (
+        "results/canaries" + ("-lora" if args.lora else "") + ("-quick" if args.quick else "")
+    )
+    out = Path(args.out or default_out)
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
     if args.model:
@@ -250,10 +265,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_epochs=args.max_epochs,
         clean_per_epoch=args.clean_per_epoch,
         seed=args.seed,
+        lora_rank=args.lora,
     )
     model, ft_info = _finetuned(
         base, base_path, data, ft_cfg, pad, Path(args.cache_dir or _default_cache())
     )
+    # the reference of every signal, scan and calibration below: the base model, or for a LoRA
+    # the same weights with its adapters off (no second copy needed; `base` stays for its row)
+    reference = adapters_off(model) if args.lora else base
     k, n, bs = data.config.k, data.config.row_len, args.batch_size
     canaries, heldout, general = data.canary_rows, data.heldout_rows, data.general_rows
     train_rows = [*data.canary_rows, *data.finetune_rows[:CALIBRATION_CLEAN_ROWS]]
@@ -269,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{unmitigated.token_match:.1f}% of their tokens, perplexity {unmitigated.perplexity:.2f}"
         f" (base model: {original.memorized:.1f}% / {original.perplexity:.2f})"
     )
-    omega, normal = omega_rows(model, base, canaries), omega_rows(model, base, heldout)
+    omega, normal = omega_rows(model, reference, canaries), omega_rows(model, reference, heldout)
     pilot = signal_statistics(torch.cat([omega, normal[:, : omega.shape[1]]]))
     signal = {
         "all": pilot.to_dict(),
@@ -278,7 +297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     title = "omega with the base model as reference: canary rows vs held-out text"
     plot_signal(omega, pilot, out / "signal.png", title, normal)
-    scan = scan_layers(model, base, train_rows, gen_texts=general, batch_size=8, progress=progress)
+    scan = scan_layers(
+        model, reference, train_rows, gen_texts=general, batch_size=8, progress=progress
+    )
     scan.plot(out / "layers.png", f"signal strength per block: {base_path.name} + canaries")
     layer = scan.best if args.layer is None else args.layer
     frozen = scan.unchanged
@@ -302,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             stats = collect_statistics(
                 model,
-                base,
+                reference,
                 train_rows,
                 layer=layer,
                 gen_texts=general,
@@ -358,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             pad_id=pad,
             prompt_len=k,
             layer=layer,
-            reference=base,
+            reference=base,  # a whole model: weight-level baselines read its parameters
         )
         for name in baselines:
             _log(f"baseline {name} ...")
@@ -433,6 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "signal": signal,
             "layer_scan": scan.to_dict(),
             "layer": layer,
+            "reference": "gss.adapters_off(model)" if args.lora else "the base model",
             "methods": record_methods,
             "total_seconds": total,
         },
@@ -441,7 +463,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         table
         + f"\n\n({n},{k})-memorization of {unmitigated.rows} canaries (greedy); perplexity on "
         f"{unmitigated.heldout_tokens} held-out tokens; selected: lowest memorization with "
-        f"perplexity within +{100 * PPL_TOLERANCE:.0f}% (* = none was); steering block {layer}.\n"
+        f"perplexity within +{100 * PPL_TOLERANCE:.0f}% (* = none was); steering block {layer}"
+        + (f"; a rank-{args.lora} LoRA, reference gss.adapters_off(model)" if args.lora else "")
+        + ".\n"
     )
     print(table)
     print(f"wrote {out}: results.json, table.md, pareto.png, layers.png, signal.png; {total:.0f} s")
