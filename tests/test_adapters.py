@@ -1,7 +1,6 @@
 """gss.adapters_off: an adapter fine-tune's own base as the reference, without a second copy."""
 
 import copy
-import dataclasses
 import json
 
 import pytest
@@ -14,7 +13,7 @@ from gss.forward import forward_logits
 
 from .conftest import _general_rows, _train, random_ids, tiny_model
 from .test_cli import _tokenizer
-from .test_sign import _planted_loss
+from .test_sign import _planted_loss, steered_losses
 
 peft = pytest.importorskip("peft")
 
@@ -192,20 +191,6 @@ def test_steering_a_lora_memorizer_against_its_own_base(lora_memorizer, layer, g
     assert (
         _planted_loss(model, planted) < 0.5 < 5.0 < _planted_loss(gss.adapters_off(model), planted)
     )
-    art = gss.calibrate(
-        model,
-        gss.adapters_off(model),
-        torch.cat([planted, general[:40]]),
-        layer=layer,
-        rank=2,
-        delta=1e-3,
-        threshold_percentile=50.0,
-        gate=gate,
-        progress=False,
-    )
-    base = _planted_loss(model, planted)
-    with gss.steer(model, art):
-        steered = _planted_loss(model, planted)
-    with gss.steer(model, dataclasses.replace(art, steer=-art.steer)):
-        opposite = _planted_loss(model, planted)
+    reference = gss.adapters_off(model)
+    steered, base, opposite = steered_losses(model, reference, planted, general, layer, gate)
     assert steered > base > opposite, (steered, base, opposite)

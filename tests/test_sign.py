@@ -25,14 +25,13 @@ def _planted_loss(model, planted, skip=3):
         )
 
 
-@pytest.mark.parametrize(("layer", "gate"), [(1, "none"), (1, "hard"), (0, "none")])
-def test_steering_raises_memorized_loss_and_the_opposite_sign_lowers_it(memorizer, layer, gate):
-    model, ref, planted, general = memorizer
-    texts = torch.cat([planted, general[:40]])
+def steered_losses(model, reference, planted, general, layer, gate):
+    """The planted rows' loss steered, unsteered and with the steer's sign flipped, for a steer
+    calibrated on them and 40 general rows at a small strength."""
     art = gss.calibrate(
         model,
-        ref,
-        texts,
+        reference,
+        torch.cat([planted, general[:40]]),
         layer=layer,
         rank=2,
         delta=1e-3,
@@ -40,12 +39,18 @@ def test_steering_raises_memorized_loss_and_the_opposite_sign_lowers_it(memorize
         gate=gate,
         progress=False,
     )
-    flipped = dataclasses.replace(art, steer=-art.steer)
     base = _planted_loss(model, planted)
     with gss.steer(model, art):
         steered = _planted_loss(model, planted)
-    with gss.steer(model, flipped):
+    with gss.steer(model, dataclasses.replace(art, steer=-art.steer)):
         opposite = _planted_loss(model, planted)
+    return steered, base, opposite
+
+
+@pytest.mark.parametrize(("layer", "gate"), [(1, "none"), (1, "hard"), (0, "none")])
+def test_steering_raises_memorized_loss_and_the_opposite_sign_lowers_it(memorizer, layer, gate):
+    model, ref, planted, general = memorizer
+    steered, base, opposite = steered_losses(model, ref, planted, general, layer, gate)
     assert steered > base > opposite, (steered, base, opposite)
 
 

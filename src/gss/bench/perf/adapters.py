@@ -14,16 +14,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ...report import markdown_table
-from .common import QUICK, Sizes, log, peak_rss_mb
+from .common import QUICK, Sizes, log, peak_rss_mb, run_child
 
 REFERENCES = ("loaded", "adapters-off")
 LORA_TARGETS = ["q_proj", "v_proj"]
@@ -109,19 +106,14 @@ def run(
     name = Path(model_path).name if model_path else "tiny-llama"
     rows = []
     for reference in REFERENCES:
-        cmd = [sys.executable, "-m", "gss.bench.perf.adapters", "--reference", reference]
-        if model_path:
-            cmd += ["--model", model_path]
-        if quick:
-            cmd.append("--quick")
-        if threads:
-            cmd += ["--threads", str(threads)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"adapters child ({reference}) failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
-            )
-        record = json.loads(proc.stdout.strip().splitlines()[-1])
+        args = ["--reference", reference, *(["--model", model_path] if model_path else [])]
+        record = run_child(
+            "gss.bench.perf.adapters",
+            args,
+            quick=quick,
+            threads=threads,
+            what=f"adapters child ({reference})",
+        )
         rows.append(record)
         log(
             f"adapters/{name}: reference {reference}: peak {record['peak_rss_mb']:.0f} MB, "

@@ -12,14 +12,18 @@ On CUDA, kernels run asynchronously: every timed span starts and ends with ``syn
 from __future__ import annotations
 
 import copy
+import json
+import os
 import random
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -124,6 +128,23 @@ def peak_rss_mb() -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+
+
+def run_child(
+    module: str, args: Sequence[str], *, quick: bool, threads: int | None, what: str
+) -> dict[str, Any]:
+    """Run ``python -m module args`` in a fresh interpreter (a peak RSS is a process-wide
+    high-water mark) and return the JSON line it prints last."""
+    cmd = [sys.executable, "-m", module, *args]
+    if quick:
+        cmd.append("--quick")
+    if threads:
+        cmd += ["--threads", str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    record: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return record
 
 
 def tiny_model(

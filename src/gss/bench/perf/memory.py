@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +18,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ...report import markdown_table
-from .common import QUICK, Sizes, log, peak_rss_mb
+from .common import QUICK, Sizes, log, peak_rss_mb, run_child
 
 
 def child(argv: Sequence[str] | None = None) -> int:
@@ -84,19 +81,16 @@ def _series(
     rows = []
     label = "default" if keep_general is None else f"keep_general={keep_general}"
     for n in tqdm(sizes.memory_texts, desc=f"memory ({label})", disable=not progress, leave=False):
-        cmd = [sys.executable, "-m", "gss.bench.perf.memory", "--texts", str(n)]
-        if quick:
-            cmd.append("--quick")
-        if threads:
-            cmd += ["--threads", str(threads)]
+        args = ["--texts", str(n)]
         if keep_general is not None:
-            cmd += ["--keep-general", str(keep_general)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"memory child for {n} texts failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
-            )
-        record = json.loads(proc.stdout.strip().splitlines()[-1])
+            args += ["--keep-general", str(keep_general)]
+        record = run_child(
+            "gss.bench.perf.memory",
+            args,
+            quick=quick,
+            threads=threads,
+            what=f"memory child for {n} texts",
+        )
         rows.append(record)
         log(
             f"memory ({label}): {n} texts, peak {record['peak_rss_mb']:.0f} MB "
