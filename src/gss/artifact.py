@@ -224,7 +224,7 @@ class SteeringArtifact:
         artifact = self.with_options(**options) if options else self
         artifact.check_model(model, strict=strict)
         _, block = resolve_layer(model, artifact.config.layer, artifact.config.block_path)
-        return register(block, artifact.make_hook(track_gates=track_gates))
+        return register(block, artifact.make_hook(track_gates=track_gates), model)
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """Write ``gss_config.json`` and ``gss_tensors.safetensors`` into ``directory``."""

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from . import distributed
 from .artifact import SteeringArtifact, SteeringConfig, model_fingerprint
+from .compiled import refuse_if_compiled
 from .data import Batch, TextsOrIds, batches, count_batches, encode, encode_compact
 from .errors import GSSError
 from .forward import (
@@ -88,7 +89,10 @@ def _tapped(block: nn.Module, stop: bool, leaf: bool) -> Iterator[_Tap]:
 
 @contextmanager
 def _calibration_mode(*models: nn.Module) -> Iterator[None]:
-    """Eval mode and frozen weights for the duration; both restored afterwards."""
+    """Eval mode and frozen weights for the duration; both restored afterwards. Models whose
+    compiled code would not run calibration's forward hooks are refused first."""
+    for m in models:
+        refuse_if_compiled(m, reading=True)
     states = [(m, m.training, [(p, p.requires_grad) for p in m.parameters()]) for m in models]
     try:
         for m in models:

@@ -6,7 +6,8 @@ gate of direction k where the response passes its threshold, and subtracts
 activation dtype; a token whose gates all stay closed gets a correction of exactly zero, so its
 output is bit-for-bit unchanged. The hook does no host synchronisation and no Python branching
 on tensor values, so it runs the same under ``generate``, the KV cache, CUDA graphs and
-``torch.compile``. It knows nothing about artifacts or files: it takes tensors and options.
+``torch.compile`` (attached before compiling, or with hook guards on: see ``compiled.py``).
+It knows nothing about artifacts or files: it takes tensors and options.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from .compiled import refuse_if_compiled
 from .errors import GSSError
 
 GateMode = Literal["hard", "relu", "none"]
@@ -370,6 +372,10 @@ class SteerHandle:
         self.remove()
 
 
-def register(block: nn.Module, hook: Callable[..., Any]) -> SteerHandle:
-    """Attach ``hook`` to ``block``'s forward output."""
+def register(
+    block: nn.Module, hook: Callable[..., Any], model: nn.Module | None = None
+) -> SteerHandle:
+    """Attach ``hook`` to ``block``'s forward output; ``model`` is the model ``block`` is in,
+    searched for compiled code that would not run the hook (the block alone when None)."""
+    refuse_if_compiled(block if model is None else model)
     return SteerHandle(hook, block.register_forward_hook(hook))

@@ -52,7 +52,7 @@ class _StaticSteer:
 
     def attach(self, model: nn.Module, layer: int, block_path: str | None = None) -> SteerHandle:
         _, block = resolve_layer(model, layer, block_path)
-        return register(block, self)
+        return register(block, self, model)
 
 
 class MeanDifferenceSteer(_StaticSteer):

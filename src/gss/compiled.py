@@ -1,0 +1,76 @@
+"""``torch.compile`` and forward hooks: find the case where a steer would silently not run.
+
+With ``torch._dynamo.config.skip_nnmodule_hook_guards`` on (torch's default), code compiled
+while a module had no forward hooks does not check for them again: a hook attached later never
+runs in it. (A hook present when compiling is guarded: removing it recompiles.) A steer
+attached to a model compiled without it would leave every output unsteered without a word, so
+attaching refuses such a model, as does calibration, which reads a block with a hook.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch import nn
+
+from .errors import GSSError
+
+_FIX = (
+    "Set torch._dynamo.config.skip_nnmodule_hook_guards = False before compiling (torch then "
+    "compiles the steered and the unsteered model once each and picks the right one), or "
+    "attach the steer before compiling and leave it attached."
+)
+
+
+def hooks_unseen_by_compiled_code() -> bool:
+    """Whether code compiled without hooks ignores hooks added later (torch's default)."""
+    dynamo = sys.modules.get("torch._dynamo")  # never imported: nothing was compiled
+    return dynamo is not None and bool(getattr(dynamo.config, "skip_nnmodule_hook_guards", True))
+
+
+def compiled_parts(model: nn.Module) -> list[str]:
+    """Where ``model`` holds ``torch.compile`` code: a wrapper from ``torch.compile(model)``,
+    ``module.compile()``, a compiled ``forward`` set on a module, or the compiled call that
+    ``generate`` makes for a static cache. Empty when torch's compiler was never imported."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return []
+    optimized = getattr(getattr(dynamo, "eval_frame", None), "OptimizedModule", ())
+    found = []
+    for name, module in model.named_modules():
+        where = f"module {name!r}" if name else "the model"
+        own = vars(module)
+        if isinstance(module, optimized):
+            found.append(f"{where}: a torch.compile wrapper")
+        elif own.get("_compiled_call_impl") is not None:
+            found.append(f"{where}: .compile()")
+        elif hasattr(own.get("forward"), "_torchdynamo_orig_callable"):
+            found.append(f"{where}: a compiled forward")
+        elif own.get("_compiled_call") is not None:
+            found.append(f"{where}: compiled by generate for a static cache")
+    return found
+
+
+def refuse_if_compiled(model: nn.Module, *, reading: bool = False) -> None:
+    """Raise before attaching a hook that compiled code in ``model`` would never run: the
+    steer, or (``reading``) calibration's read of a block's output."""
+    if not hooks_unseen_by_compiled_code():
+        return
+    parts = compiled_parts(model)
+    if not parts:
+        return
+    if reading:
+        what = "calibration reads a block's output with a forward hook, which it would not run"
+        fix = (
+            "Calibrate before compiling (for torch.compile(model), pass the model it wraps: "
+            "._orig_mod), or set torch._dynamo.config.skip_nnmodule_hook_guards = False "
+            "before compiling."
+        )
+    else:
+        what = "the steer would silently not run"
+        fix = _FIX
+    raise GSSError(
+        f"the model holds torch.compile code ({'; '.join(parts)}), and compiled code "
+        "does not see forward hooks added after compiling "
+        f"(torch._dynamo.config.skip_nnmodule_hook_guards is True): {what}. {fix}"
+    )

@@ -1,0 +1,176 @@
+"""torch.compile: a steer runs in compiled code, or gss says why it would not.
+
+With ``torch._dynamo.config.skip_nnmodule_hook_guards`` on (torch's default), compiled code
+ignores hooks added after compiling without them: measured here first, so that the refusals below
+are known to guard a real silent failure. The "eager" backend traces with dynamo (where hooks
+are seen or not) without generating code, so these tests need no C++ compiler.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+import gss
+from gss.baselines.steering import MeanDifferenceSteer
+
+from .conftest import random_ids
+
+IDS = random_ids(3, 10, seed=5)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _reference(make_model):
+    return make_model("llama", seed=7)
+
+
+def _setup(make_model):
+    model = make_model("llama")
+    art = gss.calibrate(
+        model, _reference(make_model), random_ids(12, 16), layer=0, rank=2, progress=False
+    )
+    art = art.with_options(gate="none")  # every token steered: steered != plain everywhere
+    return model, art
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+def _eager(model, art):
+    plain = _logits(model)
+    with gss.steer(model, art):
+        steered = _logits(model)
+    assert not torch.allclose(plain, steered, atol=1e-4)
+    return plain, steered
+
+
+def _which(logits, plain, steered):
+    if torch.allclose(logits, plain, atol=1e-5):
+        return "plain"
+    return "steered" if torch.allclose(logits, steered, atol=1e-5) else "other"
+
+
+def test_compiled_code_ignores_late_hooks_by_default(make_model):
+    """The torch behaviour the refusal exists for: a hook attached after compiling, bypassing
+    gss's check, never runs."""
+    model, art = _setup(make_model)
+    plain, steered = _eager(model, art)
+    compiled = torch.compile(model, backend="eager")
+    assert _which(_logits(compiled), plain, steered) == "plain"
+    _, block = gss.layers.resolve_layer(model, 0)
+    handle = block.register_forward_hook(art.make_hook())
+    assert _which(_logits(compiled), plain, steered) == "plain"  # silently unsteered
+    handle.remove()
+
+
+@pytest.mark.parametrize("how", ["wrapper", "method", "forward", "block"])
+def test_steering_an_already_compiled_model_is_refused(make_model, how):
+    model, art = _setup(make_model)
+    _, block = gss.layers.resolve_layer(model, 0)
+    target = model
+    if how == "wrapper":
+        target = torch.compile(model, backend="eager")
+    elif how == "method":
+        model.compile(backend="eager")
+    elif how == "forward":
+        model.forward = torch.compile(model.forward, backend="eager")
+    else:
+        block.compile(backend="eager")
+    with pytest.raises(gss.GSSError, match="skip_nnmodule_hook_guards = False"):
+        art.attach(target)
+    with pytest.raises(gss.GSSError, match="skip_nnmodule_hook_guards"):
+        MeanDifferenceSteer(torch.ones(32), alpha=1.0).attach(target, 0)
+    assert not block._forward_hooks  # nothing was left attached
+    with pytest.raises(gss.GSSError, match="Calibrate before compiling"):
+        gss.calibrate(
+            target, make_model("llama", seed=7), random_ids(4, 8), layer=0, progress=False
+        )
+
+
+@torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
+def test_with_hook_guards_on_compiled_code_follows_the_steer(make_model):
+    model, art = _setup(make_model)
+    plain, steered = _eager(model, art)
+    compiled = torch.compile(model, backend="eager")
+    seen = [_which(_logits(compiled), plain, steered)]
+    for _ in range(2):
+        with gss.steer(compiled, art):
+            seen.append(_which(_logits(compiled), plain, steered))
+        seen.append(_which(_logits(compiled), plain, steered))
+    assert seen == ["plain", "steered", "plain", "steered", "plain"]
+    # calibrating the compiled model reads the same activations as the eager one
+    again = gss.calibrate(
+        compiled, _reference(make_model), random_ids(12, 16), layer=0, rank=2, progress=False
+    )
+    assert torch.allclose(again.steer, art.steer, atol=1e-5)
+
+
+def test_a_steer_attached_before_compiling_runs_and_comes_off(make_model):
+    """A hook present when compiling is guarded: removing it recompiles. Code compiled without
+    it then ignores hooks again, so attaching anew is refused."""
+    model, art = _setup(make_model)
+    plain, steered = _eager(model, art)
+    handle = art.attach(model)
+    model.compile(backend="eager")
+    assert _which(_logits(model), plain, steered) == "steered"
+    handle.remove()
+    assert _which(_logits(model), plain, steered) == "plain"
+    _, block = gss.layers.resolve_layer(model, 0)
+    bypass = block.register_forward_hook(art.make_hook())
+    assert _which(_logits(model), plain, steered) == "plain"  # what attaching anew would do
+    bypass.remove()
+    with pytest.raises(gss.GSSError, match="compiled"):
+        art.attach(model)
+
+
+def test_a_wrapper_the_model_does_not_know_of_is_out_of_sight(make_model):
+    """``torch.compile(model)`` returns a wrapper that ``model`` holds no reference to: gss
+    checks what it is given, so steer (and remove) through the wrapper (documented)."""
+    model, art = _setup(make_model)
+    compiled = torch.compile(model, backend="eager")
+    _logits(compiled)
+    assert gss.compiled.compiled_parts(model) == []  # not seen: nothing to refuse
+    with pytest.raises(gss.GSSError, match=r"torch\.compile wrapper"):
+        art.attach(compiled)
+
+
+def test_generate_compiling_its_decode_steps_is_caught(make_model):
+    """``generate`` compiles the decode steps for a static cache (on GPUs by default): a hook
+    attached afterwards steers the uncompiled prefill and silently not one decode step."""
+    from transformers import CompileConfig
+
+    model, art = _setup(make_model)
+    ids = random_ids(1, 6, seed=2)
+    config = CompileConfig(backend="eager", mode=None)
+    config._compile_all_devices = True  # transformers' switch to compile on a CPU, for tests
+
+    def generate(**options):
+        with torch.no_grad():
+            return model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=6,
+                do_sample=False,
+                cache_implementation="static",
+                **options,
+            )
+
+    generate(compile_config=config)
+    _, block = gss.layers.resolve_layer(model, 0)
+    bypass = block.register_forward_hook(art.make_hook())
+    late = generate(compile_config=config)
+    eager = generate(disable_compile=True)
+    bypass.remove()
+    assert late[0, 6] == eager[0, 6]  # the prefill's token: steered
+    assert not torch.equal(late, eager)  # the decode steps: not
+    with pytest.raises(gss.GSSError, match="compiled by generate"):
+        art.attach(model)
