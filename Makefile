@@ -4,7 +4,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test bench lint clean
+.PHONY: setup test test-min bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -19,6 +19,16 @@ setup: $(STAMP)
 test: $(STAMP)
 	$(VPY) -m pytest -q
 
+# The suite against the oldest transformers, accelerate and peft that pyproject.toml allows,
+# in its own environment (.venv-min), so that the declared floors stay true.
+MIN_VENV ?= .venv-min
+test-min:
+	test -x $(MIN_VENV)/bin/python || $(PY) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip install -q --upgrade pip
+	$(MIN_VENV)/bin/python -c "import torch" 2>/dev/null || $(MIN_VENV)/bin/python -m pip install -q "torch==2.13.0"
+	$(MIN_VENV)/bin/python -m pip install -q -e ".[dev]" -c .ci/min-versions.txt
+	$(MIN_VENV)/bin/python -m pytest -q
+
 bench: $(STAMP)
 	$(VENV)/bin/gss bench tinymem
 
@@ -28,4 +38,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(MIN_VENV) build *.egg-info src/*.egg-info

@@ -22,6 +22,7 @@ def _tokenizer():
         bos_token="<bos>",
         eos_token="<eos>",
         unk_token="<unk>",
+        model_input_names=["input_ids", "attention_mask"],  # as decoder-only tokenizers have
     )
 
 

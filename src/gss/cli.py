@@ -15,7 +15,9 @@ from .errors import GSSError
 
 def _load_model(path: str, device: str, dtype: str) -> tuple[Any, Any]:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from .pretrained import load_causal_lm
 
     p = Path(path)
     if not p.exists():
@@ -31,8 +33,7 @@ def _load_model(path: str, device: str, dtype: str) -> tuple[Any, Any]:
             f"{path} is a PEFT adapter directory; loading it needs peft: pip install "
             "'gated-subspace-steering[peft]'."
         )
-    # Any: transformers types `to` through a decorator that mypy reads as taking the model
-    model: Any = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype, local_files_only=True)
+    model = load_causal_lm(p, torch_dtype)
     model.to(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
@@ -200,8 +201,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         for prompt in prompts:
             enc = tokenizer(prompt, return_tensors="pt").to(args.device)
             with torch.no_grad():
-                ids = model.generate(
-                    **enc,
+                ids = model.generate(  # only these two: transformers 4 refuses token_type_ids
+                    input_ids=enc["input_ids"],
+                    attention_mask=enc["attention_mask"],
                     max_new_tokens=args.max_new_tokens,
                     do_sample=False,
                     pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,

@@ -2,30 +2,41 @@
 
 With ``torch._dynamo.config.skip_nnmodule_hook_guards`` on (torch's default), code compiled
 while a module had no forward hooks does not check for them again: a hook attached later never
-runs in it. (A hook present when compiling is guarded: removing it recompiles.) A steer
-attached to a model compiled without it would leave every output unsteered without a word, so
-attaching refuses such a model, as does calibration, which reads a block with a hook.
+runs in it (before torch 2.5, also unless ``inline_inbuilt_nn_modules`` is on). A hook present
+when compiling is guarded: removing it recompiles. A steer attached to a model compiled
+without it would leave every output unsteered without a word, so attaching refuses such a
+model, as does calibration, which reads a block with a hook.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 
 from torch import nn
 
 from .errors import GSSError
 
-_FIX = (
-    "Set torch._dynamo.config.skip_nnmodule_hook_guards = False before compiling (torch then "
-    "compiles the steered and the unsteered model once each and picks the right one), or "
-    "attach the steer before compiling and leave it attached."
-)
+_HOOK_GUARDS = "torch._dynamo.config.skip_nnmodule_hook_guards = False"
+_INLINING = "torch._dynamo.config.inline_inbuilt_nn_modules = True"
 
 
-def hooks_unseen_by_compiled_code() -> bool:
-    """Whether code compiled without hooks ignores hooks added later (torch's default)."""
+def _settings_that_hide_late_hooks() -> list[str]:
+    """The dynamo settings to change so that compiled code sees hooks added after compiling.
+
+    Hooks guards are skipped by default; before torch 2.5, modules are also not inlined by
+    default, and then even guarded hooks added later are not seen (measured on torch 2.4)."""
     dynamo = sys.modules.get("torch._dynamo")  # never imported: nothing was compiled
-    return dynamo is not None and bool(getattr(dynamo.config, "skip_nnmodule_hook_guards", True))
+    if dynamo is None:
+        return []
+    config = dynamo.config
+    with warnings.catch_warnings(record=True) as read:
+        warnings.simplefilter("always")
+        inlines = bool(getattr(config, "inline_inbuilt_nn_modules", True))
+    # newer torch always inlines: the flag is deprecated there, does nothing and says so
+    inlines = inlines or any(issubclass(w.category, FutureWarning) for w in read)
+    changes = [_HOOK_GUARDS] if getattr(config, "skip_nnmodule_hook_guards", True) else []
+    return changes + ([] if inlines else [_INLINING])
 
 
 def compiled_parts(model: nn.Module) -> list[str]:
@@ -54,23 +65,26 @@ def compiled_parts(model: nn.Module) -> list[str]:
 def refuse_if_compiled(model: nn.Module, *, reading: bool = False) -> None:
     """Raise before attaching a hook that compiled code in ``model`` would never run: the
     steer, or (``reading``) calibration's read of a block's output."""
-    if not hooks_unseen_by_compiled_code():
-        return
-    parts = compiled_parts(model)
+    settings = _settings_that_hide_late_hooks()
+    parts = compiled_parts(model) if settings else []
     if not parts:
         return
+    to_set = " and ".join(settings)
     if reading:
         what = "calibration reads a block's output with a forward hook, which it would not run"
         fix = (
             "Calibrate before compiling (for torch.compile(model), pass the model it wraps: "
-            "._orig_mod), or set torch._dynamo.config.skip_nnmodule_hook_guards = False "
-            "before compiling."
+            f"._orig_mod), or set {to_set} before compiling."
         )
     else:
         what = "the steer would silently not run"
-        fix = _FIX
+        fix = (
+            f"Set {to_set} before compiling (torch then compiles the steered and the "
+            "unsteered model once each and picks the right one), or attach the steer before "
+            "compiling."
+        )
     raise GSSError(
-        f"the model holds torch.compile code ({'; '.join(parts)}), and compiled code "
-        "does not see forward hooks added after compiling "
-        f"(torch._dynamo.config.skip_nnmodule_hook_guards is True): {what}. {fix}"
+        f"the model holds torch.compile code ({'; '.join(parts)}), and with these dynamo "
+        f"settings compiled code does not see forward hooks added after compiling: {what}. "
+        f"{fix}"
     )

@@ -29,6 +29,7 @@ import torch
 
 from ... import __version__
 from ...errors import GSSError
+from ...pretrained import load_causal_lm
 from ...report import machine_info, markdown_table, write_json
 from .. import baseline_names
 from .finetune import FinetuneConfig
@@ -113,12 +114,9 @@ def _default_cache() -> Path:
 
 
 def _load(path: Path, device: str) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    # as nn.Module: mypy reads the `@wraps`-decorated `to` of transformers as taking `self` again
-    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, local_files_only=True
-    )
+    model: torch.nn.Module = load_causal_lm(path)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model.to(device).eval(), tokenizer
 

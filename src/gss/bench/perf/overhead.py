@@ -23,6 +23,7 @@ import gss
 
 from ...forward import model_device
 from ...layers import resolve_layer
+from ...pretrained import load_causal_lm
 from ...report import markdown_table
 from .common import (
     Sizes,
@@ -416,13 +417,11 @@ def load_local_model(
 ) -> tuple[nn.Module, Any]:
     """A local HF model directory in ``dtype`` on ``device`` (never downloads), and its
     tokenizer if any."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if not Path(path).is_dir():
         raise SystemExit(f"gss bench perf: --model {path} is not a local model directory")
-    loaded: nn.Module = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, local_files_only=True
-    )
+    loaded: nn.Module = load_causal_lm(path, dtype)
     model = loaded.to(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
