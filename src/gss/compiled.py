@@ -24,7 +24,7 @@ _INLINING = "torch._dynamo.config.inline_inbuilt_nn_modules = True"
 def _settings_that_hide_late_hooks() -> list[str]:
     """The dynamo settings to change so that compiled code sees hooks added after compiling.
 
-    Hooks guards are skipped by default; before torch 2.5, modules are also not inlined by
+    Hook guards are skipped by default; before torch 2.5, modules are also not inlined by
     default, and then even guarded hooks added later are not seen (measured on torch 2.4)."""
     dynamo = sys.modules.get("torch._dynamo")  # never imported: nothing was compiled
     if dynamo is None:
