@@ -141,12 +141,17 @@ def test_hidden_size_mismatch_is_refused():
         hook(None, None, torch.ones(1, 2, 6))
 
 
+def _directions(seed: int, k: int = 3, d: int = 16):
+    """Random probes and unit steers (k, d), and the generator that drew them, for the rest."""
+    gen = torch.Generator().manual_seed(seed)
+    probe = torch.randn(k, d, generator=gen)
+    return gen, probe, torch.nn.functional.normalize(torch.randn(k, d, generator=gen), dim=-1)
+
+
 @pytest.mark.parametrize("gate", ["hard", "none"])
 def test_fused_steer_equals_the_masked_one_and_leaves_closed_tokens_exact(gate):
-    gen = torch.Generator().manual_seed(0)
-    k, d = 3, 16
-    probe = torch.randn(k, d, generator=gen)
-    steer = torch.nn.functional.normalize(torch.randn(k, d, generator=gen), dim=-1)
+    gen, probe, steer = _directions(0)
+    k, d = probe.shape
     eps, offset = torch.tensor([4.0, 6.0, 8.0]), torch.randn(k, generator=gen)
     hidden = torch.randn(2, 6, d, generator=gen)
     fused = GatedSteer(probe, steer, eps, offset, gate=gate)
@@ -166,10 +171,8 @@ def test_fused_steer_equals_the_masked_one_and_leaves_closed_tokens_exact(gate):
 
 @pytest.mark.parametrize("gate", ["hard", "none"])
 def test_fast_path_after_the_first_call_is_exact_and_falls_back_on_anything_else(gate):
-    gen = torch.Generator().manual_seed(1)
-    k, d = 3, 16
-    probe = torch.randn(k, d, generator=gen)
-    steer = torch.nn.functional.normalize(torch.randn(k, d, generator=gen), dim=-1)
+    gen, probe, steer = _directions(1)
+    d = probe.shape[1]
     hook = GatedSteer(probe, steer, torch.tensor([4.0, 6.0, 8.0]), gate=gate)
     hidden = torch.randn(2, 5, d, generator=gen) * 3
     assert hook._fast is None
@@ -201,9 +204,7 @@ def test_fast_path_after_the_first_call_is_exact_and_falls_back_on_anything_else
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fast_path_in_half_precision_is_exact_and_refuses_another_dtype(dtype):
-    gen = torch.Generator().manual_seed(3)
-    probe = torch.randn(3, 16, generator=gen)
-    steer = torch.nn.functional.normalize(torch.randn(3, 16, generator=gen), dim=-1)
+    gen, probe, steer = _directions(3)
     hook = GatedSteer(probe, steer, torch.tensor([4.0, 6.0, 8.0]))
     hidden = (torch.randn(2, 5, 16, generator=gen) * 3).to(dtype)
     first = hook(None, None, hidden)
@@ -220,9 +221,7 @@ def test_fast_path_in_half_precision_is_exact_and_refuses_another_dtype(dtype):
 
 
 def test_turning_gate_tracking_on_leaves_the_fast_path():
-    gen = torch.Generator().manual_seed(2)
-    probe = torch.randn(2, 8, generator=gen)
-    steer = torch.nn.functional.normalize(torch.randn(2, 8, generator=gen), dim=-1)
+    gen, probe, steer = _directions(2, k=2, d=8)
     hook = GatedSteer(probe, steer, torch.tensor([0.5, 0.5]))
     hidden = torch.randn(4, 3, 8, generator=gen)
     before = hook(None, None, hidden)

@@ -10,7 +10,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .calibrate import CENTERINGS, GRADIENTS, TARGETS
 from .errors import GSSError
+from .hook import COEFFICIENT_MODES, GATE_MODES
+from .variants import VARIANTS
 
 
 def _load_model(path: str, device: str, dtype: str) -> tuple[Any, Any]:
@@ -92,7 +95,7 @@ def _add_target_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target",
         default="loglik",
-        choices=["loglik", "toward-reference"],
+        choices=TARGETS,
         help="g: gradient of log p_model (the paper) or toward the reference (GSS-TR)",
     )
 
@@ -528,33 +531,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--gate",
         default="hard",
-        choices=["hard", "relu", "none"],
+        choices=GATE_MODES,
         help="hard: |s| > eps (main text); relu: one-sided (appendix); none: ungated",
     )
     p.add_argument(
         "--coefficient",
         default="projection",
-        choices=["projection", "ridge", "paper-constant"],
+        choices=COEFFICIENT_MODES,
         help="how much of v_k an open gate subtracts (docs/method.md)",
     )
     p.add_argument(
         "--centering",
         default="covariance",
-        choices=["covariance", "full", "none"],
+        choices=CENTERINGS,
         help="what the general-token mean is removed from (docs/method.md)",
     )
     _add_target_arg(p)
     p.add_argument(
         "--gradient",
         default="summed",
-        choices=["summed", "per-position"],
+        choices=GRADIENTS,
         help="g: gradient of the sequence's summed target, or of each token's own",
     )
     _add_batch_args(p)
     p.add_argument("--out", required=True, help="directory for the artifact")
     p.add_argument(
         "--variant",
-        choices=["gss", "gss-tr"],
+        choices=list(VARIANTS),
         help="named option set (gss.variant); flags given explicitly override it",
     )
     p.set_defaults(func=_cmd_calibrate)
