@@ -10,8 +10,10 @@ import math
 import pytest
 import torch
 
-from gss.bench.perf.common import interleaved
+from gss.bench.perf.common import QUICK, interleaved, random_ids, tiny_model
+from gss.bench.perf.overhead import AlternatingSteps, _generate
 from gss.bench.perf.run import main
+from gss.layers import resolve_layer
 
 
 def _ratios(node, path=""):
@@ -62,6 +64,11 @@ def test_quick_perf_writes_results_table_and_figures(tmp_path, capsys):
         assert r["hook_seconds_per_call"] > 0 and 0 < r["hook_share_of_step"] < 1
         assert r["hook_seconds_in_generate"] > 0
         assert math.isfinite(r["aa_ratio"]["median"]) and r["aa_ratio"]["median"] > 0
+        # 2 timed rounds (after 1 warm-up call), each one call with its steps alternating
+        alternating = r["alternating_step_ratio"]
+        assert alternating["n"] == 2 and math.isfinite(alternating["median"])
+        assert alternating["median"] > 0
+        assert r["alternating_noop_ratio"]["n"] == 2
     assert overhead["peer"] in ("available", "not installed")
 
     calib = results["parts"]["calibration"]
@@ -150,3 +157,32 @@ def test_device_cuda_without_cuda_exits_with_a_clear_message(tmp_path):
     message = str(info.value)
     assert message.startswith("gss bench perf:") and "torch.cuda.is_available() is False" in message
     assert not out.exists()  # refused before anything ran or was written
+
+
+def test_alternating_steps_steer_every_other_decode_step_and_flip_with_the_parity():
+    model = tiny_model(QUICK)
+    _, block = resolve_layer(model, 1)
+    ids = random_ids(1, 5, QUICK.vocab, seed=0)
+    seen: list[int] = []  # the sequence length each call of the hook saw
+
+    def counting(module, args, output):
+        seen.append(output.shape[1] if isinstance(output, torch.Tensor) else output[0].shape[1])
+
+    def call() -> float:
+        _generate(model, ids, 6)  # a prompt pass, then decode steps 1..5
+        return 0.0
+
+    alternating = AlternatingSteps(model, block)
+    ratio = alternating.run(counting, call, parity=0)
+    assert math.isfinite(ratio) and ratio > 0
+    assert seen == [1, 1, 1]  # steps 1, 3, 5; never the prompt pass
+    assert [len(alternating.steps[False]), len(alternating.steps[True])] == [2, 3]
+    seen.clear()
+    alternating.run(counting, call, parity=1)
+    assert seen == [1, 1] and len(alternating.steps[True]) == 2  # steps 2, 4
+    assert not block._forward_hooks  # nothing left on the block between calls
+    seen.clear()
+    _generate(model, ids, 3)  # outside run: dormant
+    assert seen == [] and alternating.steps[True] and len(alternating.steps[True]) == 2
+    alternating.remove()
+    assert not model._forward_pre_hooks and not model._forward_hooks

@@ -27,16 +27,44 @@ def overhead(result: dict[str, Any], path: Path) -> Path:
                     ys.append(s["median"])
                     lo.append(s["median"] - s["q1"])
                     hi.append(s["q3"] - s["median"])
-        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=f"GSS K={k}")
+        ax.bar(
+            xs,
+            ys,
+            width,
+            yerr=[lo, hi],
+            capsize=3,
+            error_kw={"ecolor": "0.55"},
+            label=f"GSS K={k}, whole calls",
+        )
+        alt = [
+            (i + (j - (len(ranks) - 1) / 2) * width, r["alternating_step_ratio"])
+            for i, g in enumerate(groups)
+            for r in rows
+            if (r["model"], r["batch"]) == g and r["rank"] == k and "alternating_step_ratio" in r
+        ]
+        if alt:
+            ax.errorbar(
+                [x for x, _ in alt],
+                [a["median"] for _, a in alt],
+                yerr=[
+                    [a["median"] - a["q1"] for _, a in alt],
+                    [a["q3"] - a["median"] for _, a in alt],
+                ],
+                fmt="D",
+                color="black",
+                ms=4,
+                capsize=2,
+                label="steps alternating in a call" if j == 0 else None,
+            )
     ax.axhline(1.0, color="black", lw=1)
     ax.axhline(0.99, color="#c44e52", ls="--", lw=1, label="goal 0.99")
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels([f"{m}\nbatch {b}" for m, b in groups])
-    ax.set_ylabel("tokens/s steered / unsteered")
+    ax.set_ylabel("steered / unsteered")
     low = min(r["ratio"]["q1"] for r in rows)
     high = max(r["ratio"]["q3"] for r in rows)
     ax.set_ylim(min(0.9, low - 0.02), max(1.05, high + 0.02))
-    ax.set_title("Inference overhead (greedy generate; median, IQR whiskers)")
+    ax.set_title("Inference overhead: greedy generate tokens/s (bars), decode steps (diamonds)")
     ax.legend(fontsize=8)
     return _save(fig, path)
 

@@ -9,6 +9,8 @@ response and masks, without branching), but the measured open share is reported 
 from __future__ import annotations
 
 import importlib.util
+import math
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -192,6 +194,79 @@ class StepClock:
             handle.remove()
 
 
+class AlternatingSteps:
+    """Steers every other decode step of one ``generate`` call and times each step.
+
+    The most precise read of what the steer costs a step: two neighbouring steps are a few
+    milliseconds apart and share the host's state, so the drift and spikes that move whole
+    calls by several percent on this machine cancel in their ratio. The steer is registered
+    on the block before a steered step's clock starts and removed before the next step (a
+    forward pre-hook put ahead of every other), so toggling is not timed; which steps are
+    steered flips from call to call, so each step position is steered in half the calls.
+    """
+
+    def __init__(self, model: nn.Module, block: nn.Module) -> None:
+        self.block = block
+        self._sync = syncer(model_device(model))
+        self._hook: Callable[..., Any] | None = None
+        self._handle: torch.utils.hooks.RemovableHandle | None = None
+        self._step = 0
+        self._parity = 0
+        self._steered = False
+        self._start = 0.0
+        self.steps: dict[bool, list[float]] = {False: [], True: []}
+        # the pre-hook first and the post-hook first, so the other hooks on the model (a
+        # StepClock) run inside the span in both kinds of step alike
+        self._handles = [
+            model.register_forward_pre_hook(self._pre, prepend=True),
+            model.register_forward_hook(self._post, prepend=True),
+        ]
+
+    def run(self, hook: Callable[..., Any], call: Callable[[], float], parity: int) -> float:
+        """Run ``call`` (one generate) with ``hook`` on every other decode step; returns the
+        call's median unsteered step over its median steered step."""
+        self._hook, self._step, self._parity = hook, 0, parity % 2
+        self.steps = {False: [], True: []}
+        try:
+            call()
+        finally:
+            self._detach()
+            self._hook = None
+        if not (self.steps[False] and self.steps[True]):
+            return math.nan  # a single decode step: nothing to pair
+        return statistics.median(self.steps[False]) / statistics.median(self.steps[True])
+
+    def _detach(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        if self._hook is None:
+            return
+        self._detach()
+        # step 0 is the prompt pass: never steered, never timed
+        self._steered = self._step > 0 and (self._step + self._parity) % 2 == 1
+        if self._steered:
+            self._handle = self.block.register_forward_hook(self._hook)
+        self._sync()
+        self._start = time.perf_counter()
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._hook is None:
+            return
+        self._sync()
+        elapsed = time.perf_counter() - self._start
+        if self._step > 0:
+            self.steps[self._steered].append(elapsed)
+        self._step += 1
+
+    def remove(self) -> None:
+        self._detach()
+        for handle in self._handles:
+            handle.remove()
+
+
 def hook_seconds(
     model: nn.Module, artifact: gss.SteeringArtifact, batch: int, calls: int, rounds: int = 5
 ) -> float:
@@ -332,11 +407,32 @@ def measure_model(
             except Exception as err:
                 peer_row["error"] = f"{type(err).__name__}: {err}"
         clock = StepClock(model, warmup)
+        alternating = AlternatingSteps(model, block)
+        # per call: median unsteered step / median steered step, steps alternating in the call
+        # K, or 0 for the no-op hook -> per call: median unsteered step / median steered step
+        alternated: dict[int, list[float]] = {k: [] for k in (0, *artifacts)}
+
+        def alternate(
+            k: int,
+            ids: torch.Tensor = ids,
+            steps: AlternatingSteps = alternating,
+            ratios: dict[int, list[float]] = alternated,
+        ) -> float:
+            calls = ratios[k]
+            # a fresh hook each call, as attach makes: its first steered step is the checked one
+            hook = artifacts[k].make_hook() if k else _noop_hook
+            calls.append(steps.run(hook, partial(plain, ids), len(calls)))
+            return 0.0  # timed by its steps, not as a whole call
+
         try:
             arms = {arm: clock.arm(arm, fn) for arm, fn in arms.items()}
+            arms["no-op hook, alternating steps"] = partial(alternate, 0)
+            for k in artifacts:
+                arms[f"gss K={k}, alternating steps"] = partial(alternate, k)
             times = interleaved(arms, repeats, warmup, f"overhead {name} batch {batch}", progress)
         finally:
             clock.remove()
+            alternating.remove()
         plain_steps = summary(clock.steps["unsteered"])
         base = times["unsteered"]
         plain_rate = summary([tokens / t for t in base])
@@ -367,6 +463,8 @@ def measure_model(
                 "gate_open_share": gates.get("any_open_share", 0.0),
                 "decode_step_seconds": {"unsteered": plain_steps, "steered": steered_steps},
                 "step_ratio": plain_steps["median"] / steered_steps["median"],
+                "alternating_step_ratio": _alternated(alternated[k], warmup),
+                "alternating_noop_ratio": _alternated(alternated[0], warmup),
                 "hook_seconds_per_call": hook_s,
                 "hook_seconds_in_generate": hook_in_generate,
                 "hook_share_of_step": hook_in_generate / step,
@@ -487,7 +585,14 @@ def run(
             "aa_ratio: the unsteered call timed as a second arm (A/A), i.e. what the ratio "
             "reads when nothing differs; noop_over_unsteered: a forward hook that returns at "
             "once, on the same block, timed as one more arm: how far from 1 the ratio goes when "
-            "nothing is computed; gss_over_noop: GSS over that arm. Each round runs the arms in "
+            "nothing is computed; gss_over_noop: GSS over that arm. alternating_step_ratio: one "
+            "more arm per K, a generate call whose decode steps alternate between steered and "
+            "unsteered (the hook registered before a steered step's clock starts and removed "
+            "after it stops; which steps are steered flips from call to call): per call, the "
+            "median unsteered step over the median steered step, summarised over rounds; "
+            "neighbouring steps share the host's state, so this is the least noisy of the "
+            "ratios. alternating_noop_ratio: the same with the no-op hook (the hook mechanism's "
+            "own cost). Each round runs the arms in "
             "a fresh seeded order. On CUDA every timed span (each arm's call, hook loop, "
             "decode step) starts and ends with torch.cuda.synchronize, and "
             "hook_seconds_in_generate synchronizes before and after every hook call, so it "
@@ -504,6 +609,12 @@ def run(
 
 def _noop_hook(module: nn.Module, args: Any, output: Any) -> None:
     return None
+
+
+def _alternated(ratios: list[float], warmup: int) -> dict[str, float]:
+    """The per-call ratios of an alternating arm, warm-up calls left out; a call too short to
+    have both kinds of decode step reads nan."""
+    return summary([r for r in ratios[warmup:] if math.isfinite(r)] or [math.nan])
 
 
 def _fmt_ratio(s: dict[str, float]) -> str:
@@ -531,6 +642,8 @@ def table(result: dict[str, Any]) -> str:
         "no-op hook / unsteered",
         "GSS / no-op hook",
         "decode step: GSS / unsteered",
+        "alternating steps: GSS / unsteered (IQR)",
+        "alternating steps: no-op hook / unsteered",
         "hook us/step: in generate / alone (share of a step)",
         "gate open",
         "nnsight / unsteered",
@@ -561,6 +674,12 @@ def table(result: dict[str, Any]) -> str:
                     _fmt_ratio(r["noop_over_unsteered"]) if "noop_over_unsteered" in r else "--",
                     _fmt_ratio(r["gss_over_noop"]) if "gss_over_noop" in r else "--",
                     f"{r['step_ratio']:.3f}" if "step_ratio" in r else "--",
+                    _fmt_ratio(r["alternating_step_ratio"])
+                    if "alternating_step_ratio" in r
+                    else "--",
+                    f"{r['alternating_noop_ratio']['median']:.3f}"
+                    if "alternating_noop_ratio" in r
+                    else "--",
                     _fmt_hook(r),
                     f"{100 * r['gate_open_share']:.0f}%",
                     peer_cell,

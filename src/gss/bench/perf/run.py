@@ -149,7 +149,11 @@ def table(results: dict[str, Any]) -> str:
             f"Goal: {parts['overhead']['goal']}. A/A: the unsteered call timed as a second arm; "
             "its ratio is how far from 1 this measurement goes when nothing differs. No-op "
             "hook: a forward hook on the same block that returns at once, timed as one more "
-            "arm. Each round runs the arms in a fresh seeded order.\n",
+            "arm. Alternating steps: one generate call per round and K whose decode steps "
+            "alternate between steered and unsteered (the steer toggled outside the timed "
+            "spans); per call, median unsteered step / median steered step. Neighbouring steps "
+            "share the host's state, so this is the least noisy read of the steer's cost. "
+            "Each round runs the arms in a fresh seeded order.\n",
         ]
     if "calibration" in parts:
         lines += [
