@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from . import __version__
 from .errors import GSSError
-from .forward import input_embedding_weight, vocab_size
+from .forward import input_embedding_values, vocab_size
 from .hook import COEFFICIENT_MODES, GATE_MODES, GatedSteer, SteerHandle, register
 from .layers import find_decoder_blocks, resolve_layer
 
@@ -42,7 +42,7 @@ def model_fingerprint(model: nn.Module, block_path: str | None = None) -> dict[s
     The sample is compared with a tolerance, so the same weights in float32, bfloat16 or
     float16 match, while another model does not.
     """
-    emb = input_embedding_weight(model).detach()
+    emb = input_embedding_values(model).detach()
     rows = torch.linspace(0, emb.shape[0] - 1, _SAMPLE).long().to(emb.device)
     cols = torch.linspace(0, emb.shape[1] - 1, _SAMPLE).long().to(emb.device)
     sample = emb[rows][:, cols].float().cpu()
@@ -180,7 +180,9 @@ class SteeringArtifact:
         config = dataclasses.replace(self.config, threshold_rule=rule)
         return dataclasses.replace(self, thresholds=thresholds.float().cpu(), config=config)
 
-    def make_hook(self, track_gates: bool = False) -> GatedSteer:
+    def make_hook(
+        self, track_gates: bool = False, cpu_kernel: bool = False, cuda_kernel: bool = False
+    ) -> GatedSteer:
         c = self.config
         return GatedSteer(
             self.probe,
@@ -192,6 +194,8 @@ class SteeringArtifact:
             delta=c.delta,
             ridge_delta=c.ridge_delta,
             track_gates=track_gates,
+            cpu_kernel=cpu_kernel,
+            cuda_kernel=cuda_kernel,
         )
 
     def check_model(self, model: nn.Module, strict: bool = True) -> None:
@@ -215,16 +219,27 @@ class SteeringArtifact:
         *,
         strict: bool = True,
         track_gates: bool = False,
+        cpu_kernel: bool = False,
+        cuda_kernel: bool = False,
         **options: Any,
     ) -> SteerHandle:
         """Install the steer on ``model`` and return a removable handle.
 
         ``options`` (delta, rank, gate, coefficient, ridge_delta) override the artifact's.
+        ``cpu_kernel=True`` runs float32 CPU decode steps through one compiled C++ function
+        (built on first use: a C++ compiler and ninja) instead of three PyTorch ops, which
+        matters on small models (see ``gss.cpu_kernel``). ``cuda_kernel=True`` does the same
+        on a GPU with one Triton kernel instead of five (``gss.cuda_kernel``). With
+        ``track_gates`` every call runs the checked path, which counts the gates, so neither
+        has an effect there.
         """
         artifact = self.with_options(**options) if options else self
         artifact.check_model(model, strict=strict)
         _, block = resolve_layer(model, artifact.config.layer, artifact.config.block_path)
-        return register(block, artifact.make_hook(track_gates=track_gates), model)
+        hook = artifact.make_hook(
+            track_gates=track_gates, cpu_kernel=cpu_kernel, cuda_kernel=cuda_kernel
+        )
+        return register(block, hook, model)
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """Write ``gss_config.json`` and ``gss_tensors.safetensors`` into ``directory``."""

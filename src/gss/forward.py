@@ -30,25 +30,31 @@ def accepts_position_ids(model: nn.Module) -> bool:
         return False
 
 
+def _placed_device(module: nn.Module) -> torch.device | None:
+    """Where ``module`` computes: its ``accelerate`` dispatch hook's execution device (an
+    offloaded module keeps its weights on "meta" between calls), else its first weight that is
+    not on "meta"; None if neither says."""
+    hook_device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if hook_device is not None:
+        return torch.device(hook_device)
+    for p in module.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return None
+
+
 def model_device(model: nn.Module) -> torch.device:
-    """Device of the input embeddings (where input ids must go), also under a device_map."""
+    """Device of the input embeddings (where input ids must go), also under a device_map:
+    with a GPU, accelerate offloads the modules mapped to "cpu" and runs them on the GPU."""
     get_emb = getattr(model, "get_input_embeddings", None)
     emb = get_emb() if callable(get_emb) else None
-    if emb is not None and getattr(emb, "weight", None) is not None:
-        return emb.weight.device
-    return next(model.parameters()).device
+    found = _placed_device(emb) if isinstance(emb, nn.Module) else None
+    return found or _placed_device(model) or next(model.parameters()).device
 
 
 def execution_device(model: nn.Module, block: nn.Module) -> torch.device:
-    """Where ``block`` computes. Under an ``accelerate`` device_map an offloaded block keeps its
-    weights on "meta" between calls, so its dispatch hook's execution device is asked first."""
-    hook_device = getattr(getattr(block, "_hf_hook", None), "execution_device", None)
-    if hook_device is not None:
-        return torch.device(hook_device)
-    for p in block.parameters():
-        if p.device.type != "meta":
-            return p.device
-    return input_embedding_weight(model).device
+    """Where ``block`` computes, also when it is offloaded under an ``accelerate`` device_map."""
+    return _placed_device(block) or model_device(model)
 
 
 def input_embedding_weight(model: nn.Module) -> Tensor:
@@ -56,6 +62,24 @@ def input_embedding_weight(model: nn.Module) -> Tensor:
     # nn.Module.__getattr__ types both lookups as `Tensor | Module`
     get_emb = cast(Callable[[], nn.Module], model.get_input_embeddings)
     return cast(Tensor, get_emb().weight)
+
+
+def input_embedding_values(model: nn.Module) -> Tensor:
+    """The input embedding matrix with its values: under an ``accelerate`` device_map that
+    offloads the embeddings (to "cpu" beside a GPU, or to "disk"), the module's weight is on
+    "meta" between calls and the values sit in its dispatch hook's weights map."""
+    weight = input_embedding_weight(model)
+    if weight.device.type != "meta":
+        return weight
+    get_emb = cast(Callable[[], nn.Module], model.get_input_embeddings)
+    weights_map = getattr(getattr(get_emb(), "_hf_hook", None), "weights_map", None)
+    if weights_map is None:
+        raise GSSError(
+            "the model's input embeddings are on the meta device with no offloaded copy to "
+            "read: load the model's weights (from_pretrained, or accelerate's "
+            "load_checkpoint_and_dispatch) before calibrating or attaching."
+        )
+    return cast(Tensor, weights_map["weight"])
 
 
 def vocab_size(model: nn.Module) -> int:

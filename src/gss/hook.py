@@ -74,6 +74,12 @@ class GatedSteer:
         min_alignment: ``ridge`` skips directions whose |<u_k, v_k>| / ||u_k|| is below this,
             where the coefficient would blow up.
         track_gates: count how often each direction's gate opens (on device, no sync).
+        cpu_kernel: run float32 CPU decode steps through one compiled C++ function instead
+            of three PyTorch ops (``cpu_kernel.py``; built on first use, needs a C++ compiler
+            and ninja). For the projection coefficient with the hard gate or none.
+        cuda_kernel: run CUDA decode steps (any float dtype) through one Triton kernel
+            instead of five PyTorch kernels (``cuda_kernel.py``; needs a GPU and Triton).
+            For the same steers as ``cpu_kernel``.
     """
 
     def __init__(
@@ -89,6 +95,8 @@ class GatedSteer:
         ridge_delta: float | None = None,
         min_alignment: float = 1e-3,
         track_gates: bool = False,
+        cpu_kernel: bool = False,
+        cuda_kernel: bool = False,
     ) -> None:
         if gate not in GATE_MODES:
             raise GSSError(f"gate must be one of {GATE_MODES}, got {gate!r}.")
@@ -143,6 +151,24 @@ class GatedSteer:
             if all(bool(torch.isfinite(t).all()) for t in fused.values()):
                 self._cpu.update(fused)
                 self._fused = True
+        self._kernel: Callable[..., Tensor] | None = None
+        self._cuda_kernel: Callable[..., Tensor] | None = None
+        if cpu_kernel or cuda_kernel:
+            if not self._fused:
+                option = "cpu_kernel" if cpu_kernel else "cuda_kernel"
+                raise GSSError(
+                    f"{option}=True runs the fused steer: the projection coefficient with the "
+                    f"hard gate (every threshold positive and finite) or none; this steer has "
+                    f"gate={gate!r}, coefficient={coefficient!r}. Attach without {option}."
+                )
+            if cpu_kernel:
+                from . import cpu_kernel as compiled_kernel
+
+                self._kernel = compiled_kernel.load()
+            if cuda_kernel:
+                from . import cuda_kernel as triton_kernel
+
+                self._cuda_kernel = triton_kernel.load()
         # the fused steer bound to one device's tensors, built on the first float32 call: what
         # every decode step runs (see __call__)
         self._fast: Callable[[Tensor], Tensor] | None = None
@@ -240,7 +266,9 @@ class GatedSteer:
         self, device: torch.device, dtype: torch.dtype
     ) -> Callable[[Tensor], Tensor]:
         """The fused steer of `steer_hidden` for `dtype` tensors on `device`, in as few Python
-        operations as it takes: the same kernels in the same order."""
+        operations as it takes: the same kernels in the same order, or, with ``cpu_kernel``
+        on a float32 CPU or ``cuda_kernel`` on a GPU, one compiled function (equal to float
+        rounding: it sums in another order)."""
         f = self._params(device)
         probe_t, neg_offset, neg_steer = (
             f["fused_probe_t"],
@@ -249,6 +277,27 @@ class GatedSteer:
         )
         addmm = torch.addmm
         shrink = torch.nn.functional.hardshrink if self.gate == "hard" else _ungated
+
+        kernel = self._kernel
+        if kernel is not None and device.type == "cpu" and dtype == torch.float32:
+            hard = self.gate == "hard"
+            probe = probe_t.t().contiguous()  # (K, d): the kernel's dot products read rows
+
+            def steer_compiled(hidden: Tensor) -> Tensor:
+                # refuses another dtype, device or width with a RuntimeError: the checked path
+                return kernel(hidden, probe_t, probe, neg_offset, neg_steer, hard)
+
+            return steer_compiled
+
+        if self._cuda_kernel is not None and device.type == "cuda":
+            fused_kernel, hard = self._cuda_kernel, self.gate == "hard"
+            probe = probe_t.t().contiguous()  # (K, d): the kernel reads the probes as rows
+
+            def steer_kernel(hidden: Tensor) -> Tensor:
+                # another device or width raises a RuntimeError: the checked path
+                return fused_kernel(hidden, probe_t, probe, neg_offset, neg_steer, hard)
+
+            return steer_kernel
 
         if dtype == torch.float32:
 

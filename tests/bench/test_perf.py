@@ -69,6 +69,9 @@ def test_quick_perf_writes_results_table_and_figures(tmp_path, capsys):
         assert alternating["n"] == 2 and math.isfinite(alternating["median"])
         assert alternating["median"] > 0
         assert r["alternating_noop_ratio"]["n"] == 2
+        if overhead["models"][0]["kernel_status"] == "built":  # a C++ compiler is installed
+            assert overhead["models"][0]["kernel"] == "cpu_kernel"
+            assert r["alternating_step_ratio_kernel"]["n"] == 2
     assert overhead["peer"] in ("available", "not installed")
 
     calib = results["parts"]["calibration"]
@@ -136,6 +139,9 @@ def test_quick_perf_in_bfloat16_records_its_dtype_and_skips_memory(tmp_path):
     assert results["device"] == results["machine"]["device"] == "cpu"
     overhead = results["parts"]["overhead"]
     assert overhead["dtype"] == "bfloat16"
+    model = overhead["models"][0]
+    assert model["kernel"] is None
+    assert model["kernel_status"] == "cpu_kernel: float32 only, not bfloat16"
     for row in overhead["models"][0]["rows"]:
         for key in ("ratio", "aa_ratio", "noop_over_unsteered", "gss_over_noop"):
             value = row[key]["median"]

@@ -13,7 +13,7 @@ import math
 import statistics
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -324,6 +324,24 @@ def hook_seconds_in_generate(
     return summary(spent)["median"]
 
 
+def kernel_status(model: nn.Module, artifact: gss.SteeringArtifact) -> tuple[str | None, str]:
+    """The compiled steer that runs on this model's device and dtype (``cpu_kernel`` for a
+    float32 CPU model, ``cuda_kernel`` on CUDA) and whether it loads ("built"), else why not;
+    the arms that use it run only when built."""
+    param = next(model.parameters())
+    if param.device.type == "cuda":
+        option = "cuda_kernel"
+    elif param.dtype != torch.float32:
+        return None, f"cpu_kernel: float32 only, not {str(param.dtype).removeprefix('torch.')}"
+    else:
+        option = "cpu_kernel"
+    try:
+        artifact.make_hook(**{option: True})
+    except gss.GSSError as err:
+        return option, f"not built: {err}"
+    return option, "built"
+
+
 def nnsight_status() -> str:
     return "available" if importlib.util.find_spec("nnsight") is not None else "not installed"
 
@@ -356,6 +374,7 @@ def measure_model(
             peer["status"] = f"failed to wrap: {type(err).__name__}: {err}"
     rows = []
     device = model_device(model)
+    kernel, kernel_built = kernel_status(model, full)
     for batch in sizes.batch_sizes:
         ids = random_ids(batch, sizes.prompt_len, _vocab(model), seed=100 + batch).to(device)
         tokens = batch * new_tokens
@@ -409,26 +428,33 @@ def measure_model(
         clock = StepClock(model, warmup)
         alternating = AlternatingSteps(model, block)
         # per call: median unsteered step / median steered step, steps alternating in the call
-        # K, or 0 for the no-op hook -> per call: median unsteered step / median steered step
-        alternated: dict[int, list[float]] = {k: [] for k in (0, *artifacts)}
+        # (K or 0 for the no-op hook, compiled kernel?) -> per call: median unsteered step over
+        # median steered step
+        alternated: dict[tuple[int, bool], list[float]] = {
+            (k, kernel): [] for k in (0, *artifacts) for kernel in (False, True)
+        }
 
         def alternate(
             k: int,
+            kernel_option: str | None,
             ids: torch.Tensor = ids,
             steps: AlternatingSteps = alternating,
-            ratios: dict[int, list[float]] = alternated,
+            ratios: dict[tuple[int, bool], list[float]] = alternated,
         ) -> float:
-            calls = ratios[k]
+            calls = ratios[k, kernel_option is not None]
             # a fresh hook each call, as attach makes: its first steered step is the checked one
-            hook = artifacts[k].make_hook() if k else _noop_hook
+            options = {str(kernel_option): True} if kernel_option else {}
+            hook = artifacts[k].make_hook(**options) if k else _noop_hook
             calls.append(steps.run(hook, partial(plain, ids), len(calls)))
             return 0.0  # timed by its steps, not as a whole call
 
         try:
             arms = {arm: clock.arm(arm, fn) for arm, fn in arms.items()}
-            arms["no-op hook, alternating steps"] = partial(alternate, 0)
+            arms["no-op hook, alternating steps"] = partial(alternate, 0, None)
             for k in artifacts:
-                arms[f"gss K={k}, alternating steps"] = partial(alternate, k)
+                arms[f"gss K={k}, alternating steps"] = partial(alternate, k, None)
+                if kernel_built == "built":
+                    arms[f"gss K={k}, {kernel}, alternating steps"] = partial(alternate, k, kernel)
             times = interleaved(arms, repeats, warmup, f"overhead {name} batch {batch}", progress)
         finally:
             clock.remove()
@@ -463,8 +489,8 @@ def measure_model(
                 "gate_open_share": gates.get("any_open_share", 0.0),
                 "decode_step_seconds": {"unsteered": plain_steps, "steered": steered_steps},
                 "step_ratio": plain_steps["median"] / steered_steps["median"],
-                "alternating_step_ratio": _alternated(alternated[k], warmup),
-                "alternating_noop_ratio": _alternated(alternated[0], warmup),
+                "alternating_step_ratio": _alternated(alternated[k, False], warmup),
+                "alternating_noop_ratio": _alternated(alternated[0, False], warmup),
                 "hook_seconds_per_call": hook_s,
                 "hook_seconds_in_generate": hook_in_generate,
                 "hook_share_of_step": hook_in_generate / step,
@@ -475,6 +501,8 @@ def measure_model(
                     "no-op hook": times["no-op hook"],
                 },
             }
+            if alternated[k, True]:
+                row["alternating_step_ratio_kernel"] = _alternated(alternated[k, True], warmup)
             if k == sizes.peer_rank and runner is not None:
                 row["peer"] = dict(peer_row)
                 if "nnsight" in times:
@@ -506,20 +534,36 @@ def measure_model(
         "warmup": warmup,
         "artifact_gate_open_share": full.config.gate_open_share.get("union"),
         "peer": peer,
+        "kernel": kernel,
+        "kernel_status": kernel_built,
         "rows": rows,
     }
+
+
+def has_weights(path: str | Path) -> bool:
+    """Whether a model directory holds weight files (else only its config travelled)."""
+    return any(any(Path(path).glob(pattern)) for pattern in ("*.safetensors", "*.bin"))
 
 
 def load_local_model(
     path: str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> tuple[nn.Module, Any]:
     """A local HF model directory in ``dtype`` on ``device`` (never downloads), and its
-    tokenizer if any."""
-    from transformers import AutoTokenizer
+    tokenizer if any. A directory with a ``config.json`` and no weight files gives that
+    architecture with random weights (seeded), built on ``device``: speed does not depend on
+    the weights, and a GPU machine can be sent a config where a checkpoint would not fit."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if not Path(path).is_dir():
         raise SystemExit(f"gss bench perf: --model {path} is not a local model directory")
-    loaded: nn.Module = load_causal_lm(path, dtype)
+    loaded: nn.Module
+    if has_weights(path) or not (Path(path) / "config.json").is_file():
+        loaded = load_causal_lm(path, dtype)
+    else:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        torch.manual_seed(0)
+        with torch.device(device):
+            loaded = AutoModelForCausalLM.from_config(config).to(dtype)
     model = loaded.to(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -531,10 +575,16 @@ def load_local_model(
     return model, tokenizer
 
 
+def model_name(path: str) -> str:
+    """The name a ``--model`` directory's rows carry; random weights say so."""
+    name = Path(path).name
+    return name if has_weights(path) else f"{name} (random weights)"
+
+
 def run(
     sizes: Sizes,
     *,
-    model_path: str | None,
+    model_paths: Sequence[str],
     repeats: int | None,
     new_tokens: int | None,
     progress: bool,
@@ -552,13 +602,13 @@ def run(
             progress=progress,
         )
     ]
-    if model_path:
+    for model_path in model_paths:
         t0 = time.perf_counter()
         model, tokenizer = load_local_model(model_path, dtype=dtype, device=device)
         log(f"overhead: loaded {model_path} in {time.perf_counter() - t0:.1f} s")
         models.append(
             measure_model(
-                Path(model_path).name,
+                model_name(model_path),
                 model,
                 sizes,
                 new_tokens=new_tokens or sizes.model_new_tokens,
@@ -569,6 +619,8 @@ def run(
             )
         )
         del model
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()  # the next model's room
     return {
         "method": (
             "greedy model.generate with min_new_tokens = max_new_tokens; tokens/s counts new "
@@ -592,7 +644,11 @@ def run(
             "median unsteered step over the median steered step, summarised over rounds; "
             "neighbouring steps share the host's state, so this is the least noisy of the "
             "ratios. alternating_noop_ratio: the same with the no-op hook (the hook mechanism's "
-            "own cost). Each round runs the arms in "
+            "own cost); alternating_step_ratio_kernel: the same with the compiled steer of the "
+            "model's device (kernel): attach(..., cpu_kernel=True) for a float32 model on a CPU "
+            "(one C++ function per step instead of three ops) or attach(..., cuda_kernel=True) "
+            "on CUDA (one Triton kernel instead of five); kernel_status says whether it was "
+            "built. Each round runs the arms in "
             "a fresh seeded order. On CUDA every timed span (each arm's call, hook loop, "
             "decode step) starts and ends with torch.cuda.synchronize, and "
             "hook_seconds_in_generate synchronizes before and after every hook call, so it "
@@ -621,6 +677,14 @@ def _fmt_ratio(s: dict[str, float]) -> str:
     return f"{s['median']:.3f} ({s['q1']:.3f}-{s['q3']:.3f})"
 
 
+def _kernel_cell(model: dict[str, Any], row: dict[str, Any]) -> str:
+    # runs before cuda_kernel named the CPU kernel's ratio and status after it
+    ratio = row.get("alternating_step_ratio_kernel", row.get("alternating_step_ratio_cpu_kernel"))
+    if ratio is not None:
+        return f"{model.get('kernel', 'cpu_kernel')}: {_fmt_ratio(ratio)}"
+    return str(model.get("kernel_status", model.get("cpu_kernel", "--")))[:60]
+
+
 def _fmt_hook(row: dict[str, Any]) -> str:
     if "hook_seconds_per_call" not in row:  # rows kept from runs before it was measured
         return "--"
@@ -644,6 +708,7 @@ def table(result: dict[str, Any]) -> str:
         "decode step: GSS / unsteered",
         "alternating steps: GSS / unsteered (IQR)",
         "alternating steps: no-op hook / unsteered",
+        "alternating steps: GSS with cpu_kernel or cuda_kernel / unsteered (IQR)",
         "hook us/step: in generate / alone (share of a step)",
         "gate open",
         "nnsight / unsteered",
@@ -680,6 +745,7 @@ def table(result: dict[str, Any]) -> str:
                     f"{r['alternating_noop_ratio']['median']:.3f}"
                     if "alternating_noop_ratio" in r
                     else "--",
+                    _kernel_cell(m, r),
                     _fmt_hook(r),
                     f"{100 * r['gate_open_share']:.0f}%",
                     peer_cell,

@@ -6,7 +6,8 @@ Parts (``--only`` picks some): ``overhead`` (generate tokens/s steered vs unstee
 vs corpus size, a fresh process per size). Writes ``results.json``, ``table.md``,
 ``profile.txt`` and PNG figures under ``--out``. ``--device cuda --dtype bfloat16`` runs the
 first three parts on a GPU in half precision (every timing synchronizes); memory is then
-skipped, as it measures host RSS of float32 CPU calibration.
+skipped, as it measures host RSS of float32 CPU calibration. ``--model`` takes local model
+directories; one holding only a ``config.json`` gives that architecture with random weights.
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model",
-        default=None,
+        action="append",
+        default=[],
         help="local HF model directory to also measure the inference overhead on "
-        "(e.g. SmolLM2-135M), and the adapters part's model instead of the tiny one; never "
-        "downloaded",
+        "(e.g. SmolLM2-135M; repeat for several; a directory with only a config.json gives "
+        "that architecture with random weights), and the adapters part's model (the first) "
+        "instead of the tiny one; never downloaded",
     )
     p.add_argument(
         "--max-full-d",
@@ -153,7 +156,9 @@ def table(results: dict[str, Any]) -> str:
             "alternate between steered and unsteered (the steer toggled outside the timed "
             "spans); per call, median unsteered step / median steered step. Neighbouring steps "
             "share the host's state, so this is the least noisy read of the steer's cost. "
-            "Each round runs the arms in a fresh seeded order.\n",
+            "cpu_kernel or cuda_kernel: the same with attach(..., cpu_kernel=True) (float32 on "
+            "a CPU: one C++ function per step) or attach(..., cuda_kernel=True) (CUDA: one "
+            "Triton kernel). Each round runs the arms in a fresh seeded order.\n",
         ]
     if "calibration" in parts:
         lines += [
@@ -209,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if part == "overhead":
             result = overhead.run(
                 sizes,
-                model_path=args.model,
+                model_paths=args.model,
                 repeats=args.repeats,
                 new_tokens=args.new_tokens,
                 progress=progress,
@@ -236,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             result = adapters.run(
                 sizes,
-                model_path=args.model,
+                model_path=args.model[0] if args.model else None,
                 quick=args.quick,
                 threads=args.threads,
                 progress=progress,

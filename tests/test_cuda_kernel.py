@@ -1,0 +1,92 @@
+"""The Triton steer (``cuda_kernel=True``) computes what the PyTorch ops compute, on a GPU.
+
+The tests that need CUDA skip without it (CI has none; they run on a GPU machine); the
+refusals run everywhere.
+"""
+
+import pytest
+import torch
+
+import gss
+from gss import cuda_kernel
+from gss.errors import GSSError
+from gss.hook import GatedSteer
+
+from .conftest import random_ids
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+D, K = 200, 5  # d not a power of two: the kernel's masked tail
+
+
+def _steers(gate: str, seed: int = 0) -> tuple[GatedSteer, GatedSteer]:
+    gen = torch.Generator().manual_seed(seed)
+    probe = torch.randn(K, D, generator=gen)
+    steer = torch.nn.functional.normalize(torch.randn(K, D, generator=gen), dim=-1)
+    thresholds = torch.rand(K, generator=gen) * 2 + 10  # about half the rows stay closed
+    offset = torch.randn(K, generator=gen) * 0.1
+    args = (probe, steer, thresholds, offset)
+    return GatedSteer(*args, gate=gate), GatedSteer(*args, gate=gate, cuda_kernel=True)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gate", ["hard", "none"])
+@pytest.mark.parametrize("shape", [(1, 1, D), (16, 1, D), (2, 40, D)])
+def test_kernel_equals_the_ops_and_leaves_closed_rows_untouched(dtype, gate, shape):
+    ops, kernel = _steers(gate)
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(*shape, generator=gen) * 0.5).to("cuda", dtype)
+    for _ in range(2):  # the first call is the checked one, then the fast paths
+        expected, got = ops(None, (), x), kernel(None, (), x)
+    assert kernel._fast is not None and kernel._fast.__name__ == "steer_kernel"
+    assert got.dtype == dtype and got.shape == x.shape
+    if shape[0] * shape[1] > cuda_kernel.SMALL_ROWS:
+        assert torch.equal(got, expected)  # a prompt pass runs the same ATen ops
+    else:  # sums in another order: equal to float32 rounding, then one rounding to dtype
+        tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+        torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+    closed = (expected == x).all(-1)
+    if gate == "hard" and closed.numel() > 1:
+        assert closed.any() and not closed.all(), "the data should open some gates, not all"
+    assert torch.equal(got[closed], x[closed])  # a closed gate: bit-for-bit the input
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attached_generation_matches_on_cuda(make_model, dtype):
+    model = make_model("llama", seed=3)
+    ref = make_model("llama", seed=11)
+    art = gss.calibrate(model, ref, random_ids(16, 14, seed=2), layer=1, rank=2, progress=False)
+    art = art.with_options(delta=25.0)
+    model = model.to("cuda", dtype)
+    ids = random_ids(2, 6, seed=5).cuda()
+    kwargs = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        unsteered = model.generate(ids, **kwargs)
+        with art.attach(model):
+            expected = model.generate(ids, **kwargs)
+        with art.attach(model, cuda_kernel=True) as handle:
+            got = model.generate(ids, **kwargs)
+            assert handle.hook._fast.__name__ == "steer_kernel"
+    assert torch.equal(got, expected) and not torch.equal(got, unsteered)
+
+    hook = art.make_hook(cuda_kernel=True)
+    block = gss.find_decoder_blocks(model)[1]
+    hidden = torch.randn(1, 1, model.config.hidden_size, device="cuda", dtype=dtype)
+    hook(block, (), hidden)
+    on_cpu = hidden.float().cpu()  # built for CUDA: the checked path steers a CPU tensor
+    assert torch.equal(hook(block, (), on_cpu), art.make_hook()(block, (), on_cpu))
+    with pytest.raises(GSSError, match="hidden size"):
+        hook(block, (), torch.randn(1, 1, model.config.hidden_size + 1, device="cuda"))
+
+
+def test_refused_for_a_steer_it_does_not_compute():
+    probe, steer = torch.randn(K, D), torch.nn.functional.normalize(torch.randn(K, D), dim=-1)
+    with pytest.raises(GSSError, match="cuda_kernel=True runs the fused steer"):
+        GatedSteer(probe, steer, torch.ones(K), coefficient="ridge", cuda_kernel=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_refused_without_cuda_with_the_fix():
+    with pytest.raises(GSSError, match=r"needs a CUDA GPU.*attach without cuda_kernel"):
+        _steers("hard")
