@@ -77,13 +77,20 @@ def test_calibration_against_adapters_off_equals_calibration_against_the_loaded_
 def test_transformers_adapter_integration():
     base = tiny_model("llama")
     reference = copy.deepcopy(base)
-    base.add_adapter(peft.LoraConfig(r=4, target_modules=TARGETS, lora_dropout=0.0))
+    try:
+        base.add_adapter(peft.LoraConfig(r=4, target_modules=TARGETS, lora_dropout=0.0))
+    except ValueError as err:  # transformers 5.24 asks for peft >= 0.22.0 before any exists
+        if "version of PEFT" not in str(err):
+            raise
+        pytest.skip(f"transformers' add_adapter refuses peft {peft.__version__}: {err}")
     _randomise_lora(base, seed=1)
     ids = random_ids(2, 10)
     tuned = _logits(base, ids)
     assert not torch.allclose(tuned, _logits(reference, ids), atol=1e-3)
+    frozen = {n for n, p in base.named_parameters() if not p.requires_grad}
     torch.testing.assert_close(_logits(gss.adapters_off(base), ids), _logits(reference, ids))
-    assert torch.equal(_logits(base, ids), tuned)
+    assert torch.equal(_logits(base, ids), tuned)  # the adapters are back on
+    assert frozen == {n for n, p in base.named_parameters() if not p.requires_grad}
 
 
 def test_a_model_without_adapters_is_refused():

@@ -26,21 +26,43 @@ def _switch(model: nn.Module) -> Callable[[], AbstractContextManager[None]]:
     if callable(disable_adapter) and hasattr(model, "peft_config"):
         return cast(Callable[[], AbstractContextManager[None]], disable_adapter)
     if getattr(model, "_hf_peft_config_loaded", False):  # transformers' adapter integration
-
-        @contextmanager
-        def off() -> Iterator[None]:
-            model.disable_adapters()  # type: ignore[operator]
-            try:
-                yield
-            finally:
-                model.enable_adapters()  # type: ignore[operator]
-
-        return off
+        return lambda: _tuner_layers_off(model)
     raise GSSError(
         f"adapters_off needs a model with adapters (a peft.PeftModel, or a transformers model "
         f"after load_adapter/add_adapter), got a plain {type(model).__name__}. Pass the model it "
         "was fine-tuned from as the reference instead."
     )
+
+
+@contextmanager
+def _tuner_layers_off(model: nn.Module) -> Iterator[None]:
+    """Switch off the adapter layers of a transformers model with adapters loaded, and put
+    each layer back as it was: its switch and its weights' ``requires_grad``.
+
+    What transformers' ``disable_adapters``/``enable_adapters`` do, done here because
+    transformers 5.24 refuses both unless peft >= 0.22.0 is installed, a version no index had
+    when that release came out. Its ``enable_adapters`` also leaves "modules to save" switched
+    off."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    try:
+        from peft.utils import ModulesToSaveWrapper
+
+        kinds: tuple[type, ...] = (BaseTunerLayer, ModulesToSaveWrapper)
+    except ImportError:
+        kinds = (BaseTunerLayer,)
+    layers: list[Any] = [m for m in model.modules() if isinstance(m, kinds)]
+    was_off = [bool(getattr(m, "disable_adapters", False)) for m in layers]
+    grads = [[p.requires_grad for p in m.parameters()] for m in layers]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer, off, flags in zip(layers, was_off, grads, strict=True):
+            layer.enable_adapters(not off)  # peft sets requires_grad here: put it back
+            for p, flag in zip(layer.parameters(), flags, strict=True):
+                p.requires_grad_(flag)
 
 
 class AdaptersOff(nn.Module):
