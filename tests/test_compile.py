@@ -134,6 +134,19 @@ def test_a_steer_attached_before_compiling_runs_and_comes_off(make_model):
         art.attach(model)
 
 
+@pytest.mark.parametrize("gate", ["hard", "none"])
+def test_the_steer_compiles_into_the_models_graph_without_a_break(make_model, gate):
+    """The steer adds no graph break: a compiled model stays one graph (CUDA graphs, fusion)
+    with it attached, on its first call (the checked path) and after (the fused closure)."""
+    model, art = _setup(make_model)
+    with art.attach(model, gate=gate), torch.no_grad():
+        for _ in range(2):
+            explained = torch._dynamo.explain(model)(input_ids=IDS)
+            assert (explained.graph_count, explained.graph_break_count) == (1, 0), [
+                str(r.reason) for r in explained.break_reasons
+            ]
+
+
 def test_a_wrapper_the_model_does_not_know_of_is_out_of_sight(make_model):
     """``torch.compile(model)`` returns a wrapper that ``model`` holds no reference to: gss
     checks what it is given, so steer (and remove) through the wrapper (documented)."""

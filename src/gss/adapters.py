@@ -40,9 +40,9 @@ def _tuner_layers_off(model: nn.Module) -> Iterator[None]:
     each layer back as it was: its switch and its weights' ``requires_grad``.
 
     What transformers' ``disable_adapters``/``enable_adapters`` do, done here because
-    transformers 5.24 refuses both unless peft >= 0.22.0 is installed, a version no index had
-    when that release came out. Its ``enable_adapters`` also leaves "modules to save" switched
-    off."""
+    transformers 5.24 refuses both unless peft >= 0.22.0 is installed, and the newest peft on
+    the package index here (November 2026) is 0.21.2. Its ``enable_adapters`` also leaves
+    "modules to save" switched off."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     try:
