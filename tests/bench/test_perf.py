@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gss.bench.perf.common import QUICK, interleaved, random_ids, tiny_model
-from gss.bench.perf.overhead import AlternatingSteps, _generate
+from gss.bench.perf.overhead import AlternatingSteps, _generate, load_local_model, model_name
 from gss.bench.perf.run import main
 from gss.layers import resolve_layer
 
@@ -192,3 +192,17 @@ def test_alternating_steps_steer_every_other_decode_step_and_flip_with_the_parit
     assert seen == [] and alternating.steps[True] and len(alternating.steps[True]) == 2
     alternating.remove()
     assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_a_model_directory_with_only_a_config_gives_its_shape_with_random_weights(tmp_path):
+    tiny_model(QUICK).config.save_pretrained(tmp_path / "shape")  # config.json, no weights
+    model, _ = load_local_model(str(tmp_path / "shape"), dtype=torch.bfloat16)
+    config = tiny_model(QUICK).config
+    assert model.config.hidden_size == config.hidden_size
+    assert model.config.num_hidden_layers == config.num_hidden_layers
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert not any(p.requires_grad for p in model.parameters()) and not model.training
+    again, _ = load_local_model(str(tmp_path / "shape"), dtype=torch.bfloat16)
+    pairs = zip(model.parameters(), again.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)  # seeded: the same shape, the same weights
+    assert model_name(str(tmp_path / "shape")) == "shape (random weights)"

@@ -431,7 +431,7 @@ def measure_model(
         # (K or 0 for the no-op hook, compiled kernel?) -> per call: median unsteered step over
         # median steered step
         alternated: dict[tuple[int, bool], list[float]] = {
-            (k, kernel): [] for k in (0, *artifacts) for kernel in (False, True)
+            (k, compiled): [] for k in (0, *artifacts) for compiled in (False, True)
         }
 
         def alternate(
