@@ -72,6 +72,8 @@ def test_quick_perf_writes_results_table_and_figures(tmp_path, capsys):
         if overhead["models"][0]["kernel_status"] == "built":  # a C++ compiler is installed
             assert overhead["models"][0]["kernel"] == "cpu_kernel"
             assert r["alternating_step_ratio_kernel"]["n"] == 2
+            assert r["hook_seconds_per_call_kernel"] > 0
+            assert r["hook_seconds_in_generate_kernel"] > 0
     assert overhead["peer"] in ("available", "not installed")
 
     calib = results["parts"]["calibration"]

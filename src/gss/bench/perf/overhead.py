@@ -268,13 +268,18 @@ class AlternatingSteps:
 
 
 def hook_seconds(
-    model: nn.Module, artifact: gss.SteeringArtifact, batch: int, calls: int, rounds: int = 5
+    model: nn.Module,
+    artifact: gss.SteeringArtifact,
+    batch: int,
+    calls: int,
+    rounds: int = 5,
+    **options: bool,
 ) -> float:
     """Median seconds of one call of the steer's hook on a decode step's block output
     (batch x 1 token), timed alone: the part of the generate ratio that is ours, free of the
-    whole-call noise."""
+    whole-call noise. ``options``: make_hook's (cpu_kernel, cuda_kernel)."""
     _, block = resolve_layer(model, artifact.config.layer, artifact.config.block_path)
-    hook = artifact.make_hook()
+    hook = artifact.make_hook(**options)
     param = next(model.parameters())
     hidden = torch.randn(batch, 1, hook.hidden_size, dtype=param.dtype, device=param.device)
     with torch.no_grad():
@@ -292,16 +297,21 @@ def hook_seconds(
 
 
 def hook_seconds_in_generate(
-    model: nn.Module, artifact: gss.SteeringArtifact, ids: torch.Tensor, new_tokens: int
+    model: nn.Module,
+    artifact: gss.SteeringArtifact,
+    ids: torch.Tensor,
+    new_tokens: int,
+    **options: bool,
 ) -> float:
     """Median seconds of one call of the steer's hook on a decode step, inside real
     ``generate`` calls. On a CPU this is ~3x the call timed alone (a tiny model, 2 threads:
     ~35 against ~12 us): between two calls the model's other ops evict the caches the hook's
     three kernels and their dispatch ran from, so the loop alone understates what a step pays.
     On CUDA every call is bracketed by a synchronize: the block's queued kernels finish before
-    the clock starts and the hook's own before it stops (which stalls the step, untimed)."""
+    the clock starts and the hook's own before it stops (which stalls the step, untimed).
+    ``options``: make_hook's (cpu_kernel, cuda_kernel)."""
     _, block = resolve_layer(model, artifact.config.layer, artifact.config.block_path)
-    hook = artifact.make_hook()
+    hook = artifact.make_hook(**options)
     spent: list[float] = []
     done = syncer(model_device(model))
 
@@ -503,6 +513,13 @@ def measure_model(
             }
             if alternated[k, True]:
                 row["alternating_step_ratio_kernel"] = _alternated(alternated[k, True], warmup)
+                # the compiled steer's own time, both ways: what the kernel arm's ratio pays
+                on = {str(kernel): True}
+                kernel_s = hook_seconds(model, art, batch, calls=sizes.hook_calls, **on)
+                row["hook_seconds_per_call_kernel"] = kernel_s
+                row["hook_seconds_in_generate_kernel"] = hook_seconds_in_generate(
+                    model, art, ids, new_tokens, **on
+                )
             if k == sizes.peer_rank and runner is not None:
                 row["peer"] = dict(peer_row)
                 if "nnsight" in times:
@@ -648,7 +665,8 @@ def run(
             "model's device (kernel): attach(..., cpu_kernel=True) for a float32 model on a CPU "
             "(one C++ function per step instead of three ops) or attach(..., cuda_kernel=True) "
             "on CUDA (one Triton kernel instead of five); kernel_status says whether it was "
-            "built. Each round runs the arms in "
+            "built; hook_seconds_per_call_kernel and hook_seconds_in_generate_kernel: that "
+            "steer's own time, measured as for the hook above. Each round runs the arms in "
             "a fresh seeded order. On CUDA every timed span (each arm's call, hook loop, "
             "decode step) starts and ends with torch.cuda.synchronize, and "
             "hook_seconds_in_generate synchronizes before and after every hook call, so it "
@@ -691,7 +709,13 @@ def _fmt_hook(row: dict[str, Any]) -> str:
     alone = f"{1e6 * row['hook_seconds_per_call']:.0f}"
     if "hook_seconds_in_generate" in row:
         alone = f"{1e6 * row['hook_seconds_in_generate']:.0f} / {alone}"
-    return f"{alone} ({100 * row['hook_share_of_step']:.2f}%)"
+    cell = f"{alone} ({100 * row['hook_share_of_step']:.2f}%)"
+    if "hook_seconds_in_generate_kernel" in row:
+        cell += (
+            f"; kernel {1e6 * row['hook_seconds_in_generate_kernel']:.0f} / "
+            f"{1e6 * row['hook_seconds_per_call_kernel']:.0f}"
+        )
+    return cell
 
 
 def table(result: dict[str, Any]) -> str:
