@@ -151,7 +151,7 @@ class GatedSteer:
             if all(bool(torch.isfinite(t).all()) for t in fused.values()):
                 self._cpu.update(fused)
                 self._fused = True
-        self._kernel: Callable[..., Tensor] | None = None
+        self._cpu_kernel: Callable[..., Tensor] | None = None
         self._cuda_kernel: Callable[..., Tensor] | None = None
         if cpu_kernel or cuda_kernel:
             if not self._fused:
@@ -164,7 +164,7 @@ class GatedSteer:
             if cpu_kernel:
                 from . import cpu_kernel as compiled_kernel
 
-                self._kernel = compiled_kernel.load()
+                self._cpu_kernel = compiled_kernel.load()
             if cuda_kernel:
                 from . import cuda_kernel as triton_kernel
 
@@ -278,7 +278,7 @@ class GatedSteer:
         addmm = torch.addmm
         shrink = torch.nn.functional.hardshrink if self.gate == "hard" else _ungated
 
-        kernel = self._kernel
+        kernel = self._cpu_kernel
         if kernel is not None and device.type == "cpu" and dtype == torch.float32:
             hard = self.gate == "hard"
             probe = probe_t.t().contiguous()  # (K, d): the kernel's dot products read rows
