@@ -1,10 +1,14 @@
-"""The compiled CPU steer (``cpu_kernel=True``) computes what the three PyTorch ops compute.
+"""The compiled CPU hook (``cpu_kernel=True``) computes what the three PyTorch ops compute, and
+hands everything it was not built for to the Python hook.
 
 Building it takes ~30 s once per machine and torch version (then cached); the tests skip only
 where no C++ compiler is installed.
 """
 
+import copy
+import gc
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ import torch
 import gss
 from gss import cpu_kernel
 from gss.errors import GSSError
-from gss.hook import GatedSteer
+from gss.hook import GatedSteer, SteeredForward
 
 from .conftest import random_ids
 
@@ -38,51 +42,151 @@ def _steers(gate: str, seed: int = 0) -> tuple[GatedSteer, GatedSteer]:
 @pytest.mark.parametrize("shape", [(1, 1, D), (16, 1, D), (2, 40, D)])
 def test_kernel_equals_the_three_ops_and_leaves_closed_rows_untouched(gate, shape):
     ops, compiled = _steers(gate)
+    hook = compiled.forward_hook()
+    assert hook is not compiled and hook.__name__ == "gss_cpu_steer_hook"
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 0.2
-    for _ in range(2):  # the first call is the checked one, then the fast paths
-        expected, got = ops(None, (), x), compiled(None, (), x)
-    assert compiled._fast is not None and compiled._fast.__name__ == "steer_compiled"
+    for _ in range(2):  # the Python hook: its checked call first, then its fast path
+        expected, got = ops(None, (), x), hook(None, (), x)
     if shape[0] * shape[1] > cpu_kernel.SMALL_ROWS:
-        assert torch.equal(got, expected)  # a prompt pass runs the same ATen ops
+        assert compiled._fast is not None  # a prompt pass: the Python hook's ATen ops
+        assert torch.equal(got, expected)
     else:
+        assert compiled._fast is None  # the compiled hook steered it without calling back
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     closed = (expected == x).all(-1)
     if gate == "hard" and closed.numel() > 1:
         assert closed.any() and not closed.all(), "the data should open some gates, not all"
     assert torch.equal(got[closed], x[closed])  # a closed gate: bit-for-bit the input
+    assert got is not x and torch.equal(x, x.clone())  # a new tensor; the input is not written
 
 
 def test_attached_generation_matches_and_other_inputs_take_the_checked_path(make_model):
-    model = make_model("llama", seed=3)
-    ref = make_model("llama", seed=11)
-    art = gss.calibrate(model, ref, random_ids(16, 14, seed=2), layer=1, rank=2, progress=False)
-    art = art.with_options(delta=25.0)
+    model, art = _calibrated(make_model)
     ids = random_ids(2, 6, seed=5)
+    block = gss.find_decoder_blocks(model)[1]
     kwargs = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
         unsteered = model.generate(ids, **kwargs)
         with art.attach(model) as handle:
             expected = model.generate(ids, **kwargs)
         with art.attach(model, cpu_kernel=True) as handle:
+            # inside the block's forward, not a hook: no nn.Module hook dispatch per call
+            assert not block._forward_hooks and isinstance(block.forward, SteeredForward)
+            assert block.forward.hook.__name__ == "gss_cpu_steer_hook"
             got = model.generate(ids, **kwargs)
-            assert handle.hook._fast.__name__ == "steer_compiled"
+            assert handle.hook._fast is None  # every call, the prompt's too, steered in C++
+        assert "forward" not in block.__dict__ and not block._forward_hooks
     assert torch.equal(got, expected) and not torch.equal(got, unsteered)
 
-    hook = art.make_hook(cpu_kernel=True)
-    block = gss.find_decoder_blocks(model)[1]
+    steer = art.make_hook(cpu_kernel=True)
+    hook = steer.forward_hook()
     hidden = torch.randn(1, 1, model.config.hidden_size)
-    hook(block, (), hidden)
     half = hidden.bfloat16()  # built for float32: the checked path steers it
     assert torch.equal(hook(block, (), half), art.make_hook()(block, (), half))
+    strided = torch.randn(2, 1, 2 * model.config.hidden_size)[..., ::2]  # not contiguous
+    assert torch.equal(hook(block, (), strided), art.make_hook()(block, (), strided))
     with pytest.raises(GSSError, match="hidden size"):
         hook(block, (), torch.randn(1, 1, model.config.hidden_size + 1))
 
 
+def test_tuple_outputs_inference_mode_and_gate_tracking():
+    ops, compiled = _steers("hard")
+    hook = compiled.forward_hook()
+    x = torch.randn(4, 1, D, generator=torch.Generator().manual_seed(3)) * 0.3
+    cache = object()
+    steered, rest = hook(None, (), (x, cache))[0], hook(None, (), (x, cache))[1:]
+    torch.testing.assert_close(steered, ops(None, (), x), atol=1e-5, rtol=1e-5)
+    assert rest == (cache,)  # transformers 4 blocks: (hidden, cache, ...), the rest kept
+    with torch.inference_mode():
+        inferred = torch.randn(4, 1, D, generator=torch.Generator().manual_seed(3)) * 0.3
+        torch.testing.assert_close(hook(None, (), inferred), steered, atol=0, rtol=0)
+    compiled.track_gates = True  # only the Python hook counts gates: every call goes there
+    torch.testing.assert_close(hook(None, (), x), steered, atol=1e-5, rtol=1e-5)
+    assert compiled.gate_stats()["tokens"] == 4
+    compiled.track_gates = False
+    hook(None, (), x)
+    assert compiled.gate_stats()["tokens"] == 4
+
+
+def test_dispatch_modes_see_the_steer_ops():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    ops, compiled = _steers("hard")
+    x = torch.randn(2, 1, D)
+    with Recorder() as recorder:
+        got = compiled.forward_hook()(None, (), x)
+    assert any("addmm" in op for op in recorder.ops)  # the Python hook's ops, visible
+    assert torch.equal(got, ops(None, (), x))
+
+
+def test_a_removed_hook_frees_its_steer():
+    _, compiled = _steers("hard")
+    block = torch.nn.Identity()
+    handle = gss.hook.register(block, compiled)
+    block(torch.randn(1, 1, D))
+    alive = weakref.ref(compiled)
+    handle.remove()
+    del compiled, handle
+    gc.collect()
+    assert alive() is None  # the C hook held the Python one; removing it released both
+
+
+def _calibrated(make_model, layers: int = 2):
+    model = make_model("llama", seed=3, layers=layers)
+    ref = make_model("llama", seed=11, layers=layers)
+    art = gss.calibrate(model, ref, random_ids(16, 14, seed=2), layer=1, rank=2, progress=False)
+    return model, art.with_options(delta=25.0)
+
+
+def test_the_wrapped_forward_keeps_a_forward_already_there_and_survives_a_deep_copy(make_model):
+    model, art = _calibrated(make_model)
+    block = gss.find_decoder_blocks(model)[1]
+    ids = random_ids(2, 6, seed=5)
+    with torch.no_grad():
+        unsteered = model(ids).logits
+        with art.attach(model):
+            expected = model(ids).logits
+        inner = block.forward
+        calls = []
+
+        def dispatched(*args, **kwargs):  # what accelerate's dispatch puts on a block
+            calls.append(1)
+            return inner(*args, **kwargs)
+
+        block.forward = dispatched
+        with art.attach(model, cpu_kernel=True):
+            torch.testing.assert_close(model(ids).logits, expected, atol=1e-4, rtol=1e-4)
+            assert calls  # the steer ran around the forward that was there
+            copied = copy.deepcopy(model)
+        assert block.forward is dispatched  # restored, not dropped
+        del block.forward
+        copied_block = gss.find_decoder_blocks(copied)[1]
+        assert copied_block.forward.block is copied_block  # bound to the copy's own block
+        torch.testing.assert_close(copied(ids).logits, expected, atol=1e-4, rtol=1e-4)
+
+        handle = art.attach(model, cpu_kernel=True)
+        ours = block.forward
+        block.forward = lambda *args, **kwargs: ours(*args, **kwargs)  # wrapped over ours
+        handle.remove()  # cannot unwind what is on top: ours steers nothing from now on
+        torch.testing.assert_close(model(ids).logits, unsteered, atol=0, rtol=0)
+        del block.forward
+
+
 def test_gradients_flow_as_through_the_three_ops():
     ops, compiled = _steers("hard")
+    hook = compiled.forward_hook()
     x = torch.randn(3, 1, D, generator=torch.Generator().manual_seed(2)) * 0.3
     grads = []
-    for steer in (ops, compiled):
+    for steer in (ops, hook):
         for _ in range(2):
             leaf = x.clone().requires_grad_(True)
             steer(None, (), leaf).square().sum().backward()

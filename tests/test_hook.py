@@ -1,4 +1,5 @@
 import dataclasses
+import shutil
 
 import pytest
 import torch
@@ -229,3 +230,33 @@ def test_turning_gate_tracking_on_leaves_the_fast_path():
     assert hook._fast is None
     assert torch.allclose(hook(None, None, hidden), before, atol=1e-6)
     assert hook.gate_stats()["tokens"] == 12
+
+
+@pytest.mark.parametrize(
+    "cpu_kernel",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                shutil.which("c++") is None and shutil.which("g++") is None,
+                reason="no C++ compiler to build the CPU kernel",
+            ),
+        ),
+    ],
+)
+def test_output_hidden_states_report_the_steered_block(make_model, cpu_kernel):
+    model = make_model("llama", seed=3, layers=3)  # not the last block: its output is normed
+    ref = make_model("llama", seed=11, layers=3)
+    art = gss.calibrate(model, ref, random_ids(16, 14, seed=2), layer=1, rank=2, progress=False)
+    art = art.with_options(delta=25.0)
+    ids = random_ids(2, 6, seed=5)
+    with torch.no_grad():
+        # transformers 5 puts its output-capturing hooks on the blocks at the first such call,
+        # ahead of any steer attached later: the steer must still come first
+        before = model(ids, output_hidden_states=True).hidden_states
+        with art.attach(model, cpu_kernel=cpu_kernel):
+            during = model(ids, output_hidden_states=True).hidden_states
+    expected, _ = art.make_hook().steer_hidden(before[2])  # block 1's output, steered
+    assert not torch.equal(expected, before[2])
+    torch.testing.assert_close(during[2], expected, atol=1e-5, rtol=1e-5)

@@ -1,16 +1,21 @@
-"""The fused gated steer as one C++ function, for float32 decode steps on a CPU (opt-in).
+"""The fused gated steer as one compiled C++ forward hook, for float32 decode steps on a CPU
+(opt-in).
 
 On a CPU each PyTorch op inside a decode step costs tens of microseconds (its dispatch and
-kernel run from caches the model's own ops have just evicted), and the steer's three ops
-(two multiply-adds and a hardshrink) are then 1-2% of a small model's step. This function does
-the whole steer in one call: per row, the K probe responses, the hard gate, and the rows of
-the steer whose gate opened. It is built from the source below by
+kernel run from caches the model's own ops have just evicted), and even a call through
+pybind11 costs several. This hook is one C function that PyTorch calls directly as the
+block's forward hook: it reads the output tensor, computes per row the K probe responses,
+the hard gate and the rows of the steer whose gate opened, and returns the steered copy.
+Inside ``generate`` on the benchmark's tiny model it takes about a third of what the
+pybind11 function it replaced did (``gss bench perf`` records both).
+
+It steers only what it was built for: a plain float32, contiguous CPU tensor (or a tuple
+starting with one) of at most ``SMALL_ROWS`` rows of the calibrated width, needing no
+gradient, outside tracing and torch function or dispatch modes. Anything else (a prompt
+pass, another dtype, a backward, a wrong width) goes to the Python hook it was made with,
+which steers it with PyTorch ops or says what is wrong. It is built from the source below by
 ``torch.utils.cpp_extension`` the first time it is asked for (about 30 s; it needs a C++
 compiler and ``ninja``) and cached under ``$GSS_KERNEL_DIR`` or ``~/.cache/gss/kernels``.
-
-Only small inputs (decode steps: at most ``SMALL_ROWS`` rows) and inputs that need no
-gradient take the loop; anything else runs the same three ATen ops as the Python fast path,
-called from C++, so a prompt pass or a backward stays exactly as without it.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from .errors import GSSError
 
@@ -32,34 +36,41 @@ SMALL_ROWS = 64  # rows (batch x positions) up to which the loop beats the ATen 
 
 _SOURCE = r"""
 #include <torch/extension.h>
-#include <algorithm>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
+#include <memory>
+
+namespace {
 
 constexpr int64_t SMALL_ROWS = @SMALL_ROWS@;
+constexpr const char* CAPSULE = "gss.cpu_steer_hook";
 
-// out = h + shrink(h @ probe_t + neg_offset) @ neg_steer, shrink = hardshrink at 1 (hard)
-// or nothing (ungated): what GatedSteer's fused path computes with three ATen ops. probe is
-// probe_t's rows, (k, d) contiguous, for the loop's dot products.
-torch::Tensor steer(const torch::Tensor& h, const torch::Tensor& probe_t,
-                    const torch::Tensor& probe, const torch::Tensor& neg_offset,
-                    const torch::Tensor& neg_steer, bool hard) {
-  TORCH_CHECK(h.device().is_cpu() && h.scalar_type() == torch::kFloat32,
-              "gss CPU kernel: float32 CPU hidden states only");
-  const int64_t d = probe_t.size(0), k = probe_t.size(1);
-  TORCH_CHECK(h.dim() >= 1 && h.size(-1) == d, "gss CPU kernel: hidden size mismatch");
-  const int64_t rows = h.numel() / d;
-  if (rows > SMALL_ROWS || (torch::GradMode::is_enabled() && h.requires_grad())) {
-    auto flat = h.reshape({-1, d});
-    auto s = at::addmm(neg_offset, flat, probe_t);
-    if (hard) s = at::hardshrink(s, 1.0);
-    return at::addmm(flat, s, neg_steer).view(h.sizes());
-  }
-  auto hc = h.contiguous();
-  auto out = torch::empty_like(hc);
-  const float* x0 = hc.data_ptr<float>();
-  const float* p = probe.data_ptr<float>();
-  const float* b = neg_offset.data_ptr<float>();
-  const float* n = neg_steer.data_ptr<float>();  // (k, d), contiguous
-  float* y0 = out.data_ptr<float>();
+// What one hook steers with: the fused steer's tensors (float32, contiguous, CPU) and the
+// Python hook that takes every input this one was not built for.
+struct Steer {
+  at::Tensor probe;       // (k, d): the probe rows divided by their thresholds
+  at::Tensor neg_offset;  // (k,)
+  at::Tensor neg_steer;   // (k, d): the negated steer rows times their thresholds
+  at::Tensor on;          // bool scalar: false while the Python hook must see every call
+  int64_t d = 0, k = 0;
+  bool hard = true;
+  PyObject* fallback = nullptr;  // owned
+  ~Steer() { Py_XDECREF(fallback); }
+};
+
+void destroy(PyObject* capsule) {
+  delete static_cast<Steer*>(PyCapsule_GetPointer(capsule, CAPSULE));
+}
+
+// y = x + sum_j shrink(x . probe_j + neg_offset_j) neg_steer_j per row, shrink = hardshrink
+// at 1 (hard) or nothing: what GatedSteer's fused path computes with three ATen ops.
+void steer_rows(const Steer& st, const float* x0, float* y0, int64_t rows) {
+  const int64_t d = st.d, k = st.k;
+  const float* p = st.probe.data_ptr<float>();
+  const float* b = st.neg_offset.data_ptr<float>();
+  const float* n = st.neg_steer.data_ptr<float>();
   constexpr int64_t W = 8;  // independent partial sums: the compiler vectorizes the dot
   const int64_t body = d - d % W;
   for (int64_t r = 0; r < rows; ++r) {
@@ -71,19 +82,118 @@ torch::Tensor steer(const torch::Tensor& h, const torch::Tensor& probe_t,
       float acc[W] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       for (int64_t i = 0; i < body; i += W)
         for (int64_t u = 0; u < W; ++u) acc[u] += x[i + u] * pj[i + u];
-      float sj = b[j];
-      for (int64_t u = 0; u < W; ++u) sj += acc[u];
-      for (int64_t i = body; i < d; ++i) sj += x[i] * pj[i];
-      if (hard && sj >= -1.0f && sj <= 1.0f) continue;  // a closed gate: no correction at all
+      float s = b[j];
+      for (int64_t u = 0; u < W; ++u) s += acc[u];
+      for (int64_t i = body; i < d; ++i) s += x[i] * pj[i];
+      if (st.hard && s >= -1.0f && s <= 1.0f) continue;  // a closed gate: no correction at all
       const float* nj = n + j * d;
-      for (int64_t i = 0; i < d; ++i) y[i] += sj * nj[i];
+      for (int64_t i = 0; i < d; ++i) y[i] += s * nj[i];
     }
   }
-  return out;
+}
+
+// The block output's hidden states if this hook steers them, else nullptr.
+const at::Tensor* steerable(const Steer& st, PyObject* hidden) {
+  if (!THPVariable_CheckExact(hidden)) return nullptr;  // a subclass keeps its own semantics
+  const at::Tensor& h = THPVariable_Unpack(hidden);
+  if (!h.defined() || h.layout() != at::kStrided || !h.device().is_cpu() ||
+      h.scalar_type() != at::kFloat || !h.has_storage() || h.dim() < 1 ||
+      h.size(-1) != st.d || h.numel() > SMALL_ROWS * st.d || !h.is_contiguous() || h.is_neg())
+    return nullptr;
+  if (at::GradMode::is_enabled() && h.requires_grad()) return nullptr;  // autograd: ATen
+  return &h;
+}
+
+// The forward hook: hook(module, args, output) -> the steered output, or the Python hook's
+// answer for anything steerable() refuses. Tracing and torch function or dispatch modes must
+// see the steer's ops, so they get the Python hook too.
+PyObject* hook(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  auto* st = static_cast<Steer*>(PyCapsule_GetPointer(self, CAPSULE));
+  if (st == nullptr) return nullptr;
+  if (nargs == 3 && *st->on.data_ptr<bool>() && !torch::jit::tracer::isTracing() &&
+      !c10::impl::dispatch_mode_enabled() && !at::impl::torch_function_mode_enabled()) {
+    PyObject* output = args[2];
+    const bool tuple = PyTuple_CheckExact(output) && PyTuple_GET_SIZE(output) > 0;
+    PyObject* hidden = tuple ? PyTuple_GET_ITEM(output, 0) : output;
+    PyObject* steered = nullptr;
+    try {
+      if (const at::Tensor* h = steerable(*st, hidden)) {
+        at::TensorBase out = at::detail::empty_cpu(h->sizes(), at::kFloat);
+        steer_rows(*st, h->data_ptr<float>(), out.data_ptr<float>(), h->numel() / st->d);
+        steered = THPVariable_Wrap(out);
+        if (steered == nullptr) return nullptr;
+      }
+    } catch (const std::exception&) {
+      steered = nullptr;  // whatever torch refused here, the Python hook checks and says
+    }
+    if (steered != nullptr) {
+      if (!tuple) return steered;
+      const Py_ssize_t n = PyTuple_GET_SIZE(output);  // transformers 4: (hidden, cache, ...)
+      PyObject* rebuilt = PyTuple_New(n);
+      if (rebuilt == nullptr) {
+        Py_DECREF(steered);
+        return nullptr;
+      }
+      PyTuple_SET_ITEM(rebuilt, 0, steered);
+      for (Py_ssize_t i = 1; i < n; ++i) {
+        PyObject* item = PyTuple_GET_ITEM(output, i);
+        Py_INCREF(item);
+        PyTuple_SET_ITEM(rebuilt, i, item);
+      }
+      return rebuilt;
+    }
+  }
+  return PyObject_Vectorcall(st->fallback, args, nargs, nullptr);
+}
+
+PyMethodDef HOOK_DEF = {
+    "gss_cpu_steer_hook", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(hook)),
+    METH_FASTCALL, "gss's fused gated steer as a forward hook (see gss.cpu_kernel)."};
+
+void check(const at::Tensor& t, int64_t dim, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == dim &&
+                  t.is_contiguous(),
+              "gss CPU kernel: ", name, " must be a contiguous float32 CPU tensor of ", dim,
+              " dimensions");
+}
+
+}  // namespace
+
+// A new hook over these tensors; the tensors are held, not copied.
+py::object make_hook(const at::Tensor& probe, const at::Tensor& neg_offset,
+                     const at::Tensor& neg_steer, const at::Tensor& on, bool hard,
+                     py::object fallback) {
+  check(probe, 2, "probe");
+  check(neg_offset, 1, "neg_offset");
+  check(neg_steer, 2, "neg_steer");
+  TORCH_CHECK(neg_steer.sizes() == probe.sizes() && neg_offset.size(0) == probe.size(0),
+              "gss CPU kernel: probe, neg_offset and neg_steer disagree on K or d");
+  TORCH_CHECK(on.device().is_cpu() && on.scalar_type() == at::kBool && on.numel() == 1,
+              "gss CPU kernel: on must be a bool CPU scalar");
+  auto st = std::make_unique<Steer>();
+  st->probe = probe;
+  st->neg_offset = neg_offset;
+  st->neg_steer = neg_steer;
+  st->on = on;
+  st->k = probe.size(0);
+  st->d = probe.size(1);
+  st->hard = hard;
+  st->fallback = fallback.release().ptr();
+  PyObject* capsule = PyCapsule_New(st.get(), CAPSULE, destroy);
+  if (capsule == nullptr) throw py::error_already_set();
+  st.release();  // the capsule owns it now
+  PyObject* fn = PyCFunction_New(&HOOK_DEF, capsule);
+  Py_DECREF(capsule);
+  if (fn == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(fn);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("make_hook", &make_hook);
 }
 """.replace("@SMALL_ROWS@", str(SMALL_ROWS))
 
-_loaded: dict[str, Callable[..., Tensor]] = {}
+_loaded: dict[str, Callable[..., Callable[..., Any]]] = {}
 
 
 def _name() -> str:
@@ -98,9 +208,11 @@ def kernel_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "gss" / "kernels"
 
 
-def load() -> Callable[..., Tensor]:
-    """The compiled ``steer(h, probe_t, probe, neg_offset, neg_steer, hard)``, built on first
-    use."""
+def load() -> Callable[..., Callable[..., Any]]:
+    """The compiled ``make_hook(probe, neg_offset, neg_steer, on, hard, fallback)``, built on
+    first use: it returns a forward hook (a C function) over those float32 CPU tensors, which
+    steers while the bool scalar ``on`` is true and calls ``fallback`` with whatever it does
+    not steer."""
     name = _name()
     fn = _loaded.get(name)
     if fn is not None:
@@ -127,7 +239,7 @@ def load() -> Callable[..., Tensor]:
         module: Any = load_inline(
             name,
             cpp_sources=_SOURCE,
-            functions=["steer"],
+            functions=None,  # the source binds make_hook itself
             extra_cflags=["-O3"],
             build_directory=str(build),
             verbose=False,
@@ -141,6 +253,6 @@ def load() -> Callable[..., Tensor]:
         ) from err
     finally:
         os.environ["PATH"] = path
-    fn = module.steer
+    fn = module.make_hook
     _loaded[name] = fn
     return fn

@@ -74,9 +74,11 @@ class GatedSteer:
         min_alignment: ``ridge`` skips directions whose |<u_k, v_k>| / ||u_k|| is below this,
             where the coefficient would blow up.
         track_gates: count how often each direction's gate opens (on device, no sync).
-        cpu_kernel: run float32 CPU decode steps through one compiled C++ function instead
-            of three PyTorch ops (``cpu_kernel.py``; built on first use, needs a C++ compiler
-            and ninja). For the projection coefficient with the hard gate or none.
+        cpu_kernel: steer with a compiled C++ hook (`forward_hook`), run inside the block's
+            forward (`SteeredForward`), that steers float32 CPU decode steps in one C call
+            instead of three PyTorch ops and hands everything else to this object
+            (``cpu_kernel.py``; built on first use, needs a C++ compiler and ninja). For the
+            projection coefficient with the hard gate or none.
         cuda_kernel: run CUDA decode steps (any float dtype) through one Triton kernel
             instead of five PyTorch kernels (``cuda_kernel.py``; needs a GPU and Triton).
             For the same steers as ``cpu_kernel``.
@@ -151,7 +153,7 @@ class GatedSteer:
             if all(bool(torch.isfinite(t).all()) for t in fused.values()):
                 self._cpu.update(fused)
                 self._fused = True
-        self._cpu_kernel: Callable[..., Tensor] | None = None
+        self._cpu_kernel: Callable[..., Callable[..., Any]] | None = None
         self._cuda_kernel: Callable[..., Tensor] | None = None
         if cpu_kernel or cuda_kernel:
             if not self._fused:
@@ -174,6 +176,9 @@ class GatedSteer:
         self._fast: Callable[[Tensor], Tensor] | None = None
         self._fast_failed = False
         self._track_gates = track_gates
+        # read by the compiled hooks on every call: off while gates are tracked, which only
+        # the Python path does
+        self._compiled_on = torch.tensor(not track_gates)
         self.open_counts: Tensor | None = None
         self.token_count = 0
         self.any_open_count: Tensor | None = None
@@ -186,7 +191,30 @@ class GatedSteer:
     @track_gates.setter
     def track_gates(self, value: bool) -> None:
         self._track_gates = value
+        self._compiled_on.fill_(not value)
         self._fast = None
+
+    @property
+    def compiled_hook(self) -> bool:
+        """Whether `forward_hook` is the compiled C++ hook (``cpu_kernel``)."""
+        return self._cpu_kernel is not None
+
+    def forward_hook(self) -> Callable[..., Any]:
+        """The callable to register on the block. With ``cpu_kernel``, a new compiled hook: one
+        C function that steers a float32 CPU decode step without entering Python and calls this
+        object for anything else (a prompt pass, another dtype, a gradient, gate tracking);
+        else this object itself."""
+        if self._cpu_kernel is None:
+            return self
+        f = self._cpu
+        return self._cpu_kernel(
+            f["fused_probe_t"].t().contiguous(),
+            f["fused_neg_offset"],
+            f["fused_neg_steer"],
+            self._compiled_on,
+            self.gate == "hard",
+            self,
+        )
 
     def _params(self, device: torch.device) -> dict[str, Tensor]:
         params = self._on.get(device)
@@ -266,9 +294,9 @@ class GatedSteer:
         self, device: torch.device, dtype: torch.dtype
     ) -> Callable[[Tensor], Tensor]:
         """The fused steer of `steer_hidden` for `dtype` tensors on `device`, in as few Python
-        operations as it takes: the same kernels in the same order, or, with ``cpu_kernel``
-        on a float32 CPU or ``cuda_kernel`` on a GPU, one compiled function (equal to float
-        rounding: it sums in another order)."""
+        operations as it takes: the same kernels in the same order, or, with ``cuda_kernel``
+        on a GPU, one Triton kernel (equal to float rounding: it sums in another order).
+        ``cpu_kernel``'s compiled hook runs before this, not in it (`forward_hook`)."""
         f = self._params(device)
         probe_t, neg_offset, neg_steer = (
             f["fused_probe_t"],
@@ -277,17 +305,6 @@ class GatedSteer:
         )
         addmm = torch.addmm
         shrink = torch.nn.functional.hardshrink if self.gate == "hard" else _ungated
-
-        kernel = self._cpu_kernel
-        if kernel is not None and device.type == "cpu" and dtype == torch.float32:
-            hard = self.gate == "hard"
-            probe = probe_t.t().contiguous()  # (K, d): the kernel's dot products read rows
-
-            def steer_compiled(hidden: Tensor) -> Tensor:
-                # refuses another dtype, device or width with a RuntimeError: the checked path
-                return kernel(hidden, probe_t, probe, neg_offset, neg_steer, hard)
-
-            return steer_compiled
 
         if self._cuda_kernel is not None and device.type == "cuda":
             fused_kernel, hard = self._cuda_kernel, self.gate == "hard"
@@ -388,12 +405,54 @@ class GatedSteer:
         self.token_count = 0
 
 
+def _unchanged(module: nn.Module, args: Any, output: Any) -> None:
+    return None
+
+
+class SteeredForward:
+    """A block's ``forward`` with a forward hook applied to its output, installed as the
+    block's instance attribute: what ``attach(..., cpu_kernel=True)`` does instead of
+    ``register_forward_hook``. A hook sends every call of the block through ``nn.Module``'s
+    hook dispatch (the no-op hook arm of ``gss bench perf``: 0.3-0.5% of the tiny model's CPU
+    decode step, more than the compiled steer's own call); here the call stays on the fast
+    path. Removable like a hook's handle.
+
+    Every forward hook on the block sees the steered output. An instance ``forward`` already
+    there (accelerate's dispatch) is wrapped and restored. If another wrapper was put on top
+    of this one, removing it only turns it into a pass-through, so that wrapper keeps working.
+    A deep copy of the model copies the wrapper bound to the copied block.
+    """
+
+    def __init__(self, block: nn.Module, hook: Callable[..., Any]) -> None:
+        self.block = block
+        self.hook = hook
+        self.forward = block.forward  # the instance attribute or the bound method
+        self._had_instance_forward = "forward" in block.__dict__
+        block.forward = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.forward(*args, **kwargs)
+        steered = self.hook(self.block, args, output)
+        return output if steered is None else steered
+
+    def remove(self) -> None:
+        block = self.block
+        if block.__dict__.get("forward") is not self:
+            self.hook = _unchanged  # wrapped again since: stay in the chain, steer nothing
+        elif self._had_instance_forward:
+            block.forward = self.forward
+        else:
+            del block.forward
+
+
 class SteerHandle:
     """A removable steer; also a context manager that removes itself on exit."""
 
-    def __init__(self, hook: Any, handle: torch.utils.hooks.RemovableHandle) -> None:
+    def __init__(
+        self, hook: Any, handle: torch.utils.hooks.RemovableHandle | SteeredForward
+    ) -> None:
         self.hook = hook
-        self._handle: torch.utils.hooks.RemovableHandle | None = handle
+        self._handle: torch.utils.hooks.RemovableHandle | SteeredForward | None = handle
 
     @property
     def active(self) -> bool:
@@ -424,7 +483,12 @@ class SteerHandle:
 def register(
     block: nn.Module, hook: Callable[..., Any], model: nn.Module | None = None
 ) -> SteerHandle:
-    """Attach ``hook`` to ``block``'s forward output; ``model`` is the model ``block`` is in,
-    searched for compiled code that would not run the hook (the block alone when None)."""
+    """Attach ``hook`` to ``block``'s forward output, ahead of the block's other forward hooks
+    (so they, and ``output_hidden_states``, see the steered output); ``model`` is the model
+    ``block`` is in, searched for compiled code that would not run the hook (the block alone
+    when None). A :class:`GatedSteer` built with ``cpu_kernel`` runs its compiled hook inside
+    the block's ``forward`` (:class:`SteeredForward`)."""
     refuse_if_compiled(block if model is None else model)
-    return SteerHandle(hook, block.register_forward_hook(hook))
+    if isinstance(hook, GatedSteer) and hook.compiled_hook:
+        return SteerHandle(hook, SteeredForward(block, hook.forward_hook()))
+    return SteerHandle(hook, block.register_forward_hook(hook, prepend=True))

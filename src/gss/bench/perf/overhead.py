@@ -24,6 +24,7 @@ from torch import nn
 import gss
 
 from ...forward import model_device
+from ...hook import SteerHandle, register
 from ...layers import resolve_layer
 from ...pretrained import load_causal_lm
 from ...report import markdown_table
@@ -199,8 +200,10 @@ class AlternatingSteps:
 
     The most precise read of what the steer costs a step: two neighbouring steps are a few
     milliseconds apart and share the host's state, so the drift and spikes that move whole
-    calls by several percent on this machine cancel in their ratio. The steer is registered
-    on the block before a steered step's clock starts and removed before the next step (a
+    calls by several percent on this machine cancel in their ratio. The steer is installed
+    on the block as ``attach`` installs it (``gss.hook.register``: a forward hook, or with
+    ``cpu_kernel`` a wrapped ``forward``) before a steered step's clock starts and removed
+    before the next step (a
     forward pre-hook put ahead of every other), so toggling is not timed; which steps are
     steered flips from call to call, so each step position is steered in half the calls.
     """
@@ -209,7 +212,7 @@ class AlternatingSteps:
         self.block = block
         self._sync = syncer(model_device(model))
         self._hook: Callable[..., Any] | None = None
-        self._handle: torch.utils.hooks.RemovableHandle | None = None
+        self._handle: SteerHandle | None = None
         self._step = 0
         self._parity = 0
         self._steered = False
@@ -248,7 +251,7 @@ class AlternatingSteps:
         # step 0 is the prompt pass: never steered, never timed
         self._steered = self._step > 0 and (self._step + self._parity) % 2 == 1
         if self._steered:
-            self._handle = self.block.register_forward_hook(self._hook)
+            self._handle = register(self.block, self._hook)  # as attach installs it
         self._sync()
         self._start = time.perf_counter()
 
@@ -279,9 +282,10 @@ def hook_seconds(
     (batch x 1 token), timed alone: the part of the generate ratio that is ours, free of the
     whole-call noise. ``options``: make_hook's (cpu_kernel, cuda_kernel)."""
     _, block = resolve_layer(model, artifact.config.layer, artifact.config.block_path)
-    hook = artifact.make_hook(**options)
+    steer = artifact.make_hook(**options)
+    hook = steer.forward_hook()  # what attach registers
     param = next(model.parameters())
-    hidden = torch.randn(batch, 1, hook.hidden_size, dtype=param.dtype, device=param.device)
+    hidden = torch.randn(batch, 1, steer.hidden_size, dtype=param.dtype, device=param.device)
     with torch.no_grad():
         for _ in range(calls // 10):
             hook(block, (), hidden)
@@ -311,7 +315,7 @@ def hook_seconds_in_generate(
     the clock starts and the hook's own before it stops (which stalls the step, untimed).
     ``options``: make_hook's (cpu_kernel, cuda_kernel)."""
     _, block = resolve_layer(model, artifact.config.layer, artifact.config.block_path)
-    hook = artifact.make_hook(**options)
+    hook = artifact.make_hook(**options).forward_hook()  # what attach registers
     spent: list[float] = []
     done = syncer(model_device(model))
 
