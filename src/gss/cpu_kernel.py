@@ -8,8 +8,9 @@ block's ``(module, args, output)``: it reads the output tensor, computes per row
 responses, the hard gate and the rows of the steer whose gate opened, and returns the steered
 copy. ``attach(..., cpu_kernel=True)`` calls it from inside the block's ``forward``
 (``gss.hook.SteeredForward``), so no Python code of gss runs on a decode step. Inside
-``generate`` on the benchmark's tiny model it takes 6-8 us per step where the pybind11
-function it replaced took 18-20 (``hook_seconds_in_generate_kernel`` in ``gss bench perf``).
+``generate`` on the benchmark's tiny model it took 10-17 us per batch-1 step where the
+pybind11 function it replaced took 18-20 (``hook_seconds_in_generate_kernel`` in
+``gss bench perf``, one run each).
 
 It steers only what it was built for: a plain float32, contiguous CPU tensor (or a tuple
 starting with one) of at most ``SMALL_ROWS`` rows of the calibrated width, needing no
