@@ -81,6 +81,16 @@ def random_ids(n: int, length: int, seed: int = 0, vocab: int = VOCAB) -> torch.
     return torch.randint(3, vocab, (n, length), generator=gen)
 
 
+def calibrated_llama(layers: int = 2):
+    """A tiny Llama and a rank-2 steer at block 1, strong enough to change greedy choices."""
+    import gss
+
+    model = tiny_model("llama", seed=3, layers=layers)
+    ref = tiny_model("llama", seed=11, layers=layers)
+    art = gss.calibrate(model, ref, random_ids(16, 14, seed=2), layer=1, rank=2, progress=False)
+    return model, art.with_options(delta=25.0)
+
+
 def _general_rows(n: int, length: int, gen: torch.Generator, vocab: int) -> torch.Tensor:
     """Rows that follow a learnable rule: x_{t+1} = x_t + step (mod the usable vocab)."""
     start = torch.randint(0, vocab - 3, (n, 1), generator=gen)

@@ -18,7 +18,7 @@ from gss import cpu_kernel
 from gss.errors import GSSError
 from gss.hook import GatedSteer, SteeredForward
 
-from .conftest import random_ids
+from .conftest import calibrated_llama, random_ids
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None,
@@ -60,8 +60,8 @@ def test_kernel_equals_the_three_ops_and_leaves_closed_rows_untouched(gate, shap
     assert got is not x and torch.equal(x, x.clone())  # a new tensor; the input is not written
 
 
-def test_attached_generation_matches_and_other_inputs_take_the_checked_path(make_model):
-    model, art = _calibrated(make_model)
+def test_attached_generation_matches_and_other_inputs_take_the_checked_path():
+    model, art = calibrated_llama()
     ids = random_ids(2, 6, seed=5)
     block = gss.find_decoder_blocks(model)[1]
     kwargs = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
@@ -140,15 +140,8 @@ def test_a_removed_hook_frees_its_steer():
     assert alive() is None  # the C hook held the Python one; removing it released both
 
 
-def _calibrated(make_model, layers: int = 2):
-    model = make_model("llama", seed=3, layers=layers)
-    ref = make_model("llama", seed=11, layers=layers)
-    art = gss.calibrate(model, ref, random_ids(16, 14, seed=2), layer=1, rank=2, progress=False)
-    return model, art.with_options(delta=25.0)
-
-
-def test_the_wrapped_forward_keeps_a_forward_already_there_and_survives_a_deep_copy(make_model):
-    model, art = _calibrated(make_model)
+def test_the_wrapped_forward_keeps_a_forward_already_there_and_survives_a_deep_copy():
+    model, art = calibrated_llama()
     block = gss.find_decoder_blocks(model)[1]
     ids = random_ids(2, 6, seed=5)
     with torch.no_grad():

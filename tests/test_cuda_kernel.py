@@ -12,7 +12,7 @@ from gss import cuda_kernel
 from gss.errors import GSSError
 from gss.hook import GatedSteer
 
-from .conftest import random_ids
+from .conftest import calibrated_llama, random_ids
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 D, K = 200, 5  # d not a power of two: the kernel's masked tail
@@ -53,11 +53,8 @@ def test_kernel_equals_the_ops_and_leaves_closed_rows_untouched(dtype, gate, sha
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attached_generation_matches_on_cuda(make_model, dtype):
-    model = make_model("llama", seed=3)
-    ref = make_model("llama", seed=11)
-    art = gss.calibrate(model, ref, random_ids(16, 14, seed=2), layer=1, rank=2, progress=False)
-    art = art.with_options(delta=25.0)
+def test_attached_generation_matches_on_cuda(dtype):
+    model, art = calibrated_llama()
     model = model.to("cuda", dtype)
     ids = random_ids(2, 6, seed=5).cuda()
     kwargs = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}

@@ -9,7 +9,7 @@ import gss
 from gss import GSSError
 from gss.hook import GatedSteer, register
 
-from .conftest import random_ids
+from .conftest import calibrated_llama, random_ids
 
 
 def _golden(h, U, V, eps, off, gate, coefficient, delta, ridge_delta):
@@ -245,11 +245,8 @@ def test_turning_gate_tracking_on_leaves_the_fast_path():
         ),
     ],
 )
-def test_output_hidden_states_report_the_steered_block(make_model, cpu_kernel):
-    model = make_model("llama", seed=3, layers=3)  # not the last block: its output is normed
-    ref = make_model("llama", seed=11, layers=3)
-    art = gss.calibrate(model, ref, random_ids(16, 14, seed=2), layer=1, rank=2, progress=False)
-    art = art.with_options(delta=25.0)
+def test_output_hidden_states_report_the_steered_block(cpu_kernel):
+    model, art = calibrated_llama(layers=3)  # block 1 is not the last: that one's is normed
     ids = random_ids(2, 6, seed=5)
     with torch.no_grad():
         # transformers 5 puts its output-capturing hooks on the blocks at the first such call,

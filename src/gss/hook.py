@@ -194,11 +194,6 @@ class GatedSteer:
         self._compiled_on.fill_(not value)
         self._fast = None
 
-    @property
-    def compiled_hook(self) -> bool:
-        """Whether `forward_hook` is the compiled C++ hook (``cpu_kernel``)."""
-        return self._cpu_kernel is not None
-
     def forward_hook(self) -> Callable[..., Any]:
         """The callable to register on the block. With ``cpu_kernel``, a new compiled hook: one
         C function that steers a float32 CPU decode step without entering Python and calls this
@@ -489,6 +484,6 @@ def register(
     when None). A :class:`GatedSteer` built with ``cpu_kernel`` runs its compiled hook inside
     the block's ``forward`` (:class:`SteeredForward`)."""
     refuse_if_compiled(block if model is None else model)
-    if isinstance(hook, GatedSteer) and hook.compiled_hook:
+    if isinstance(hook, GatedSteer) and hook._cpu_kernel is not None:
         return SteerHandle(hook, SteeredForward(block, hook.forward_hook()))
     return SteerHandle(hook, block.register_forward_hook(hook, prepend=True))
