@@ -1,8 +1,9 @@
 """gss: remove verbatim memorization from fine-tuned language models at inference time.
 
 Gated Subspace Steering calibrates, at one decoder layer, probe directions (when to act) and
-steer directions (how to act) from a token-level memorization signal, and applies them with a
-forward hook that subtracts the steer only on tokens whose probe response passes a threshold.
+steer directions (how to act) from a token-level memorization signal, and applies them inside
+that block's forward: the steer is subtracted only on tokens whose probe response passes a
+threshold.
 """
 
 __version__ = "0.1.0"

@@ -227,9 +227,9 @@ class SteeringArtifact:
 
         ``options`` (delta, rank, gate, coefficient, ridge_delta) override the artifact's.
         ``cpu_kernel=True`` steers float32 CPU decode steps with one compiled C++ function
-        (built on first use: a C++ compiler and ninja) instead of three PyTorch ops, called
-        inside the block's ``forward`` rather than as a hook, which matters on small models
-        (see ``gss.cpu_kernel``, ``gss.hook.SteeredForward``). ``cuda_kernel=True`` does the same
+        (built on first use: a C++ compiler and ninja) instead of three PyTorch ops, which
+        matters on small models (see ``gss.cpu_kernel``). Either way the steer runs inside the
+        block's ``forward`` (``gss.hook.SteeredForward``). ``cuda_kernel=True`` does the same
         on a GPU with one Triton kernel instead of five (``gss.cuda_kernel``). With
         ``track_gates`` every call runs the checked path, which counts the gates, so neither
         has an effect there.

@@ -40,7 +40,7 @@ from .forward import (
     token_logprobs,
 )
 from .gradients import per_position_gradients
-from .hook import COEFFICIENT_MODES, GATE_MODES, split_block_output
+from .hook import COEFFICIENT_MODES, GATE_MODES, SteeredForward, split_block_output
 from .layers import resolve_layer
 from .solve import SolveMethod, solve_probe_steer
 from .statistics import CovarianceAccumulator, CrossMomentAccumulator, MeanAccumulator
@@ -59,7 +59,7 @@ class _StopForward(Exception):
 
 
 class _Tap:
-    """Forward hook on block L: records its output, optionally as a leaf for gradients, and
+    """Applied to block L's output: records it, optionally as a leaf for gradients, and
     optionally stops the forward pass right there."""
 
     def __init__(self, stop: bool, leaf: bool) -> None:
@@ -80,7 +80,7 @@ class _Tap:
 @contextmanager
 def _tapped(block: nn.Module, stop: bool, leaf: bool) -> Iterator[_Tap]:
     tap = _Tap(stop=stop, leaf=leaf)
-    handle = block.register_forward_hook(tap)
+    handle = SteeredForward(block, tap)  # as a steer is attached: compiled code sees it
     try:
         yield tap
     finally:
@@ -90,7 +90,7 @@ def _tapped(block: nn.Module, stop: bool, leaf: bool) -> Iterator[_Tap]:
 @contextmanager
 def _calibration_mode(*models: nn.Module) -> Iterator[None]:
     """Eval mode and frozen weights for the duration; both restored afterwards. Models whose
-    compiled code would not run calibration's forward hooks are refused first."""
+    compiled code would not run calibration's read of a block are refused first."""
     for m in models:
         refuse_if_compiled(m, reading=True)
     states = [(m, m.training, [(p, p.requires_grad) for p in m.parameters()]) for m in models]

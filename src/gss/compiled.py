@@ -1,11 +1,14 @@
-"""``torch.compile`` and forward hooks: find the case where a steer would silently not run.
+"""``torch.compile`` and gss's wrapped forwards: find the case where a steer would silently not run.
 
-With ``torch._dynamo.config.skip_nnmodule_hook_guards`` on (torch's default), code compiled
-while a module had no forward hooks does not check for them again: a hook attached later never
-runs in it (before torch 2.5, also unless ``inline_inbuilt_nn_modules`` is on). A hook present
-when compiling is guarded: removing it recompiles. A steer attached to a model compiled
-without it would leave every output unsteered without a word, so attaching refuses such a
-model, as does calibration, which reads a block with a hook.
+gss attaches nothing as a forward hook: a steer, and calibration's read of a block, wrap the
+block's ``forward`` (``gss.hook.SteeredForward``, an instance attribute). With modules inlined
+(always from torch 2.5), dynamo guards on that attribute, so code compiled before the steer was
+attached recompiles when it is, and again when it comes off (``tests/test_compile.py``, every
+way of compiling). A forward hook would not do: with ``skip_nnmodule_hook_guards`` on (torch's
+default), code compiled while a module had no hooks never looks for them again. Before torch
+2.5 modules are not inlined by default, and then compiled code did not see late hooks even with
+their guards on (measured on torch 2.4.1); a wrapped forward was not measured there, so gss
+refuses a compiled model until ``inline_inbuilt_nn_modules`` is set.
 """
 
 from __future__ import annotations
@@ -17,26 +20,20 @@ from torch import nn
 
 from .errors import GSSError
 
-_HOOK_GUARDS = "torch._dynamo.config.skip_nnmodule_hook_guards = False"
 _INLINING = "torch._dynamo.config.inline_inbuilt_nn_modules = True"
 
 
-def _settings_that_hide_late_hooks() -> list[str]:
-    """The dynamo settings to change so that compiled code sees hooks added after compiling.
-
-    Hook guards are skipped by default; before torch 2.5, modules are also not inlined by
-    default, and then even guarded hooks added later are not seen (measured on torch 2.4)."""
+def _modules_inlined() -> bool:
+    """Whether dynamo inlines ``nn.Module`` calls (and so guards on an instance ``forward``):
+    always from torch 2.5, where the flag is deprecated and says so when read; before, only when
+    set."""
     dynamo = sys.modules.get("torch._dynamo")  # never imported: nothing was compiled
     if dynamo is None:
-        return []
-    config = dynamo.config
+        return True
     with warnings.catch_warnings(record=True) as read:
         warnings.simplefilter("always")
-        inlines = bool(getattr(config, "inline_inbuilt_nn_modules", True))
-    # newer torch always inlines: the flag is deprecated there, does nothing and says so
-    inlines = inlines or any(issubclass(w.category, FutureWarning) for w in read)
-    changes = [_HOOK_GUARDS] if getattr(config, "skip_nnmodule_hook_guards", True) else []
-    return changes + ([] if inlines else [_INLINING])
+        inlines = bool(getattr(dynamo.config, "inline_inbuilt_nn_modules", True))
+    return inlines or any(issubclass(w.category, FutureWarning) for w in read)
 
 
 def compiled_parts(model: nn.Module) -> list[str]:
@@ -63,28 +60,22 @@ def compiled_parts(model: nn.Module) -> list[str]:
 
 
 def refuse_if_compiled(model: nn.Module, *, reading: bool = False) -> None:
-    """Raise before attaching a hook that compiled code in ``model`` would never run: the
-    steer, or (``reading``) calibration's read of a block's output."""
-    settings = _settings_that_hide_late_hooks()
-    parts = compiled_parts(model) if settings else []
+    """Raise before wrapping a block's forward where compiled code in ``model`` would not see
+    it: the steer, or (``reading``) calibration's read of a block's output."""
+    parts = [] if _modules_inlined() else compiled_parts(model)
     if not parts:
         return
-    to_set = " and ".join(settings)
     if reading:
-        what = "calibration reads a block's output with a forward hook, which it would not run"
+        what = "calibration's read of a block's output would not run"
         fix = (
             "Calibrate before compiling (for torch.compile(model), pass the model it wraps: "
-            f"._orig_mod), or set {to_set} before compiling."
+            f"._orig_mod), or set {_INLINING} before compiling."
         )
     else:
         what = "the steer would silently not run"
-        fix = (
-            f"Set {to_set} before compiling (torch then compiles the steered and the "
-            "unsteered model once each and picks the right one), or attach the steer before "
-            "compiling."
-        )
+        fix = f"Attach the steer before compiling, or set {_INLINING} before compiling."
     raise GSSError(
-        f"the model holds torch.compile code ({'; '.join(parts)}), and with these dynamo "
-        f"settings compiled code does not see forward hooks added after compiling: {what}. "
-        f"{fix}"
+        f"the model holds torch.compile code ({'; '.join(parts)}), and this torch does not "
+        f"inline modules when compiling, so compiled code may not see a block changed after "
+        f"compiling: {what}. {fix}"
     )

@@ -1,4 +1,4 @@
-"""The fused gated steer as one compiled C++ forward hook, for float32 decode steps on a CPU
+"""The fused gated steer as one compiled C++ hook, for float32 decode steps on a CPU
 (opt-in).
 
 On a CPU each PyTorch op inside a decode step costs tens of microseconds (its dispatch and
@@ -7,7 +7,8 @@ pybind11 costs several. This hook is one C function that Python calls directly w
 block's ``(module, args, output)``: it reads the output tensor, computes per row the K probe
 responses, the hard gate and the rows of the steer whose gate opened, and returns the steered
 copy. ``attach(..., cpu_kernel=True)`` calls it from inside the block's ``forward``
-(``gss.hook.SteeredForward``), so no Python code of gss runs on a decode step. Inside
+(``gss.hook.SteeredForward``), so the only Python of gss on a decode step is that wrapper's
+call. Inside
 ``generate`` on the benchmark's tiny model it took 10-17 us per batch-1 step where the
 pybind11 function it replaced took 18-20 (``hook_seconds_in_generate_kernel`` in
 ``gss bench perf``, one run each).

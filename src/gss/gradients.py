@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .forward import forward_logits
-from .hook import split_block_output
+from .hook import SteeredForward, split_block_output
 
 
 class _LeafAt:
@@ -60,7 +60,7 @@ def per_position_gradients(
         r = rows[start : start + chunk]
         p = positions[start : start + chunk]
         tap = _LeafAt(p)
-        handle = block.register_forward_hook(tap)
+        handle = SteeredForward(block, tap)
         try:
             with torch.enable_grad():
                 logits = forward_logits(model, input_ids[r], attention_mask[r])

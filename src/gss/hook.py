@@ -1,4 +1,4 @@
-"""The gated subspace steer as a forward hook on one decoder block.
+"""The gated subspace steer on the output of one decoder block.
 
 Per token, the hook computes all K probe responses ``s = U h - b`` with one matmul, opens the
 gate of direction k where the response passes its threshold, and subtracts
@@ -74,9 +74,9 @@ class GatedSteer:
         min_alignment: ``ridge`` skips directions whose |<u_k, v_k>| / ||u_k|| is below this,
             where the coefficient would blow up.
         track_gates: count how often each direction's gate opens (on device, no sync).
-        cpu_kernel: steer with a compiled C++ hook (`forward_hook`), run inside the block's
-            forward (`SteeredForward`), that steers float32 CPU decode steps in one C call
-            instead of three PyTorch ops and hands everything else to this object
+        cpu_kernel: steer with a compiled C++ hook (`forward_hook`) that steers float32 CPU
+            decode steps in one C call instead of three PyTorch ops and hands everything
+            else to this object
             (``cpu_kernel.py``; built on first use, needs a C++ compiler and ninja). For the
             projection coefficient with the hard gate or none.
         cuda_kernel: run CUDA decode steps (any float dtype) through one Triton kernel
@@ -405,12 +405,13 @@ def _unchanged(module: nn.Module, args: Any, output: Any) -> None:
 
 
 class SteeredForward:
-    """A block's ``forward`` with a forward hook applied to its output, installed as the
-    block's instance attribute: what ``attach(..., cpu_kernel=True)`` does instead of
-    ``register_forward_hook``. A hook sends every call of the block through ``nn.Module``'s
-    hook dispatch (the no-op hook arm of ``gss bench perf``: 0.3-0.5% of the tiny model's CPU
-    decode step, more than the compiled steer's own call); here the call stays on the fast
-    path. Removable like a hook's handle.
+    """A block's ``forward`` with a hook applied to its output, installed as the block's
+    instance attribute: how every steer is attached (`register`), rather than with
+    ``register_forward_hook``. A forward hook sends every call of the block through
+    ``nn.Module``'s slow hook dispatch, which cost a batch-1 decode step of the tiny model on a
+    CPU about 1% (``gss bench perf``); here the call stays on the fast path. Removable like a
+    hook's handle. Dynamo guards on the instance attribute, so code compiled with the steer on
+    recompiles when it is removed.
 
     Every forward hook on the block sees the steered output. An instance ``forward`` already
     there (accelerate's dispatch) is wrapped and restored. If another wrapper was put on top
@@ -478,12 +479,11 @@ class SteerHandle:
 def register(
     block: nn.Module, hook: Callable[..., Any], model: nn.Module | None = None
 ) -> SteerHandle:
-    """Attach ``hook`` to ``block``'s forward output, ahead of the block's other forward hooks
-    (so they, and ``output_hidden_states``, see the steered output); ``model`` is the model
-    ``block`` is in, searched for compiled code that would not run the hook (the block alone
-    when None). A :class:`GatedSteer` built with ``cpu_kernel`` runs its compiled hook inside
-    the block's ``forward`` (:class:`SteeredForward`)."""
+    """Apply ``hook(block, args, output)`` to every output of ``block``, inside its ``forward``
+    (:class:`SteeredForward`), so every forward hook on the block, and
+    ``output_hidden_states``, sees the steered output; ``model`` is the model ``block`` is in,
+    searched for compiled code that would not run the steer (the block alone when None). A
+    :class:`GatedSteer` built with ``cpu_kernel`` runs its compiled C hook there."""
     refuse_if_compiled(block if model is None else model)
-    if isinstance(hook, GatedSteer) and hook._cpu_kernel is not None:
-        return SteerHandle(hook, SteeredForward(block, hook.forward_hook()))
-    return SteerHandle(hook, block.register_forward_hook(hook, prepend=True))
+    wrapped = hook.forward_hook() if isinstance(hook, GatedSteer) else hook
+    return SteerHandle(hook, SteeredForward(block, wrapped))

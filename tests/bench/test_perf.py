@@ -188,7 +188,7 @@ def test_alternating_steps_steer_every_other_decode_step_and_flip_with_the_parit
     seen.clear()
     alternating.run(counting, call, parity=1)
     assert seen == [1, 1] and len(alternating.steps[True]) == 2  # steps 2, 4
-    assert not block._forward_hooks  # nothing left on the block between calls
+    assert "forward" not in vars(block)  # nothing left on the block between calls
     seen.clear()
     _generate(model, ids, 3)  # outside run: dormant
     assert seen == [] and alternating.steps[True] and len(alternating.steps[True]) == 2

@@ -201,10 +201,9 @@ class AlternatingSteps:
     The most precise read of what the steer costs a step: two neighbouring steps are a few
     milliseconds apart and share the host's state, so the drift and spikes that move whole
     calls by several percent on this machine cancel in their ratio. The steer is installed
-    on the block as ``attach`` installs it (``gss.hook.register``: a forward hook, or with
-    ``cpu_kernel`` a wrapped ``forward``) before a steered step's clock starts and removed
-    before the next step (a
-    forward pre-hook put ahead of every other), so toggling is not timed; which steps are
+    on the block as ``attach`` installs it (``gss.hook.register``: a wrapped ``forward``)
+    before a steered step's clock starts and removed before the next step (a forward pre-hook
+    put ahead of every other), so toggling is not timed; which steps are
     steered flips from call to call, so each step position is steered in half the calls.
     """
 
@@ -405,8 +404,8 @@ def measure_model(
                 return plain(ids)
 
         def noop(ids: torch.Tensor = ids) -> float:
-            # the noise floor: a forward hook that does nothing, on the steered block
-            handle = block.register_forward_hook(_noop_hook)
+            # the noise floor: a hook that does nothing, installed as a steer is
+            handle = register(block, _noop_hook)
             try:
                 return plain(ids)
             finally:
@@ -645,37 +644,36 @@ def run(
     return {
         "method": (
             "greedy model.generate with min_new_tokens = max_new_tokens; tokens/s counts new "
-            "tokens (batch x new_tokens) over the whole call including the prompt pass. Arms "
-            "run interleaved after warm-up; ratio = median over rounds of "
-            "(unsteered seconds / steered seconds), i.e. steered tokens/s over unsteered. "
-            "hook_seconds_per_call: one call of the hook on a decode step's block output "
-            "(batch x 1 x d), timed alone (median of 5 rounds); hook_seconds_in_generate: the "
-            "same hook timed on every decode step of 3 generate calls (median), which is what a "
-            "step pays; hook_share_of_step: that over one unsteered decode step (batch / median "
-            "unsteered tokens/s). step_ratio: median "
+            "tokens (batch x new_tokens) over the whole call including the prompt pass. Arms run "
+            "interleaved after warm-up; ratio = median over rounds of (unsteered seconds / steered "
+            "seconds), i.e. steered tokens/s over unsteered. hook_seconds_per_call: one call of "
+            "the hook on a decode step's block output (batch x 1 x d), timed alone (median of 5 "
+            "rounds); hook_seconds_in_generate: the same hook timed on every decode step of 3 "
+            "generate calls (median), which is what a step pays; hook_share_of_step: that over one "
+            "unsteered decode step (batch / median unsteered tokens/s). step_ratio: median "
             "unsteered decode-step seconds over median steered ones, every step of every timed "
             "call (forward hooks on the model; prompt passes and warm-up calls left out). "
-            "aa_ratio: the unsteered call timed as a second arm (A/A), i.e. what the ratio "
-            "reads when nothing differs; noop_over_unsteered: a forward hook that returns at "
-            "once, on the same block, timed as one more arm: how far from 1 the ratio goes when "
-            "nothing is computed; gss_over_noop: GSS over that arm. alternating_step_ratio: one "
-            "more arm per K, a generate call whose decode steps alternate between steered and "
-            "unsteered (the hook registered before a steered step's clock starts and removed "
-            "after it stops; which steps are steered flips from call to call): per call, the "
-            "median unsteered step over the median steered step, summarised over rounds; "
-            "neighbouring steps share the host's state, so this is the least noisy of the "
-            "ratios. alternating_noop_ratio: the same with the no-op hook (the hook mechanism's "
-            "own cost); alternating_step_ratio_kernel: the same with the compiled steer of the "
-            "model's device (kernel): attach(..., cpu_kernel=True) for a float32 model on a CPU "
-            "(one C++ function per step instead of three ops) or attach(..., cuda_kernel=True) "
-            "on CUDA (one Triton kernel instead of five); kernel_status says whether it was "
-            "built; hook_seconds_per_call_kernel and hook_seconds_in_generate_kernel: that "
-            "steer's own time, measured as for the hook above. Each round runs the arms in "
-            "a fresh seeded order. On CUDA every timed span (each arm's call, hook loop, "
-            "decode step) starts and ends with torch.cuda.synchronize, and "
-            "hook_seconds_in_generate synchronizes before and after every hook call, so it "
-            "times the hook's own kernels (stalling the step, outside the timed span); on CPU "
-            "these synchronizes are no-ops."
+            "aa_ratio: the unsteered call timed as a second arm (A/A), i.e. what the ratio reads "
+            "when nothing differs; noop_over_unsteered: a hook that returns at once, installed on "
+            "the same block as a steer is (a wrapped forward), timed as one more arm: how far from "
+            "1 the ratio goes when nothing is computed; gss_over_noop: GSS over that arm. "
+            "alternating_step_ratio: one more arm per K, a generate call whose decode steps "
+            "alternate between steered and unsteered (the hook registered before a steered step's "
+            "clock starts and removed after it stops; which steps are steered flips from call to "
+            "call): per call, the median unsteered step over the median steered step, summarised "
+            "over rounds; neighbouring steps share the host's state, so this is the least noisy of "
+            "the ratios. alternating_noop_ratio: the same with the no-op hook (the hook "
+            "mechanism's own cost); alternating_step_ratio_kernel: the same with the compiled "
+            "steer of the model's device (kernel): attach(..., cpu_kernel=True) for a float32 "
+            "model on a CPU (one C++ function per step instead of three ops) or attach(..., "
+            "cuda_kernel=True) on CUDA (one Triton kernel instead of five); kernel_status says "
+            "whether it was built; hook_seconds_per_call_kernel and "
+            "hook_seconds_in_generate_kernel: that steer's own time, measured as for the hook "
+            "above. Each round runs the arms in a fresh seeded order. On CUDA every timed span "
+            "(each arm's call, hook loop, decode step) starts and ends with "
+            "torch.cuda.synchronize, and hook_seconds_in_generate synchronizes before and after "
+            "every hook call, so it times the hook's own kernels (stalling the step, outside the "
+            "timed span); on CPU these synchronizes are no-ops."
         ),
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),

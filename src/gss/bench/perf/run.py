@@ -150,14 +150,14 @@ def table(results: dict[str, Any]) -> str:
             "## Inference overhead (greedy generate)\n",
             overhead.table(parts["overhead"]),
             f"Goal: {parts['overhead']['goal']}. A/A: the unsteered call timed as a second arm; "
-            "its ratio is how far from 1 this measurement goes when nothing differs. No-op "
-            "hook: a forward hook on the same block that returns at once, timed as one more "
-            "arm. Alternating steps: one generate call per round and K whose decode steps "
-            "alternate between steered and unsteered (the steer toggled outside the timed "
-            "spans); per call, median unsteered step / median steered step. Neighbouring steps "
-            "share the host's state, so this is the least noisy read of the steer's cost. "
-            "cpu_kernel or cuda_kernel: the same with attach(..., cpu_kernel=True) (float32 on "
-            "a CPU: one C++ function per step) or attach(..., cuda_kernel=True) (CUDA: one "
+            "its ratio is how far from 1 this measurement goes when nothing differs. No-op hook: a "
+            "hook that returns at once, installed on the same block as a steer is (a wrapped "
+            "forward), timed as one more arm. Alternating steps: one generate call per round and K "
+            "whose decode steps alternate between steered and unsteered (the steer toggled outside "
+            "the timed spans); per call, median unsteered step / median steered step. Neighbouring "
+            "steps share the host's state, so this is the least noisy read of the steer's cost. "
+            "cpu_kernel or cuda_kernel: the same with attach(..., cpu_kernel=True) (float32 on a "
+            "CPU: one C++ function per step) or attach(..., cuda_kernel=True) (CUDA: one "
             "Triton kernel). Each round runs the arms in a fresh seeded order.\n",
         ]
     if "calibration" in parts:
