@@ -1,4 +1,4 @@
-"""``torch.compile`` and gss's wrapped forwards: find the case where a steer would silently not run.
+"""``torch.compile`` and gss's wrapped forwards: find where a steer would silently not run.
 
 gss attaches nothing as a forward hook: a steer, and calibration's read of a block, wrap the
 block's ``forward`` (``gss.hook.SteeredForward``, an instance attribute). With modules inlined

@@ -6,7 +6,7 @@ gate of direction k where the response passes its threshold, and subtracts
 activation dtype; a token whose gates all stay closed gets a correction of exactly zero, so its
 output is bit-for-bit unchanged. The hook does no host synchronisation and no Python branching
 on tensor values, so it runs the same under ``generate``, the KV cache, CUDA graphs and
-``torch.compile`` (attached before compiling, or with hook guards on: see ``compiled.py``).
+``torch.compile`` (attached before compiling or after: see ``compiled.py``).
 It knows nothing about artifacts or files: it takes tensors and options.
 """
 
@@ -444,11 +444,9 @@ class SteeredForward:
 class SteerHandle:
     """A removable steer; also a context manager that removes itself on exit."""
 
-    def __init__(
-        self, hook: Any, handle: torch.utils.hooks.RemovableHandle | SteeredForward
-    ) -> None:
+    def __init__(self, hook: Any, handle: SteeredForward) -> None:
         self.hook = hook
-        self._handle: torch.utils.hooks.RemovableHandle | SteeredForward | None = handle
+        self._handle: SteeredForward | None = handle
 
     @property
     def active(self) -> bool:

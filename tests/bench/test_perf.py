@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from gss.bench.perf.common import QUICK, interleaved, random_ids, tiny_model
-from gss.bench.perf.overhead import AlternatingSteps, _generate, load_local_model, model_name
+from gss.bench.perf.overhead import (
+    AlternatingSteps,
+    _generate,
+    as_forward_hook,
+    load_local_model,
+    model_name,
+)
 from gss.bench.perf.run import main
 from gss.layers import resolve_layer
 
@@ -69,6 +75,10 @@ def test_quick_perf_writes_results_table_and_figures(tmp_path, capsys):
         assert alternating["n"] == 2 and math.isfinite(alternating["median"])
         assert alternating["median"] > 0
         assert r["alternating_noop_ratio"]["n"] == 2
+        # the same steer as a forward hook, beside the wrapped forward, at the peer's rank
+        as_hook = r.get("alternating_step_ratio_forward_hook")
+        assert (as_hook is not None) == (r["rank"] == QUICK.peer_rank)
+        assert as_hook is None or as_hook["n"] == 2
         if overhead["models"][0]["kernel_status"] == "built":  # a C++ compiler is installed
             assert overhead["models"][0]["kernel"] == "cpu_kernel"
             assert r["alternating_step_ratio_kernel"]["n"] == 2
@@ -190,8 +200,11 @@ def test_alternating_steps_steer_every_other_decode_step_and_flip_with_the_parit
     assert seen == [1, 1] and len(alternating.steps[True]) == 2  # steps 2, 4
     assert "forward" not in vars(block)  # nothing left on the block between calls
     seen.clear()
+    alternating.run(counting, call, parity=0, install=as_forward_hook)
+    assert seen == [1, 1, 1] and not block._forward_hooks  # on and off as a forward hook
+    seen.clear()
     _generate(model, ids, 3)  # outside run: dormant
-    assert seen == [] and alternating.steps[True] and len(alternating.steps[True]) == 2
+    assert seen == [] and len(alternating.steps[True]) == 3  # the last run's, untouched
     alternating.remove()
     assert not model._forward_pre_hooks and not model._forward_hooks
 

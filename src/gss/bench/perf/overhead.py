@@ -13,6 +13,7 @@ import math
 import statistics
 import time
 import warnings
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -24,7 +25,7 @@ from torch import nn
 import gss
 
 from ...forward import model_device
-from ...hook import SteerHandle, register
+from ...hook import register
 from ...layers import resolve_layer
 from ...pretrained import load_causal_lm
 from ...report import markdown_table
@@ -211,7 +212,8 @@ class AlternatingSteps:
         self.block = block
         self._sync = syncer(model_device(model))
         self._hook: Callable[..., Any] | None = None
-        self._handle: SteerHandle | None = None
+        self._install: Callable[[nn.Module, Callable[..., Any]], Any] = register
+        self._handle: Any = None  # what install returned: anything with remove()
         self._step = 0
         self._parity = 0
         self._steered = False
@@ -224,10 +226,18 @@ class AlternatingSteps:
             model.register_forward_hook(self._post, prepend=True),
         ]
 
-    def run(self, hook: Callable[..., Any], call: Callable[[], float], parity: int) -> float:
-        """Run ``call`` (one generate) with ``hook`` on every other decode step; returns the
-        call's median unsteered step over its median steered step."""
+    def run(
+        self,
+        hook: Callable[..., Any],
+        call: Callable[[], float],
+        parity: int,
+        install: Callable[[nn.Module, Callable[..., Any]], Any] = register,
+    ) -> float:
+        """Run ``call`` (one generate) with ``hook`` on every other decode step, put on the
+        block by ``install`` (as ``attach`` does, or `as_forward_hook`); returns the call's
+        median unsteered step over its median steered step."""
         self._hook, self._step, self._parity = hook, 0, parity % 2
+        self._install = install
         self.steps = {False: [], True: []}
         try:
             call()
@@ -250,7 +260,7 @@ class AlternatingSteps:
         # step 0 is the prompt pass: never steered, never timed
         self._steered = self._step > 0 and (self._step + self._parity) % 2 == 1
         if self._steered:
-            self._handle = register(self.block, self._hook)  # as attach installs it
+            self._handle = self._install(self.block, self._hook)
         self._sync()
         self._start = time.perf_counter()
 
@@ -267,6 +277,12 @@ class AlternatingSteps:
         self._detach()
         for handle in self._handles:
             handle.remove()
+
+
+def as_forward_hook(block: nn.Module, hook: Callable[..., Any]) -> Any:
+    """Put ``hook`` on ``block`` as a forward hook, as gss did before it wrapped the block's
+    ``forward``: the comparison arm that shows what the hook dispatch costs a step."""
+    return block.register_forward_hook(hook, prepend=True)
 
 
 def hook_seconds(
@@ -440,34 +456,39 @@ def measure_model(
                 peer_row["error"] = f"{type(err).__name__}: {err}"
         clock = StepClock(model, warmup)
         alternating = AlternatingSteps(model, block)
-        # per call: median unsteered step / median steered step, steps alternating in the call
-        # (K or 0 for the no-op hook, compiled kernel?) -> per call: median unsteered step over
-        # median steered step
-        alternated: dict[tuple[int, bool], list[float]] = {
-            (k, compiled): [] for k in (0, *artifacts) for compiled in (False, True)
-        }
+        # (K or 0 for the no-op hook, how: "" as attach installs it, the kernel's option name,
+        # or "forward hook") -> per call: median unsteered step over median steered step, steps
+        # alternating in the call
+        alternated: dict[tuple[int, str], list[float]] = defaultdict(list)
 
         def alternate(
             k: int,
-            kernel_option: str | None,
+            how: str,
             ids: torch.Tensor = ids,
             steps: AlternatingSteps = alternating,
-            ratios: dict[tuple[int, bool], list[float]] = alternated,
+            ratios: dict[tuple[int, str], list[float]] = alternated,
         ) -> float:
-            calls = ratios[k, kernel_option is not None]
+            calls = ratios[k, how]
             # a fresh hook each call, as attach makes: its first steered step is the checked one
-            options = {str(kernel_option): True} if kernel_option else {}
+            options = {how: True} if how in ("cpu_kernel", "cuda_kernel") else {}
             hook = artifacts[k].make_hook(**options) if k else _noop_hook
-            calls.append(steps.run(hook, partial(plain, ids), len(calls)))
+            install = as_forward_hook if how == "forward hook" else register
+            calls.append(steps.run(hook, partial(plain, ids), len(calls), install))
             return 0.0  # timed by its steps, not as a whole call
 
         try:
             arms = {arm: clock.arm(arm, fn) for arm, fn in arms.items()}
-            arms["no-op hook, alternating steps"] = partial(alternate, 0, None)
+            arms["no-op hook, alternating steps"] = partial(alternate, 0, "")
             for k in artifacts:
-                arms[f"gss K={k}, alternating steps"] = partial(alternate, k, None)
+                arms[f"gss K={k}, alternating steps"] = partial(alternate, k, "")
+                if k == sizes.peer_rank:
+                    arms[f"gss K={k}, forward hook, alternating steps"] = partial(
+                        alternate, k, "forward hook"
+                    )
                 if kernel_built == "built":
-                    arms[f"gss K={k}, {kernel}, alternating steps"] = partial(alternate, k, kernel)
+                    arms[f"gss K={k}, {kernel}, alternating steps"] = partial(
+                        alternate, k, str(kernel)
+                    )
             times = interleaved(arms, repeats, warmup, f"overhead {name} batch {batch}", progress)
         finally:
             clock.remove()
@@ -502,8 +523,8 @@ def measure_model(
                 "gate_open_share": gates.get("any_open_share", 0.0),
                 "decode_step_seconds": {"unsteered": plain_steps, "steered": steered_steps},
                 "step_ratio": plain_steps["median"] / steered_steps["median"],
-                "alternating_step_ratio": _alternated(alternated[k, False], warmup),
-                "alternating_noop_ratio": _alternated(alternated[0, False], warmup),
+                "alternating_step_ratio": _alternated(alternated[k, ""], warmup),
+                "alternating_noop_ratio": _alternated(alternated[0, ""], warmup),
                 "hook_seconds_per_call": hook_s,
                 "hook_seconds_in_generate": hook_in_generate,
                 "hook_share_of_step": hook_in_generate / step,
@@ -514,8 +535,12 @@ def measure_model(
                     "no-op hook": times["no-op hook"],
                 },
             }
-            if alternated[k, True]:
-                row["alternating_step_ratio_kernel"] = _alternated(alternated[k, True], warmup)
+            if alternated[k, "forward hook"]:
+                row["alternating_step_ratio_forward_hook"] = _alternated(
+                    alternated[k, "forward hook"], warmup
+                )
+            if kernel is not None and alternated[k, kernel]:
+                row["alternating_step_ratio_kernel"] = _alternated(alternated[k, kernel], warmup)
                 # the compiled steer's own time, both ways: what the kernel arm's ratio pays
                 on = {str(kernel): True}
                 kernel_s = hook_seconds(model, art, batch, calls=sizes.hook_calls, **on)
@@ -662,8 +687,12 @@ def run(
             "clock starts and removed after it stops; which steps are steered flips from call to "
             "call): per call, the median unsteered step over the median steered step, summarised "
             "over rounds; neighbouring steps share the host's state, so this is the least noisy of "
-            "the ratios. alternating_noop_ratio: the same with the no-op hook (the hook "
-            "mechanism's own cost); alternating_step_ratio_kernel: the same with the compiled "
+            "the ratios. alternating_noop_ratio: the same with the no-op hook (the cost of "
+            "installing a steer); alternating_step_ratio_forward_hook (K = the peer's rank "
+            "only): the same steer registered as a forward hook instead (register_forward_hook, "
+            "as gss did before it wrapped the block's forward), whose presence alone sends "
+            "every call of the block through nn.Module's slow dispatch path; "
+            "alternating_step_ratio_kernel: the same with the compiled "
             "steer of the model's device (kernel): attach(..., cpu_kernel=True) for a float32 "
             "model on a CPU (one C++ function per step instead of three ops) or attach(..., "
             "cuda_kernel=True) on CUDA (one Triton kernel instead of five); kernel_status says "
@@ -720,6 +749,15 @@ def _fmt_hook(row: dict[str, Any]) -> str:
     return cell
 
 
+def _alternating_cell(row: dict[str, Any]) -> str:
+    if "alternating_step_ratio" not in row:
+        return "--"
+    cell = _fmt_ratio(row["alternating_step_ratio"])
+    if "alternating_step_ratio_forward_hook" in row:
+        cell += f"; as a forward hook {row['alternating_step_ratio_forward_hook']['median']:.3f}"
+    return cell
+
+
 def table(result: dict[str, Any]) -> str:
     header = [
         "model",
@@ -765,9 +803,7 @@ def table(result: dict[str, Any]) -> str:
                     _fmt_ratio(r["noop_over_unsteered"]) if "noop_over_unsteered" in r else "--",
                     _fmt_ratio(r["gss_over_noop"]) if "gss_over_noop" in r else "--",
                     f"{r['step_ratio']:.3f}" if "step_ratio" in r else "--",
-                    _fmt_ratio(r["alternating_step_ratio"])
-                    if "alternating_step_ratio" in r
-                    else "--",
+                    _alternating_cell(r),
                     f"{r['alternating_noop_ratio']['median']:.3f}"
                     if "alternating_noop_ratio" in r
                     else "--",
