@@ -407,11 +407,12 @@ def _unchanged(module: nn.Module, args: Any, output: Any) -> None:
 class SteeredForward:
     """A block's ``forward`` with a hook applied to its output, installed as the block's
     instance attribute: how every steer is attached (`register`), rather than with
-    ``register_forward_hook``. A forward hook sends every call of the block through
-    ``nn.Module``'s slow hook dispatch, which cost a batch-1 decode step of the tiny model on a
-    CPU about 1% (``gss bench perf``); here the call stays on the fast path. Removable like a
-    hook's handle. Dynamo guards on the instance attribute, so code compiled with the steer on
-    recompiles when it is removed.
+    ``register_forward_hook``, for two reasons. Dynamo guards on the instance attribute, so
+    code compiled before the steer was attached recompiles with it, and without it once it is
+    removed, where it would never look for a forward hook added after compiling
+    (``compiled.py``). And a forward hook sends every call of the block through
+    ``nn.Module``'s slow dispatch path (0.1-0.3% of the tiny model's CPU decode step in
+    ``gss bench perf``); here the call stays on the fast path. Removable like a hook's handle.
 
     Every forward hook on the block sees the steered output. An instance ``forward`` already
     there (accelerate's dispatch) is wrapped and restored. If another wrapper was put on top
