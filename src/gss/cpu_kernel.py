@@ -214,9 +214,9 @@ def kernel_dir() -> Path:
 
 def load() -> Callable[..., Callable[..., Any]]:
     """The compiled ``make_hook(probe, neg_offset, neg_steer, on, hard, fallback)``, built on
-    first use: it returns a forward hook (a C function) over those float32 CPU tensors, which
-    steers while the bool scalar ``on`` is true and calls ``fallback`` with whatever it does
-    not steer."""
+    first use: it returns a hook (a C function called as ``hook(module, args, output)``) over
+    those float32 CPU tensors, which steers while the bool scalar ``on`` is true and calls
+    ``fallback`` with whatever it does not steer."""
     name = _name()
     fn = _loaded.get(name)
     if fn is not None:

@@ -31,7 +31,8 @@ def mean_difference_vector(stats: CalibrationStatistics) -> Tensor:
 
 
 class _StaticSteer:
-    """A forward hook on one block that rewrites its hidden states in float32."""
+    """A steer of one block's output that rewrites its hidden states in float32, attached as
+    gss attaches its own (``gss.hook.register``)."""
 
     def __init__(self, tensor: Tensor) -> None:
         self._tensor = tensor.detach().float()
@@ -56,7 +57,7 @@ class _StaticSteer:
 
 
 class MeanDifferenceSteer(_StaticSteer):
-    """Forward hook: ``h <- h - alpha * vector`` on every token (computed in float32)."""
+    """Steer: ``h <- h - alpha * vector`` on every token (computed in float32)."""
 
     def __init__(self, vector: Tensor, alpha: float) -> None:
         self.vector = vector.detach().float()
@@ -68,7 +69,7 @@ class MeanDifferenceSteer(_StaticSteer):
 
 
 class MatrixSteer(_StaticSteer):
-    """Forward hook: ``h <- h + strength * h @ delta`` on every token (float32)."""
+    """Steer: ``h <- h + strength * h @ delta`` on every token (float32)."""
 
     def __init__(self, delta: Tensor, strength: float) -> None:
         self.strength = float(strength)
