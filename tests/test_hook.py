@@ -1,3 +1,4 @@
+import copy
 import dataclasses
 import shutil
 
@@ -259,3 +260,40 @@ def test_output_hidden_states_report_the_steered_block(cpu_kernel):
     expected, _ = art.make_hook().steer_hidden(before[2])  # block 1's output, steered
     assert not torch.equal(expected, before[2])
     torch.testing.assert_close(during[2], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_wrapped_forward_keeps_a_forward_already_there_and_survives_a_deep_copy():
+    """A steer wraps the block's ``forward`` (``SteeredForward``): around an instance forward
+    already there (accelerate's), restored on removal; bound to the copy's block in a deep
+    copy; a pass-through once something else wrapped on top of it."""
+    model, art = calibrated_llama()
+    block = gss.find_decoder_blocks(model)[1]
+    ids = random_ids(2, 6, seed=5)
+    with torch.no_grad():
+        unsteered = model(ids).logits
+        with art.attach(model):
+            expected = model(ids).logits
+        inner = block.forward
+        calls = []
+
+        def dispatched(*args, **kwargs):  # what accelerate's dispatch puts on a block
+            calls.append(1)
+            return inner(*args, **kwargs)
+
+        block.forward = dispatched
+        with art.attach(model):
+            torch.testing.assert_close(model(ids).logits, expected, atol=1e-4, rtol=1e-4)
+            assert calls  # the steer ran around the forward that was there
+            copied = copy.deepcopy(model)
+        assert block.forward is dispatched  # restored, not dropped
+        del block.forward
+        copied_block = gss.find_decoder_blocks(copied)[1]
+        assert copied_block.forward.block is copied_block  # bound to the copy's own block
+        torch.testing.assert_close(copied(ids).logits, expected, atol=1e-4, rtol=1e-4)
+
+        handle = art.attach(model)
+        ours = block.forward
+        block.forward = lambda *args, **kwargs: ours(*args, **kwargs)  # wrapped over ours
+        handle.remove()  # cannot unwind what is on top: ours steers nothing from now on
+        torch.testing.assert_close(model(ids).logits, unsteered, atol=0, rtol=0)
+        del block.forward
