@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import transformers
@@ -79,6 +81,12 @@ def make_model():
 def random_ids(n: int, length: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n, length), generator=gen)
+
+
+needs_cxx = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="no C++ compiler to build the CPU kernel",
+)
 
 
 def calibrated_llama(layers: int = 2):

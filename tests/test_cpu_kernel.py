@@ -6,7 +6,6 @@ where no C++ compiler is installed.
 """
 
 import gc
-import shutil
 import weakref
 
 import pytest
@@ -17,12 +16,9 @@ from gss import cpu_kernel
 from gss.errors import GSSError
 from gss.hook import GatedSteer, SteeredForward
 
-from .conftest import calibrated_llama, random_ids
+from .conftest import calibrated_llama, needs_cxx, random_ids
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("c++") is None and shutil.which("g++") is None,
-    reason="no C++ compiler to build the CPU kernel",
-)
+pytestmark = needs_cxx
 
 D, K = 48, 4
 

@@ -1,6 +1,5 @@
 import copy
 import dataclasses
-import shutil
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ import gss
 from gss import GSSError
 from gss.hook import GatedSteer, SteeredForward, register
 
-from .conftest import calibrated_llama, random_ids
+from .conftest import calibrated_llama, needs_cxx, random_ids
 
 
 def _golden(h, U, V, eps, off, gate, coefficient, delta, ridge_delta):
@@ -235,19 +234,7 @@ def test_turning_gate_tracking_on_leaves_the_fast_path():
     assert hook.gate_stats()["tokens"] == 12
 
 
-@pytest.mark.parametrize(
-    "cpu_kernel",
-    [
-        False,
-        pytest.param(
-            True,
-            marks=pytest.mark.skipif(
-                shutil.which("c++") is None and shutil.which("g++") is None,
-                reason="no C++ compiler to build the CPU kernel",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("cpu_kernel", [False, pytest.param(True, marks=needs_cxx)])
 def test_output_hidden_states_report_the_steered_block(cpu_kernel):
     model, art = calibrated_llama(layers=3)  # block 1 is not the last: that one's is normed
     ids = random_ids(2, 6, seed=5)

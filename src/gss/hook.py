@@ -75,10 +75,9 @@ class GatedSteer:
             where the coefficient would blow up.
         track_gates: count how often each direction's gate opens (on device, no sync).
         cpu_kernel: steer with a compiled C++ hook (`forward_hook`) that steers float32 CPU
-            decode steps in one C call instead of three PyTorch ops and hands everything
-            else to this object
-            (``cpu_kernel.py``; built on first use, needs a C++ compiler and ninja). For the
-            projection coefficient with the hard gate or none.
+            decode steps in one C call instead of three PyTorch ops and hands everything else
+            to this object (``cpu_kernel.py``; built on first use, needs a C++ compiler and
+            ninja). For the projection coefficient with the hard gate or none.
         cuda_kernel: run CUDA decode steps (any float dtype) through one Triton kernel
             instead of five PyTorch kernels (``cuda_kernel.py``; needs a GPU and Triton).
             For the same steers as ``cpu_kernel``.

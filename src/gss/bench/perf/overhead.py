@@ -279,6 +279,9 @@ class AlternatingSteps:
             handle.remove()
 
 
+AS_FORWARD_HOOK = "forward hook"  # the alternating arm that installs with as_forward_hook
+
+
 def as_forward_hook(block: nn.Module, hook: Callable[..., Any]) -> Any:
     """Put ``hook`` on ``block`` as a forward hook, as gss did before it wrapped the block's
     ``forward``: the comparison arm that shows what the hook dispatch costs a step."""
@@ -457,7 +460,7 @@ def measure_model(
         clock = StepClock(model, warmup)
         alternating = AlternatingSteps(model, block)
         # (K or 0 for the no-op hook, how: "" as attach installs it, the kernel's option name,
-        # or "forward hook") -> per call: median unsteered step over median steered step, steps
+        # or AS_FORWARD_HOOK) -> per call: median unsteered step over median steered step, steps
         # alternating in the call
         alternated: dict[tuple[int, str], list[float]] = defaultdict(list)
 
@@ -472,7 +475,7 @@ def measure_model(
             # a fresh hook each call, as attach makes: its first steered step is the checked one
             options = {how: True} if how in ("cpu_kernel", "cuda_kernel") else {}
             hook = artifacts[k].make_hook(**options) if k else _noop_hook
-            install = as_forward_hook if how == "forward hook" else register
+            install = as_forward_hook if how == AS_FORWARD_HOOK else register
             calls.append(steps.run(hook, partial(plain, ids), len(calls), install))
             return 0.0  # timed by its steps, not as a whole call
 
@@ -483,7 +486,7 @@ def measure_model(
                 arms[f"gss K={k}, alternating steps"] = partial(alternate, k, "")
                 if k == sizes.peer_rank:
                     arms[f"gss K={k}, forward hook, alternating steps"] = partial(
-                        alternate, k, "forward hook"
+                        alternate, k, AS_FORWARD_HOOK
                     )
                 if kernel_built == "built":
                     arms[f"gss K={k}, {kernel}, alternating steps"] = partial(
@@ -535,9 +538,9 @@ def measure_model(
                     "no-op hook": times["no-op hook"],
                 },
             }
-            if alternated[k, "forward hook"]:
+            if alternated[k, AS_FORWARD_HOOK]:
                 row["alternating_step_ratio_forward_hook"] = _alternated(
-                    alternated[k, "forward hook"], warmup
+                    alternated[k, AS_FORWARD_HOOK], warmup
                 )
             if kernel is not None and alternated[k, kernel]:
                 row["alternating_step_ratio_kernel"] = _alternated(alternated[k, kernel], warmup)
