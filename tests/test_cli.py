@@ -188,6 +188,19 @@ def test_evaluate_compares_steered_with_unsteered(workdir, steer, capsys):
     assert "smaller --k" in capsys.readouterr().err
 
 
+def test_no_progress_silences_every_bar_and_only_for_the_command(workdir, steer, capsys):
+    from transformers.utils import logging as transformers_logging
+
+    args = ["evaluate", "--model", str(workdir / "model"), "--steer", str(steer)]
+    args += ["--memorized", str(workdir / "data.txt"), "--heldout", str(workdir / "data.jsonl")]
+    args += ["--k", "4", "--n", "10"]
+    assert main(args) == 0
+    assert "gss: greedy decoding" in capsys.readouterr().err
+    assert main([*args, "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
+    assert transformers_logging.is_progress_bar_enabled()  # restored after the command
+
+
 def test_layers_writes_strengths_and_plot(workdir, capsys):
     out = workdir / "scan"
     args = ["layers", "--model", str(workdir / "model"), "--reference", str(workdir / "reference")]

@@ -89,6 +89,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16", "float16"],
         help="dtype the weights are loaded in",
     )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (transformers' weight loading included), e.g. in logs",
+    )
 
 
 def _add_target_arg(p: argparse.ArgumentParser) -> None:
@@ -174,7 +179,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         gradient=args.gradient,
         batch_size=args.batch_size,
         max_length=args.max_length,
-        progress=distributed.rank() == 0,
+        progress=distributed.rank() == 0 and not args.no_progress,
     )
     if distributed.rank() != 0:
         return 0
@@ -286,7 +291,14 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
     def measure() -> Any:
         return evaluate_model(
-            model, memorized, heldout, k=args.k, n=args.n, pad_id=pad, batch_size=args.batch_size
+            model,
+            memorized,
+            heldout,
+            k=args.k,
+            n=args.n,
+            pad_id=pad,
+            batch_size=args.batch_size,
+            progress=not args.no_progress,
         )
 
     runs = {"unsteered": measure()}
@@ -363,7 +375,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     general = encode(read_texts(args.general), tokenizer, args.max_length) if args.general else None
     ranks = _floats(args.ranks, "--ranks")
     common = {"k": args.k, "n": args.n, "pad_id": pad, "batch_size": args.batch_size}
-    base = evaluate_model(model, memorized, heldout, method="forced", **common)
+    progress = not args.no_progress
+    base = evaluate_model(model, memorized, heldout, method="forced", progress=progress, **common)
     points = steering_sweep(
         model,
         artifact,
@@ -373,6 +386,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         percentiles=_floats(args.percentiles, "--percentiles"),
         ranks=[int(r) for r in ranks] if ranks else None,
         general=general,
+        progress=progress,
         **common,
     )
     front = {id(p) for p in pareto_front(points)}
@@ -432,6 +446,7 @@ def _cmd_layers(args: argparse.Namespace) -> int:
         target=args.target,
         batch_size=args.batch_size,
         max_length=args.max_length,
+        progress=not args.no_progress,
     )
     unchanged = set(scan.unchanged)
     for layer, value in scan.strengths.items():
@@ -647,11 +662,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    quiet = getattr(args, "no_progress", False)
+    if quiet:
+        from transformers.utils import logging as transformers_logging
+
+        quiet = transformers_logging.is_progress_bar_enabled()
+        transformers_logging.disable_progress_bar()
     try:
         return int(args.func(args))
     except GSSError as err:
         print(f"gss: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        if quiet:  # `main` called in-process: leave transformers' bars as they were
+            transformers_logging.enable_progress_bar()
 
 
 if __name__ == "__main__":

@@ -52,3 +52,17 @@ def test_bad_windows_say_what_to_change(table_lm):
         evaluate_model(model, [[1, 2, 3]], [[1, 2]], k=3, n=8)
     with pytest.raises(GSSError, match="held-out"):
         evaluate_model(model, [[1, 2, 3, 4]], [[1]], k=2, n=4)
+
+
+def test_progress_bars_count_the_batches_of_each_part_and_can_be_turned_off(table_lm, capsys):
+    model = table_lm([[1, 2, 3, 4, 5, 6]], VOCAB, default=0)
+    rows, heldout = [[1, 2, 3, 4, 5, 6]] * 3, [[1, 2, 3, 4]] * 3
+    evaluate_model(model, rows, heldout, k=2, n=6, batch_size=2)
+    shown = capsys.readouterr().err
+    assert "gss: greedy decoding" in shown and "gss: held-out perplexity" in shown
+    assert "0/2 " in shown  # 3 rows in batches of 2: two batches to count
+    evaluate_model(model, rows, heldout, k=2, n=6, batch_size=2, method="forced")
+    assert "gss: teacher-forced pass" in capsys.readouterr().err
+    quiet = evaluate_model(model, rows, heldout, k=2, n=6, batch_size=2, progress=False)
+    assert capsys.readouterr().err == ""
+    assert quiet.per_row == (True, True, True)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from gss.data import right_pad
 from gss.forward import accepts_position_ids, forward_logits, model_device, position_ids_from_mask
@@ -24,6 +25,13 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
             yield
     finally:
         model.train(was_training)
+
+
+def batch_starts(count: int, batch_size: int, desc: str, progress: bool) -> Iterable[int]:
+    """The first row of every batch, counted by a progress bar (in batches) when `progress`:
+    a 7B model's greedy decoding of a few hundred candidates takes minutes."""
+    starts = range(0, count, batch_size)
+    return tqdm(starts, desc=desc, disable=not progress, leave=False, unit="batch")
 
 
 def as_rows(rows: RowsLike, pad_id: int | None = None) -> list[list[int]]:
@@ -58,6 +66,7 @@ def greedy_generate(
     *,
     pad_id: int,
     batch_size: int = 64,
+    progress: bool = False,
 ) -> list[list[int]]:
     """Greedy continuations of `prompts`, `max_new_tokens` each, with the model's KV cache.
 
@@ -73,7 +82,7 @@ def greedy_generate(
     use_pos = accepts_position_ids(model)
     device = model_device(model)
     with eval_mode(model):
-        for b in range(0, len(order), batch_size):
+        for b in batch_starts(len(order), batch_size, "gss: greedy decoding", progress):
             idx = order[b : b + batch_size]
             width = max(len(prompts[i]) for i in idx)
             ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
@@ -112,6 +121,7 @@ def forced_argmax(
     *,
     pad_id: int,
     batch_size: int = 64,
+    progress: bool = False,
 ) -> list[list[int]]:
     """Teacher-forced argmax predictions at the target positions of ``prompt + target``.
 
@@ -121,7 +131,7 @@ def forced_argmax(
     seqs = [list(p) + list(t) for p, t in zip(prompts, targets, strict=True)]
     out: list[list[int]] = []
     with eval_mode(model):
-        for b in range(0, len(seqs), batch_size):
+        for b in batch_starts(len(seqs), batch_size, "gss: teacher-forced pass", progress):
             chunk = seqs[b : b + batch_size]
             ids, mask = right_pad(chunk, pad_id)
             pred = forward_logits(model, ids, mask).argmax(-1).cpu()

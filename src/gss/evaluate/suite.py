@@ -105,6 +105,7 @@ def evaluate_model(
     pad_id: int = 0,
     batch_size: int = 16,
     method: str = "generate",
+    progress: bool = True,
 ) -> EvaluationReport:
     """(n, k)-memorization of `memorized` and perplexity of `heldout` (token id lists).
 
@@ -113,6 +114,7 @@ def evaluate_model(
     `method="forced"` decides exact matches from one teacher-forced pass (the same verdicts as
     greedy decoding, several times faster: what sweeps use); its `token_match` is then the
     teacher-forced argmax accuracy on the windows, which can exceed the greedy one.
+    `progress`: progress bars over the batches of each part.
     """
     if not 1 <= k < n:
         raise GSSError(f"need 1 <= k < n (prompt k tokens, match up to token n); got k={k}, n={n}.")
@@ -126,9 +128,13 @@ def evaluate_model(
     started = time.perf_counter()
     if method == "generate":
         width = max(len(t) for t in targets)
-        continuations = greedy_generate(model, prompts, width, pad_id=pad_id, batch_size=batch_size)
+        continuations = greedy_generate(
+            model, prompts, width, pad_id=pad_id, batch_size=batch_size, progress=progress
+        )
     elif method == "forced":
-        continuations = forced_argmax(model, prompts, targets, pad_id=pad_id, batch_size=batch_size)
+        continuations = forced_argmax(
+            model, prompts, targets, pad_id=pad_id, batch_size=batch_size, progress=progress
+        )
     else:
         raise GSSError(f"method must be 'generate' or 'forced', got {method!r}.")
     exact, hits, total = [], 0, 0
@@ -140,7 +146,7 @@ def evaluate_model(
     mem_seconds = time.perf_counter() - started
     started = time.perf_counter()
     try:
-        tokens, _, nll = next_token_stats(model, heldout, None, batch_size)
+        tokens, _, nll = next_token_stats(model, heldout, None, batch_size, progress)
     except ValueError as err:
         raise GSSError(f"held-out text: {err}.") from None
     ppl_seconds = time.perf_counter() - started

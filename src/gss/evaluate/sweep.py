@@ -94,6 +94,7 @@ def steering_sweep(
                 pad_id=pad_id,
                 batch_size=batch_size,
                 method=method,
+                progress=False,  # the sweep's own bar counts the points
             )
             gates = handle.gate_stats()
         options = {"delta": current.config.delta, "rank": current.rank}

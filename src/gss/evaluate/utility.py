@@ -14,14 +14,18 @@ import torch
 import torch.nn.functional as F
 
 from gss.data import right_pad
-from gss.evaluate._decode import RowsLike, as_rows, eval_mode
+from gss.evaluate._decode import RowsLike, as_rows, batch_starts, eval_mode
 from gss.forward import forward_logits
 
 __all__ = ["perplexity", "token_accuracy"]
 
 
 def next_token_stats(
-    model: torch.nn.Module, rows: RowsLike, pad_id: int | None, batch_size: int
+    model: torch.nn.Module,
+    rows: RowsLike,
+    pad_id: int | None,
+    batch_size: int,
+    progress: bool = False,
 ) -> tuple[int, int, float]:
     """(targets, argmax hits, summed NLL in nats) over the non-padding targets of `rows`."""
     rows_ = [r for r in as_rows(rows, pad_id) if len(r) >= 2]
@@ -31,7 +35,7 @@ def next_token_stats(
     n = hits = 0
     nll = 0.0
     with eval_mode(model):
-        for b in range(0, len(rows_), batch_size):
+        for b in batch_starts(len(rows_), batch_size, "gss: held-out perplexity", progress):
             ids, mask = right_pad(rows_[b : b + batch_size], pad)
             logits = forward_logits(model, ids, mask)[:, :-1].float().cpu()
             targets = ids[:, 1:]

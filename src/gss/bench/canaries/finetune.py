@@ -230,7 +230,14 @@ def finetune(
             losses.append(float(loss.detach()))
         model.eval()
         check = evaluate_model(
-            model, data.canary_rows, data.heldout_rows[:8], k=k, n=n, pad_id=pad_id, method="forced"
+            model,
+            data.canary_rows,
+            data.heldout_rows[:8],
+            k=k,
+            n=n,
+            pad_id=pad_id,
+            method="forced",
+            progress=False,  # a quick check per epoch, logged below
         )
         model.train()
         history.append(

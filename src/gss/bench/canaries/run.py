@@ -277,7 +277,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def measure(m: Any, method: str = "generate") -> Any:
         return evaluate_model(
-            m, canaries, heldout, k=k, n=n, pad_id=pad, batch_size=bs, method=method
+            m,
+            canaries,
+            heldout,
+            k=k,
+            n=n,
+            pad_id=pad,
+            batch_size=bs,
+            method=method,
+            progress=progress,
         )
 
     unmitigated, original = measure(model), measure(base)
