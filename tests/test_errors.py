@@ -22,9 +22,24 @@ def test_mismatched_tokenizer(make_model):
 
 
 def test_empty_memorized_set(make_model):
+    model, ref = make_model("gpt2"), make_model("gpt2", seed=1)
+    with pytest.raises(GSSError, match=r"nothing to steer against\. Lower omega_threshold"):
+        gss.calibrate(model, ref, random_ids(4, 8), layer=0, omega_threshold=1e9, progress=False)
+
+
+def test_the_model_passed_as_its_own_reference(make_model):
     model = make_model("gpt2")
-    with pytest.raises(GSSError, match="reference model is not the fine-tuned model itself"):
-        gss.calibrate(model, model, random_ids(4, 8), layer=0, progress=False)
+    twin = make_model("gpt2")  # the same weights loaded twice
+    for ref in (model, twin):
+        with pytest.raises(GSSError, match=r"omega = 0 everywhere.*started from"):
+            gss.calibrate(model, ref, random_ids(4, 8), layer=0, progress=False)
+        with pytest.raises(GSSError, match="omega = 0 everywhere"):
+            gss.scan_layers(model, ref, random_ids(4, 8), progress=False)
+    # the quantile rule cannot pick a top share of all-equal omegas either
+    with pytest.raises(GSSError, match="omega = 0 everywhere"):
+        gss.calibrate(
+            model, twin, random_ids(4, 8), layer=0, memorized_quantile=0.2, progress=False
+        )
 
 
 def test_nan_activations(make_model):

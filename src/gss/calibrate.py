@@ -337,6 +337,9 @@ def collect_statistics(
     mem_mean = MeanAccumulator(dim, device)
     timings = {"signal": 0.0, "statistics": 0.0}
     counts: dict[str, Any] = {"sequences": len(seqs), "tokens": 0, "memorized": 0, "general": 0}
+    # tokens whose log-prob differs between the two models: none means the reference is the
+    # model itself, which _check_counts says in so many words
+    counts["omega_nonzero"] = 0
     n_batches = count_batches(len(seqs), batch_size)
 
     def bar(it: Any, desc: str, total: int) -> Any:
@@ -439,6 +442,7 @@ def collect_statistics(
             counts["tokens"] += int(valid.sum())
             counts["memorized"] += n_mem
             counts["general"] += int(gen.sum())
+            counts["omega_nonzero"] += int((valid & (omega != 0)).sum())
             del logits, lp_model, hidden, tap
             timings["statistics"] += time.perf_counter() - t0
 
@@ -457,7 +461,7 @@ def collect_statistics(
 
     for acc in (sigma_acc, m_acc, mem_mean):
         acc.all_reduce()
-    distributed.sum_counts(counts, ("sequences", "tokens", "memorized", "general"))
+    distributed.sum_counts(counts, ("sequences", "tokens", "memorized", "general", "omega_nonzero"))
     counts["memorized_share"] = counts["memorized"] / max(counts["tokens"], 1)
     stats.memorized_rule = {
         "kind": "quantile" if memorized_quantile is not None else "omega_above",
@@ -738,7 +742,20 @@ def _validate(gate: str, coefficient: str, centering: str, rank: int, delta: flo
         raise GSSError(f"delta must be > 0, got {delta!r}.")
 
 
+def same_model_error(tokens: int) -> GSSError:
+    """What to say when omega is 0 on every token: the reference is the model itself."""
+    return GSSError(
+        f"the model and the reference give each of the {tokens} calibration tokens the same "
+        "log-probability (omega = 0 everywhere), so no token can be told memorized: the "
+        "reference is the fine-tuned model itself or has its weights. Pass the model the "
+        "fine-tune started from (for a LoRA: gss.adapters_off(model), or --reference "
+        "adapters-off)."
+    )
+
+
 def _check_counts(counts: dict[str, Any], n_mem: int, rank: int) -> None:
+    if n_mem == 0 and counts.get("omega_nonzero") == 0:
+        raise same_model_error(counts["tokens"])
     if n_mem == 0:
         raise GSSError(
             f"no token of the {counts['tokens']} calibration tokens passed the memorized-token "

@@ -249,6 +249,12 @@ def _cmd_signal(args: argparse.Namespace) -> int:
         return omega_rows(model, reference, seqs, args.batch_size)
 
     omega = omega_of(args.data)
+    if not bool(omega.nan_to_num().any()):
+        print(
+            "gss: note: omega is 0 on every token: the reference gives the model's own "
+            "log-probabilities (is it the fine-tuned model itself?)",
+            file=sys.stderr,
+        )
     normal = omega_of(args.normal_data) if args.normal_data else None
     stats = signal_statistics(omega)
     report = {"data": stats.to_dict()}

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .calibrate import TARGETS, _calibration_mode, _objective, _Tap, _tapped
+from .calibrate import TARGETS, _calibration_mode, _objective, _Tap, _tapped, same_model_error
 from .data import TextsOrIds, batches, count_batches, encode
 from .errors import GSSError
 from .forward import (
@@ -155,6 +155,7 @@ def scan_layers(
     ref_blocks = _matching_blocks(reference, resolved, n_blocks, dim, block_path)
     moved = [0.0] * len(resolved)
     norm = [0.0] * len(resolved)
+    tokens = omega_nonzero = 0
     seqs = encode(texts, tokenizer, max_length)
     gen_seqs = encode(gen_texts, tokenizer, max_length) if gen_texts is not None else None
     sigmas = [CovarianceAccumulator(dim) for _ in blocks]
@@ -184,6 +185,8 @@ def scan_layers(
                 omega = lp.detach() - token_logprobs(ref_logits, batch.input_ids)
                 valid = target_mask(batch.attention_mask).to(lp.device)
                 mem = valid & (omega > omega_threshold)
+                tokens += int(valid.sum())
+                omega_nonzero += int((valid & (omega != 0)).sum())
                 hiddens = _outputs(taps)
                 for i, ref_hidden in enumerate(_outputs(ref_taps, " of the reference")):
                     ours = hiddens[i].detach()[:, :-1][valid.to(hiddens[i].device)]
@@ -211,6 +214,8 @@ def scan_layers(
                 valid = target_mask(batch.attention_mask)
                 for sigma, h in zip(sigmas, _outputs(taps), strict=True):
                     sigma.update(h[:, :-1][valid.to(h.device)])
+    if moments[0].count == 0 and omega_nonzero == 0:
+        raise same_model_error(tokens)
     strengths = {
         layer: signal_strength(m.value, s.covariance)
         for layer, m, s in zip(resolved, moments, sigmas, strict=True)
