@@ -9,6 +9,8 @@ compiler.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch._dynamo
@@ -210,3 +212,49 @@ def test_generate_compiling_its_decode_steps_follows_the_steer(make_model):
     with art.attach(model):
         assert torch.equal(generate(compile_config=config), eager)
     assert torch.equal(generate(compile_config=config), plain)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_a_gpu_generate_with_cuda_graphs_follows_the_steer(make_model, dtype):
+    """On a GPU ``generate`` compiles its decode steps by default for a static cache, with
+    inductor and CUDA graphs: a steer attached to that model is recorded into new graphs and
+    taken out again. Compared through the first compiled step's scores, which inductor may
+    round differently from eager but not by as much as the steer moves them."""
+    compile_config = getattr(transformers, "CompileConfig", None)
+    if compile_config is None:
+        pytest.skip("transformers before 4.47 does not compile in generate")
+    model, art = _setup(make_model)
+    model.to("cuda", dtype)
+    art = art.with_options(delta=25.0)  # far more than inductor's rounding
+    ids = random_ids(2, 6, seed=2).to("cuda")
+
+    def scores(**options):
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=4,
+                do_sample=False,
+                cache_implementation="static",
+                output_scores=True,
+                return_dict_in_generate=True,
+                **options,
+            )
+        return out.sequences, out.scores[1].float()  # step 0 is the prefill, uncompiled
+
+    plain_ids, plain = scores(disable_compile=True)
+    with art.attach(model):
+        steered_ids, steered = scores(disable_compile=True)
+    apart = (plain - steered).abs().max()
+    seen = []
+    for attached in (False, True, False, True, False):
+        with art.attach(model) if attached else contextlib.nullcontext():
+            got_ids, got = scores(compile_config=compile_config())
+        near_steered = (got - steered).abs().max() < apart / 10
+        near_plain = (got - plain).abs().max() < apart / 10
+        seen.append("steered" if near_steered else "plain" if near_plain else "other")
+        # the prefill (eager) picked the same token, so the compiled step saw the same prefix
+        assert torch.equal(got_ids[:, :7], (steered_ids if attached else plain_ids)[:, :7])
+    assert seen == ["plain", "steered", "plain", "steered", "plain"]
+    assert "compiled by generate" in " ".join(gss.compiled.compiled_parts(model))
