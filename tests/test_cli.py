@@ -200,9 +200,13 @@ def test_no_progress_silences_every_bar_and_only_for_the_command(workdir, steer,
     args += ["--k", "4", "--n", "10"]
     assert main(args) == 0
     assert "gss: greedy decoding" in capsys.readouterr().err
-    assert main([*args, "--no-progress"]) == 0
-    assert capsys.readouterr().err == ""
-    assert transformers_logging.is_progress_bar_enabled()  # restored after the command
+    hf = transformers_logging
+    for switch in (hf.disable_progress_bar, hf.enable_progress_bar):  # as other code left it
+        switch()
+        before = hf.is_progress_bar_enabled()
+        assert main([*args, "--no-progress"]) == 0
+        assert capsys.readouterr().err == ""
+        assert hf.is_progress_bar_enabled() == before  # restored after the command
 
 
 def test_layers_writes_strengths_and_plot(workdir, capsys):
