@@ -33,13 +33,18 @@ def _steers(gate: str, seed: int = 0) -> tuple[GatedSteer, GatedSteer]:
     return GatedSteer(*args, gate=gate), GatedSteer(*args, gate=gate, cpu_kernel=True)
 
 
+# float32 to float rounding (another summation order); a 16-bit result to one rounding step
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
 @pytest.mark.parametrize("gate", ["hard", "none"])
 @pytest.mark.parametrize("shape", [(1, 1, D), (16, 1, D), (2, 40, D)])
-def test_kernel_equals_the_three_ops_and_leaves_closed_rows_untouched(gate, shape):
+def test_kernel_equals_the_three_ops_and_leaves_closed_rows_untouched(gate, shape, dtype):
     ops, compiled = _steers(gate)
     hook = compiled.forward_hook()
     assert hook is not compiled and hook.__name__ == "gss_cpu_steer_hook"
-    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 0.2
+    x = (torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 0.2).to(dtype)
     for _ in range(2):  # the Python hook: its checked call first, then its fast path
         expected, got = ops(None, (), x), hook(None, (), x)
     if shape[0] * shape[1] > cpu_kernel.SMALL_ROWS:
@@ -47,7 +52,9 @@ def test_kernel_equals_the_three_ops_and_leaves_closed_rows_untouched(gate, shap
         assert torch.equal(got, expected)
     else:
         assert compiled._fast is None  # the compiled hook steered it without calling back
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        assert got.dtype == dtype
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
     closed = (expected == x).all(-1)
     if gate == "hard" and closed.numel() > 1:
         assert closed.any() and not closed.all(), "the data should open some gates, not all"
@@ -75,12 +82,30 @@ def test_attached_generation_matches_and_other_inputs_take_the_checked_path():
     steer = art.make_hook(cpu_kernel=True)
     hook = steer.forward_hook()
     hidden = torch.randn(1, 1, model.config.hidden_size)
-    half = hidden.bfloat16()  # built for float32: the checked path steers it
-    assert torch.equal(hook(block, (), half), art.make_hook()(block, (), half))
+    wide = hidden.double()  # not a dtype it was built for: the checked path steers it
+    assert torch.equal(hook(block, (), wide), art.make_hook()(block, (), wide))
     strided = torch.randn(2, 1, 2 * model.config.hidden_size)[..., ::2]  # not contiguous
     assert torch.equal(hook(block, (), strided), art.make_hook()(block, (), strided))
     with pytest.raises(GSSError, match="hidden size"):
         hook(block, (), torch.randn(1, 1, model.config.hidden_size + 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_model_is_steered_in_cpp_as_by_the_ops(dtype):
+    model, art = calibrated_llama()
+    model.to(dtype)
+    ids = random_ids(2, 6, seed=5)
+    with torch.no_grad():
+        plain = model(ids).logits
+        with art.attach(model):
+            expected = model(ids[:, :1]).logits  # one position a row: a decode step's size
+            whole = model(ids).logits
+        with art.attach(model, cpu_kernel=True) as handle:
+            got = model(ids[:, :1]).logits
+            assert handle.hook._fast is None  # steered in C++, without calling back
+            assert torch.equal(model(ids).logits, whole)  # a longer pass: the same ops
+    assert not torch.allclose(whole, plain, atol=0.1)  # the steer changes the logits
+    torch.testing.assert_close(got, expected, atol=0.05, rtol=0.05)
 
 
 def test_tuple_outputs_inference_mode_and_gate_tracking():

@@ -226,8 +226,9 @@ class SteeringArtifact:
         """Install the steer on ``model`` and return a removable handle.
 
         ``options`` (delta, rank, gate, coefficient, ridge_delta) override the artifact's.
-        ``cpu_kernel=True`` steers float32 CPU decode steps with one compiled C++ function
-        (built on first use: a C++ compiler and ninja) instead of three PyTorch ops, which
+        ``cpu_kernel=True`` steers CPU decode steps (float32, bfloat16, float16) with one
+        compiled C++ function (built on first use: a C++ compiler and ninja) instead of three
+        PyTorch ops (five with a 16-bit model's casts), which
         matters on small models (see ``gss.cpu_kernel``). Either way the steer runs inside the
         block's ``forward`` (``gss.hook.SteeredForward``). ``cuda_kernel=True`` does the same
         on a GPU with one Triton kernel instead of five (``gss.cuda_kernel``). With

@@ -1,5 +1,5 @@
-"""The fused gated steer as one compiled C++ hook, for float32 decode steps on a CPU
-(opt-in).
+"""The fused gated steer as one compiled C++ hook, for float32, bfloat16 and float16 decode
+steps on a CPU (opt-in).
 
 On a CPU each PyTorch op inside a decode step costs tens of microseconds (its dispatch and
 kernel run from caches the model's own ops have just evicted), and even a call through
@@ -13,13 +13,15 @@ call. Inside
 pybind11 function it replaced took 18-20 (``hook_seconds_in_generate_kernel`` in
 ``gss bench perf``, one run each).
 
-It steers only what it was built for: a plain float32, contiguous CPU tensor (or a tuple
-starting with one) of at most ``SMALL_ROWS`` rows of the calibrated width, needing no
-gradient, outside tracing and torch function or dispatch modes. Anything else (a prompt
-pass, another dtype, a backward, a wrong width) goes to the Python hook it was made with,
-which steers it with PyTorch ops or says what is wrong. It is built from the source below by
-``torch.utils.cpp_extension`` the first time it is asked for (about 30 s; it needs a C++
-compiler and ``ninja``) and cached under ``$GSS_KERNEL_DIR`` or ``~/.cache/gss/kernels``.
+It steers only what it was built for: a plain float32, bfloat16 or float16, contiguous CPU
+tensor (or a tuple starting with one) of at most ``SMALL_ROWS`` rows of the calibrated
+width, needing no gradient, outside tracing and torch function or dispatch modes. Anything
+else (a prompt pass, another dtype, a backward, a wrong width) goes to the Python hook it was
+made with, which steers it with PyTorch ops or says what is wrong. A 16-bit row is steered in
+float32 and rounded back once, as the Python hook's casts do (equal to that rounding). It is
+built from the source below by ``torch.utils.cpp_extension`` the first time it is asked for
+(about 30 s; it needs a C++ compiler and ``ninja``) and cached under ``$GSS_KERNEL_DIR`` or
+``~/.cache/gss/kernels``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ _SOURCE = r"""
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 #include <memory>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -61,6 +65,7 @@ struct Steer {
   int64_t d = 0, k = 0;
   bool hard = true;
   PyObject* fallback = nullptr;  // owned
+  std::vector<float> wide;       // a bfloat16 or float16 row widened, and its steered copy
   ~Steer() { Py_XDECREF(fallback); }
 };
 
@@ -69,8 +74,11 @@ void destroy(PyObject* capsule) {
 }
 
 // y = x + sum_j shrink(x . probe_j + neg_offset_j) neg_steer_j per row, shrink = hardshrink
-// at 1 (hard) or nothing: what GatedSteer's fused path computes with three ATen ops.
-void steer_rows(const Steer& st, const float* x0, float* y0, int64_t rows) {
+// at 1 (hard) or nothing: what GatedSteer's fused path computes with three ATen ops, in
+// float32. A bfloat16 or float16 row is widened into `wide` first and the steered row rounded
+// back once, as the ops' casts around them do; a row whose gates all stay closed is copied.
+template <typename T>
+void steer_rows(const Steer& st, const T* x0, T* y0, int64_t rows, float* wide) {
   const int64_t d = st.d, k = st.k;
   const float* p = st.probe.data_ptr<float>();
   const float* b = st.neg_offset.data_ptr<float>();
@@ -78,9 +86,19 @@ void steer_rows(const Steer& st, const float* x0, float* y0, int64_t rows) {
   constexpr int64_t W = 8;  // independent partial sums: the compiler vectorizes the dot
   const int64_t body = d - d % W;
   for (int64_t r = 0; r < rows; ++r) {
-    const float* x = x0 + r * d;
-    float* y = y0 + r * d;
-    std::copy(x, x + d, y);
+    float* y;
+    const float* x;
+    if constexpr (std::is_same_v<T, float>) {
+      x = x0 + r * d;
+      y = y0 + r * d;
+      std::copy(x, x + d, y);
+    } else {
+      const T* xt = x0 + r * d;
+      for (int64_t i = 0; i < d; ++i) wide[i] = static_cast<float>(xt[i]);
+      x = wide + d;  // the row as read; `wide` itself becomes the steered row
+      std::copy(wide, wide + d, wide + d);
+      y = wide;
+    }
     for (int64_t j = 0; j < k; ++j) {
       const float* pj = p + j * d;
       float acc[W] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -93,6 +111,10 @@ void steer_rows(const Steer& st, const float* x0, float* y0, int64_t rows) {
       const float* nj = n + j * d;
       for (int64_t i = 0; i < d; ++i) y[i] += s * nj[i];
     }
+    if constexpr (!std::is_same_v<T, float>) {
+      T* yt = y0 + r * d;
+      for (int64_t i = 0; i < d; ++i) yt[i] = static_cast<T>(y[i]);
+    }
   }
 }
 
@@ -100,8 +122,10 @@ void steer_rows(const Steer& st, const float* x0, float* y0, int64_t rows) {
 const at::Tensor* steerable(const Steer& st, PyObject* hidden) {
   if (!THPVariable_CheckExact(hidden)) return nullptr;  // a subclass keeps its own semantics
   const at::Tensor& h = THPVariable_Unpack(hidden);
+  const auto dtype = h.defined() ? h.scalar_type() : at::kFloat;
   if (!h.defined() || h.layout() != at::kStrided || !h.device().is_cpu() ||
-      h.scalar_type() != at::kFloat || !h.has_storage() || h.dim() < 1 ||
+      (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) ||
+      !h.has_storage() || h.dim() < 1 ||
       h.size(-1) != st.d || h.numel() > SMALL_ROWS * st.d || !h.is_contiguous() || h.is_neg())
     return nullptr;
   if (at::GradMode::is_enabled() && h.requires_grad()) return nullptr;  // autograd: ATen
@@ -122,8 +146,20 @@ PyObject* hook(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     PyObject* steered = nullptr;
     try {
       if (const at::Tensor* h = steerable(*st, hidden)) {
-        at::TensorBase out = at::detail::empty_cpu(h->sizes(), at::kFloat);
-        steer_rows(*st, h->data_ptr<float>(), out.data_ptr<float>(), h->numel() / st->d);
+        const auto dtype = h->scalar_type();
+        at::TensorBase out = at::detail::empty_cpu(h->sizes(), dtype);
+        const int64_t rows = h->numel() / st->d;
+        if (dtype == at::kFloat) {
+          steer_rows(*st, h->data_ptr<float>(), out.data_ptr<float>(), rows, nullptr);
+        } else {
+          st->wide.resize(2 * st->d);  // the held rows, widened: no allocation after the first
+          if (dtype == at::kBFloat16)
+            steer_rows(*st, h->data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows,
+                       st->wide.data());
+          else
+            steer_rows(*st, h->data_ptr<at::Half>(), out.data_ptr<at::Half>(), rows,
+                       st->wide.data());
+        }
         steered = THPVariable_Wrap(out);
         if (steered == nullptr) return nullptr;
       }

@@ -74,8 +74,9 @@ class GatedSteer:
         min_alignment: ``ridge`` skips directions whose |<u_k, v_k>| / ||u_k|| is below this,
             where the coefficient would blow up.
         track_gates: count how often each direction's gate opens (on device, no sync).
-        cpu_kernel: steer with a compiled C++ hook (`forward_hook`) that steers float32 CPU
-            decode steps in one C call instead of three PyTorch ops and hands everything else
+        cpu_kernel: steer with a compiled C++ hook (`forward_hook`) that steers CPU decode
+            steps (float32, bfloat16, float16) in one C call instead of three PyTorch ops (five
+            with a 16-bit model's casts) and hands everything else
             to this object (``cpu_kernel.py``; built on first use, needs a C++ compiler and
             ninja). For the projection coefficient with the hard gate or none.
         cuda_kernel: run CUDA decode steps (any float dtype) through one Triton kernel
@@ -195,9 +196,9 @@ class GatedSteer:
 
     def forward_hook(self) -> Callable[..., Any]:
         """The callable to register on the block. With ``cpu_kernel``, a new compiled hook: one
-        C function that steers a float32 CPU decode step without entering Python and calls this
-        object for anything else (a prompt pass, another dtype, a gradient, gate tracking);
-        else this object itself."""
+        C function that steers a CPU decode step (float32 or 16-bit) without entering Python
+        and calls this object for anything else (a prompt pass, another dtype, a gradient,
+        gate tracking); else this object itself."""
         if self._cpu_kernel is None:
             return self
         f = self._cpu

@@ -358,13 +358,14 @@ def hook_seconds_in_generate(
 
 def kernel_status(model: nn.Module, artifact: gss.SteeringArtifact) -> tuple[str | None, str]:
     """The compiled steer that runs on this model's device and dtype (``cpu_kernel`` for a
-    float32 CPU model, ``cuda_kernel`` on CUDA) and whether it loads ("built"), else why not;
-    the arms that use it run only when built."""
+    float32, bfloat16 or float16 CPU model, ``cuda_kernel`` on CUDA) and whether it loads
+    ("built"), else why not; the arms that use it run only when built."""
     param = next(model.parameters())
     if param.device.type == "cuda":
         option = "cuda_kernel"
-    elif param.dtype != torch.float32:
-        return None, f"cpu_kernel: float32 only, not {str(param.dtype).removeprefix('torch.')}"
+    elif param.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        dtype = str(param.dtype).removeprefix("torch.")
+        return None, f"cpu_kernel: float32, bfloat16 or float16 only, not {dtype}"
     else:
         option = "cpu_kernel"
     try:
@@ -696,8 +697,8 @@ def run(
             "as gss did before it wrapped the block's forward), whose presence alone sends "
             "every call of the block through nn.Module's slow dispatch path; "
             "alternating_step_ratio_kernel: the same with the compiled "
-            "steer of the model's device (kernel): attach(..., cpu_kernel=True) for a float32 "
-            "model on a CPU (one C++ function per step instead of three ops) or attach(..., "
+            "steer of the model's device (kernel): attach(..., cpu_kernel=True) for a model on "
+            "a CPU (one C++ function per step instead of three ops, five in 16 bits) or attach(..., "
             "cuda_kernel=True) on CUDA (one Triton kernel instead of five); kernel_status says "
             "whether it was built; hook_seconds_per_call_kernel and "
             "hook_seconds_in_generate_kernel: that steer's own time, measured as for the hook "
