@@ -105,7 +105,9 @@ def test_signal_writes_statistics_and_figure(workdir, capsys):
     assert report["normal"]["tokens"] == stats["tokens"]  # the same lines in both files
     assert stats["burst_count"] <= stats["tokens"]
     assert (out / "signal.png").stat().st_size > 1000
-    assert "omega is 0 on every token" not in capsys.readouterr().err
+    shown = capsys.readouterr().err
+    assert "gss: omega" in shown  # a progress bar over the batches
+    assert "omega is 0 on every token" not in shown
     same = ["signal", "--model", str(workdir / "model"), "--reference", str(workdir / "model")]
     assert main([*same, "--data", str(workdir / "data.txt")]) == 0
     assert "omega is 0 on every token" in capsys.readouterr().err

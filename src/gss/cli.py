@@ -246,7 +246,7 @@ def _cmd_signal(args: argparse.Namespace) -> int:
 
     def omega_of(path: str) -> torch.Tensor:
         seqs = encode(read_texts(path), tokenizer, args.max_length)
-        return omega_rows(model, reference, seqs, args.batch_size)
+        return omega_rows(model, reference, seqs, args.batch_size, not args.no_progress)
 
     omega = omega_of(args.data)
     if not bool(omega.nan_to_num().any()):

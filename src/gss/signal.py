@@ -57,13 +57,22 @@ def memorization_signal(
 
 
 def omega_rows(
-    model: nn.Module, reference: nn.Module, rows: Sequence[Sequence[int]], batch_size: int = 8
+    model: nn.Module,
+    reference: nn.Module,
+    rows: Sequence[Sequence[int]],
+    batch_size: int = 8,
+    progress: bool = False,
 ) -> Tensor:
-    """omega of every row of token ids, (rows, longest - 1), NaN past each row's end."""
-    from .data import batches
+    """omega of every row of token ids, (rows, longest - 1), NaN past each row's end;
+    `progress`: a bar over the batches (two forward passes each)."""
+    from tqdm.auto import tqdm
+
+    from .data import batches, count_batches
 
     out = []
-    for batch in batches([list(r) for r in rows], batch_size):
+    chunks = batches([list(r) for r in rows], batch_size)
+    total = count_batches(len(rows), batch_size)
+    for batch in tqdm(chunks, desc="gss: omega", total=total, disable=not progress, leave=False):
         out += list(memorization_signal(model, reference, batch.input_ids, batch.attention_mask))
     width = max(len(r) for r in out)
     return torch.stack([F.pad(r, (0, width - len(r)), value=float("nan")) for r in out])
