@@ -71,7 +71,9 @@ def steering_sweep(
     if percentiles:
         if general is None:
             raise GSSError("threshold percentiles need general text (held-out rows) to set them.")
-        responses = probe_responses(model, artifact, general, batch_size=batch_size)
+        responses = probe_responses(
+            model, artifact, general, batch_size=batch_size, progress=progress
+        )
     own: list[None] = [None]  # the artifact's own value
     grid = list(itertools.product(deltas or own, percentiles or own, ranks or own))
     points = []
