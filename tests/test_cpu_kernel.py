@@ -108,6 +108,32 @@ def test_a_16_bit_model_is_steered_in_cpp_as_by_the_ops(dtype):
     torch.testing.assert_close(got, expected, atol=0.05, rtol=0.05)
 
 
+def test_compiled_code_holds_the_python_steer_in_its_one_graph():
+    """Dynamo cannot read the C function; while it traces, the wrapped forward calls the
+    Python steer instead, so a full graph compiles (``fullgraph=True``, as generate's decode
+    compile asks) and eager calls keep the C function."""
+    import torch._dynamo
+
+    model, art = calibrated_llama()
+    ids = random_ids(2, 6, seed=5)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            with art.attach(model):
+                expected = model(ids).logits
+            with art.attach(model, cpu_kernel=True) as handle:
+                compiled = torch.compile(model, backend="eager", fullgraph=True)
+                torch.testing.assert_close(compiled(ids).logits, expected, atol=1e-5, rtol=1e-5)
+                explained = torch._dynamo.explain(model)(ids)
+                assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+                handle.hook._fast = None
+                eager = model(ids).logits
+                assert handle.hook._fast is None  # eager: the C function, no call back
+            torch.testing.assert_close(eager, expected, atol=1e-5, rtol=1e-5)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_tuple_outputs_inference_mode_and_gate_tracking():
     ops, compiled = _steers("hard")
     hook = compiled.forward_hook()

@@ -418,24 +418,35 @@ class SteeredForward:
     there (accelerate's dispatch) is wrapped and restored. If another wrapper was put on top
     of this one, removing it only turns it into a pass-through, so that wrapper keeps working.
     A deep copy of the model copies the wrapper bound to the copied block.
+
+    ``traced`` is what runs while ``torch.compile`` traces the block, where ``hook`` is a
+    compiled C function that dynamo cannot read (``cpu_kernel``): the Python steer it stands
+    for, so compiled code holds the steer's ops in its graph instead of breaking it there.
     """
 
-    def __init__(self, block: nn.Module, hook: Callable[..., Any]) -> None:
+    def __init__(
+        self, block: nn.Module, hook: Callable[..., Any], traced: Callable[..., Any] | None = None
+    ) -> None:
         self.block = block
         self.hook = hook
+        self.traced = hook if traced is None else traced
         self.forward = block.forward  # the instance attribute or the bound method
         self._had_instance_forward = "forward" in block.__dict__
         block.forward = self
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         output = self.forward(*args, **kwargs)
-        steered = self.hook(self.block, args, output)
+        hook = self.hook
+        if hook is not self.traced and torch.compiler.is_compiling():
+            hook = self.traced
+        steered = hook(self.block, args, output)
         return output if steered is None else steered
 
     def remove(self) -> None:
         block = self.block
         if block.__dict__.get("forward") is not self:
-            self.hook = _unchanged  # wrapped again since: stay in the chain, steer nothing
+            # wrapped again since: stay in the chain, steer nothing
+            self.hook = self.traced = _unchanged
         elif self._had_instance_forward:
             block.forward = self.forward
         else:
@@ -485,4 +496,4 @@ def register(
     :class:`GatedSteer` built with ``cpu_kernel`` runs its compiled C hook there."""
     refuse_if_compiled(block if model is None else model)
     wrapped = hook.forward_hook() if isinstance(hook, GatedSteer) else hook
-    return SteerHandle(hook, SteeredForward(block, wrapped))
+    return SteerHandle(hook, SteeredForward(block, wrapped, traced=hook))
