@@ -77,6 +77,34 @@ def test_attached_generation_matches_on_cuda(dtype):
         hook(block, (), torch.randn(1, 1, model.config.hidden_size + 1, device="cuda"))
 
 
+@cuda
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_compiled_code_with_the_triton_steer_keeps_one_graph(backend):
+    """Under torch.compile the fused closure's Triton launch is traced as a user kernel: the
+    model stays one graph (fullgraph=True, as generate's decode compile asks) and computes
+    what eager code computes."""
+    import torch._dynamo
+
+    model, art = calibrated_llama()
+    model = model.to("cuda")
+    ids = random_ids(2, 6, seed=5).cuda()
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            with art.attach(model):
+                expected = model(ids).logits
+            with art.attach(model, cuda_kernel=True):
+                model(ids)  # eager first: the fused closure is built, as in a server
+                compiled = torch.compile(model, backend=backend, fullgraph=True)
+                torch.testing.assert_close(compiled(ids).logits, expected, atol=1e-4, rtol=1e-4)
+                explained = torch._dynamo.explain(model)(ids)
+                assert (explained.graph_count, explained.graph_break_count) == (1, 0), [
+                    str(r.reason) for r in explained.break_reasons
+                ]
+    finally:
+        torch._dynamo.reset()
+
+
 def test_refused_for_a_steer_it_does_not_compute():
     probe, steer = torch.randn(K, D), torch.nn.functional.normalize(torch.randn(K, D), dim=-1)
     with pytest.raises(GSSError, match="cuda_kernel=True runs the fused steer"):
