@@ -80,9 +80,9 @@ def test_attached_generation_matches_on_cuda(dtype):
 @cuda
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_compiled_code_with_the_triton_steer_keeps_one_graph(backend):
-    """Under torch.compile the fused closure's Triton launch is traced as a user kernel: the
-    model stays one graph (fullgraph=True, as generate's decode compile asks) and computes
-    what eager code computes."""
+    """Under torch.compile the fused closure hands dynamo the PyTorch ops, which the compiler
+    fuses itself, not the Triton launch: the model stays one graph (fullgraph=True, as
+    generate's decode compile asks) and computes what eager code computes."""
     import torch._dynamo
 
     model, art = calibrated_llama()

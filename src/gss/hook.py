@@ -290,7 +290,8 @@ class GatedSteer:
     ) -> Callable[[Tensor], Tensor]:
         """The fused steer of `steer_hidden` for `dtype` tensors on `device`, in as few Python
         operations as it takes: the same kernels in the same order, or, with ``cuda_kernel``
-        on a GPU, one Triton kernel (equal to float rounding: it sums in another order).
+        on a GPU, one Triton kernel (equal to float rounding: it sums in another order) in
+        eager code and the same ops in code ``torch.compile`` traces, which it fuses itself.
         ``cpu_kernel``'s compiled hook runs before this, not in it (`forward_hook`)."""
         f = self._params(device)
         probe_t, neg_offset, neg_steer = (
@@ -301,16 +302,7 @@ class GatedSteer:
         addmm = torch.addmm
         shrink = torch.nn.functional.hardshrink if self.gate == "hard" else _ungated
 
-        if self._cuda_kernel is not None and device.type == "cuda":
-            fused_kernel, hard = self._cuda_kernel, self.gate == "hard"
-            probe = probe_t.t().contiguous()  # (K, d): the kernel reads the probes as rows
-
-            def steer_kernel(hidden: Tensor) -> Tensor:
-                # another device or width raises a RuntimeError: the checked path
-                return fused_kernel(hidden, probe_t, probe, neg_offset, neg_steer, hard)
-
-            return steer_kernel
-
+        ops: Callable[[Tensor], Tensor]
         if dtype == torch.float32:
 
             def steer(hidden: Tensor) -> Tensor:
@@ -319,18 +311,33 @@ class GatedSteer:
                     hidden
                 )
 
-            return steer
+            ops = steer
+        else:
 
-        def steer_cast(hidden: Tensor) -> Tensor:
-            # .float() takes any dtype, so another one is refused here rather than cast back
-            # to the wrong one
-            if hidden.dtype is not dtype:
-                raise _NotBuiltFor(f"built for {dtype}, got {hidden.dtype}")
-            h = hidden.view(-1, hidden.shape[-1]).float()
-            out = addmm(h, shrink(addmm(neg_offset, h, probe_t), 1.0), neg_steer)
-            return out.to(dtype).view_as(hidden)
+            def steer_cast(hidden: Tensor) -> Tensor:
+                # .float() takes any dtype, so another one is refused here rather than cast
+                # back to the wrong one
+                if hidden.dtype is not dtype:
+                    raise _NotBuiltFor(f"built for {dtype}, got {hidden.dtype}")
+                h = hidden.view(-1, hidden.shape[-1]).float()
+                out = addmm(h, shrink(addmm(neg_offset, h, probe_t), 1.0), neg_steer)
+                return out.to(dtype).view_as(hidden)
 
-        return steer_cast
+            ops = steer_cast
+
+        if self._cuda_kernel is not None and device.type == "cuda":
+            fused_kernel, hard = self._cuda_kernel, self.gate == "hard"
+            probe = probe_t.t().contiguous()  # (K, d): the kernel reads the probes as rows
+            is_compiling = torch.compiler.is_compiling
+
+            def steer_kernel(hidden: Tensor) -> Tensor:
+                if is_compiling():  # a compiled graph gets the ops: its compiler fuses them
+                    return ops(hidden)
+                # another device or width raises a RuntimeError: the checked path
+                return fused_kernel(hidden, probe_t, probe, neg_offset, neg_steer, hard)
+
+            return steer_kernel
+        return ops
 
     def steer_hidden(self, hidden: Tensor) -> tuple[Tensor, Tensor | None]:
         """The steered hidden states (in their dtype) and the open mask (..., K), or None when
