@@ -18,7 +18,7 @@ tensor (or a tuple starting with one) of at most ``SMALL_ROWS`` rows of the cali
 width, needing no gradient, outside tracing and torch function or dispatch modes. Anything
 else (a prompt pass, another dtype, a backward, a wrong width) goes to the Python hook it was
 made with, which steers it with PyTorch ops or says what is wrong. A 16-bit row is steered in
-float32 and rounded back once, as the Python hook's casts do (equal to that rounding). It is
+float32 and rounded back once, as the Python hook's casts do (equal up to that rounding). It is
 built from the source below by ``torch.utils.cpp_extension`` the first time it is asked for
 (about 30 s; it needs a C++ compiler and ``ninja``) and cached under ``$GSS_KERNEL_DIR`` or
 ``~/.cache/gss/kernels``.
@@ -76,7 +76,8 @@ void destroy(PyObject* capsule) {
 // y = x + sum_j shrink(x . probe_j + neg_offset_j) neg_steer_j per row, shrink = hardshrink
 // at 1 (hard) or nothing: what GatedSteer's fused path computes with three ATen ops, in
 // float32. A bfloat16 or float16 row is widened into `wide` first and the steered row rounded
-// back once, as the ops' casts around them do; a row whose gates all stay closed is copied.
+// back once, as the ops' casts around them do; a row whose gates all stay closed comes back
+// bit for bit (widening and rounding back is exact).
 template <typename T>
 void steer_rows(const Steer& st, const T* x0, T* y0, int64_t rows, float* wide) {
   const int64_t d = st.d, k = st.k;
@@ -152,7 +153,7 @@ PyObject* hook(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
         if (dtype == at::kFloat) {
           steer_rows(*st, h->data_ptr<float>(), out.data_ptr<float>(), rows, nullptr);
         } else {
-          st->wide.resize(2 * st->d);  // the held rows, widened: no allocation after the first
+          st->wide.resize(2 * st->d);  // a widened row and its steered copy: allocated once
           if (dtype == at::kBFloat16)
             steer_rows(*st, h->data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows,
                        st->wide.data());

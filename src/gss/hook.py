@@ -80,7 +80,8 @@ class GatedSteer:
             to this object (``cpu_kernel.py``; built on first use, needs a C++ compiler and
             ninja). For the projection coefficient with the hard gate or none.
         cuda_kernel: run CUDA decode steps (any float dtype) through one Triton kernel
-            instead of five PyTorch kernels (``cuda_kernel.py``; needs a GPU and Triton).
+            instead of five PyTorch kernels in eager code; code torch.compile traces gets the
+            PyTorch ops, which it fuses itself (``cuda_kernel.py``; needs a GPU and Triton).
             For the same steers as ``cpu_kernel``.
     """
 
