@@ -94,7 +94,7 @@ def test_attached_generation_matches_and_other_inputs_take_the_checked_path():
 def test_a_16_bit_model_is_steered_in_cpp_as_by_the_ops(dtype):
     model, art = calibrated_llama()
     model.to(dtype)
-    ids = random_ids(2, 6, seed=5)
+    ids = random_ids(2, 40, seed=5)  # 80 rows: more than the C++ function takes
     with torch.no_grad():
         plain = model(ids).logits
         with art.attach(model):
@@ -103,7 +103,7 @@ def test_a_16_bit_model_is_steered_in_cpp_as_by_the_ops(dtype):
         with art.attach(model, cpu_kernel=True) as handle:
             got = model(ids[:, :1]).logits
             assert handle.hook._fast is None  # steered in C++, without calling back
-            assert torch.equal(model(ids).logits, whole)  # a longer pass: the same ops
+            assert torch.equal(model(ids).logits, whole)  # a prompt pass: the same ops
     assert not torch.allclose(whole, plain, atol=0.1)  # the steer changes the logits
     torch.testing.assert_close(got, expected, atol=0.05, rtol=0.05)
 
