@@ -20,16 +20,62 @@ def _utility_label(setting: str) -> str:
     return "clean test accuracy (%)" if setting.startswith("math") else "held-out perplexity"
 
 
+# the zoom panel: accuracies down to this many points below the unmitigated model's, or
+# perplexities up to this factor above it (the selection rule allows 1 point or 10%)
+ZOOM_POINTS = 4.0
+ZOOM_PERPLEXITY = 1.5
+
+
 def pareto(records: list[dict[str, Any]], setting: str, path: Path) -> Path:
-    """% memorized vs utility for every grid point of every method (all seeds)."""
+    """% memorized vs utility for every grid point of every method (all seeds). When some
+    point lies far off, a second panel zooms on the utilities near the unmitigated model's,
+    where the selection rule picks: at full range a few broken models (accuracy 4-55%,
+    perplexity up to 1e8) squeeze every other point into one column."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.6))
     runs = [r for r in records if r["setting"] == setting]
+    math = setting.startswith("math")
     others = [n for n in dict.fromkeys(n for r in runs for n in r["methods"]) if n not in COLORS]
     palette = plt.get_cmap("tab20")
     colors = {**COLORS, **{n: palette(i % 20) for i, n in enumerate(others)}}
-    if others:
-        fig.set_size_inches(8.4, 5.6)
+    base = [run["unmitigated"]["utility"] for run in runs]
+    shown = [p["eval"]["utility"] for r in runs for m in r["methods"].values() for p in m["grid"]]
+    shown += [run["reference"]["utility"] for run in runs] + base
+    if math:
+        limits = (min(base) - ZOOM_POINTS, max(shown) + 0.5)
+        zoom = f"accuracy within {ZOOM_POINTS:g} points of the unmitigated"
+    else:
+        limits = (min(shown) / 1.1, max(base) * ZOOM_PERPLEXITY)
+        zoom = f"perplexity up to {ZOOM_PERPLEXITY:g}x the unmitigated"
+    zoomed = any(not limits[0] <= x <= limits[1] for x in shown)  # else one panel shows all
+    size = (6.4 + (5.0 if zoomed else 0.0) + (2.0 if others else 0.0), 5.6 if others else 4.6)
+    fig, grid = plt.subplots(1, 2 if zoomed else 1, figsize=size)
+    axes = list(grid) if zoomed else [grid]
+    for ax in axes:
+        _pareto_points(ax, runs, colors)
+        ax.set_xlabel(_utility_label(setting))
+        ax.set_ylabel("% memorized")
+        if not math:
+            ax.set_xscale("log")
+    if zoomed:
+        axes[1].set_xlim(*limits)
+        axes[0].set_title("every strength", fontsize=9)
+        axes[1].set_title(f"zoom: {zoom}", fontsize=9)
+    fig.suptitle(
+        f"TinyMem {setting}: memorization vs utility (each point a strength; circled: selected)",
+        fontsize=10,
+    )
+    handles, labels = axes[0].get_legend_handles_labels()
+    axes[-1].legend(handles, labels, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _pareto_points(ax: Any, runs: list[dict[str, Any]], colors: dict[str, Any]) -> None:
+    """Every run's grid per method (seed 0 solid, others faded), the selected points circled,
+    and the unmitigated and clean reference models."""
     for i, run in enumerate(runs):
         for name, method in run["methods"].items():
             xs = [p["eval"]["utility"] for p in method["grid"]]
@@ -57,23 +103,6 @@ def pareto(records: list[dict[str, Any]], setting: str, path: Path) -> Path:
                 ms=11,
                 label=label if i == 0 else None,
             )
-    ax.set_xlabel(_utility_label(setting))
-    ax.set_ylabel("% memorized")
-    if not setting.startswith("math"):
-        ax.set_xscale("log")
-    ax.set_title(
-        f"TinyMem {setting}: memorization vs utility\n(each point a strength; circled: selected)",
-        fontsize=10,
-    )
-    if others:
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    else:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 def ablation(records: list[dict[str, Any]], name: str, out: Path) -> list[Path]:
