@@ -95,7 +95,7 @@ def overhead(result: dict[str, Any], path: Path) -> Path:
 def calibration(result: dict[str, Any], path: Path) -> Path:
     """Calibration time split into its phases, beside the unavoidable passes."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.0, 2.8))
+    fig, ax = plt.subplots(figsize=(8.4, 2.8))
     passes = result["seconds"]["passes"]["median"]
     ax.barh([0], [passes], color="#8c8c8c", label="unavoidable passes")
     left = 0.0
@@ -114,7 +114,7 @@ def calibration(result: dict[str, Any], path: Path) -> Path:
     ax.set_yticklabels(["passes", "gss.calibrate"])
     ax.set_xlabel("seconds (median)")
     ax.set_title(f"Calibration cost: {result['ratio']['median']:.2f}x the passes (goal <= 1.2x)")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # off the bars
     return _save(fig, path)
 
 
