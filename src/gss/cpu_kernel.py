@@ -53,6 +53,11 @@ _SOURCE = r"""
 namespace {
 
 constexpr int64_t SMALL_ROWS = @SMALL_ROWS@;
+// the dtypes steerable() lets through, each run by its own steer_rows<scalar_t>
+#define GSS_STEERED_TYPES(...)                  \
+  AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)     \
+  AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)  \
+  AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)
 constexpr const char* CAPSULE = "gss.cpu_steer_hook";
 
 // What one hook steers with: the fused steer's tensors (float32, contiguous, CPU) and the
@@ -95,10 +100,9 @@ void steer_rows(const Steer& st, const T* x0, T* y0, int64_t rows, float* wide) 
       std::copy(x, x + d, y);
     } else {
       const T* xt = x0 + r * d;
-      for (int64_t i = 0; i < d; ++i) wide[i] = static_cast<float>(xt[i]);
       x = wide + d;  // the row as read; `wide` itself becomes the steered row
-      std::copy(wide, wide + d, wide + d);
       y = wide;
+      for (int64_t i = 0; i < d; ++i) y[i] = wide[d + i] = static_cast<float>(xt[i]);
     }
     for (int64_t j = 0; j < k; ++j) {
       const float* pj = p + j * d;
@@ -150,17 +154,11 @@ PyObject* hook(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
         const auto dtype = h->scalar_type();
         at::TensorBase out = at::detail::empty_cpu(h->sizes(), dtype);
         const int64_t rows = h->numel() / st->d;
-        if (dtype == at::kFloat) {
-          steer_rows(*st, h->data_ptr<float>(), out.data_ptr<float>(), rows, nullptr);
-        } else {
-          st->wide.resize(2 * st->d);  // a widened row and its steered copy: allocated once
-          if (dtype == at::kBFloat16)
-            steer_rows(*st, h->data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows,
-                       st->wide.data());
-          else
-            steer_rows(*st, h->data_ptr<at::Half>(), out.data_ptr<at::Half>(), rows,
-                       st->wide.data());
-        }
+        st->wide.resize(2 * st->d);  // for 16-bit rows: allocated on the first call only
+        AT_DISPATCH_SWITCH(dtype, "gss_cpu_steer", GSS_STEERED_TYPES([&] {
+          steer_rows(*st, h->data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows,
+                     st->wide.data());
+        }));
         steered = THPVariable_Wrap(out);
         if (steered == nullptr) return nullptr;
       }
