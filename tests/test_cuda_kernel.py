@@ -105,6 +105,48 @@ def test_compiled_code_with_the_triton_steer_keeps_one_graph(backend):
         torch._dynamo.reset()
 
 
+def _sync_warnings(step) -> int:
+    """How many host-device synchronizations `step()` makes (sync debug mode, warn level)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+@cuda
+@pytest.mark.parametrize("options", [{}, {"cuda_kernel": True}, {"track_gates": True}])
+def test_a_steered_decode_step_never_waits_for_the_gpu(options):
+    """A synchronization in the steer would stall every generated token: the host could no
+    longer queue the next kernels while the GPU runs. The steered decode step makes exactly the
+    synchronizations the unsteered one makes (transformers' own, if any), and the hook alone
+    makes none."""
+    model, art = calibrated_llama()
+    model = model.to("cuda", torch.bfloat16)
+    ids = random_ids(1, 6, seed=5).cuda()
+
+    def decode_step():
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+            return lambda: model(nxt, past_key_values=out.past_key_values, use_cache=True)
+
+    unsteered = _sync_warnings(decode_step())
+    with art.attach(model, **options) as handle:
+        step = decode_step()  # the prompt pass builds the hook's fast path
+        step()
+        assert _sync_warnings(step) == unsteered
+        hidden = torch.randn(1, 1, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+        handle.hook(None, (), hidden)
+        assert _sync_warnings(lambda: handle.hook(None, (), hidden)) == 0
+
+
 def test_refused_for_a_steer_it_does_not_compute():
     probe, steer = torch.randn(K, D), torch.nn.functional.normalize(torch.randn(K, D), dim=-1)
     with pytest.raises(GSSError, match="cuda_kernel=True runs the fused steer"):

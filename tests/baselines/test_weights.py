@@ -22,7 +22,9 @@ from .conftest import random_rows
 
 # Settings that prune a meaningful share of the tiny model's MLP weights.
 PARAMS = {
-    "greedy": {"ratio": 2e-3},
+    # the fitted model differs by CPU: on an AVX-512 one, 2e-3 raised the loss by only 0.002
+    # and 8e-3 (248 iterations, 0.7 s) by 0.45
+    "greedy": {"ratio": 8e-3},
     "durable": {"ratio": 0.1},
     "durable-agg": {"ratio": 0.1},
     "sou": {"ratio": 0.05, "num_grads": 16, "batch_size": 2},

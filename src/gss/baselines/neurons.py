@@ -348,13 +348,18 @@ def zero_out_estimate(model: nn.Module, layers: list[MLP], data: MitigationData)
 
 
 def _ranked_after(exact: Tensor, scored: Tensor, estimate: Tensor) -> Tensor:
-    """Exact scores for the `scored` neurons; every other neuron below them, in estimate order."""
+    """Exact scores for the `scored` neurons; every other neuron below them, in estimate order.
+
+    The rest get ``min(exact) - 1 - rank``: whole steps, since shifting the estimates themselves
+    by about 1 rounded estimates closer than float32's spacing there (6e-8) into ties."""
     out = exact.clone()
     rest = torch.ones_like(estimate, dtype=torch.bool)
     rest[scored] = False
     if rest.any():
-        below = exact[scored].min() - 1.0
-        out[rest] = below - (estimate[rest].max() - estimate[rest])
+        order = torch.sort(estimate[rest], descending=True, stable=True).indices
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(len(order))
+        out[rest] = exact[scored].min() - 1.0 - rank.to(out.dtype)
     return out
 
 
