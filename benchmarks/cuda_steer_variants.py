@@ -4,8 +4,11 @@ A developer's measurement script for the device machine (not part of ``gss bench
 each variant of the fused hard-gated steer against a float64 reference, times one call at a
 decode step's shape (batch x 1 x d, bf16), and times greedy ``generate`` eager and compiled
 (static cache, transformers' own auto-compile), steered and unsteered, interleaved.
+``--profile`` instead profiles a few greedy decode steps of each arm with torch.profiler: where
+the host's time per step goes, how much of it the GPU is busy, and how many synchronizations
+each step makes (does a step wait for the GPU, and does the steer add a wait?).
 
-    PYTHONPATH=src python3 benchmarks/cuda_steer_variants.py [--out DIR]
+    PYTHONPATH=src python3 benchmarks/cuda_steer_variants.py [--out DIR] [--profile]
 """
 
 from __future__ import annotations
@@ -201,12 +204,69 @@ def generate_compare(name, model, rows, new_tokens=64, rounds=7):
         print(json.dumps(res), flush=True)
 
 
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaMemcpy")
+
+
+def profile_decode(name, model, out, new_tokens=16):
+    """torch.profiler over one greedy generate per arm (eager and compiled static cache,
+    steered and unsteered, batch 1, after warm-up): host time per token, GPU kernel time per
+    token, the host-side sync and copy calls, and the top ops by host time (tables per arm)."""
+    from contextlib import nullcontext
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
+    art = build_artifact(model, Sizes(), 4)
+    ids = torch.randint(3, model.config.vocab_size, (1, 16), device=DEV)
+    summary = []
+    for static in (False, True):
+        for steer in (False, True):
+            tag = f"{name}-{'compiled' if static else 'eager'}-{'gss' if steer else 'unsteered'}"
+            with art.attach(model) if steer else nullcontext():
+                for _ in range(3):
+                    generate(model, ids, new_tokens, static)
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                generate(model, ids, new_tokens, static)
+                torch.cuda.synchronize()
+                plain = time.perf_counter() - t
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    t = time.perf_counter()
+                    generate(model, ids, new_tokens, static)
+                    torch.cuda.synchronize()
+                    profiled = time.perf_counter() - t
+            events = prof.key_averages()
+            device_us = sum(getattr(e, "self_device_time_total", 0) for e in events)
+            row = dict(
+                arm=tag,
+                ms_per_token=plain / new_tokens * 1e3,
+                ms_per_token_profiled=profiled / new_tokens * 1e3,
+                gpu_busy_ms_per_token=device_us / new_tokens / 1e3,
+                sync_calls_per_token={
+                    e.key: e.count / new_tokens for e in events if e.key in SYNC_EVENTS
+                },
+                addmm_calls_per_token=sum(e.count for e in events if e.key == "aten::addmm")
+                / new_tokens,
+            )
+            summary.append(row)
+            print(json.dumps(row), flush=True)
+            table = events.table(sort_by="self_cpu_time_total", row_limit=30)
+            Path(out, f"profile-{tag}.txt").write_text(table)
+    return summary
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
     p.add_argument("--skip-generate", action="store_true")
+    p.add_argument("--profile", action="store_true", help="profile decode steps instead")
     args = p.parse_args()
     dtype = torch.bfloat16
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        rows = profile_decode("smollm2-135m-shape", smollm2_shape(dtype), args.out)
+        Path(args.out, "profile.json").write_text(json.dumps(rows, indent=1))
+        return 0
     micro, gen = [], []
     models = {
         "tiny-llama": tiny_model(Sizes(), device=DEV, dtype=dtype),

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The checks a session with a device machine owes the GPU, one stage per call (each fits the
+# device tool's 600 s limit), results under $OUT/<stage>/ (default ./gpu-out):
+#
+#   bash benchmarks/gpu_checks.sh tests     # the CUDA-only tests (they skip on CPU, in CI)
+#   bash benchmarks/gpu_checks.sh overhead  # gss bench perf's overhead part, cuda bf16, 135M and 7B shapes
+#   bash benchmarks/gpu_checks.sh variants  # each fused steer: error, us per call, generate eager/compiled
+#   bash benchmarks/gpu_checks.sh profile   # torch.profiler of decode steps: host vs GPU time, syncs
+#   bash benchmarks/gpu_checks.sh nnsight   # overhead with the peer library (WHEELS=dir of its wheels)
+#
+# Runs from the repository root with the machine's own torch (PYTHONPATH=src, no install).
+set -euo pipefail
+stage=${1:?"which stage: tests, overhead, variants, profile or nnsight"}
+out=${OUT:-gpu-out}/$stage
+mkdir -p "$out"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" || true
+python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" \
+    >> "$out/gpu.txt"
+
+overhead() {  # the overhead part of gss bench perf on the 135M and 7B shapes; extra args after
+    python3 -m gss bench perf --device cuda --dtype bfloat16 --only overhead \
+        --model benchmarks/configs/smollm2-135m "$@" --out "$out/perf-cuda" --no-progress
+}
+
+case $stage in
+    tests)
+        python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda_kernel.py \
+            tests/test_device_map.py tests/test_compile.py tests/test_hook.py 2>&1 | tee "$out/tests.log"
+        ;;
+    overhead)
+        overhead --model benchmarks/configs/llama-2-7b --repeats 9 2>&1 | tee "$out/log.txt"
+        ;;
+    variants)
+        python3 benchmarks/cuda_steer_variants.py --out "$out" 2>&1 | tee "$out/log.txt"
+        ;;
+    profile)
+        python3 benchmarks/cuda_steer_variants.py --profile --out "$out" 2>&1 | tee "$out/log.txt"
+        ;;
+    nnsight)
+        python3 -m pip install -q --no-index --find-links "${WHEELS:?"WHEELS: a folder of the nnsight wheels"}" nnsight
+        overhead --repeats 5 2>&1 | tee "$out/log.txt"
+        ;;
+    *)
+        echo "unknown stage $stage: tests, overhead, variants, profile or nnsight" >&2
+        exit 2
+        ;;
+esac
