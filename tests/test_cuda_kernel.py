@@ -132,16 +132,22 @@ def test_a_steered_decode_step_never_waits_for_the_gpu(options):
     ids = random_ids(1, 6, seed=5).cuda()
 
     def decode_step():
+        """A decode step after the prompt pass and one warm-up step (the steer's fast path is
+        built on its first call); each call appends one more position to the cache."""
         with torch.no_grad():
             out = model(ids, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
-            return lambda: model(nxt, past_key_values=out.past_key_values, use_cache=True)
+
+        def step():
+            with torch.no_grad():
+                model(nxt, past_key_values=out.past_key_values, use_cache=True)
+
+        step()
+        return step
 
     unsteered = _sync_warnings(decode_step())
     with art.attach(model, **options) as handle:
-        step = decode_step()  # the prompt pass builds the hook's fast path
-        step()
-        assert _sync_warnings(step) == unsteered
+        assert _sync_warnings(decode_step()) == unsteered
         hidden = torch.randn(1, 1, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
         handle.hook(None, (), hidden)
         assert _sync_warnings(lambda: handle.hook(None, (), hidden)) == 0
