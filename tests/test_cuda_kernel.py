@@ -10,6 +10,7 @@ import torch
 import gss
 from gss import cuda_kernel
 from gss.errors import GSSError
+from gss.forward import cache_argument, returned_cache
 from gss.hook import GatedSteer
 
 from .conftest import calibrated_llama, random_ids
@@ -138,9 +139,11 @@ def test_a_steered_decode_step_never_waits_for_the_gpu(options):
             out = model(ids, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
 
+        cache = {cache_argument(model): returned_cache(out)}
+
         def step():
             with torch.no_grad():
-                model(nxt, past_key_values=out.past_key_values, use_cache=True)
+                model(nxt, use_cache=True, **cache)
 
         step()
         return step

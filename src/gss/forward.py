@@ -30,6 +30,26 @@ def accepts_position_ids(model: nn.Module) -> bool:
         return False
 
 
+def cache_argument(model: nn.Module) -> str:
+    """The keyword `model`'s forward takes its KV cache under: ``cache`` from transformers 5.24
+    on (which deprecates ``past_key_values``, warning on every use), else ``past_key_values``.
+    A wrapper (a peft model) is asked for the model it wraps."""
+    unwrap = getattr(model, "get_base_model", None)
+    inner = unwrap() if callable(unwrap) else model
+    try:
+        params = inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def returned_cache(output: Any) -> Any:
+    """The KV cache a forward returned, read under the name that does not warn (``cache`` from
+    transformers 5.24 on, ``past_key_values`` before)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
 def _placed_device(module: nn.Module) -> torch.device | None:
     """Where ``module`` computes: its ``accelerate`` dispatch hook's execution device (an
     offloaded module keeps its weights on "meta" between calls), else its first weight that is

@@ -1,4 +1,5 @@
 import math
+import warnings
 
 import pytest
 import torch
@@ -133,9 +134,14 @@ def test_generate_and_forced_agree_on_gpt2(gpt2_factory):
 
 
 def test_greedy_generate_matches_hf_generate(gpt2_factory):
+    """...and hands the KV cache over under the name the installed transformers takes without
+    a deprecation warning (``cache`` from 5.24 on, ``past_key_values`` before)."""
     model = gpt2_factory()
     ids = torch.randint(0, 15, (3, 7), generator=torch.Generator().manual_seed(3))
-    ours = greedy_generate(model, ids.tolist(), 9, pad_id=15)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = greedy_generate(model, ids.tolist(), 9, pad_id=15)
+    assert not [str(w.message) for w in caught if "deprecated" in str(w.message)]
     ref = model.generate(ids, max_new_tokens=9, do_sample=False, eos_token_id=None, pad_token_id=15)
     assert ours == ref[:, 7:].tolist()
 

@@ -58,7 +58,13 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import GSSError
-from ..forward import accepts_position_ids, model_device, vocab_size
+from ..forward import (
+    accepts_position_ids,
+    cache_argument,
+    model_device,
+    returned_cache,
+    vocab_size,
+)
 from ..hook import split_block_output
 from ..layers import find_decoder_blocks
 from .interface import Mitigation, MitigationData, SharedWork, register, reuse_info
@@ -576,7 +582,7 @@ def integrated_gradient_scores(
     for row, positions in _ig_positions(data, max_positions):
         ids = torch.tensor([list(row)], dtype=torch.long, device=device)
         with torch.no_grad():
-            cache = model(input_ids=ids, use_cache=True).past_key_values
+            cache = returned_cache(model(input_ids=ids, use_cache=True))
         if cache is None:
             raise GSSError(
                 f"{type(model).__name__} returned no KV cache with use_cache=True; the "
@@ -620,7 +626,7 @@ def _ig_chunk(
     kwargs: dict[str, Any] = {
         "input_ids": row[t].unsqueeze(1),
         "attention_mask": attention,
-        "past_key_values": _repeat_cache(cache, n),
+        cache_argument(model): _repeat_cache(cache, n),
         "use_cache": True,
     }
     if accepts_position_ids(model):

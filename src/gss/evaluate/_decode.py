@@ -10,7 +10,14 @@ import torch
 from tqdm.auto import tqdm
 
 from gss.data import right_pad
-from gss.forward import accepts_position_ids, forward_logits, model_device, position_ids_from_mask
+from gss.forward import (
+    accepts_position_ids,
+    cache_argument,
+    forward_logits,
+    model_device,
+    position_ids_from_mask,
+    returned_cache,
+)
 
 RowsLike = Sequence[Sequence[int]] | torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
@@ -80,6 +87,7 @@ def greedy_generate(
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[list[int]] = [[] for _ in prompts]
     use_pos = accepts_position_ids(model)
+    cache_name = cache_argument(model)
     device = model_device(model)
     with eval_mode(model):
         for b in batch_starts(len(order), batch_size, "gss: greedy decoding", progress):
@@ -101,9 +109,9 @@ def greedy_generate(
                 if use_pos:
                     kwargs["position_ids"] = pos
                 if past is not None:
-                    kwargs["past_key_values"] = past
+                    kwargs[cache_name] = past
                 res = model(input_ids=step_ids, **kwargs)
-                past = res.past_key_values
+                past = returned_cache(res)
                 step_ids = res.logits[:, -1, :].argmax(-1, keepdim=True)
                 new.append(step_ids)
                 mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
