@@ -45,17 +45,41 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def machine_info(**extra: Any) -> dict[str, Any]:
-    """Where a benchmark ran: what its timings depend on."""
+    """Where a benchmark ran: what its timings depend on, and (the CPU's model and the vector
+    instructions torch uses on it) what float rounding, hence trained weights, depend on."""
     return {
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        **cpu_info(),
         "python": platform.python_version(),
         "cuda": torch.cuda.is_available(),
         **extra,
     }
+
+
+def cpu_info() -> dict[str, str]:
+    """The CPU's model name and the vector instruction set torch's CPU kernels use on it
+    (e.g. AVX2, AVX512): training from one seed on CPUs that differ in it gives other weights,
+    as float sums are rounded in another order."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": name, "cpu_capability": cpu_capability()}
+
+
+def cpu_capability() -> str:
+    """The vector instruction set torch's CPU kernels dispatch to (AVX2, AVX512, ...); the
+    ``ATEN_CPU_CAPABILITY`` environment variable lowers it."""
+    get = getattr(torch.backends.cpu, "get_cpu_capability", None)
+    return str(get()) if get is not None else "unknown"
 
 
 def save_figure(fig: Any, path: str | Path) -> Path:

@@ -99,6 +99,7 @@ def test_quick_run_writes_the_report_and_reuses_the_fine_tune(base_dir, tmp_path
     assert main([*args, *extra]) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["finetune"]["loaded"]
+    assert results["finetune"]["trained_on"]["device"] == "cpu"  # what its weights depend on
     names = set(results["methods"])
     assert names == {"GSS", "GSS-TR", "Mean-diff", "alphasteer", "gradient-ascent", *ABLATION}
     assert results["methods"]["GSS, per-position"]["calibration_options"] == {

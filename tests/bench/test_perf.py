@@ -41,7 +41,7 @@ def test_quick_perf_writes_results_table_and_figures(tmp_path, capsys):
     assert main(["--quick", "--out", str(out), "--no-progress"]) == 0
     results = json.loads((out / "results.json").read_text())
     assert set(results["parts"]) == {"overhead", "calibration", "solve", "memory", "adapters"}
-    for key in ("cpu_count", "threads", "torch", "platform"):
+    for key in ("cpu_count", "threads", "torch", "platform", "cpu", "cpu_capability"):
         assert results["machine"][key]
 
     ratios = list(_ratios(results))

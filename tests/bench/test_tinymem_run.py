@@ -7,6 +7,7 @@ import pytest
 
 from gss.baselines import get_method
 from gss.bench.tinymem.run import main
+from gss.report import cpu_info
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +92,8 @@ def test_jobs_run_pairs_in_processes_in_order(tmp_path, cache):
     assert merged_results["runs_seconds"] == pytest.approx(run_seconds)
     assert f"took {run_seconds:.0f} s" in (merged / "summary.md").read_text()
     assert "gss bench tinymem --quick --settings" in (merged / "summary.md").read_text()
+    trained_on = "Models trained on: {cpu} ({cpu_capability}).".format(**cpu_info())
+    assert trained_on in (merged / "summary.md").read_text()
     assert (merged / "signal_math_backdoor_seed0.png").is_file()
     with pytest.raises(SystemExit, match="does not exist"):
         main(["--merge", str(tmp_path / "nowhere"), "--out", str(merged)])

@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from gss.bench import trained_on
+from gss.bench.tinymem import train
 from gss.bench.tinymem.data import PAD, MathConfig, batch_rows, make_data
 from gss.bench.tinymem.model import ModelConfig, from_hf, new_model, to_hf
 from gss.bench.tinymem.train import (
@@ -15,6 +17,7 @@ from gss.bench.tinymem.train import (
     get_preset,
     train_model,
 )
+from gss.report import cpu_capability, cpu_info
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu_new"])
@@ -81,7 +84,11 @@ def test_models_are_cached(tmp_path: Path):
     assert log["tokens_per_second"] > 0
     folder = Path(info["memorizing"]["cache"])
     assert folder.parent == tmp_path
-    assert json.loads((folder / "training.json").read_text())["role"] == "memorizing"
+    saved = json.loads((folder / "training.json").read_text())
+    assert saved["role"] == "memorizing"
+    # what the weights depend on beyond seed and configs: the CPU's vector instructions
+    assert saved["trained_on"] == {"torch": torch.__version__, "device": "cpu", **cpu_info()}
+    assert cpu_info()["cpu"] and cpu_info()["cpu_capability"]
 
     mem2, ref2, data2, info2 = get_models(
         "math_noise", TINY, seed=0, cache_dir=tmp_path, progress=False
@@ -100,6 +107,16 @@ def test_models_are_cached(tmp_path: Path):
     )
     assert info3["memorizing"]["loaded"]
     assert len(list(tmp_path.iterdir())) == 3
+    snap = json.loads((Path(info3["memorizing"]["cache"]) / "training.json").read_text())
+    assert snap["trained_on"] == saved["trained_on"]
+
+    # a model some other vector instructions trained (cached before the key held them) is
+    # trained again, not loaded
+    saved["trained_on"]["cpu_capability"] = "AVX512" if cpu_capability() == "AVX2" else "AVX2"
+    (folder / "training.json").write_text(json.dumps(saved))
+    _, _, _, info5 = get_models("math_noise", TINY, seed=0, cache_dir=tmp_path, progress=False)
+    assert not info5["memorizing"]["loaded"] and info5["reference"]["loaded"]
+    assert info5["memorizing"]["cache"] == str(folder)
 
     # a different seed is a different model
     _, _, _, info4 = get_models(
@@ -127,7 +144,7 @@ def test_named_presets():
         get_models("math_backdoor", TINY)
 
 
-def test_cosine_schedule_decays_and_keeps_old_cache_keys():
+def test_cosine_schedule_decays_and_keeps_old_cache_keys(monkeypatch):
     data = make_data(TINY.data, 0)
     model = new_model(replace(TINY.model, vocab_size=data.vocab_size), seed=0)
     tcfg = TrainConfig(epochs=3, batch_size=16, lr_schedule="cosine")
@@ -139,6 +156,7 @@ def test_cosine_schedule_decays_and_keeps_old_cache_keys():
     with pytest.raises(ValueError, match="lr_schedule"):
         TrainConfig(epochs=3, lr_schedule="linear")
     # the option is left out of a constant-lr run's key: models cached before it existed load
+    monkeypatch.setattr(trained_on, "cpu_capability", lambda: "AVX2")  # the keys' own CPU
     pre = get_preset("lang_backdoor", "default")
     key = _key("lang_backdoor", "memorizing", 0, pre.data, pre.model, pre.train)
     assert key == "lang_backdoor-memorizing-e10-258f36fcbdb79f29"
@@ -167,3 +185,23 @@ def test_tracked_epochs_print_a_line_without_a_bar(capsys):
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[tiny]")]
     assert [ln.split(" {")[0] for ln in lines] == ["[tiny] epoch 1/2", "[tiny] epoch 2/2"]
     assert "'mem': 0.5" in lines[-1]
+
+
+def test_other_vector_instructions_train_under_another_key(monkeypatch):
+    """Models trained where torch's kernels use other vector instructions than AVX2 (the
+    committed tables') are other weights: the key gets a suffix; AVX2 keeps the keys the
+    committed results name. A record that names other numerics is not loaded."""
+    pre = get_preset("math_noise", "default")
+    data = make_data(pre.data, 0)
+    args = ("math_noise", "memorizing", 0, data.config, train._fill(pre.model, data), pre.train)
+    committed = "math_noise-memorizing-e35-ce91f6c621e8dfe8"  # results/tinymem's
+    monkeypatch.setattr(trained_on, "cpu_capability", lambda: "AVX2")
+    assert _key(*args) == committed
+    assert trained_on.key_suffix("cuda") == "-cuda"  # a GPU's kernels: other weights again
+    assert trained_on.trained_on()["device"] == "cpu"
+    record = {"trained_on": {"device": "cpu", "cpu_capability": "AVX2"}}
+    assert not trained_on.trained_elsewhere(record) and not trained_on.trained_elsewhere({})
+    assert trained_on.trained_elsewhere(record, "cuda")
+    monkeypatch.setattr(trained_on, "cpu_capability", lambda: "AVX512")
+    assert _key(*args) == committed + "-avx512"
+    assert trained_on.trained_elsewhere(record)

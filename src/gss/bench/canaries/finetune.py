@@ -39,6 +39,7 @@ from gss.evaluate.suite import evaluate_model
 from gss.forward import model_device
 from gss.layers import find_decoder_blocks
 
+from ..trained_on import trained_on
 from .data import CanaryData
 
 
@@ -265,6 +266,7 @@ def finetune(
         "seconds": time.perf_counter() - started,
         "lower_blocks_cached": trainer.cached is not None,
         "trained_parameters": sum(p.numel() for n_, p in model.named_parameters() if n_ in names),
+        "trained_on": trained_on(model_device(model)),
     }
     return model, info
 

@@ -29,6 +29,7 @@ import torch
 
 from ... import __version__
 from ...errors import GSSError
+from ...forward import model_device
 from ...pretrained import load_causal_lm
 from ...report import machine_info, markdown_table, write_json
 from .. import baseline_names
@@ -130,11 +131,14 @@ def _fingerprint(path: Path) -> dict[str, Any]:
 
 
 def _finetuned(base: Any, base_path: Path, data: Any, cfg: Any, pad: int, cache: Path) -> tuple:
+    from ..trained_on import key_suffix, trained_elsewhere
     from .finetune import cache_key, finetune, load_trained, save_trained, trainable_names
 
-    folder = cache / f"{base_path.name}-{cache_key(_fingerprint(base_path), data, cfg)}"
+    device = model_device(base)
+    key = cache_key(_fingerprint(base_path), data, cfg)
+    folder = cache / f"{base_path.name}-{key}{key_suffix(device)}"
     loaded = load_trained(base, folder, cfg)
-    if loaded is not None:
+    if loaded is not None and not trained_elsewhere(loaded[1], device):
         _log(f"fine-tuned weights from {folder}")
         return loaded[0], {**loaded[1], "cache": str(folder), "loaded": True}
     what = f"a rank-{cfg.lora_rank} LoRA on the top" if cfg.lora_rank else "the top"

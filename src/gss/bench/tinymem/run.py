@@ -548,7 +548,15 @@ def run_ablation(
 
 
 def _model_summary(record: dict[str, Any]) -> dict[str, Any]:
-    keep = ("cache", "loaded", "train_seconds", "tokens_per_second", "epochs", "threads")
+    keep = (
+        "cache",
+        "loaded",
+        "train_seconds",
+        "tokens_per_second",
+        "epochs",
+        "threads",
+        "trained_on",
+    )
     out = {k: record[k] for k in keep if k in record}
     log = record.get("log") or {}
     if isinstance(log, dict):
@@ -750,7 +758,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         + "\n\nMeans over the seeds each cell has (± their std when more than one); (s): "
         "mitigation time; * = no grid point within the utility "
         "tolerance (the mildest is shown). Per-setting tables with % correct, strengths and "
-        "the paper's numbers: table.md.\n\n" + _time_line(records, run_seconds) + "\n"
+        "the paper's numbers: table.md.\n\n"
+        + _time_line(records, run_seconds)
+        + " "
+        + _trained_on_line(records)
+        + "\n"
     )
     for record in fresh_runs:
         BaselineCheckpoint.clear(out, record)
@@ -758,6 +770,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(_time_line(records, run_seconds))
     print(f"wrote {out}: results.json, table.md, {len(figures)} figures; total {total:.0f} s")
     return 0
+
+
+def _trained_on_line(records: list[dict[str, Any]]) -> str:
+    """Which CPUs trained the table's models: the same seed trains other weights on a CPU with
+    other vector instructions (docs/benchmarks.md), so the numbers are that machine's."""
+    seen: set[str] = set()
+    for record in records:
+        for model in record.get("models", {}).values():
+            t = model.get("trained_on")
+            seen.add(f"{t['cpu']} ({t['cpu_capability']})" if t else "unrecorded")
+    named = sorted(seen - {"unrecorded"})
+    line = f"Models trained on: {'; '.join(named)}. " if named else ""
+    if "unrecorded" in seen:
+        line += "Some models came from a cache that did not record the CPU that trained them. "
+    return line + "Another CPU's vector instructions train other weights from the same seed."
 
 
 def _time_line(records: list[dict[str, Any]], run_seconds: float) -> str:

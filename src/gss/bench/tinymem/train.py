@@ -14,10 +14,12 @@ test accuracy on the HF conversion, so the log shows when memorization sets in.
 
 Cache layout: ``<cache_dir>/<setting>-<role>-e<epochs>-<hash>/`` holds ``save_pretrained``
 output and ``training.json`` (configs, per-epoch loss, tokens/s, wall time, the tracked
-metrics). The hash covers the data config, model config, training config, seed and role, so a
-different setting never loads a stale model. Checkpoints listed in `TrainConfig.snapshots` are
-saved on the way under the key of the same run with fewer epochs, so asking later for a shorter
-run (an earlier checkpoint) loads instead of training.
+metrics, the CPU). The hash covers the data config, model config, training config, seed and
+role, so a different setting never loads a stale model; other vector instructions than AVX2
+in torch's CPU kernels, which train other weights, follow it (``-avx512``, `gss.bench.trained_on`).
+Checkpoints listed in `TrainConfig.snapshots` are saved on the way under the key of the same
+run with fewer epochs, so asking later for a shorter run (an earlier checkpoint) loads instead
+of training.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from gss.bench.tinymem.data import (
     make_data,
 )
 from gss.bench.tinymem.model import LeanGPT2, ModelConfig, new_model, to_hf
+from gss.bench.trained_on import key_suffix, trained_elsewhere, trained_on
 from gss.evaluate import backdoor_success, nk_memorization, perplexity, token_accuracy
 
 __all__ = [
@@ -358,7 +361,7 @@ def _key(
     if tcfg.lr_schedule == "constant":  # keys from before the option existed stay valid
         del blob["train"]["lr_schedule"]
     digest = hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
-    return f"{setting}-{role}-e{tcfg.epochs}-{digest}"
+    return f"{setting}-{role}-e{tcfg.epochs}-{digest}{key_suffix()}"
 
 
 def _save(folder: Path, model: LeanGPT2, record: dict[str, Any]) -> None:
@@ -396,7 +399,7 @@ def _train_or_load(
 ) -> tuple[GPT2LMHeadModel, dict[str, Any]]:
     key = _key(setting, role, seed, data.config, mcfg, tcfg)
     hit = _load(cache / key)
-    if hit is not None:
+    if hit is not None and not trained_elsewhere(hit[1]):
         return hit[0], {**hit[1], "cache": str(cache / key), "loaded": True}
     rows = data.train if role == "memorizing" else data.reference_train
     base = {
@@ -406,6 +409,7 @@ def _train_or_load(
         "data": config_dict(data.config),
         "data_stats": data.describe(),
         "model": asdict(mcfg),
+        "trained_on": trained_on(),
     }
 
     def snapshot(epoch: int, model: LeanGPT2, log: dict[str, Any]) -> None:
