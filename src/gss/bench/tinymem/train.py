@@ -15,8 +15,9 @@ test accuracy on the HF conversion, so the log shows when memorization sets in.
 Cache layout: ``<cache_dir>/<setting>-<role>-e<epochs>-<hash>/`` holds ``save_pretrained``
 output and ``training.json`` (configs, per-epoch loss, tokens/s, wall time, the tracked
 metrics, the CPU). The hash covers the data config, model config, training config, seed and
-role, so a different setting never loads a stale model; other vector instructions than AVX2
-in torch's CPU kernels, which train other weights, follow it (``-avx512``, `gss.bench.trained_on`).
+role, so a different setting never loads a stale model; a suffix names vector instructions
+other than AVX2 in torch's CPU kernels (``-avx512``), which train other weights
+(`gss.bench.trained_on`).
 Checkpoints listed in `TrainConfig.snapshots` are saved on the way under the key of the same
 run with fewer epochs, so asking later for a shorter run (an earlier checkpoint) loads instead
 of training.
