@@ -46,8 +46,9 @@ def cache_argument(model: nn.Module) -> str:
 def returned_cache(output: Any) -> Any:
     """The KV cache a forward returned, read under the name that does not warn (``cache`` from
     transformers 5.24 on, ``past_key_values`` before)."""
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else getattr(output, "past_key_values", None)
+    if "cache" in getattr(output, "__dataclass_fields__", {}):  # the old name is an alias there
+        return output.cache
+    return getattr(output, "past_key_values", None)
 
 
 def _placed_device(module: nn.Module) -> torch.device | None:
