@@ -15,13 +15,15 @@ from gss.baselines.training import mean_nll
 
 from ..conftest import tiny_model
 
-# (method, params that act on the 2-layer tiny model)
+# (method, params that act on the 2-layer tiny model). The fitted model differs by CPU and
+# library version, so each raises the loss well past the test's 0.1: gradient ascent for 3
+# epochs and SimNPO for 5 gave +0.12-0.14 and +0.06-0.10 (AVX-512; transformers 4.46 / 5.24).
 RAISES_MEMORIZED_LOSS = [
     ("lunar", {"coeff": 4.0, "lr": 1e-2, "epochs": 60}),
     ("alphasteer", {"strength": 4.0}),
-    ("gradient-ascent", {"lr": 1e-3, "epochs": 3}),
+    ("gradient-ascent", {"lr": 1e-3, "epochs": 5}),
     ("npo", {"lr": 1e-3, "epochs": 5}),
-    ("simnpo", {"lr": 1e-3, "epochs": 5}),
+    ("simnpo", {"lr": 1e-3, "epochs": 10}),
     ("task-vector", {"alpha": 4.0}),
     ("clean-ft", {"epochs": 5, "lr": 1e-2, "batch_size": 4}),
     ("both-ft", {"epochs": 5, "lr": 1e-2, "batch_size": 4}),
