@@ -21,9 +21,10 @@ import torch
 
 from ... import __version__
 from ...baselines import get_method
-from ...report import machine_info, markdown_table, write_json
+from ...report import cpu_capability, machine_info, markdown_table, write_json
 from ...variants import variant
 from .. import baseline_names
+from ..trained_on import key_suffix
 from . import methods as M
 from .data import SETTINGS
 from .paper import PAPER
@@ -704,6 +705,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"gss bench tinymem: --jobs must be >= 1, got {args.jobs}")
     units = [(setting, seed) for setting in settings for seed in seeds]
     started = time.perf_counter()
+    if not args.merge and key_suffix():
+        _log(
+            f"torch's CPU kernels use {cpu_capability()} here; the committed tables' models were "
+            "trained with AVX2, and these train other weights from the same seeds. "
+            "ATEN_CPU_CAPABILITY=avx2 reproduces them (make bench sets it)."
+        )
     if args.merge:
         records = _merged_from(args.merge, out)
     elif args.jobs > 1 and len(units) > 1:
