@@ -79,6 +79,7 @@ def test_quick_run_writes_the_report_and_reuses_the_fine_tune(base_dir, tmp_path
     args = ["--model", str(base_dir), "--quick", "--out", str(out), "--cache-dir", str(cache)]
     args += ["--max-epochs", "2", "--train-blocks", "2", "--deltas", "1,16", "--no-progress"]
     assert main(args) == 0
+    assert "Loading weights" not in capsys.readouterr().err  # --no-progress: transformers' too
     results = json.loads((out / "results.json").read_text())
     assert set(results["methods"]) == {"GSS", "GSS-TR", "Mean-diff"}
     assert not results["finetune"]["loaded"] and results["finetune"]["epochs"] <= 2

@@ -13,3 +13,11 @@ def baseline_names(text: str, bench: str) -> list[str]:
         return resolve_method_names(text)
     except GSSError as err:
         raise SystemExit(f"gss bench {bench}: {err}") from None
+
+
+def transformers_bars_off() -> None:
+    """Hide transformers' own bars (from_pretrained's loading, save_pretrained's writing) for
+    the rest of a ``--no-progress`` benchmark process."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()

@@ -32,7 +32,7 @@ from ...errors import GSSError
 from ...forward import model_device
 from ...pretrained import load_causal_lm
 from ...report import machine_info, markdown_table, write_json
-from .. import baseline_names
+from .. import baseline_names, transformers_bars_off
 from .finetune import FinetuneConfig
 
 PPL_TOLERANCE = 0.05  # selected points keep perplexity within +5% of the unmitigated model
@@ -249,6 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out or default_out)
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
+    if not progress:
+        transformers_bars_off()
     if args.model:
         base_path = Path(args.model)
     else:

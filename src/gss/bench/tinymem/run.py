@@ -23,7 +23,7 @@ from ... import __version__
 from ...baselines import get_method
 from ...report import cpu_capability, machine_info, markdown_table, write_json
 from ...variants import variant
-from .. import baseline_names
+from .. import baseline_names, transformers_bars_off
 from ..trained_on import key_suffix
 from . import methods as M
 from .data import SETTINGS
@@ -222,9 +222,7 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
     started = time.perf_counter()
     _log(f"{setting}, seed {seed}")
     if args.no_progress:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # the loading/saving bars of from/save_pretrained
+        transformers_bars_off()
     preset = args.preset or ("quick" if args.quick else "default")
     mem, ref, data, info = get_models(
         setting, preset, seed, args.cache_dir, progress=not args.no_progress
