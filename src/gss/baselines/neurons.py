@@ -576,6 +576,7 @@ def integrated_gradient_scores(
     t + 1. The items of a layer are batched.
     """
     device = model_device(model)
+    cache_name, use_pos = cache_argument(model), accepts_position_ids(model)
     alphas = torch.linspace(0.0, 1.0, steps)
     totals = [torch.zeros(m.width, dtype=torch.float64) for m in layers]
     used = 0
@@ -594,9 +595,8 @@ def integrated_gradient_scores(
         scale = 1.0 / (steps * len(positions))
         for layer, mlp in enumerate(layers):
             for sl in torch.arange(len(item_t)).split(chunk):
-                attribution = _ig_chunk(
-                    model, mlp, ids[0], cache, item_t[sl], item_alpha[sl], device
-                )
+                items = (ids[0], cache, item_t[sl], item_alpha[sl])
+                attribution = _ig_chunk(model, mlp, *items, device, cache_name, use_pos)
                 totals[layer] += attribution.double().cpu() * scale
         used += 1
     if used == 0:
@@ -612,8 +612,11 @@ def _ig_chunk(
     t: Tensor,
     alpha: Tensor,
     device: torch.device,
+    cache_name: str,
+    use_pos: bool,
 ) -> Tensor:
-    """Sum over items of ``a * d p(row[t + 1]) / d(alpha a)`` at position t of `mlp`'s layer."""
+    """Sum over items of ``a * d p(row[t + 1]) / d(alpha a)`` at position t of `mlp`'s layer
+    (`cache_name`, `use_pos`: how the model takes its cache and positions, found once)."""
     n, length = len(t), len(row)
     t = t.to(device)
     attention = torch.cat(
@@ -626,10 +629,10 @@ def _ig_chunk(
     kwargs: dict[str, Any] = {
         "input_ids": row[t].unsqueeze(1),
         "attention_mask": attention,
-        cache_argument(model): _repeat_cache(cache, n),
+        cache_name: _repeat_cache(cache, n),
         "use_cache": True,
     }
-    if accepts_position_ids(model):
+    if use_pos:
         kwargs["position_ids"] = t.unsqueeze(1)
     seen: dict[str, Tensor] = {}
 

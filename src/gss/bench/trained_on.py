@@ -37,10 +37,10 @@ def key_suffix(device: str | torch.device = "cpu") -> str:
 def trained_elsewhere(record: dict[str, Any], device: str | torch.device = "cpu") -> bool:
     """Whether a cached record names other numerics than this run's (a model cached before its
     key held them); a record that names none is trusted."""
-    named = record.get("trained_on") or {}
-    if named.get("device", "cpu") != torch.device(device).type:
+    named = record.get("trained_on")
+    if not named:
+        return False
+    kind = torch.device(device).type
+    if named.get("device", "cpu") != kind:
         return True
-    return (
-        torch.device(device).type == "cpu"
-        and named.get("cpu_capability", cpu_capability()) != cpu_capability()
-    )
+    return kind == "cpu" and named.get("cpu_capability") != cpu_capability()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ...report import _pyplot, markdown_table
+from ...report import _pyplot, markdown_table, save_figure
 
 COLORS = {
     "GSS": "#c44e52",
@@ -66,11 +66,7 @@ def pareto(records: list[dict[str, Any]], setting: str, path: Path) -> Path:
     )
     handles, labels = axes[0].get_legend_handles_labels()
     axes[-1].legend(handles, labels, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _pareto_points(ax: Any, runs: list[dict[str, Any]], colors: dict[str, Any]) -> None:
@@ -164,11 +160,7 @@ def ablation(records: list[dict[str, Any]], name: str, out: Path) -> list[Path]:
     axes[1].set_ylabel("% memorized")
     axes[1].set_title("every delta of every variant")
     axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    png = out / f"ablation_{name}.png"
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    png = save_figure(fig, out / f"ablation_{name}.png")
     md = out / f"ablation_{name}.md"
     md.write_text(f"## Ablation: {name}\n\n" + markdown_table(header, rows))
     return [png, md]
