@@ -28,7 +28,16 @@ VOCAB = 48
 TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 # Qwen3 arrived in transformers 4.51; the package supports older ones (pyproject's floor)
 HAS_QWEN3 = hasattr(transformers, "Qwen3ForCausalLM")
-ARCHITECTURES = ("gpt2", "gpt_neox", "llama", "qwen2", "mistral", *(["qwen3"] if HAS_QWEN3 else []))
+# opt: embeddings half as wide as the blocks (projected in and out), as in OPT-350m
+ARCHITECTURES = (
+    "gpt2",
+    "gpt_neox",
+    "llama",
+    "qwen2",
+    "mistral",
+    "opt",
+    *(["qwen3"] if HAS_QWEN3 else []),
+)
 
 
 def tiny_model(arch: str, seed: int = 0, layers: int = 2, hidden: int = 32, vocab: int = VOCAB):
@@ -68,6 +77,17 @@ def tiny_model(arch: str, seed: int = 0, layers: int = 2, hidden: int = 32, voca
         model = transformers.Qwen3ForCausalLM(config)
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(sliding_window=None, **llama_like))
+    elif arch == "opt":
+        config = transformers.OPTConfig(
+            hidden_size=hidden,
+            word_embed_proj_dim=hidden // 2,
+            ffn_dim=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            max_position_embeddings=128,
+            **common,
+        )
+        model = transformers.OPTForCausalLM(config)
     else:
         raise ValueError(arch)
     return model.eval()

@@ -223,6 +223,19 @@ def test_layers_writes_strengths_and_plot(workdir, capsys):
     assert "--layers takes" in capsys.readouterr().err
 
 
+def test_block_path_names_the_blocks_for_calibrate_and_layers(workdir, capsys):
+    common = ["--model", str(workdir / "model"), "--reference", str(workdir / "reference")]
+    common += ["--data", str(workdir / "data.txt")]
+    out = workdir / "artifact-block-path"
+    calibrate = ["calibrate", *common, "--layer", "1", "--rank", "2", "--out", str(out)]
+    assert main([*calibrate, "--block-path", "model.layers"]) == 0
+    assert json.loads((out / "gss_config.json").read_text())["block_path"] == "model.layers"
+    for command in (calibrate, ["layers", *common]):
+        capsys.readouterr()
+        assert main([*command, "--block-path", "model.nothing"]) == 2
+        assert "'model.nothing' does not name" in capsys.readouterr().err
+
+
 def test_sweep_writes_grid_front_and_plot(workdir, steer, capsys):
     common = ["--model", str(workdir / "model")]
     out = workdir / "sweep"

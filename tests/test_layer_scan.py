@@ -19,7 +19,7 @@ def _alone(model, ref, ids, layer, **options):
     return signal_strength(stats.memorization.value, stats.sigma.covariance)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "opt"])
 @pytest.mark.parametrize("target", ["loglik", "toward-reference"])
 def test_one_pass_equals_a_calibration_per_block(arch, target):
     model, ref = tiny_model(arch, seed=0, layers=3), tiny_model(arch, seed=1, layers=3)

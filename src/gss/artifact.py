@@ -25,7 +25,7 @@ from . import __version__
 from .errors import GSSError
 from .forward import input_embedding_values, vocab_size
 from .hook import COEFFICIENT_MODES, GATE_MODES, GatedSteer, SteerHandle, register
-from .layers import find_decoder_blocks, resolve_layer
+from .layers import find_decoder_blocks, residual_width, resolve_layer
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -55,7 +55,7 @@ def model_fingerprint(model: nn.Module, block_path: str | None = None) -> dict[s
         "architecture": type(model).__name__,
         "model_type": getattr(config, "model_type", None),
         "name_or_path": getattr(config, "_name_or_path", None) or None,
-        "hidden_size": int(emb.shape[1]),
+        "hidden_size": residual_width(model),
         "num_layers": len(find_decoder_blocks(model, block_path)),
         "vocab_size": vocab_size(model),
         "embedding_sample": [round(v, 6) for v in sample.flatten().tolist()],

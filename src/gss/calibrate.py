@@ -35,13 +35,12 @@ from .forward import (
     check_same_vocab,
     execution_device,
     forward_logits,
-    input_embedding_weight,
     target_mask,
     token_logprobs,
 )
 from .gradients import per_position_gradients
 from .hook import COEFFICIENT_MODES, GATE_MODES, SteeredForward, split_block_output
-from .layers import resolve_layer
+from .layers import residual_width, resolve_layer
 from .solve import SolveMethod, solve_probe_steer
 from .statistics import CovarianceAccumulator, CrossMomentAccumulator, MeanAccumulator
 
@@ -329,7 +328,7 @@ def collect_statistics(
         if gen_texts is not None
         else None
     )
-    dim = int(input_embedding_weight(model).shape[1])
+    dim = residual_width(model)
     device = execution_device(model, block)
     keeper = _GeneralKeeper(keep_general if keep_general is not None else 2**24 // dim)
     sigma_acc = CovarianceAccumulator(dim, device)

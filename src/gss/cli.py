@@ -105,6 +105,14 @@ def _add_target_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_block_path_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--block-path",
+        help="dotted attribute path of the list of decoder blocks, e.g. model.layers "
+        "(default: found from the architecture)",
+    )
+
+
 def _add_batch_args(
     p: argparse.ArgumentParser, batch_size: int = 8, length_help: str = "tokens kept per text"
 ) -> None:
@@ -179,6 +187,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         gradient=args.gradient,
         batch_size=args.batch_size,
         max_length=args.max_length,
+        block_path=args.block_path,
         progress=distributed.rank() == 0 and not args.no_progress,
     )
     if distributed.rank() != 0:
@@ -452,6 +461,7 @@ def _cmd_layers(args: argparse.Namespace) -> int:
         target=args.target,
         batch_size=args.batch_size,
         max_length=args.max_length,
+        block_path=args.block_path,
         progress=not args.no_progress,
     )
     unchanged = set(scan.unchanged)
@@ -575,6 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="g: gradient of the sequence's summed target, or of each token's own",
     )
     _add_batch_args(p)
+    _add_block_path_arg(p)
     p.add_argument("--out", required=True, help="directory for the artifact")
     p.add_argument(
         "--variant",
@@ -643,6 +654,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_target_arg(p)
     _add_batch_args(p)
+    _add_block_path_arg(p)
     p.add_argument("--out", help="directory for layers.json and layers.png")
     p.set_defaults(func=_cmd_layers)
 

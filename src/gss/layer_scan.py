@@ -37,11 +37,10 @@ from .errors import GSSError
 from .forward import (
     check_same_vocab,
     forward_logits,
-    input_embedding_weight,
     target_mask,
     token_logprobs,
 )
-from .layers import find_decoder_blocks, resolve_layer
+from .layers import find_decoder_blocks, residual_width, resolve_layer
 from .solve import solve_probe_steer
 from .statistics import CovarianceAccumulator, CrossMomentAccumulator
 
@@ -151,7 +150,7 @@ def scan_layers(
     if not resolved:
         raise GSSError("no layer to scan: give at least one block index.")
     blocks = [resolve_layer(model, i, block_path)[1] for i in resolved]
-    dim = int(input_embedding_weight(model).shape[1])
+    dim = residual_width(model)
     ref_blocks = _matching_blocks(reference, resolved, n_blocks, dim, block_path)
     moved = [0.0] * len(resolved)
     norm = [0.0] * len(resolved)
@@ -248,6 +247,6 @@ def _matching_blocks(
         ref_blocks = find_decoder_blocks(reference, block_path)
     except GSSError:
         return []
-    if len(ref_blocks) != n_blocks or input_embedding_weight(reference).shape[1] != dim:
+    if len(ref_blocks) != n_blocks or residual_width(reference) != dim:
         return []
     return [ref_blocks[i] for i in layers]

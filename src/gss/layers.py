@@ -7,6 +7,7 @@ so the two can never disagree about where they act.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .errors import GSSError
@@ -17,6 +18,8 @@ KNOWN_BLOCK_PATHS: tuple[str, ...] = (
     "transformer.h",  # GPT-2, GPT-J, GPT-Neo, Falcon, BLOOM
     "gpt_neox.layers",  # Pythia / GPT-NeoX
     "model.decoder.layers",  # OPT
+    "model.language_model.layers",  # the text model of a vision-language model (Gemma 3)
+    "language_model.model.layers",  # the same in transformers 4
     "transformer.blocks",  # MPT
     "transformer.layers",
     "model.transformer.h",
@@ -37,18 +40,43 @@ def _get_path(root: nn.Module, path: str) -> nn.Module | None:
     return obj if isinstance(obj, nn.Module) else None
 
 
-def _num_layers(model: nn.Module) -> int | None:
+def _config_int(model: nn.Module, names: tuple[str, ...]) -> int | None:
+    """The first of `names` that the model's (text) config sets to an int."""
     config = getattr(model, "config", None)
     if config is None:
         return None
     text_config = getattr(config, "get_text_config", None)
     if callable(text_config):
         config = text_config()
-    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+    for name in names:
         value = getattr(config, name, None)
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool):
             return value
     return None
+
+
+def _num_layers(model: nn.Module) -> int | None:
+    return _config_int(model, ("num_hidden_layers", "n_layer", "num_layers"))
+
+
+def residual_width(model: nn.Module) -> int:
+    """Width d of the residual stream that leaves the decoder blocks (what calibration reads and
+    the steer rewrites): the config's hidden size, else the input embeddings' width. The two
+    differ where the embeddings are projected in, e.g. OPT-350m (512-wide embeddings, 1024-wide
+    blocks)."""
+    width = _config_int(model, ("hidden_size", "n_embd", "d_model"))
+    if width is not None:
+        return width
+    get_emb = getattr(model, "get_input_embeddings", None)
+    emb = get_emb() if callable(get_emb) else None
+    weight = getattr(emb, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+        raise GSSError(
+            f"cannot tell the hidden size of {type(model).__name__}: its config sets none of "
+            "hidden_size, n_embd or d_model and it has no input embedding matrix. Give the "
+            "model a transformers config with hidden_size."
+        )
+    return int(weight.shape[1])
 
 
 def _unwrap(model: nn.Module) -> list[nn.Module]:
@@ -119,7 +147,8 @@ def find_decoder_blocks(model: nn.Module, path: str | None = None) -> nn.ModuleL
     raise GSSError(
         f"could not locate the decoder blocks of {type(model).__name__}"
         f" (config says {expected} layers). ModuleLists found: {candidates}. "
-        "Pass block_path='<dotted.path.to.blocks>' to name the list explicitly."
+        "Name the list with block_path='<dotted.path.to.blocks>' (gss calibrate and gss layers: "
+        "--block-path)."
     )
 
 
