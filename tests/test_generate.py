@@ -5,7 +5,7 @@ import torch
 
 import gss
 
-from .conftest import ARCHITECTURES, random_ids
+from .conftest import ARCHITECTURES, calibrated_llama, random_ids, tiny_model
 
 
 def _steered_artifact(model, make_model, arch):
@@ -55,3 +55,41 @@ def test_alone_equals_left_padded_batch_equals_no_cache(make_model, arch):
             assert torch.equal(alone[0], batched[i]), f"prompt {i}: batch differs from alone"
             assert torch.equal(alone[0], no_cache[0]), f"prompt {i}: KV cache changes the output"
     assert not torch.equal(batched, unsteered), "the steer should change some continuation"
+
+
+STRATEGIES = {
+    "beam search": dict(num_beams=3, do_sample=False),
+    "sampling": dict(do_sample=True, top_k=8, num_return_sequences=2),
+    "beam sampling": dict(do_sample=True, num_beams=2),
+    "prompt lookup": dict(do_sample=False, prompt_lookup_num_tokens=2),
+    "assisted": dict(do_sample=False),  # + an assistant model, below
+}
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_every_decoding_strategy_follows_the_steer(strategy):
+    """gss.steer gives the tokens of the same steer hung on the block with torch's own forward
+    hook: beams that reorder the cache, sampled rows and several-token verification steps
+    (assisted decoding, prompt lookup) all pass through it."""
+    model, art = calibrated_llama()
+    options = dict(STRATEGIES[strategy], max_new_tokens=8, min_new_tokens=8, pad_token_id=0)
+    if strategy == "assisted":
+        options["assistant_model"] = tiny_model("llama", seed=5)
+    prompt = random_ids(2, 6, seed=9)
+    prompt[:, 3:] = prompt[:, :3]  # a repeat for prompt lookup to find
+    if strategy in ("assisted", "prompt lookup"):
+        prompt = prompt[:1]  # transformers verifies candidates for one row at a time
+
+    def run() -> torch.Tensor:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            return model.generate(input_ids=prompt, **options)
+
+    block = model.model.layers[art.layer]
+    handle = block.register_forward_hook(art.make_hook())
+    by_torch_hook = run()
+    handle.remove()
+    with gss.steer(model, art):
+        by_gss = run()
+    assert torch.equal(by_gss, by_torch_hook)
+    assert not torch.equal(by_gss, run()), "the steer should change some continuation"
