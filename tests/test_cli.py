@@ -13,8 +13,8 @@ from .conftest import tiny_model
 WORDS = ["<pad>", "<bos>", "<eos>", "<unk>"] + [f"w{i}" for i in range(44)]
 
 
-def _tokenizer():
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+def _tokenizer(words=WORDS):
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -148,6 +148,29 @@ def test_errors_are_messages_not_tracebacks(workdir, capsys):
     )
     assert code == 2
     assert "layer 7 is out of range" in capsys.readouterr().err
+
+
+def test_a_reference_with_another_tokenizer_is_refused(workdir, capsys):
+    # the same vocabulary size, two words' ids swapped: only the tokenizers tell them apart
+    other = workdir / "reference-other-tokenizer"
+    tiny_model("llama", seed=1).save_pretrained(other)
+    _tokenizer([*WORDS[:4], "w1", "w0", *WORDS[6:]]).save_pretrained(other)
+    for command in ("calibrate", "signal", "layers"):
+        args = [command, "--model", str(workdir / "model"), "--reference", str(other)]
+        args += ["--data", str(workdir / "data.txt")]
+        args += ["--layer", "0", "--out", str(workdir / "x")] if command == "calibrate" else []
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "tokenizers disagree on 2 of 44 regular tokens" in err and "'w0': 4 vs 5" in err
+
+
+def test_tokens_a_fine_tune_added_do_not_count_as_another_tokenizer():
+    from gss.data import check_same_tokenizer
+
+    tuned = _tokenizer()
+    tuned.add_tokens(["<|im_start|>"], special_tokens=True)
+    check_same_tokenizer(tuned, _tokenizer())
+    check_same_tokenizer(_tokenizer(), tuned)
 
 
 def test_variant_sets_options_and_explicit_flags_win(workdir):

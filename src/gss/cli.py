@@ -18,7 +18,6 @@ from .variants import VARIANTS
 
 def _load_model(path: str, device: str, dtype: str) -> tuple[Any, Any]:
     import torch
-    from transformers import AutoTokenizer
 
     from .pretrained import load_causal_lm
 
@@ -38,15 +37,20 @@ def _load_model(path: str, device: str, dtype: str) -> tuple[Any, Any]:
         )
     model = load_causal_lm(p, torch_dtype)
     model.to(device)
+    return model, _load_tokenizer(p)
+
+
+def _load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError):
         # an adapter directory without tokenizer files: the base model's tokenizer
-        base = _adapter_base(p)
+        base = _adapter_base(path)
         if base is None:
             raise
-        tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
-    return model, tokenizer
+        return AutoTokenizer.from_pretrained(base, local_files_only=True)
 
 
 def _adapter_base(path: Path) -> str | None:
@@ -60,13 +64,17 @@ def _adapter_base(path: Path) -> str | None:
 ADAPTERS_OFF = "adapters-off"
 
 
-def _load_reference(path: str, model: Any, device: str, dtype: str) -> Any:
-    """The reference model: loaded from ``path``, or ``adapters-off``: the model's own base
-    under its adapters (no second copy)."""
+def _load_reference(path: str, model: Any, tokenizer: Any, device: str, dtype: str) -> Any:
+    """The reference model: loaded from ``path`` (its tokenizer must be the model's), or
+    ``adapters-off``: the model's own base under its adapters (no second copy)."""
     if path == ADAPTERS_OFF:
         from .adapters import adapters_off
 
         return adapters_off(model)
+    from .data import check_same_tokenizer
+
+    if Path(path).exists():  # before the weights load: a wrong reference fails in seconds
+        check_same_tokenizer(tokenizer, _load_tokenizer(Path(path)))
     reference, _ = _load_model(path, device, dtype)
     return reference
 
@@ -163,7 +171,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     args.device = _init_distributed(args.device)
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
-    reference = _load_reference(args.reference, model, args.device, args.dtype)
+    reference = _load_reference(args.reference, model, tokenizer, args.device, args.dtype)
     texts = read_texts(args.data)
     gen_texts = read_texts(args.gen_data) if args.gen_data else None
     _apply_variant(args)
@@ -251,7 +259,7 @@ def _cmd_signal(args: argparse.Namespace) -> int:
     from .signal import omega_rows, signal_statistics
 
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
-    reference = _load_reference(args.reference, model, args.device, args.dtype)
+    reference = _load_reference(args.reference, model, tokenizer, args.device, args.dtype)
 
     def omega_of(path: str) -> torch.Tensor:
         seqs = encode(read_texts(path), tokenizer, args.max_length)
@@ -441,7 +449,7 @@ def _cmd_layers(args: argparse.Namespace) -> int:
     from .report import write_json
 
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
-    reference = _load_reference(args.reference, model, args.device, args.dtype)
+    reference = _load_reference(args.reference, model, tokenizer, args.device, args.dtype)
     layers = None
     if args.layers != "all":
         try:

@@ -47,6 +47,35 @@ def read_texts(path: str | Path, field: str = "text") -> list[str]:
     return texts
 
 
+def check_same_tokenizer(tokenizer: Any, reference_tokenizer: Any) -> None:
+    """Refuse a reference whose tokenizer maps text to other ids than the model's.
+
+    The memorization signal compares the two models' log-probabilities of one id sequence, so an
+    id must stand for the same text in both; equal vocabulary sizes do not show that (Llama 2
+    and Mistral both have 32,000 tokens). Added and special tokens are left out: a fine-tune may
+    add some or rename reserved ones.
+    """
+    ours, theirs = tokenizer.get_vocab(), reference_tokenizer.get_vocab()
+    if ours == theirs:
+        return
+    added = set(tokenizer.get_added_vocab()) | set(reference_tokenizer.get_added_vocab())
+    ours = {t: i for t, i in ours.items() if t not in added}
+    theirs = {t: i for t, i in theirs.items() if t not in added}
+    by_id = {i: t for t, i in theirs.items()}
+    disagree = [t for t, i in ours.items() if theirs.get(t, i) != i or by_id.get(i, t) != t]
+    if disagree:
+        examples = ", ".join(
+            f"{t!r}: {ours[t]} vs {theirs.get(t, 'absent')}" for t in sorted(disagree)[:3]
+        )
+        raise GSSError(
+            f"the model's and the reference's tokenizers disagree on {len(disagree)} of "
+            f"{len(ours)} regular tokens (token: model id vs reference id, e.g. {examples}). The "
+            "memorization signal compares both models' log-probabilities of the same token ids, "
+            "so the reference must share the model's tokenizer: use the model the fine-tune "
+            "started from."
+        )
+
+
 def _token_lists(
     items: Sequence[Any], tokenizer: Any | None, max_length: int | None
 ) -> list[list[int]]:
