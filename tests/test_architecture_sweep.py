@@ -21,8 +21,8 @@ from .conftest import random_ids
 
 VOCAB = 48
 LAYERS = 3
-# Set on a config only where it has the attribute, so that each family keeps its own meaning.
-SMALL: dict[str, Any] = dict(
+# The sizes of a tiny text model, under the names most configs use.
+TEXT: dict[str, Any] = dict(
     vocab_size=VOCAB,
     hidden_size=32,
     intermediate_size=64,
@@ -30,6 +30,10 @@ SMALL: dict[str, Any] = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=8,
+)
+# Set on a config only where it has the attribute, so that each family keeps its own meaning.
+SMALL: dict[str, Any] = dict(
+    **TEXT,
     max_position_embeddings=128,
     n_positions=128,
     n_embd=32,
@@ -80,20 +84,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_state=8, mamba_chunk_size=8),
     # vision-language: the blocks are the text model's, beside a vision tower of equal depth
     "gemma3": dict(
-        text_config=dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-        ),
+        text_config=TEXT,
         vision_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
+            {k: TEXT[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads")},
             num_hidden_layers=LAYERS,
-            num_attention_heads=4,
             image_size=32,
             patch_size=8,
         ),

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from gss import GSSError, find_decoder_blocks
-from gss.layers import resolve_layer
+from gss.layers import residual_width, resolve_layer
 
 from .conftest import ARCHITECTURES
 
@@ -66,3 +66,22 @@ def test_wrapped_model_is_searched_through(make_model):
     wrapper.module = inner  # as DistributedDataParallel does
     assert find_decoder_blocks(wrapper) is inner.model.layers
     torch.testing.assert_close(len(find_decoder_blocks(wrapper)), 2)
+
+
+def test_residual_width_is_the_blocks_not_the_embeddings(make_model):
+    opt = make_model("opt")  # embeddings half as wide as the blocks
+    assert opt.get_input_embeddings().weight.shape[1] == 16
+    assert residual_width(opt) == 32
+
+    class Wrapper(nn.Module):  # as DDP keeps a model: under .module, with no config of its own
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.module = inner
+
+    assert residual_width(Wrapper(opt)) == 32
+    bare = nn.Module()
+    bare.embed = nn.Embedding(10, 12)
+    bare.get_input_embeddings = lambda: bare.embed  # no config: the embeddings' width
+    assert residual_width(bare) == 12
+    with pytest.raises(GSSError, match="cannot tell the hidden size"):
+        residual_width(nn.Linear(2, 2))

@@ -41,17 +41,17 @@ def _get_path(root: nn.Module, path: str) -> nn.Module | None:
 
 
 def _config_int(model: nn.Module, names: tuple[str, ...]) -> int | None:
-    """The first of `names` that the model's (text) config sets to an int."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return None
-    text_config = getattr(config, "get_text_config", None)
-    if callable(text_config):
-        config = text_config()
-    for name in names:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+    """The first of `names` that the (text) config of the model, or of a model it wraps, sets
+    to an int."""
+    for candidate in _unwrap(model):
+        config = getattr(candidate, "config", None)
+        text_config = getattr(config, "get_text_config", None)
+        if callable(text_config):
+            config = text_config()
+        for name in names:
+            value = getattr(config, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
     return None
 
 
