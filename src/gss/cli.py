@@ -17,27 +17,36 @@ from .variants import VARIANTS
 
 
 def _load_model(path: str, device: str, dtype: str) -> tuple[Any, Any]:
-    import torch
+    p = _local_dir(path)
+    return _load_weights(p, device, dtype), _load_tokenizer(p)
 
-    from .pretrained import load_causal_lm
 
+def _local_dir(path: str) -> Path:
     p = Path(path)
     if not p.exists():
         raise GSSError(
             f"model path {path} does not exist. gss loads models from a local directory "
             "(save_pretrained output); it never downloads."
         )
+    return p
+
+
+def _load_weights(path: Path, device: str, dtype: str) -> Any:
+    import torch
+
+    from .pretrained import load_causal_lm
+
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
         dtype
     ]
-    if _adapter_base(p) is not None and importlib.util.find_spec("peft") is None:
+    if _adapter_base(path) is not None and importlib.util.find_spec("peft") is None:
         raise GSSError(
             f"{path} is a PEFT adapter directory; loading it needs peft: pip install "
             "'gated-subspace-steering[peft]'."
         )
-    model = load_causal_lm(p, torch_dtype)
+    model = load_causal_lm(path, torch_dtype)
     model.to(device)
-    return model, _load_tokenizer(p)
+    return model
 
 
 def _load_tokenizer(path: Path) -> Any:
@@ -73,10 +82,10 @@ def _load_reference(path: str, model: Any, tokenizer: Any, device: str, dtype: s
         return adapters_off(model)
     from .data import check_same_tokenizer
 
-    if Path(path).exists():  # before the weights load: a wrong reference fails in seconds
-        check_same_tokenizer(tokenizer, _load_tokenizer(Path(path)))
-    reference, _ = _load_model(path, device, dtype)
-    return reference
+    p = _local_dir(path)
+    # before the weights load: a wrong reference fails in seconds
+    check_same_tokenizer(tokenizer, _load_tokenizer(p))
+    return _load_weights(p, device, dtype)
 
 
 def _add_reference_arg(p: argparse.ArgumentParser) -> None:
