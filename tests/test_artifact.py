@@ -45,8 +45,10 @@ def test_round_trip(tmp_path, calibrated):
         "threshold_rule",
         "token_counts",
         "timings",
+        "solve",
     ):
         assert key in config
+    assert config["solve"] == {"method": "full", "power_iters": 0, "converged": True}
 
 
 def test_refuses_another_model(calibrated, make_model):

@@ -1,7 +1,10 @@
+import warnings
+
 import pytest
 import torch
 
 from gss import GSSError, solve_probe_steer
+from gss.solve import MAX_POWER_ITERS
 
 
 def _problem(d: int = 24, n: int = 400, seed: int = 0):
@@ -60,6 +63,56 @@ def test_truncated_matches_full():
     assert torch.allclose(full.probe, trunc.probe, atol=1e-6)
 
 
+def _flat_past_the_window(d: int = 200, k: int = 8, seed: int = 3):
+    """M whose 32 singular values fall evenly from 1.0 to 0.8: a window of K + 16 vectors
+    ends inside them, where a few subspace iterations leave the directions off."""
+    gen = torch.Generator().manual_seed(seed)
+    left, _ = torch.linalg.qr(torch.randn(d, 32, generator=gen, dtype=torch.float64))
+    right, _ = torch.linalg.qr(torch.randn(d, 32, generator=gen, dtype=torch.float64))
+    M = left @ torch.diag(torch.linspace(1.0, 0.8, 32, dtype=torch.float64)) @ right.T
+    h = torch.randn(4 * d, d, generator=gen, dtype=torch.float64)
+    return M, torch.cov(h.T, correction=0), k
+
+
+def _min_cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=1).abs().min())
+
+
+def test_truncated_iterates_until_the_directions_settle():
+    """Four fixed iterations (the old default) leave a direction ~14 degrees off on this
+    spectrum; iterating to the tolerance matches the full SVD's directions."""
+    M, sigma, k = _flat_past_the_window()
+    full = solve_probe_steer(M, sigma, k, method="full")
+    fixed = solve_probe_steer(M, sigma, k, method="truncated", power_iters=4)
+    settled = solve_probe_steer(M, sigma, k, method="truncated")
+    assert fixed.power_iters == 4 and not fixed.converged
+    assert _min_cos(full.steer, fixed.steer) < 0.99  # the case is a hard one
+    assert settled.converged and 4 < settled.power_iters < MAX_POWER_ITERS
+    assert _min_cos(full.steer, settled.steer) > 0.9999
+    assert _min_cos(full.probe, settled.probe) > 0.9999
+    assert torch.allclose(full.singular_values, settled.singular_values, rtol=1e-4)
+    assert full.power_iters == 0 and full.converged and full.method == "full"
+
+
+def test_a_window_as_wide_as_the_space_needs_no_iteration():
+    M, sigma = _problem(d=24)
+    full = solve_probe_steer(M, sigma, 10, method="full")
+    sol = solve_probe_steer(M, sigma, 10, method="truncated")  # 10 + 16 vectors >= d
+    assert sol.power_iters == 0 and sol.converged
+    assert torch.allclose(full.singular_values, sol.singular_values, rtol=1e-10)
+    assert _min_cos(full.steer, sol.steer) > 1 - 1e-10
+
+
+def test_truncated_warns_when_it_does_not_settle():
+    M, sigma, k = _flat_past_the_window()
+    with pytest.warns(UserWarning, match=r"did not settle .* in 64 iterations.*smaller rank"):
+        sol = solve_probe_steer(M, sigma, k, method="truncated", tol=1e-12)  # below float32
+    assert sol.power_iters == MAX_POWER_ITERS and not sol.converged
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fixed count is the caller's choice: no warning
+        solve_probe_steer(M, sigma, k, method="truncated", power_iters=2)
+
+
 def test_jitter_rescues_singular_covariance():
     d = 10
     h = torch.randn(5, d, dtype=torch.float64)  # rank 4 < d: singular
@@ -83,3 +136,19 @@ def test_jitter_rescues_singular_covariance():
 def test_bad_inputs_get_clear_errors(M, sigma, rank, message):
     with pytest.raises(GSSError, match=message):
         solve_probe_steer(M, sigma, rank, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"method": "svd"}, "method must be"),
+        ({"power_iters": -1}, "power_iters"),
+        ({"power_iters": 2.5}, "power_iters"),
+        ({"tol": 0.0}, "tol > 0"),
+        ({"oversample": -3}, "oversample"),
+    ],
+)
+def test_bad_solver_options_get_clear_errors(options, message):
+    M, sigma = _problem()
+    with pytest.raises(GSSError, match=message):
+        solve_probe_steer(M, sigma, 2, **options)

@@ -99,6 +99,7 @@ class SteeringConfig:
     token_counts: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     jitter: float = 0.0
+    solve: dict[str, Any] = field(default_factory=dict)
     fingerprint: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     gss_version: str = __version__

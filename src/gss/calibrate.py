@@ -557,6 +557,11 @@ def build_artifact(
         token_counts=counts,
         timings=timings,
         jitter=solution.jitter,
+        solve={
+            "method": solution.method,
+            "power_iters": solution.power_iters,
+            "converged": solution.converged,
+        },
         fingerprint=model_fingerprint(model, stats.block_path),
     )
     return SteeringArtifact(
@@ -634,6 +639,10 @@ def calibrate(
             the threshold sample.
         max_threshold_samples: probe responses of general tokens, sampled uniformly, from
             which the thresholds are read (default 2^16).
+        jitter, solve_method: the solve's diagonal loading of Sigma_gen and its method, as in
+            :func:`gss.solve_probe_steer` (``"auto"``: a randomized SVD iterated until its
+            singular values settle when d >= 1024 and K <= d / 8, else the full SVD). What the solve did is
+            recorded in ``artifact.config.solve`` (method, iterations, converged).
     """
     _validate(gate, coefficient, centering, rank, delta)
     if (

@@ -9,6 +9,7 @@ each meets its budget exactly. For K << d a randomized SVD of the implicit opera
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,6 +19,8 @@ from torch import Tensor
 from .errors import GSSError
 
 SolveMethod = Literal["auto", "full", "truncated"]
+TOL = 1e-5  # relative change of the top-K singular values at which subspace iteration stops
+MAX_POWER_ITERS = 64
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,9 @@ class ProbeSteer:
     singular_values: Tensor  # (K,) of the whitened memorization matrix
     delta: float
     jitter: float  # absolute diagonal loading that made Sigma positive definite
-    method: str
+    method: str  # "full" or "truncated" (what "auto" chose)
+    power_iters: int = 0  # subspace iterations "truncated" ran (0 for "full")
+    converged: bool = True  # "truncated": its last iteration moved no singular value by `tol`
 
     @property
     def rank(self) -> int:
@@ -102,10 +107,32 @@ def _fix_signs(u: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return u * signs, v * signs
 
 
+@dataclass(frozen=True)
+class _Truncated:
+    left: Tensor  # (d, K) left singular vectors of the whitened matrix
+    values: Tensor  # (K,)
+    right: Tensor  # (d, K)
+    iterations: int
+    converged: bool
+    window_ratio: float  # smallest window Ritz value / K-th: near 1, the spectrum is flat there
+
+
 def _truncated_svd(
-    L: Tensor, M: Tensor, rank: int, oversample: int, power_iters: int, seed: int
-) -> tuple[Tensor, Tensor, Tensor]:
+    L: Tensor,
+    M: Tensor,
+    rank: int,
+    oversample: int,
+    power_iters: int | None,
+    tol: float,
+    seed: int,
+) -> _Truncated:
     """Randomized SVD (Halko et al.) of ``A = L^{-1} M`` using only products with A and A^T.
+
+    Subspace iteration on a window of ``rank + oversample`` vectors runs until the top ``rank``
+    Ritz values change by less than ``tol`` (relative) from one iteration to the next, up to
+    ``MAX_POWER_ITERS``, or exactly ``power_iters`` times when given. A fixed count is not
+    enough in general: the error in sigma_k shrinks like (sigma_{window+1} / sigma_k)^2 an
+    iteration, so a spectrum that is flat across the window's edge needs many more.
 
     The range finder runs in float32 (it reads L and M once per product and is bound by memory
     bandwidth: half the bytes, half the time); the final projection ``Q^T A`` and its SVD run in
@@ -123,14 +150,32 @@ def _truncated_svd(
     def at_mul(y: Tensor, low: Tensor, mat: Tensor) -> Tensor:
         return mat.T @ torch.linalg.solve_triangular(low.T, y, upper=True)
 
+    # a window as wide as the space spans all of it: the projection below is exact at once
+    limit = 0 if width == d else MAX_POWER_ITERS if power_iters is None else power_iters
     q, _ = torch.linalg.qr(a_mul(omega, L32, M32))
-    for _ in range(power_iters):
+    ritz: Tensor | None = None
+    converged, iterations = width == d, 0  # converged: the last iteration moved no value by tol
+    while iterations < limit:
         z, _ = torch.linalg.qr(at_mul(q, L32, M32))
-        q, _ = torch.linalg.qr(a_mul(z, L32, M32))
+        y = a_mul(z, L32, M32)  # A Z: its singular values are the Ritz values of the window
+        previous, ritz = ritz, torch.linalg.svdvals(y)
+        q, _ = torch.linalg.qr(y)
+        iterations += 1
+        if previous is not None:
+            # float32 rounds the products by ~1e-7 sigma_1, so a value far below sigma_1 is
+            # judged against sigma_1 / 100: relative to itself it would never settle
+            scale = ritz[:rank].clamp_min(float(ritz[0]) * 1e-2).clamp_min(1e-30)
+            change = (ritz[:rank] - previous[:rank]).abs() / scale
+            converged = bool(change.max() < tol)  # one host sync an iteration
+            if converged and power_iters is None:
+                break
     q, _ = torch.linalg.qr(q.to(M.dtype))
     b = at_mul(q, L, M).T  # (width, d) = Q^T A, in float64
     ub, s, vh = torch.linalg.svd(b, full_matrices=False)
-    return (q @ ub)[:, :rank], s[:rank], vh[:rank].T
+    window_ratio = float(s[-1] / s[rank - 1].clamp_min(1e-300))
+    return _Truncated(
+        (q @ ub)[:, :rank], s[:rank], vh[:rank].T, iterations, converged, window_ratio
+    )
 
 
 def solve_probe_steer(
@@ -142,7 +187,8 @@ def solve_probe_steer(
     jitter: float = 1e-6,
     method: SolveMethod = "auto",
     oversample: int = 16,
-    power_iters: int = 4,
+    power_iters: int | None = None,
+    tol: float = TOL,
     seed: int = 0,
 ) -> ProbeSteer:
     """Solve for K = ``rank`` probe/steer pairs.
@@ -156,10 +202,25 @@ def solve_probe_steer(
             automatically (x100 per try) if Sigma is numerically singular.
         method: ``"full"`` SVD, ``"truncated"`` randomized SVD of the implicit whitened
             operator, or ``"auto"`` (truncated when K <= d / 8 and d >= 1024).
+        oversample: extra vectors in the truncated method's window (K + oversample).
+        power_iters: subspace iterations of the truncated method; None (default) iterates
+            until no top-K singular value moves by more than ``tol`` (relative) in one
+            iteration, up to ``MAX_POWER_ITERS``, and warns if that is not reached.
+        tol: that convergence tolerance (the range finder runs in float32, whose rounding
+            moves the values by ~1e-7).
+        seed: seed of the truncated method's random start.
     """
     d = _check_inputs(M, sigma, rank, delta)
     if method not in ("auto", "full", "truncated"):
         raise GSSError(f"method must be 'auto', 'full' or 'truncated', got {method!r}.")
+    if power_iters is not None and not (isinstance(power_iters, int) and power_iters >= 0):
+        raise GSSError(
+            f"power_iters must be None (until converged) or an int >= 0, got {power_iters!r}."
+        )
+    if not (isinstance(oversample, int) and oversample >= 0) or not tol > 0:
+        raise GSSError(
+            f"oversample must be an int >= 0 and tol > 0, got {oversample!r} and {tol!r}."
+        )
     if method == "auto":
         method = "truncated" if (d >= 1024 and rank <= d // 8) else "full"
     M64 = M.to(torch.float64)
@@ -168,8 +229,13 @@ def solve_probe_steer(
         whitened = torch.linalg.solve_triangular(L, M64, upper=False)
         u_t, s, vh = torch.linalg.svd(whitened)
         u_t, s, v = u_t[:, :rank], s[:rank], vh[:rank].T
+        iterations, converged = 0, True
     else:
-        u_t, s, v = _truncated_svd(L, M64, rank, oversample, power_iters, seed)
+        found = _truncated_svd(L, M64, rank, oversample, power_iters, tol, seed)
+        u_t, s, v = found.left, found.values, found.right
+        iterations, converged = found.iterations, found.converged
+        if not converged and power_iters is None:
+            _warn_unconverged(found, rank)
     u_t, v = _fix_signs(u_t, v)
     probe = (delta**0.5) * torch.linalg.solve_triangular(L.T, u_t, upper=True)
     return ProbeSteer(
@@ -179,4 +245,17 @@ def solve_probe_steer(
         delta=float(delta),
         jitter=eps,
         method=method,
+        power_iters=iterations,
+        converged=converged,
+    )
+
+
+def _warn_unconverged(found: _Truncated, rank: int) -> None:
+    warnings.warn(
+        f"solve_probe_steer: the truncated SVD did not settle to tol in {found.iterations} "
+        f"iterations. The spectrum of the whitened memorization matrix is nearly flat past "
+        f"direction {rank} (the window's smallest singular value is {found.window_ratio:.3f} "
+        f"of the K-th), so the last directions are poorly determined by the statistics: a "
+        "smaller rank keeps the well-determined ones; method='full' decomposes exactly.",
+        stacklevel=3,
     )

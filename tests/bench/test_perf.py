@@ -94,6 +94,8 @@ def test_quick_perf_writes_results_table_and_figures(tmp_path, capsys):
     solve = results["parts"]["solve"]["rows"]
     assert {r["d"] for r in solve} == {64, 128}
     assert all("median" in r["full"] and r["singular_value_rel_error"] < 1e-3 for r in solve)
+    assert all(r["steer_min_cos"] > 0.999 and r["probe_min_cos"] > 0.999 for r in solve)
+    assert all(r["converged"] for r in solve)
 
     memory = results["parts"]["memory"]["rows"]
     assert [r["texts"] for r in memory] == [8, 32]
@@ -222,3 +224,30 @@ def test_a_model_directory_with_only_a_config_gives_its_shape_with_random_weight
     pairs = zip(model.parameters(), again.parameters(), strict=True)
     assert all(torch.equal(a, b) for a, b in pairs)  # seeded: the same shape, the same weights
     assert model_name(str(tmp_path / "shape")) == "shape (random weights)"
+
+
+def test_kept_parts_say_which_machine_measured_them(tmp_path):
+    """``--only`` keeps the other parts of an earlier results.json; the table names the machine
+    each kept part came from, which older files recorded once, for their last command only."""
+    out = tmp_path / "kept"
+    out.mkdir()
+    old_machine = {"cpu_count": 2, "threads": 2, "torch": "x", "platform": "Old-Linux"}
+    skipped = {"skipped": "not run here"}
+    old = {
+        "command": "gss bench perf --only memory",
+        "device": "cpu",
+        "dtype": "float32",
+        "machine": old_machine,
+        "parts": {"memory": skipped, "adapters": skipped},
+        "part_commands": {"memory": "gss bench perf --only memory", "adapters": "older"},
+    }
+    (out / "results.json").write_text(json.dumps(old))
+    args = ["--quick", "--only", "solve", "--max-full-d", "64", "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    machines = results["part_machines"]
+    assert machines["solve"] == results["machine"] and machines["memory"] == old_machine
+    assert "adapters" not in machines  # measured by a run whose machine nobody recorded
+    table = (out / "table.md").read_text()
+    assert "memory (`gss bench perf --only memory`; on Old-Linux)" in table
+    assert "adapters (`older`; machine not recorded)" in table

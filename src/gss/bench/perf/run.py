@@ -120,6 +120,19 @@ def _parts(spec: str) -> list[str]:
     return parts
 
 
+def _other_machine(part_machine: dict[str, Any] | None, current: dict[str, Any]) -> str:
+    """Where a kept part was measured, when that is not the machine of this run (the CPU's
+    name and vector instructions, else the platform string: older runs recorded only that)."""
+    if part_machine is None:
+        return "; machine not recorded"
+    keys = ("cpu", "cpu_capability", "platform", "gpu")
+    if all(part_machine.get(k) == current.get(k) for k in keys):
+        return ""
+    if part_machine.get("cpu"):
+        return f"; on {part_machine['cpu']}, {part_machine.get('cpu_capability', '?')}"
+    return f"; on {part_machine.get('platform', 'an unrecorded machine')}"
+
+
 def table(results: dict[str, Any]) -> str:
     """The Markdown report: one section per part that ran."""
     m = results["machine"]
@@ -133,17 +146,14 @@ def table(results: dict[str, Any]) -> str:
         f"torch {m['torch']}, {m['platform']}. Every speed figure is a ratio of arms run in "
         "turn in one process after warm-up (median over rounds, IQR in brackets).\n",
     ]
-    earlier = {
-        part: command
+    machines = results.get("part_machines", {})
+    earlier = [
+        f"{part} (`{command}`{_other_machine(machines.get(part), m)})"
         for part, command in results.get("part_commands", {}).items()
         if command != results["command"]
-    }
+    ]
     if earlier:
-        lines.append(
-            "Kept from earlier runs on this machine: "
-            + "; ".join(f"{part} (`{command}`)" for part, command in earlier.items())
-            + ".\n"
-        )
+        lines.append("Kept from earlier runs: " + "; ".join(earlier) + ".\n")
     parts = results["parts"]
     if "overhead" in parts:
         lines += [
@@ -208,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "parts": {},
         "seconds": {},
         "part_commands": {},
+        "part_machines": {},  # what measured each part: kept parts may come from other runs
     }
     figure_paths = []
     for part in parts:
@@ -253,6 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["parts"][part] = result
         results["seconds"][part] = time.perf_counter() - t0
         results["part_commands"][part] = results["command"]
+        results["part_machines"][part] = results["machine"]
     results["seconds"]["total"] = time.perf_counter() - started
     previous = out / "results.json"
     if previous.exists() and set(parts) != set(PARTS):
@@ -267,10 +279,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             log(f"not keeping the parts of {previous}: measured with {'/'.join(old_setting)}")
         kept = [k for k in old.get("parts", {}) if same and k not in results["parts"]]
         old_commands = old.get("part_commands", {})
+        old_machines = old.get("part_machines", {})
         for k in kept:  # --only: keep the other parts' last results, say so
             results["parts"][k] = old["parts"][k]
             results["seconds"][k] = old.get("seconds", {}).get(k)
             results["part_commands"][k] = old_commands.get(k, old.get("command"))
+            if k in old_machines:
+                results["part_machines"][k] = old_machines[k]
+            elif results["part_commands"][k] == old.get("command"):  # older files: one record
+                results["part_machines"][k] = old.get("machine", {})
         if kept:
             log(f"kept {', '.join(kept)} from the previous {previous}")
     write_json(out / "results.json", results)

@@ -7,6 +7,7 @@ Cholesky factor (itself O(d^3) but with a small constant), so the gap widens wit
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -15,10 +16,11 @@ import torch
 from torch import Tensor
 
 from ...report import markdown_table
-from ...solve import SolveMethod, solve_probe_steer
+from ...solve import ProbeSteer, SolveMethod, solve_probe_steer
 from .common import Sizes, interleaved, log, paired_ratios, summary, sync
 
 GOAL = {"d": 4096, "rank": 8, "seconds": 2.0}
+_DEFAULTS = {name: p.default for name, p in inspect.signature(solve_probe_steer).parameters.items()}
 
 
 def synthetic(d: int, seed: int = 0, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
@@ -57,6 +59,25 @@ def _timer(
         return time.perf_counter() - start
 
     return arm
+
+
+def accuracy(exact: ProbeSteer, approx: ProbeSteer) -> dict[str, float]:
+    """How far the truncated solution is from the full one: the largest relative error of a
+    singular value, and the smallest |cosine| between matching steer (and probe) directions,
+    which a bare singular-value error hides (a value can be within 1% while its direction is
+    far off)."""
+    s_full, s_trunc = exact.singular_values, approx.singular_values
+    return {
+        "singular_value_rel_error": float(
+            ((s_full - s_trunc).abs() / s_full.abs().clamp_min(1e-300)).max()
+        ),
+        "steer_min_cos": float(
+            torch.nn.functional.cosine_similarity(exact.steer, approx.steer, dim=1).abs().min()
+        ),
+        "probe_min_cos": float(
+            torch.nn.functional.cosine_similarity(exact.probe, approx.probe, dim=1).abs().min()
+        ),
+    }
 
 
 def run(
@@ -100,15 +121,14 @@ def run(
                 "truncated": summary(times["truncated"]),
                 "full": summary(times["full"]) if "full" in times else {"skipped": skipped},
             }
+            truncated = results["truncated"]
+            row["power_iters"] = truncated.power_iters
+            row["converged"] = truncated.converged
             if "full" in times:
                 row["full_over_truncated"] = summary(
                     paired_ratios(times["full"], times["truncated"])
                 )
-                s_full = results["full"].singular_values
-                s_trunc = results["truncated"].singular_values
-                row["singular_value_rel_error"] = float(
-                    ((s_full - s_trunc).abs() / s_full.abs().clamp_min(1e-300)).max()
-                )
+                row.update(accuracy(results["full"], truncated))
             if d == GOAL["d"] and k == GOAL["rank"]:
                 row["goal_seconds"] = GOAL["seconds"]
                 row["goal_met"] = row["truncated"]["median"] < GOAL["seconds"]
@@ -120,7 +140,8 @@ def run(
         "method": (
             "solve_probe_steer(M, Sigma, K) on synthetic float64 statistics (M low rank + "
             "noise, Sigma decaying spectrum + diagonal), method 'full' vs 'truncated' "
-            "(randomized SVD, oversample 16, 6 power iterations), run in turn; median of "
+            f"(randomized SVD, oversample {_DEFAULTS['oversample']}, subspace iterations until "
+            f"the top-K singular values move by < {_DEFAULTS['tol']:g}), run in turn; median of "
             f"{sizes.solve_repeats} runs (1 from d={sizes.solve_big_d}). float64 whatever "
             "--dtype (calibration's statistics are float64); on CUDA each solve starts and ends "
             "with torch.cuda.synchronize (a no-op on CPU)."
@@ -133,7 +154,17 @@ def run(
 
 
 def table(result: dict[str, Any]) -> str:
-    header = ["d", "K", "truncated s", "full s", "full / truncated", "sv rel. error", "goal"]
+    header = [
+        "d",
+        "K",
+        "truncated s",
+        "full s",
+        "full / truncated",
+        "iterations",
+        "sv rel. error",
+        "steer / probe min cos",
+        "goal",
+    ]
     rows = []
     for r in result["rows"]:
         full = r["full"]
@@ -144,7 +175,12 @@ def table(result: dict[str, Any]) -> str:
                 f"{r['truncated']['median']:.3f}",
                 f"{full['median']:.3f}" if "median" in full else "skipped",
                 f"{r['full_over_truncated']['median']:.2f}" if "full_over_truncated" in r else "--",
+                str(r.get("power_iters", "--"))
+                + ("" if r.get("converged", True) else " (not converged)"),
                 f"{r['singular_value_rel_error']:.1e}" if "singular_value_rel_error" in r else "--",
+                f"{r['steer_min_cos']:.6f} / {r['probe_min_cos']:.6f}"
+                if "steer_min_cos" in r
+                else "--",
                 ("met" if r["goal_met"] else "missed") + f" (< {r['goal_seconds']:g} s)"
                 if "goal_met" in r
                 else "",
