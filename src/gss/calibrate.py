@@ -641,8 +641,9 @@ def calibrate(
             which the thresholds are read (default 2^16).
         jitter, solve_method: the solve's diagonal loading of Sigma_gen and its method, as in
             :func:`gss.solve_probe_steer` (``"auto"``: a randomized SVD iterated until its
-            singular values settle when d >= 1024 and K <= d / 8, else the full SVD). What the solve did is
-            recorded in ``artifact.config.solve`` (method, iterations, converged).
+            singular values settle when d >= 1024 and K <= d / 8, else the full SVD). What
+            the solve did is recorded in ``artifact.config.solve`` (method, iterations,
+            converged).
     """
     _validate(gate, coefficient, centering, rank, delta)
     if (
