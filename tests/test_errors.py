@@ -57,6 +57,21 @@ def test_strings_without_tokenizer(make_model):
 
 
 @pytest.mark.parametrize(
+    ("texts", "message"),
+    [
+        ([{"text": "a b"}, {"text": "c"}], r"keys \['text'\].*dataset\['text'\]"),
+        ([3, 4, 5], r"wrap it in a list \(\[ids\]\)"),
+        (["a b", [3, 4]], "strings mixed with lists of ids"),
+        ([3.5], "an item of type float"),
+    ],
+)
+def test_texts_of_the_wrong_kind_say_what_to_pass(make_model, texts, message):
+    model, ref = make_model("gpt2"), make_model("gpt2", seed=1)
+    with pytest.raises(GSSError, match=message):
+        gss.calibrate(model, ref, texts, layer=0, progress=False)
+
+
+@pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"gate": "soft"}, "gate must be one of"),

@@ -7,7 +7,7 @@ Calibration and evaluation both iterate over the same deterministic batches, so 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -76,6 +76,25 @@ def check_same_tokenizer(tokenizer: Any, reference_tokenizer: Any) -> None:
         )
 
 
+def _mixed_items_message(items: Sequence[Any]) -> str:
+    """Why ``items`` are neither all strings nor all id lists, with the likely fix."""
+    message = "sequences must be all strings or all lists of token ids"
+    odd = next((x for x in items if not isinstance(x, (str, list, tuple, Tensor))), None)
+    if odd is None:
+        return f"{message}; got strings mixed with lists of ids."
+    if isinstance(odd, Mapping):
+        return (
+            f"{message}; got a row of type {type(odd).__name__} with keys {list(odd)[:5]} (a "
+            "datasets.Dataset yields such rows): pass its text column, e.g. dataset['text']."
+        )
+    if isinstance(odd, int):
+        return (
+            f"{message}; got an int among them: for one sequence of token ids, wrap it in a "
+            "list ([ids]) or pass a 2-D tensor."
+        )
+    return f"{message}; got an item of type {type(odd).__name__}."
+
+
 def _token_lists(
     items: Sequence[Any], tokenizer: Any | None, max_length: int | None
 ) -> list[list[int]]:
@@ -93,7 +112,7 @@ def _token_lists(
     elif all(isinstance(x, (list, tuple, Tensor)) for x in items):
         seqs = [x.tolist() if isinstance(x, Tensor) else list(x) for x in items]
     else:
-        raise GSSError("sequences must be all strings or all lists of token ids.")
+        raise GSSError(_mixed_items_message(items))
     if max_length is not None:
         seqs = [s[:max_length] for s in seqs]
     return seqs
