@@ -1,5 +1,6 @@
 """The README's Python example runs as written (on tiny local models standing in for yours)."""
 
+import json
 import re
 from pathlib import Path
 
@@ -21,3 +22,57 @@ def test_readme_example_runs(tmp_path, monkeypatch, capsys):
     exec(compile(block.group(1), "README.md", "exec"), {})
     assert (tmp_path / "gss-artifact" / "gss_config.json").is_file()
     assert capsys.readouterr().out.strip()
+
+
+def _section(title: str) -> str:
+    text = README.read_text()
+    assert title in text, f"README has no section {title!r}"
+    return text.split(title, 1)[1].split("\n## ", 1)[0]
+
+
+def _table_rows(section: str) -> list[str]:
+    return [line for line in section.splitlines() if line.startswith("| ")][1:]  # after header
+
+
+def test_readme_tinymem_table_is_the_committed_summary():
+    """Every row of the README's TinyMem table is a row of results/tinymem/summary.md, which
+    `gss bench tinymem` writes: the README cannot drift from what was measured."""
+    summary = (README.parent / "results" / "tinymem" / "summary.md").read_text().splitlines()
+    rows = _table_rows(_section("## Measured on TinyMem"))
+    assert len(rows) >= 10
+    assert [row for row in rows if row not in summary] == []
+
+
+def test_readme_canary_table_is_the_committed_results():
+    """The README's canary table quotes results/canaries/results.json (rounded as shown)."""
+    results = json.loads((README.parent / "results" / "canaries" / "results.json").read_text())
+    unmitigated = results["unmitigated"]["perplexity"]
+    sources = {
+        "base model": results["base_model"],
+        "fine-tuned, unmitigated": results["unmitigated"],
+        "GSS": results["methods"]["GSS"]["selected"],
+        "GSS-TR": results["methods"]["GSS-TR"]["selected"],
+        "mean-difference steering": results["methods"]["Mean-diff"]["selected"],
+    }
+    rows = _table_rows(_section("## Measured on a real model"))
+    assert [row.split(" | ")[0].strip("| ") for row in rows] == list(sources)
+    for row in rows:
+        name, memorized, tokens, perplexity = (cell.strip() for cell in row.strip("|").split("|"))
+        got = sources[name]
+        assert memorized == f"{got['memorized']:.1f}" and tokens == f"{got['token_match']:.1f}"
+        assert perplexity.split(" ")[0] == f"{got['perplexity']:.2f}", name
+        if "(" in perplexity:  # the change against the unmitigated model's perplexity
+            change = 100 * (got["perplexity"] / unmitigated - 1)
+            assert perplexity.split(" ")[1] == f"({change:+.1f}%)", name
+
+
+def test_readme_cpu_speed_rows_for_calibration_and_solve_are_the_committed_results():
+    parts = json.loads((README.parent / "results" / "perf" / "results.json").read_text())["parts"]
+    rows = {row.split(" | ")[0].strip("| "): row for row in _table_rows(_section("## Speed"))}
+    calibration = rows["`gss.calibrate` / its unavoidable forward+backward passes"]
+    assert calibration.split(" | ")[1] == f"{parts['calibration']['ratio']['median']:.2f}"
+    solve = next(r for r in parts["solve"]["rows"] if r["d"] == 4096 and r["rank"] == 8)
+    row = next(row for name, row in rows.items() if name.startswith("closed-form solve, d = 4096"))
+    assert row.split(" | ")[1] == f"{solve['truncated']['median']:.2f} s"
+    cosine = min(solve["steer_min_cos"], solve["probe_min_cos"])
+    assert f"cos {cosine:.5f}" in row and f"takes {solve['full']['median']:.1f} s" in row
