@@ -91,3 +91,27 @@ def test_unknown_format_version_is_refused(tmp_path, calibrated):
         gss.load(tmp_path)
     with pytest.raises(GSSError, match="not a gss artifact"):
         gss.load(tmp_path / "missing")
+
+
+def test_repr_is_one_line_and_describe_tells_the_calibration(calibrated):
+    _, _, art = calibrated
+    line = repr(art)
+    assert "\n" not in line and "tensor" not in line
+    assert line.startswith("SteeringArtifact(model=LlamaForCausalLM, layer=1, rank=2, d=32")
+    union = art.config.gate_open_share["union"]
+    assert f"gates open on {100 * union:.1f}% of general tokens" in line
+    text = art.describe()
+    counts = art.config.token_counts
+    assert f"{counts['memorized']} memorized ({100 * counts['memorized_share']:.1f}%)" in text
+    assert "each direction's 95th percentile on general tokens" in text
+    assert "solve: full;" in text  # d = 32: the full SVD
+
+
+def test_fewer_directions_keep_their_gate_shares_but_not_the_union(calibrated):
+    _, _, art = calibrated
+    one = art.with_options(rank=1)
+    shares = one.config.gate_open_share
+    assert shares["per_direction"] == art.config.gate_open_share["per_direction"][:1]
+    assert shares["union"] is None  # measured over both directions: not this steer's
+    assert "gates open" not in repr(one) and "any open" not in one.describe()
+    assert art.with_options(rank=2).config.gate_open_share == art.config.gate_open_share

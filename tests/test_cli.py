@@ -80,6 +80,26 @@ def test_calibrate_then_generate(workdir, capsys):
     assert code == 0 and "steered:" in printed and "unsteered:" in printed
 
 
+def test_show_describes_an_artifact_and_prints_its_config(workdir, capsys):
+    out = workdir / "artifact-truncated"
+    args = ["--model", str(workdir / "model"), "--reference", str(workdir / "reference")]
+    args += ["--data", str(workdir / "data.txt"), "--layer", "1", "--rank", "2"]
+    assert main(["calibrate", *args, "--solve-method", "truncated", "--out", str(out)]) == 0
+    assert f"gss show {out}" in capsys.readouterr().out
+    assert main(["show", str(out)]) == 0
+    text = capsys.readouterr().out
+    config = json.loads((out / "gss_config.json").read_text())
+    shares = config["gate_open_share"]
+    assert "model: LlamaForCausalLM (llama), 2 blocks, d = 32" in text
+    assert "steer: block 1, K = 2, delta = 1, gate hard" in text
+    assert f"any open on {100 * shares['union']:.1f}%" in text
+    iterations = config["solve"]["power_iters"]
+    assert config["solve"]["method"] == "truncated"  # chosen by --solve-method
+    assert f"solve: truncated, {iterations} subspace iterations, settled" in text
+    assert main(["show", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == config
+
+
 def test_signal_writes_statistics_and_figure(workdir, capsys):
     out = workdir / "signal"
     code = main(

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from . import __version__
+from . import __version__, summary
 from .errors import GSSError
 from .forward import input_embedding_values, vocab_size
 from .hook import COEFFICIENT_MODES, GATE_MODES, GatedSteer, SteerHandle, register
@@ -134,6 +134,14 @@ class SteeringArtifact:
     def layer(self) -> int:
         return self.config.layer
 
+    def __repr__(self) -> str:  # one line, not the tensors
+        return summary.short_repr(self)
+
+    def describe(self) -> str:
+        """A report for a person: the model it was made for, the block and strength, the
+        memorized share, how often the gates open on general text, what the solve did."""
+        return summary.describe(self)
+
     def with_options(self, **changes: Any) -> SteeringArtifact:
         """A copy with other options. ``delta`` rescales probes, thresholds and offset by
         sqrt(new/old), exactly what recalibrating with that delta would give; ``gate``,
@@ -171,6 +179,14 @@ class SteeringArtifact:
         if unknown:
             raise GSSError(f"unknown option(s) {sorted(unknown)}; allowed: {sorted(allowed)}.")
         updates = {k: v for k, v in changes.items() if v is not None}
+        shares = self.config.gate_open_share
+        if "rank" in updates and shares.get("per_direction"):
+            # the first K directions' shares still hold; their union was measured over all
+            updates["gate_open_share"] = {
+                **shares,
+                "per_direction": shares["per_direction"][: updates["rank"]],
+                "union": shares["union"] if updates["rank"] == self.rank else None,
+            }
         config = dataclasses.replace(self.config, **updates)
         return SteeringArtifact(config=config, **tensors)
 

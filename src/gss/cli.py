@@ -205,6 +205,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         max_length=args.max_length,
         block_path=args.block_path,
+        solve_method=args.solve_method,
         progress=distributed.rank() == 0 and not args.no_progress,
     )
     if distributed.rank() != 0:
@@ -216,8 +217,22 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         f"memorized tokens {c.token_counts['memorized']}/{c.token_counts['tokens']} "
         f"({100 * c.token_counts['memorized_share']:.1f}%), gate opens on "
         f"{100 * c.gate_open_share['union']:.1f}% of general tokens, "
-        f"{c.timings['total']:.1f} s"
+        f"{c.timings['total']:.1f} s (`gss show {args.out}` for the details)"
     )
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from .artifact import load
+
+    artifact = load(args.artifact)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(artifact.config), indent=2))
+    else:
+        print(artifact.describe())
     return 0
 
 
@@ -601,6 +616,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=GRADIENTS,
         help="g: gradient of the sequence's summed target, or of each token's own",
     )
+    p.add_argument(
+        "--solve-method",
+        default="auto",
+        choices=("auto", "full", "truncated"),
+        help="SVD of the whitened M: auto takes the randomized one iterated to convergence "
+        "when d >= 1024 and K <= d/8, else the full one",
+    )
     _add_batch_args(p)
     _add_block_path_arg(p)
     p.add_argument("--out", required=True, help="directory for the artifact")
@@ -610,6 +632,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="named option set (gss.variant); flags given explicitly override it",
     )
     p.set_defaults(func=_cmd_calibrate)
+
+    p = add("show", "what a steering artifact steers, how it was calibrated, its gates")
+    p.add_argument("artifact", help="artifact directory from `gss calibrate`")
+    p.add_argument("--json", action="store_true", help="print the whole config as JSON")
+    p.set_defaults(func=_cmd_show)
 
     p = add("generate", "greedy generation with a steering artifact attached")
     _add_model_args(p)
