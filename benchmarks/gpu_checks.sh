@@ -4,13 +4,15 @@
 #
 #   bash benchmarks/gpu_checks.sh tests     # the CUDA-only tests (they skip on CPU, in CI)
 #   bash benchmarks/gpu_checks.sh overhead  # gss bench perf's overhead part, cuda bf16, 135M and 7B shapes
+#   bash benchmarks/gpu_checks.sh solve     # its calibration and solve parts (the solve iterates to
+#                                           # convergence since the H100 run: its row is stale)
 #   bash benchmarks/gpu_checks.sh variants  # each fused steer: error, us per call, generate eager/compiled
 #   bash benchmarks/gpu_checks.sh profile   # torch.profiler of decode steps: host vs GPU time, syncs
 #   bash benchmarks/gpu_checks.sh nnsight   # overhead with the peer library (WHEELS=dir of its wheels)
 #
 # Runs from the repository root with the machine's own torch (PYTHONPATH=src, no install).
 set -euo pipefail
-stage=${1:?"which stage: tests, overhead, variants, profile or nnsight"}
+stage=${1:?"which stage: tests, overhead, solve, variants, profile or nnsight"}
 out=${OUT:-gpu-out}/$stage
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
@@ -31,6 +33,10 @@ case $stage in
     overhead)
         overhead --model benchmarks/configs/llama-2-7b --repeats 9 2>&1 | tee "$out/log.txt"
         ;;
+    solve)
+        python3 -m gss bench perf --device cuda --dtype bfloat16 --only calibration,solve \
+            --out "$out/perf-cuda" --no-progress 2>&1 | tee "$out/log.txt"
+        ;;
     variants)
         python3 benchmarks/cuda_steer_variants.py --out "$out" 2>&1 | tee "$out/log.txt"
         ;;
@@ -42,7 +48,7 @@ case $stage in
         overhead --repeats 5 2>&1 | tee "$out/log.txt"
         ;;
     *)
-        echo "unknown stage $stage: tests, overhead, variants, profile or nnsight" >&2
+        echo "unknown stage $stage: tests, overhead, solve, variants, profile or nnsight" >&2
         exit 2
         ;;
 esac
