@@ -56,7 +56,7 @@ def test_refuses_another_model(calibrated, make_model):
     other_weights = make_model("llama", seed=5)
     with pytest.raises(GSSError, match="input embeddings differ"):
         art.attach(other_weights)
-    with pytest.warns(UserWarning, match="another model"):
+    with pytest.warns(gss.GSSWarning, match="another model"):
         art.attach(other_weights, strict=False).remove()
     with pytest.raises(GSSError, match="hidden_size: artifact 32, model 64"):
         art.attach(make_model("llama", hidden=64))

@@ -61,7 +61,8 @@ def test_calibrate_then_generate(workdir, capsys):
     )
     assert code == 0
     assert (out / "gss_config.json").is_file()
-    assert "memorized tokens" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "memorized tokens" in printed and f"`gss show {out}` for the details" in printed
     code = main(
         [
             "generate",
@@ -80,12 +81,19 @@ def test_calibrate_then_generate(workdir, capsys):
     assert code == 0 and "steered:" in printed and "unsteered:" in printed
 
 
-def test_show_describes_an_artifact_and_prints_its_config(workdir, capsys):
+def _truncated_artifact(workdir):
+    """An artifact calibrated with --solve-method truncated (once per module)."""
     out = workdir / "artifact-truncated"
-    args = ["--model", str(workdir / "model"), "--reference", str(workdir / "reference")]
-    args += ["--data", str(workdir / "data.txt"), "--layer", "1", "--rank", "2"]
-    assert main(["calibrate", *args, "--solve-method", "truncated", "--out", str(out)]) == 0
-    assert f"gss show {out}" in capsys.readouterr().out
+    if not out.is_dir():
+        args = ["--model", str(workdir / "model"), "--reference", str(workdir / "reference")]
+        args += ["--data", str(workdir / "data.txt"), "--layer", "1", "--rank", "2"]
+        assert main(["calibrate", *args, "--solve-method", "truncated", "--out", str(out)]) == 0
+    return out
+
+
+def test_show_describes_an_artifact_and_prints_its_config(workdir, capsys):
+    out = _truncated_artifact(workdir)
+    capsys.readouterr()
     assert main(["show", str(out)]) == 0
     text = capsys.readouterr().out
     config = json.loads((out / "gss_config.json").read_text())
@@ -333,3 +341,22 @@ def test_an_adapter_directory_without_peft_installed_says_what_to_install(
     args = ["--model", str(adapter), "--reference", "adapters-off", "--data"]
     assert main(["signal", *args, str(tmp_path / "data.txt")]) == 2
     assert "needs peft: pip install" in capsys.readouterr().err
+
+
+def test_gss_warnings_print_as_one_line_like_errors(workdir, capsys, monkeypatch):
+    import warnings
+
+    from gss import GSSWarning
+    from gss.artifact import SteeringArtifact
+
+    def describe(self):
+        warnings.warn("the solve did not settle", GSSWarning, stacklevel=2)
+        return "described"
+
+    out = _truncated_artifact(workdir)
+    capsys.readouterr()
+    monkeypatch.setattr(SteeringArtifact, "describe", describe)
+    assert main(["show", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert printed.out.strip() == "described"
+    assert printed.err.strip() == "gss: warning: the solve did not settle"

@@ -3,7 +3,7 @@ import warnings
 import pytest
 import torch
 
-from gss import GSSError, solve_probe_steer
+from gss import GSSError, GSSWarning, solve_probe_steer
 from gss.solve import MAX_POWER_ITERS
 
 
@@ -105,7 +105,7 @@ def test_a_window_as_wide_as_the_space_needs_no_iteration():
 
 def test_truncated_warns_when_it_does_not_settle():
     M, sigma, k = _flat_past_the_window()
-    with pytest.warns(UserWarning, match=r"did not settle .* in 64 iterations.*smaller rank"):
+    with pytest.warns(GSSWarning, match=r"did not settle .* in 64 iterations.*smaller rank"):
         sol = solve_probe_steer(M, sigma, k, method="truncated", tol=1e-12)  # below float32
     assert sol.power_iters == MAX_POWER_ITERS and not sol.converged
     with warnings.catch_warnings():

@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 from .adapters import adapters_off
 from .artifact import SteeringArtifact, SteeringConfig, load, steer
 from .calibrate import calibrate, calibrate_thresholds
-from .errors import GSSError
+from .errors import GSSError, GSSWarning
 from .layer_scan import LayerScan, scan_layers
 from .layers import find_decoder_blocks
 from .signal import SignalStatistics, memorization_signal, signal_statistics
@@ -21,6 +21,7 @@ from .variants import VARIANTS, variant
 __all__ = [
     "VARIANTS",
     "GSSError",
+    "GSSWarning",
     "LayerScan",
     "ProbeSteer",
     "SignalStatistics",

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from . import __version__, summary
-from .errors import GSSError
+from .errors import GSSError, GSSWarning
 from .forward import input_embedding_values, vocab_size
 from .hook import COEFFICIENT_MODES, GATE_MODES, GatedSteer, SteerHandle, register
 from .layers import find_decoder_blocks, residual_width, resolve_layer
@@ -228,7 +228,7 @@ class SteeringArtifact:
             )
             if strict:
                 raise GSSError(message)
-            warnings.warn(message, stacklevel=3)
+            warnings.warn(message, GSSWarning, stacklevel=3)
 
     def attach(
         self,

@@ -6,12 +6,13 @@ import argparse
 import importlib.util
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .calibrate import CENTERINGS, GRADIENTS, TARGETS
-from .errors import GSSError
+from .errors import GSSError, GSSWarning
 from .hook import COEFFICIENT_MODES, GATE_MODES
 from .variants import VARIANTS
 
@@ -721,6 +722,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_default_showwarning = warnings.showwarning
+
+
+def _show_warning(
+    message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any
+) -> None:
+    """gss's own warnings as one line, like its errors; others as Python prints them."""
+    if issubclass(category, GSSWarning):
+        print(f"gss: warning: {message}", file=sys.stderr)
+    else:
+        _default_showwarning(message, category, *args, **kwargs)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -731,7 +745,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         quiet = transformers_logging.is_progress_bar_enabled()
         transformers_logging.disable_progress_bar()
     try:
-        return int(args.func(args))
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return int(args.func(args))
     except GSSError as err:
         print(f"gss: error: {err}", file=sys.stderr)
         return 2

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from .calibrate import TARGETS, _calibration_mode, _objective, _Tap, _tapped, same_model_error
 from .data import TextsOrIds, batches, count_batches, encode
-from .errors import GSSError
+from .errors import GSSError, GSSWarning
 from .forward import (
     check_same_vocab,
     forward_logits,
@@ -53,7 +53,7 @@ def signal_strength(memorization: Tensor, sigma: Tensor) -> float:
     so the solver's warning that a flat spectrum leaves the direction poorly determined is
     silenced."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", GSSWarning)
         return float(solve_probe_steer(memorization, sigma, 1, 1.0).singular_values[0])
 
 

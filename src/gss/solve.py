@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .errors import GSSError
+from .errors import GSSError, GSSWarning
 
 SolveMethod = Literal["auto", "full", "truncated"]
 TOL = 1e-5  # relative change of the top-K singular values at which subspace iteration stops
@@ -257,5 +257,6 @@ def _warn_unconverged(found: _Truncated, rank: int) -> None:
         f"direction {rank} (the window's smallest singular value is {found.window_ratio:.3f} "
         f"of the K-th), so the last directions are poorly determined by the statistics: a "
         "smaller rank keeps the well-determined ones; method='full' decomposes exactly.",
+        GSSWarning,
         stacklevel=3,
     )
