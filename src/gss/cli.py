@@ -225,7 +225,6 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     import dataclasses
-    import json
 
     from .artifact import load
 

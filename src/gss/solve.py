@@ -164,7 +164,7 @@ def _truncated_svd(
         if previous is not None:
             # float32 rounds the products by ~1e-7 sigma_1, so a value far below sigma_1 is
             # judged against sigma_1 / 100: relative to itself it would never settle
-            scale = ritz[:rank].clamp_min(float(ritz[0]) * 1e-2).clamp_min(1e-30)
+            scale = torch.maximum(ritz[:rank], ritz[0] * 1e-2).clamp_min(1e-30)
             change = (ritz[:rank] - previous[:rank]).abs() / scale
             converged = bool(change.max() < tol)  # one host sync an iteration
             if converged and power_iters is None:
@@ -253,10 +253,10 @@ def solve_probe_steer(
 def _warn_unconverged(found: _Truncated, rank: int) -> None:
     warnings.warn(
         f"solve_probe_steer: the truncated SVD did not settle to tol in {found.iterations} "
-        f"iterations. The spectrum of the whitened memorization matrix is nearly flat past "
-        f"direction {rank} (the window's smallest singular value is {found.window_ratio:.3f} "
-        f"of the K-th), so the last directions are poorly determined by the statistics: a "
-        "smaller rank keeps the well-determined ones; method='full' decomposes exactly.",
+        f"iterations; the smallest singular value of its window is {found.window_ratio:.3f} "
+        f"of direction {rank}'s. Near 1, the spectrum of the whitened memorization matrix is flat "
+        "past the last directions, which the statistics then determine poorly: a smaller rank "
+        "keeps the well-determined ones; method='full' decomposes exactly.",
         GSSWarning,
         stacklevel=3,
     )

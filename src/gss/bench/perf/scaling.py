@@ -176,7 +176,7 @@ def table(result: dict[str, Any]) -> str:
                 f"{full['median']:.3f}" if "median" in full else "skipped",
                 f"{r['full_over_truncated']['median']:.2f}" if "full_over_truncated" in r else "--",
                 str(r.get("power_iters", "--"))
-                + ("" if r.get("converged", True) else " (not converged)"),
+                + ("" if r.get("converged", True) else " (not settled)"),
                 f"{r['singular_value_rel_error']:.1e}" if "singular_value_rel_error" in r else "--",
                 f"{r['steer_min_cos']:.6f} / {r['probe_min_cos']:.6f}"
                 if "steer_min_cos" in r
