@@ -165,3 +165,22 @@ def test_compact_encoding_holds_the_same_ids_without_python_int_lists():
     assert [r.tolist() for r in compact] == encode(texts, Chars())
     with pytest.raises(gss.GSSError, match="shorter than 2"):
         encode_compact(["a", "b", "c"], Chars(), chunk=2)
+
+
+def test_calibrate_thresholds_resets_the_gates_and_records_their_new_open_shares(make_model):
+    model, ref = make_model("llama"), make_model("llama", seed=1)
+    art = gss.calibrate(model, ref, random_ids(16, 12), layer=1, rank=2, progress=False)
+    heldout = random_ids(24, 12, seed=7)
+    again = gss.calibrate_thresholds(model, art, heldout, threshold_percentile=80.0)
+    responses = probe_responses(model, art, heldout).abs().double()
+    assert torch.allclose(again.thresholds, torch.quantile(responses, 0.8, dim=0).float())
+    shares = again.config.gate_open_share
+    assert again.config.threshold_rule == {"kind": "percentile", "percentile": 80.0}
+    assert shares["tokens"] == responses.shape[0] and shares != art.config.gate_open_share
+    measured = (responses > again.thresholds.double()).double().mean(0)
+    assert shares["per_direction"] == pytest.approx(measured.tolist())
+    assert shares["per_direction"] == pytest.approx([0.2, 0.2], abs=0.01)
+    assert f"any open on {100 * shares['union']:.1f}%" in again.describe()
+    assert torch.equal(again.probe, art.probe) and torch.equal(again.steer, art.steer)
+    # thresholds set by hand carry no open share: the calibration's would no longer hold
+    assert art.with_thresholds(again.thresholds, {"kind": "manual"}).config.gate_open_share == {}

@@ -190,11 +190,21 @@ class SteeringArtifact:
         config = dataclasses.replace(self.config, **updates)
         return SteeringArtifact(config=config, **tensors)
 
-    def with_thresholds(self, thresholds: Tensor, rule: dict[str, Any]) -> SteeringArtifact:
-        """A copy with new gate thresholds (e.g. from :func:`gss.calibrate_thresholds`)."""
+    def with_thresholds(
+        self,
+        thresholds: Tensor,
+        rule: dict[str, Any],
+        open_share: dict[str, Any] | None = None,
+    ) -> SteeringArtifact:
+        """A copy with new gate thresholds (e.g. from :func:`gss.calibrate_thresholds`).
+        ``open_share``: how often the new gates open on general tokens, as measured where
+        they were set; without it the calibration's shares, which no longer hold, are dropped.
+        """
         if thresholds.shape != self.thresholds.shape:
             raise GSSError(f"thresholds must have shape {tuple(self.thresholds.shape)}.")
-        config = dataclasses.replace(self.config, threshold_rule=rule)
+        config = dataclasses.replace(
+            self.config, threshold_rule=rule, gate_open_share=dict(open_share or {})
+        )
         return dataclasses.replace(self, thresholds=thresholds.float().cpu(), config=config)
 
     def make_hook(

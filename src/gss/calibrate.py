@@ -734,7 +734,7 @@ def calibrate_thresholds(
     thresholds, info = thresholds_from_responses(
         responses, artifact.config.gate, threshold_percentile, gate_share
     )
-    return artifact.with_thresholds(thresholds, info["rule"])
+    return artifact.with_thresholds(thresholds, info["rule"], info["open_share"])
 
 
 def _validate(gate: str, coefficient: str, centering: str, rank: int, delta: float) -> None:

@@ -84,7 +84,7 @@ def steering_sweep(
             eps, info = thresholds_from_responses(
                 responses[:, : current.rank], current.config.gate, percentile
             )
-            current = current.with_thresholds(eps, info["rule"])
+            current = current.with_thresholds(eps, info["rule"], info["open_share"])
         current = current.with_options(delta=delta)
         with current.attach(model, track_gates=True) as handle:
             report = evaluate_model(
