@@ -59,10 +59,11 @@ def test_strings_without_tokenizer(make_model):
 @pytest.mark.parametrize(
     ("texts", "message"),
     [
-        ([{"text": "a b"}, {"text": "c"}], r"keys \['text'\].*dataset\['text'\]"),
+        ([{"content": "a b"}, {"content": "c"}], r"keys \['content'\].*dataset\['column'\]"),
         ([3, 4, 5], r"wrap it in a list \(\[ids\]\)"),
-        (["a b", [3, 4]], "strings mixed with lists of ids"),
-        ([3.5], "an item of type float"),
+        (["a b", [3, 4]], "all texts or all token ids; sequence 1 is a list among texts"),
+        ([3.5], "sequence 0 is of type float"),
+        ([[3, 4.5]], r"sequence 0 holds a float \(4\.5\) among its token ids"),
     ],
 )
 def test_texts_of_the_wrong_kind_say_what_to_pass(make_model, texts, message):

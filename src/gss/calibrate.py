@@ -33,6 +33,7 @@ from .data import Batch, TextsOrIds, batches, count_batches, encode, encode_comp
 from .errors import GSSError
 from .forward import (
     check_same_vocab,
+    check_token_ids,
     execution_device,
     forward_logits,
     target_mask,
@@ -322,12 +323,14 @@ def collect_statistics(
         raise GSSError(f"memorized_quantile must be in (0, 1), got {memorized_quantile}.")
     check_same_vocab(model, reference)
     layer_index, block = resolve_layer(model, layer, block_path)
-    seqs = distributed.shard(encode_compact(texts, tokenizer, max_length))
-    gen_seqs = (
-        distributed.shard(encode_compact(gen_texts, tokenizer, max_length))
-        if gen_texts is not None
-        else None
-    )
+    all_seqs = encode_compact(texts, tokenizer, max_length)
+    check_token_ids((model, reference), all_seqs, "the texts")
+    seqs = distributed.shard(all_seqs)
+    gen_seqs = None
+    if gen_texts is not None:
+        all_gen = encode_compact(gen_texts, tokenizer, max_length)
+        check_token_ids((model, reference), all_gen, "gen_texts")
+        gen_seqs = distributed.shard(all_gen)
     dim = residual_width(model)
     device = execution_device(model, block)
     keeper = _GeneralKeeper(keep_general if keep_general is not None else 2**24 // dim)
@@ -700,6 +703,7 @@ def probe_responses(
     """Probe responses ``U h - offset`` (N, K) on every real next-token position of ``texts``."""
     _, block = resolve_layer(model, artifact.config.layer, artifact.config.block_path)
     seqs = encode(texts, tokenizer, max_length)
+    check_token_ids((model,), seqs, "the texts")
     out = []
     with _calibration_mode(model):
         for batch in tqdm(

@@ -98,6 +98,12 @@ def _add_reference_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+DATA_HELP = (
+    ".txt (one sequence a line) or .jsonl (rows with 'text', or 'messages' (rendered with the "
+    "chat template), or 'prompt' and 'completion')"
+)
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local directory of the fine-tuned model")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda or cuda:1")
@@ -240,6 +246,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from .artifact import load
+    from .data import chat_prompt
 
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
     artifact = load(args.steer)
@@ -248,7 +255,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     def run() -> list[str]:
         out = []
         for prompt in prompts:
-            enc = tokenizer(prompt, return_tensors="pt").to(args.device)
+            if args.chat:
+                text = chat_prompt(prompt, tokenizer)  # holds its own special tokens
+                enc = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+            else:
+                enc = tokenizer(prompt, return_tensors="pt")
+            enc = enc.to(args.device)
             with torch.no_grad():
                 ids = model.generate(  # only these two: transformers 4 refuses token_type_ids
                     input_ids=enc["input_ids"],
@@ -562,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("calibrate", "calibrate a steering artifact")
     _add_model_args(p)
     _add_reference_arg(p)
-    p.add_argument("--data", required=True, help=".txt (one sequence a line) or .jsonl (text)")
+    p.add_argument("--data", required=True, help=DATA_HELP)
     p.add_argument("--gen-data", help="held-out text for Sigma_gen and thresholds")
     p.add_argument("--layer", type=int, required=True, help="0-based decoder block (neg. ok)")
     p.add_argument("--rank", type=int, default=4, help="number of directions K")
@@ -645,12 +657,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=40, help="tokens to generate")
     p.add_argument("--delta", type=float, help="override the artifact's strength")
     p.add_argument("--compare", action="store_true", help="also print the unsteered text")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="send each prompt as a user message through the tokenizer's chat template",
+    )
     p.set_defaults(func=_cmd_generate)
 
     p = add("signal", "memorization-signal pilot statistics")
     _add_model_args(p)
     _add_reference_arg(p)
-    p.add_argument("--data", required=True, help=".txt (one sequence a line) or .jsonl (text)")
+    p.add_argument("--data", required=True, help=DATA_HELP)
     _add_batch_args(p)
     p.add_argument("--normal-data", help="normal text: its omega beside --data's in the figure")
     p.add_argument("--out", help="directory for signal.json (and signal.png with --plot)")
@@ -661,7 +678,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--steer", help="artifact directory: also evaluate with it attached")
     p.add_argument("--delta", type=float, help="override the artifact's strength")
-    p.add_argument("--memorized", required=True, help="candidate sequences (.txt or .jsonl)")
+    p.add_argument("--memorized", required=True, help=f"candidate sequences: {DATA_HELP}")
     p.add_argument("--heldout", required=True, help="held-out text for perplexity")
     p.add_argument("--k", type=int, default=32, help="prompt tokens")
     p.add_argument("--n", type=int, default=72, help="match tokens k..n-1")
@@ -672,7 +689,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("sweep", "memorization vs perplexity over delta/threshold/rank")
     _add_model_args(p)
     p.add_argument("--steer", required=True, help="artifact directory from `gss calibrate`")
-    p.add_argument("--memorized", required=True, help="candidate sequences (.txt or .jsonl)")
+    p.add_argument("--memorized", required=True, help=f"candidate sequences: {DATA_HELP}")
     p.add_argument("--heldout", required=True, help="held-out text for perplexity")
     p.add_argument("--general", help="general text for re-set thresholds (with --percentiles)")
     p.add_argument("--deltas", default="0.25,1,4,16", help="comma-separated strengths")

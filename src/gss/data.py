@@ -1,31 +1,69 @@
-"""Text in, padded token batches out: .txt / .jsonl files, strings, or token ids.
+"""Text in, padded token batches out: .txt / .jsonl files, strings, conversations, dataset
+rows, or token ids.
 
 Calibration and evaluation both iterate over the same deterministic batches, so a second pass
-(for the gate thresholds) sees exactly the tokens the first one saw.
+(for the gate thresholds) sees exactly the tokens the first one saw. A fine-tune learned its data
+in the form it was trained on, chat template included, so conversations and prompt-completion
+rows (the formats of ``trl``'s SFT data) are turned into the token ids that training saw.
 """
 
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 import torch
 from torch import Tensor
 
 from .errors import GSSError
 
-TextsOrIds = Sequence[str] | Sequence[Sequence[int]] | Tensor
+Conversation = Sequence[Mapping[str, Any]]  # [{"role": "user", "content": "..."}, ...]
+Text = str | Conversation
+TextsOrIds = Sequence[Text] | Sequence[Mapping[str, Any]] | Sequence[Sequence[int]] | Tensor
 T = TypeVar("T", list[int], Tensor)
 
+FORMATS = (
+    "'text' (a string), 'messages' (a conversation: a list of {'role', 'content'} dicts, "
+    "rendered with the tokenizer's chat template) or 'prompt' and 'completion' (two strings, "
+    "joined, or two conversations)"
+)
 
-def read_texts(path: str | Path, field: str = "text") -> list[str]:
-    """Read sequences from a ``.txt`` file (one per line) or ``.jsonl`` (a ``text`` field)."""
+
+def _is_conversation(x: Any) -> TypeGuard[Conversation]:
+    return isinstance(x, (list, tuple)) and bool(x) and all(isinstance(m, Mapping) for m in x)
+
+
+def record_text(record: Mapping[str, Any], where: str = "a row") -> Text:
+    """The text of one dataset row in a usual fine-tuning format (`FORMATS`): a string, or a
+    conversation for the tokenizer's chat template."""
+    text = record.get("text")
+    if isinstance(text, str):
+        return text
+    messages = record.get("messages")
+    if _is_conversation(messages):
+        return list(messages)
+    prompt, completion = record.get("prompt"), record.get("completion")
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return prompt + completion
+    if _is_conversation(prompt) and _is_conversation(completion):
+        return [*prompt, *completion]
+    raise GSSError(
+        f"{where} has keys {list(record)[:8]}, none in a format gss reads: {FORMATS}. For "
+        "another column, pass its strings (e.g. dataset['column'])."
+    )
+
+
+def read_texts(path: str | Path) -> list[Text]:
+    """Read sequences from a ``.txt`` file (one per line) or ``.jsonl`` (one row a line, in a
+    format of `record_text`: a text, a conversation, or a prompt and its completion)."""
     p = Path(path)
     if not p.is_file():
         raise GSSError(f"data file {p} does not exist.")
+    texts: list[Text]
     if p.suffix == ".jsonl":
         texts = []
         for number, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
@@ -35,9 +73,9 @@ def read_texts(path: str | Path, field: str = "text") -> list[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise GSSError(f"{p}:{number} is not valid JSON ({err.msg}).") from None
-            if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                raise GSSError(f"{p}:{number} has no string field {field!r}.")
-            texts.append(record[field])
+            if not isinstance(record, dict):
+                raise GSSError(f"{p}:{number} is not a JSON object; expected {FORMATS}.")
+            texts.append(record_text(record, f"{p}:{number}"))
     elif p.suffix in (".txt", ""):
         texts = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
     else:
@@ -76,43 +114,128 @@ def check_same_tokenizer(tokenizer: Any, reference_tokenizer: Any) -> None:
         )
 
 
-def _mixed_items_message(items: Sequence[Any]) -> str:
-    """Why ``items`` are neither all strings nor all id lists, with the likely fix."""
-    message = "sequences must be all strings or all lists of token ids"
-    odd = next((x for x in items if not isinstance(x, (str, list, tuple, Tensor))), None)
-    if odd is None:
-        return f"{message}; got strings mixed with lists of ids."
-    if isinstance(odd, Mapping):
-        return (
-            f"{message}; got a row of type {type(odd).__name__} with keys {list(odd)[:5]} (a "
-            "datasets.Dataset yields such rows): pass its text column, e.g. dataset['text']."
+def _as_text(x: Any, index: int) -> Text | None:
+    """`x` as a text (a string or a conversation), None if it is not one."""
+    if isinstance(x, str):
+        return x
+    if isinstance(x, Mapping):
+        return record_text(x, f"sequence {index} (a {type(x).__name__})")
+    if _is_conversation(x):
+        return list(x)
+    return None
+
+
+def _render(
+    conversation: Conversation, tokenizer: Any, name: str, generation_prompt: bool = False
+) -> str:
+    """A conversation (`name` names it in errors) as the text the model was trained on: its
+    tokenizer's chat template (then the header of the assistant's turn, for
+    `generation_prompt`)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise GSSError(
+            f"{name} is a conversation, but the tokenizer has no chat template to "
+            "render it with: pass the tokenizer the model was fine-tuned with (its "
+            "tokenizer_config.json holds the template), or pass the texts as strings."
         )
-    if isinstance(odd, int):
-        return (
-            f"{message}; got an int among them: for one sequence of token ids, wrap it in a "
-            "list ([ids]) or pass a 2-D tensor."
+    for m in conversation:
+        if not isinstance(m.get("role"), str) or "content" not in m:
+            raise GSSError(
+                f"{name} is a conversation with a message without 'role' and "
+                f"'content' (keys {list(m)[:5]}); every message needs both."
+            )
+    try:
+        rendered = tokenizer.apply_chat_template(
+            list(conversation), tokenize=False, add_generation_prompt=generation_prompt
         )
-    return f"{message}; got an item of type {type(odd).__name__}."
+    except Exception as err:  # jinja raises its own errors (raise_exception in templates)
+        raise GSSError(f"the tokenizer's chat template could not render {name}: {err}") from None
+    return str(rendered)
+
+
+def chat_prompt(prompt: str, tokenizer: Any) -> str:
+    """`prompt` as a user's message, rendered by the chat template up to the assistant's
+    reply: how a chat fine-tune is prompted."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise GSSError(
+            "a chat prompt needs the tokenizer's chat template, and this tokenizer has none: "
+            "drop --chat to send the prompt as plain text."
+        )
+    return _render([{"role": "user", "content": prompt}], tokenizer, "the prompt", True)
+
+
+def _id_row(x: Any, index: int) -> list[int]:
+    """One sequence of token ids as a list of ints; a GSSError for anything else."""
+    if isinstance(x, Tensor) or hasattr(x, "__array__"):
+        try:
+            t = torch.as_tensor(x)
+        except (TypeError, ValueError, RuntimeError):
+            raise GSSError(
+                f"sequence {index} is an array of {getattr(x, 'dtype', 'objects')}, not of "
+                "token ids."
+            ) from None
+        if t.ndim != 1 or t.dtype.is_floating_point or t.dtype.is_complex:
+            raise GSSError(
+                f"sequence {index} is a {t.ndim}-d {t.dtype} array; a sequence of token ids "
+                "is 1-d and of an integer type."
+            )
+        return t.long().tolist()
+    if isinstance(x, (list, tuple)):
+        try:
+            return [operator.index(v) for v in x]
+        except TypeError:
+            odd = next(v for v in x if not hasattr(v, "__index__"))
+            raise GSSError(
+                f"sequence {index} holds a {type(odd).__name__} ({odd!r:.40}) among its token "
+                "ids; ids are integers (texts are strings, conversations lists of "
+                "{'role', 'content'} dicts)."
+            ) from None
+    if isinstance(x, int):
+        raise GSSError(
+            "sequences must be texts or lists of token ids; got an int among them: for one "
+            "sequence of token ids, wrap it in a list ([ids]) or pass a 2-D tensor."
+        )
+    raise GSSError(
+        f"sequence {index} is of type {type(x).__name__}; pass strings, conversations (lists "
+        f"of {{'role', 'content'}} dicts), dataset rows ({FORMATS}) or lists of token ids."
+    )
 
 
 def _token_lists(
     items: Sequence[Any], tokenizer: Any | None, max_length: int | None
 ) -> list[list[int]]:
-    """Token ids of each item (strings through ``tokenizer``), cut to ``max_length``."""
-    if all(isinstance(x, str) for x in items):
+    """Token ids of each item (texts through ``tokenizer``, conversations through its chat
+    template), cut to ``max_length``."""
+    texts = [_as_text(x, i) for i, x in enumerate(items)]
+    if all(t is None for t in texts):
+        seqs = [_id_row(x, i) for i, x in enumerate(items)]
+    elif any(t is None for t in texts):
+        i = next(i for i, t in enumerate(texts) if t is None)
+        kind = type(items[i]).__name__
+        raise GSSError(
+            f"sequences must be all texts or all token ids; sequence {i} is a {kind} among texts."
+        )
+    else:
         if tokenizer is None:
             raise GSSError("texts were given as strings: pass the model's tokenizer.")
-        enc = tokenizer(
-            list(items),
-            truncation=max_length is not None,
-            max_length=max_length,
-            add_special_tokens=True,
-        )
-        seqs = [list(ids) for ids in enc["input_ids"]]
-    elif all(isinstance(x, (list, tuple, Tensor)) for x in items):
-        seqs = [x.tolist() if isinstance(x, Tensor) else list(x) for x in items]
-    else:
-        raise GSSError(_mixed_items_message(items))
+        plain = {i: t for i, t in enumerate(texts) if isinstance(t, str)}
+        chats = {
+            i: _render(t, tokenizer, f"sequence {i}")
+            for i, t in enumerate(texts)
+            if t is not None and not isinstance(t, str)
+        }
+        seqs = [[] for _ in items]
+        # a rendered template holds its own special tokens (BOS included): none are added
+        for group, special in ((plain, True), (chats, False)):
+            if not group:
+                continue
+            enc = tokenizer(
+                list(group.values()),
+                truncation=max_length is not None,
+                max_length=max_length,
+                add_special_tokens=special,
+            )
+            for i, ids in zip(group, enc["input_ids"], strict=True):
+                seqs[i] = list(ids)
     if max_length is not None:
         seqs = [s[:max_length] for s in seqs]
     return seqs
@@ -132,6 +255,8 @@ def _items(data: TextsOrIds, max_length: int | None) -> Sequence[Any]:
     if isinstance(data, Tensor):
         if data.ndim != 2:
             raise GSSError(f"a tensor of token ids must be (N, T), got {tuple(data.shape)}.")
+        if data.dtype.is_floating_point or data.dtype.is_complex:
+            raise GSSError(f"a tensor of token ids must hold integers, got {data.dtype}.")
         items: Sequence[Any] = list(data[:, :max_length] if max_length is not None else data)
     else:
         items = data if isinstance(data, Sequence) else list(data)

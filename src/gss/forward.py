@@ -8,7 +8,7 @@ the mask makes a padded row score exactly like the same row alone.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -124,6 +124,48 @@ def check_same_vocab(model: nn.Module, reference: nn.Module) -> None:
             "memorization signal compares log-probabilities token by token, so both must share "
             "one tokenizer. Use a reference fine-tuned from the same base model."
         )
+
+
+def _token_id_limit(model: nn.Module) -> int | None:
+    """One past the largest id `model` takes: its logits, or its input embedding's rows if
+    fewer (a model may pad either); None for a model that tells neither."""
+    get_emb = getattr(model, "get_input_embeddings", None)
+    emb = get_emb() if callable(get_emb) else None
+    rows = getattr(getattr(emb, "weight", None), "shape", None)
+    try:
+        size = vocab_size(model)
+    except GSSError:
+        return int(rows[0]) if rows else None
+    return min(size, int(rows[0])) if rows else size
+
+
+def check_token_ids(
+    models: Sequence[nn.Module], seqs: Sequence[Sequence[int] | Tensor] | Tensor, what: str
+) -> None:
+    """Refuse token ids that `models` have no embedding row or logit for, before a forward
+    pass turns them into an index error deep inside torch (on a GPU, an assert that leaves the
+    device unusable until the process ends). A model that tells no vocabulary size (no
+    config, no embeddings: a stand-in in tests) sets no bound."""
+    if isinstance(seqs, Tensor):
+        rows: Sequence[Sequence[int] | Tensor] = [seqs.reshape(-1)] if seqs.numel() else []
+    else:
+        rows = [r for r in seqs if len(r)]
+    limits = [n for n in map(_token_id_limit, models) if n is not None]
+    if not rows or not limits:
+        return
+    tensors = [r if isinstance(r, Tensor) else torch.as_tensor(r) for r in rows]
+    low = min(int(t.min()) for t in tensors)
+    high = max(int(t.max()) for t in tensors)
+    limit = min(limits)
+    if low >= 0 and high < limit:
+        return
+    bad = low if low < 0 else high
+    raise GSSError(
+        f"{what}: token id {bad} is outside the model's vocabulary (ids 0 to {limit - 1}). "
+        "Such ids come from another tokenizer, or from padding marked with a negative id. "
+        "Tokenize with the model's own tokenizer (or pass the strings and tokenizer=...), and "
+        "mark padding with attention_mask."
+    )
 
 
 def forward_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:

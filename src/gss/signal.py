@@ -15,7 +15,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .errors import GSSError
-from .forward import check_same_vocab, forward_logits, target_mask, token_logprobs
+from .forward import (
+    check_same_vocab,
+    check_token_ids,
+    forward_logits,
+    target_mask,
+    token_logprobs,
+)
 
 
 @torch.no_grad()
@@ -37,6 +43,9 @@ def memorization_signal(
         raise GSSError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}.")
     if input_ids.shape[1] < 2:
         raise GSSError("sequences need at least 2 tokens to have a next-token target.")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex:
+        raise GSSError(f"input_ids must hold integers, got {input_ids.dtype}.")
+    check_token_ids((model, reference), input_ids, "input_ids")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:

@@ -1,0 +1,188 @@
+"""What gss accepts as calibration and evaluation data: texts, conversations (through the chat
+template), dataset rows in the usual fine-tuning formats, token ids; and what it refuses, before
+any model runs."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import gss
+from gss import GSSError
+from gss.data import chat_prompt, encode, encode_compact, read_texts
+from gss.evaluate import evaluate_model
+
+from .conftest import random_ids
+from .test_cli import _tokenizer
+
+# roles as words of the test vocabulary: w40 opens a user turn, w41 an assistant turn
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}w40 {% else %}w41 "
+    "{% endif %}{{ m['content'] }} {{ eos_token }} {% endfor %}"
+    "{% if add_generation_prompt %}w41 {% endif %}"
+)
+CHAT = [{"role": "user", "content": "w3 w4"}, {"role": "assistant", "content": "w5 w6 w7"}]
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    tok = _tokenizer()
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def _ids(tok, words):
+    return tok.convert_tokens_to_ids(words.split())
+
+
+def test_a_conversation_is_the_token_ids_its_chat_template_gives(chat_tokenizer):
+    tok = chat_tokenizer
+    # the template holds the one BOS: none is added in front of it
+    want = _ids(tok, "<bos> w40 w3 w4 <eos> w41 w5 w6 w7 <eos>")
+    assert encode([CHAT], tok) == [want]
+    templated = tok.apply_chat_template(CHAT, tokenize=True)  # a dict in transformers 5
+    assert want == list(templated["input_ids"] if "input_ids" in templated else templated)
+    assert [t.tolist() for t in encode_compact([CHAT], tok)] == [want]
+    # a plain string still gets the tokenizer's own special tokens, in its place in the list
+    plain = tok("w9 w10")["input_ids"]
+    assert encode(["w9 w10", CHAT], tok) == [plain, want]
+
+
+def test_dataset_rows_in_the_usual_fine_tuning_formats(chat_tokenizer):
+    tok = chat_tokenizer
+    chat = _ids(tok, "<bos> w40 w3 w4 <eos> w41 w5 w6 w7 <eos>")
+    rows = [
+        {"text": "w9 w10 w11", "id": 3},  # other keys are ignored
+        {"messages": CHAT},
+        {"prompt": "w9 ", "completion": "w10 w11"},  # strings: joined as they are
+        {"prompt": CHAT[:1], "completion": CHAT[1:]},  # conversations: one conversation
+    ]
+    text = tok("w9 w10 w11")["input_ids"]
+    assert encode(rows, tok) == [text, chat, text, chat]
+
+
+def test_a_jsonl_file_in_each_format(tmp_path, chat_tokenizer):
+    path = tmp_path / "data.jsonl"
+    rows = [{"text": "w9"}, {"messages": CHAT}, {"prompt": "w1", "completion": " w2"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    assert read_texts(path) == ["w9", CHAT, "w1 w2"]
+    path.write_text(json.dumps({"input": "w9"}) + "\n")
+    with pytest.raises(GSSError, match=r"data.jsonl:1 has keys \['input'\].*'messages'"):
+        read_texts(path)
+    path.write_text("[1, 2]\n")
+    with pytest.raises(GSSError, match=r"data\.jsonl:1 is not a JSON object"):
+        read_texts(path)
+
+
+def test_conversations_need_a_chat_template_and_well_formed_messages(chat_tokenizer):
+    with pytest.raises(GSSError, match="sequence 0 is a conversation, but the tokenizer has no"):
+        encode([CHAT], _tokenizer())
+    with pytest.raises(GSSError, match=r"message without 'role' and 'content' \(keys \['text'\]"):
+        encode([[{"role": "user", "content": "w1"}, {"text": "w2"}]], chat_tokenizer)
+    with pytest.raises(GSSError, match="pass the model's tokenizer"):
+        encode([CHAT])
+
+
+def test_a_chat_prompt_ends_with_the_assistants_turn(chat_tokenizer):
+    assert chat_prompt("w3", chat_tokenizer) == "<bos>w40 w3 <eos> w41 "
+    with pytest.raises(GSSError, match="drop --chat"):
+        chat_prompt("w3", _tokenizer())
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([[1.5, 2, 3]], r"sequence 0 holds a float \(1\.5\) among its token ids"),
+        ([[3, 4], [5, "w6"]], r"sequence 1 holds a str \('w6'\)"),
+        ([torch.rand(4)], "sequence 0 is a 1-d torch.float32 array"),
+        ([torch.ones(2, 3, dtype=torch.long)], "sequence 0 is a 2-d torch.int64 array"),
+        (torch.rand(2, 3), "must hold integers, got torch.float32"),
+        ([{"input": "w1"}], r"sequence 0 \(a dict\) has keys \['input'\]"),
+        ([[3, 4], "w5"], "all texts or all token ids; sequence 0 is a list among texts"),
+        ([3, 4, 5], r"wrap it in a list \(\[ids\]\)"),
+        ([3.5], "sequence 0 is of type float"),
+    ],
+)
+def test_ids_that_are_not_integers_are_refused(rows, message):
+    with pytest.raises(GSSError, match=message):
+        encode(rows)
+    with pytest.raises(GSSError, match=message):
+        encode_compact(rows)
+
+
+def test_integer_arrays_of_any_kind_are_ids():
+    assert encode([np.array([3, 4, 5]), (np.int64(6), 7), torch.tensor([8, 9])]) == [
+        [3, 4, 5],
+        [6, 7],
+        [8, 9],
+    ]
+
+
+@pytest.mark.parametrize("bad", [48, -1])
+def test_ids_outside_the_vocabulary_are_refused_before_any_forward(make_model, bad):
+    model, ref = make_model("llama"), make_model("llama", seed=1)
+    ids = random_ids(4, 8)
+    ids[2, 5] = bad
+    message = rf"token id {bad} is outside the model's vocabulary \(ids 0 to 47\)"
+    with pytest.raises(GSSError, match="the texts: " + message):
+        gss.calibrate(model, ref, ids, layer=0, progress=False)
+    with pytest.raises(GSSError, match="gen_texts: " + message):
+        gss.calibrate(model, ref, random_ids(4, 8), gen_texts=ids, layer=0, progress=False)
+    with pytest.raises(GSSError, match="the texts: " + message):
+        gss.scan_layers(model, ref, ids, progress=False)
+    with pytest.raises(GSSError, match="input_ids: " + message):
+        gss.memorization_signal(model, ref, ids)
+    rows = ids.tolist()
+    with pytest.raises(GSSError, match="memorized: " + message):
+        evaluate_model(model, rows, rows, k=2, n=6, progress=False)
+    with pytest.raises(GSSError, match="pad_id: token id 99 is outside"):
+        evaluate_model(model, rows[:1], rows[:1], k=2, n=6, pad_id=99, progress=False)
+
+
+def test_float_input_ids_are_refused_by_the_signal(make_model):
+    model, ref = make_model("llama"), make_model("llama", seed=1)
+    with pytest.raises(GSSError, match=r"input_ids must hold integers, got torch\.float32"):
+        gss.memorization_signal(model, ref, random_ids(2, 6).float())
+
+
+def test_the_command_line_calibrates_on_conversations_and_prompts_through_the_template(
+    tmp_path, chat_tokenizer, capsys
+):
+    from gss.cli import main
+
+    from .conftest import tiny_model
+
+    for name, seed in (("model", 0), ("reference", 1)):
+        tiny_model("llama", seed=seed).save_pretrained(tmp_path / name)
+        chat_tokenizer.save_pretrained(tmp_path / name)
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"w{i % 40} w{(i * 3) % 40}"},
+                {
+                    "role": "assistant",
+                    "content": " ".join(f"w{(i * 7 + j) % 40}" for j in range(8)),
+                },
+            ]
+        }
+        for i in range(16)
+    ]
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "artifact"
+    args = ["--model", str(tmp_path / "model"), "--reference", str(tmp_path / "reference")]
+    args += ["--data", str(tmp_path / "chat.jsonl"), "--layer", "1", "--rank", "2"]
+    assert main(["calibrate", *args, "--out", str(out), "--no-progress"]) == 0
+    tokens = json.loads((out / "gss_config.json").read_text())["token_counts"]["tokens"]
+    rendered = encode([r["messages"] for r in rows], chat_tokenizer)
+    assert tokens == sum(len(s) - 1 for s in rendered)  # every target of the rendered chats
+    capsys.readouterr()
+    generate = ["generate", "--model", str(tmp_path / "model"), "--steer", str(out)]
+    generate += ["--prompt", "w3 w4", "--max-new-tokens", "3"]
+    assert main([*generate, "--chat"]) == 0
+    assert "steered:" in capsys.readouterr().out
+    plain = tmp_path / "plain"  # the same model, its tokenizer without a template
+    tiny_model("llama", seed=0).save_pretrained(plain)
+    _tokenizer().save_pretrained(plain)
+    assert main([*generate[:2], str(plain), *generate[3:], "--chat"]) == 2
+    assert "drop --chat" in capsys.readouterr().err
