@@ -42,7 +42,7 @@ def test_a_conversation_is_the_token_ids_its_chat_template_gives(chat_tokenizer)
     want = _ids(tok, "<bos> w40 w3 w4 <eos> w41 w5 w6 w7 <eos>")
     assert encode([CHAT], tok) == [want]
     templated = tok.apply_chat_template(CHAT, tokenize=True)  # a dict in transformers 5
-    assert want == list(templated["input_ids"] if "input_ids" in templated else templated)
+    assert want == (templated if isinstance(templated, list) else list(templated["input_ids"]))
     assert [t.tolist() for t in encode_compact([CHAT], tok)] == [want]
     # a plain string still gets the tokenizer's own special tokens, in its place in the list
     plain = tok("w9 w10")["input_ids"]
@@ -186,3 +186,28 @@ def test_the_command_line_calibrates_on_conversations_and_prompts_through_the_te
     _tokenizer().save_pretrained(plain)
     assert main([*generate[:2], str(plain), *generate[3:], "--chat"]) == 2
     assert "drop --chat" in capsys.readouterr().err
+
+
+def test_sequences_longer_than_the_context_are_refused_with_the_fix(make_model):
+    from gss.forward import context_length
+
+    model, ref = make_model("gpt2"), make_model("gpt2", seed=1)
+    # learned positions, 128 rows (GPT2Config maps max_position_embeddings to n_positions)
+    assert context_length(model) == (128, "max_position_embeddings")
+    ids = random_ids(4, 140)
+    message = (
+        r"sequence 0 has 140 tokens, more than the 128 positions the model takes "
+        r"\(config\.max_position_embeddings\)\. Cut the sequences with max_length="
+    )
+    with pytest.raises(GSSError, match="the texts: " + message):
+        gss.calibrate(model, ref, ids, layer=0, progress=False)
+    with pytest.raises(GSSError, match="input_ids: " + message):
+        gss.memorization_signal(model, ref, ids)
+    with pytest.raises(GSSError, match="heldout: " + message):
+        evaluate_model(model, ids[:, :8].tolist(), ids.tolist(), k=2, n=6, progress=False)
+    # cut to the context they run; evaluation only runs the candidates' first n tokens
+    gss.calibrate(model, ref, ids, layer=0, max_length=128, progress=False)
+    report = evaluate_model(model, ids.tolist(), ids[:, :128].tolist(), k=2, n=6, progress=False)
+    assert report.rows == 4
+    llama = make_model("llama")
+    assert context_length(llama) == (128, "max_position_embeddings")

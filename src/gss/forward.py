@@ -139,19 +139,45 @@ def _token_id_limit(model: nn.Module) -> int | None:
     return min(size, int(rows[0])) if rows else size
 
 
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
+
+
+def context_length(model: nn.Module) -> tuple[int, str] | None:
+    """The most positions `model` takes and the config key that says so; None where its config
+    sets no limit (a state-space model)."""
+    config = getattr(model, "config", None)
+    for key in CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value, key
+    return None
+
+
 def check_token_ids(
     models: Sequence[nn.Module], seqs: Sequence[Sequence[int] | Tensor] | Tensor, what: str
 ) -> None:
-    """Refuse token ids that `models` have no embedding row or logit for, before a forward
-    pass turns them into an index error deep inside torch (on a GPU, an assert that leaves the
-    device unusable until the process ends). A model that tells no vocabulary size (no
-    config, no embeddings: a stand-in in tests) sets no bound."""
+    """Refuse sequences `models` cannot run before a forward pass fails on them deep inside
+    torch (on a GPU, with an assert that leaves the device unusable until the process ends):
+    token ids they have no embedding row or logit for, and sequences longer than their
+    context (learned position embeddings index past their end; rotary ones run on positions
+    never trained). A model that tells neither (a stand-in in tests) sets no bound."""
     if isinstance(seqs, Tensor):
-        rows: Sequence[Sequence[int] | Tensor] = [seqs.reshape(-1)] if seqs.numel() else []
+        rows: Sequence[Sequence[int] | Tensor] = list(seqs) if seqs.numel() else []
     else:
         rows = [r for r in seqs if len(r)]
+    if not rows:
+        return
+    longest = max(range(len(rows)), key=lambda i: len(rows[i]))
+    for model in models:
+        found = context_length(model)
+        if found is not None and len(rows[longest]) > found[0]:
+            raise GSSError(
+                f"{what}: sequence {longest} has {len(rows[longest])} tokens, more than the "
+                f"{found[0]} positions the model takes (config.{found[1]}). Cut the sequences "
+                "with max_length= (--max-length on the command line) or split long texts."
+            )
     limits = [n for n in map(_token_id_limit, models) if n is not None]
-    if not rows or not limits:
+    if not limits:
         return
     tensors = [r if isinstance(r, Tensor) else torch.as_tensor(r) for r in rows]
     low = min(int(t.min()) for t in tensors)

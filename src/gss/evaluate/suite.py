@@ -119,7 +119,8 @@ def evaluate_model(
     """
     if not 1 <= k < n:
         raise GSSError(f"need 1 <= k < n (prompt k tokens, match up to token n); got k={k}, n={n}.")
-    for what, rows in (("memorized", memorized), ("heldout", heldout), ("pad_id", [[pad_id]])):
+    windows = [list(r)[:n] for r in memorized]  # what runs: rows cut to n
+    for what, rows in (("memorized", windows), ("heldout", heldout), ("pad_id", [[pad_id]])):
         check_token_ids((model,), rows, what)
     index, prompts, targets = _windows(memorized, k, n)
     if not index:
