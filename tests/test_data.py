@@ -176,7 +176,13 @@ def test_the_command_line_calibrates_on_conversations_and_prompts_through_the_te
     tokens = json.loads((out / "gss_config.json").read_text())["token_counts"]["tokens"]
     rendered = encode([r["messages"] for r in rows], chat_tokenizer)
     assert tokens == sum(len(s) - 1 for s in rendered)  # every target of the rendered chats
-    capsys.readouterr()
+    # --max-length defaults to 512 cut to the model's context (128 positions here)
+    long = tmp_path / "long.txt"
+    long.write_text("\n".join(" ".join(f"w{(i + j) % 40}" for j in range(200)) for i in range(8)))
+    args[args.index("--data") + 1] = str(long)
+    assert main(["calibrate", *args, "--out", str(tmp_path / "long"), "--no-progress"]) == 0
+    assert main(["calibrate", *args, "--out", str(tmp_path / "x"), "--max-length", "300"]) == 2
+    assert "tokens, more than the 128 positions the model takes" in capsys.readouterr().err
     generate = ["generate", "--model", str(tmp_path / "model"), "--steer", str(out)]
     generate += ["--prompt", "w3 w4", "--max-new-tokens", "3"]
     assert main([*generate, "--chat"]) == 0

@@ -137,11 +137,28 @@ def _add_block_path_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+DEFAULT_MAX_LENGTH = 512
+
+
+def _resolve_max_length(args: argparse.Namespace, model: Any) -> None:
+    """--max-length as given, else 512 tokens or the model's context if shorter, so that the
+    default never asks a model for positions it does not have."""
+    if args.max_length is None:
+        from .forward import context_length
+
+        found = context_length(model)
+        args.max_length = min(DEFAULT_MAX_LENGTH, found[0]) if found else DEFAULT_MAX_LENGTH
+
+
 def _add_batch_args(
     p: argparse.ArgumentParser, batch_size: int = 8, length_help: str = "tokens kept per text"
 ) -> None:
     p.add_argument("--batch-size", type=int, default=batch_size, help="texts per forward pass")
-    p.add_argument("--max-length", type=int, default=512, help=length_help)
+    p.add_argument(
+        "--max-length",
+        type=int,
+        help=f"{length_help} (default: {DEFAULT_MAX_LENGTH}, or the model's context if shorter)",
+    )
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -187,6 +204,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     args.device = _init_distributed(args.device)
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
+    _resolve_max_length(args, model)
     reference = _load_reference(args.reference, model, tokenizer, args.device, args.dtype)
     texts = read_texts(args.data)
     gen_texts = read_texts(args.gen_data) if args.gen_data else None
@@ -295,6 +313,7 @@ def _cmd_signal(args: argparse.Namespace) -> int:
     from .signal import omega_rows, signal_statistics
 
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
+    _resolve_max_length(args, model)
     reference = _load_reference(args.reference, model, tokenizer, args.device, args.dtype)
 
     def omega_of(path: str) -> torch.Tensor:
@@ -333,6 +352,7 @@ def _evaluation_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
     from .data import encode, read_texts
 
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
+    _resolve_max_length(args, model)
     artifact = load(args.steer) if args.steer else None
     if artifact is not None:
         artifact.check_model(model)  # refuse a foreign artifact before the slow part
@@ -485,6 +505,7 @@ def _cmd_layers(args: argparse.Namespace) -> int:
     from .report import write_json
 
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
+    _resolve_max_length(args, model)
     reference = _load_reference(args.reference, model, tokenizer, args.device, args.dtype)
     layers = None
     if args.layers != "all":
