@@ -33,7 +33,7 @@ from .data import Batch, TextsOrIds, batches, count_batches, encode, encode_comp
 from .errors import GSSError
 from .forward import (
     check_same_vocab,
-    check_token_ids,
+    check_sequences,
     execution_device,
     forward_logits,
     target_mask,
@@ -324,12 +324,12 @@ def collect_statistics(
     check_same_vocab(model, reference)
     layer_index, block = resolve_layer(model, layer, block_path)
     all_seqs = encode_compact(texts, tokenizer, max_length)
-    check_token_ids((model, reference), all_seqs, "the texts")
+    check_sequences((model, reference), all_seqs, "the texts")
     seqs = distributed.shard(all_seqs)
     gen_seqs = None
     if gen_texts is not None:
         all_gen = encode_compact(gen_texts, tokenizer, max_length)
-        check_token_ids((model, reference), all_gen, "gen_texts")
+        check_sequences((model, reference), all_gen, "gen_texts")
         gen_seqs = distributed.shard(all_gen)
     dim = residual_width(model)
     device = execution_device(model, block)
@@ -703,7 +703,7 @@ def probe_responses(
     """Probe responses ``U h - offset`` (N, K) on every real next-token position of ``texts``."""
     _, block = resolve_layer(model, artifact.config.layer, artifact.config.block_path)
     seqs = encode(texts, tokenizer, max_length)
-    check_token_ids((model,), seqs, "the texts")
+    check_sequences((model,), seqs, "the texts")
     out = []
     with _calibration_mode(model):
         for batch in tqdm(

@@ -216,7 +216,10 @@ def _token_lists(
         )
     else:
         if tokenizer is None:
-            raise GSSError("texts were given as strings: pass the model's tokenizer.")
+            raise GSSError(
+                "texts were given (strings, conversations or dataset rows): pass the model's "
+                "tokenizer."
+            )
         plain = {i: t for i, t in enumerate(texts) if isinstance(t, str)}
         chats = {
             i: _render(t, tokenizer, f"sequence {i}")

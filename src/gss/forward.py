@@ -153,7 +153,7 @@ def context_length(model: nn.Module) -> tuple[int, str] | None:
     return None
 
 
-def check_token_ids(
+def check_sequences(
     models: Sequence[nn.Module], seqs: Sequence[Sequence[int] | Tensor] | Tensor, what: str
 ) -> None:
     """Refuse sequences `models` cannot run before a forward pass fails on them deep inside

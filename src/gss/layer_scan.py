@@ -37,7 +37,7 @@ from .data import TextsOrIds, batches, count_batches, encode
 from .errors import GSSError, GSSWarning
 from .forward import (
     check_same_vocab,
-    check_token_ids,
+    check_sequences,
     forward_logits,
     target_mask,
     token_logprobs,
@@ -164,10 +164,10 @@ def scan_layers(
     norm = [0.0] * len(resolved)
     tokens = omega_nonzero = 0
     seqs = encode(texts, tokenizer, max_length)
-    check_token_ids((model, reference), seqs, "the texts")
+    check_sequences((model, reference), seqs, "the texts")
     gen_seqs = encode(gen_texts, tokenizer, max_length) if gen_texts is not None else None
     if gen_seqs is not None:
-        check_token_ids((model, reference), gen_seqs, "gen_texts")
+        check_sequences((model, reference), gen_seqs, "gen_texts")
     sigmas = [CovarianceAccumulator(dim) for _ in blocks]
     moments = [CrossMomentAccumulator(dim) for _ in blocks]
     started = time.perf_counter()

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from .errors import GSSError
 from .forward import (
     check_same_vocab,
-    check_token_ids,
+    check_sequences,
     forward_logits,
     target_mask,
     token_logprobs,
@@ -45,7 +45,7 @@ def memorization_signal(
         raise GSSError("sequences need at least 2 tokens to have a next-token target.")
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex:
         raise GSSError(f"input_ids must hold integers, got {input_ids.dtype}.")
-    check_token_ids((model, reference), input_ids, "input_ids")
+    check_sequences((model, reference), input_ids, "input_ids")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:

@@ -26,7 +26,7 @@ import torch
 from gss.errors import GSSError
 from gss.evaluate._decode import forced_argmax, greedy_generate
 from gss.evaluate.utility import next_token_stats
-from gss.forward import check_token_ids
+from gss.forward import check_sequences
 
 __all__ = ["DS_LAMBDAS", "EvaluationReport", "deviation_score", "evaluate_model"]
 
@@ -121,7 +121,7 @@ def evaluate_model(
         raise GSSError(f"need 1 <= k < n (prompt k tokens, match up to token n); got k={k}, n={n}.")
     windows = [list(r)[:n] for r in memorized]  # what runs: rows cut to n
     for what, rows in (("memorized", windows), ("heldout", heldout), ("pad_id", [[pad_id]])):
-        check_token_ids((model,), rows, what)
+        check_sequences((model,), rows, what)
     index, prompts, targets = _windows(memorized, k, n)
     if not index:
         longest = max((len(r) for r in memorized), default=0)
