@@ -7,6 +7,8 @@ where no C++ compiler is installed.
 
 import gc
 import weakref
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -215,3 +217,22 @@ def test_a_failed_build_says_what_it_needs(monkeypatch, tmp_path):
     monkeypatch.setenv("GSS_KERNEL_DIR", str(tmp_path))
     with pytest.raises(GSSError, match=r"C\+\+ compiler .* and ninja"):
         _steers("hard")
+
+
+def test_a_build_killed_midway_does_not_hang_the_next(monkeypatch, tmp_path):
+    # torch marks a build in progress with a `lock` file and waits for it to go; a killed
+    # build leaves it, and torch would then wait forever
+    import torch.utils.cpp_extension as ext
+
+    build = tmp_path / cpu_kernel._name()
+    build.mkdir()
+    (build / "lock").touch()
+
+    def fake_build(name, build_directory, **kwargs):
+        assert not (Path(build_directory) / "lock").exists()  # where torch would have waited
+        return SimpleNamespace(make_hook="the hook")
+
+    monkeypatch.setattr(ext, "load_inline", fake_build)
+    monkeypatch.setattr(cpu_kernel, "_loaded", {})
+    monkeypatch.setenv("GSS_KERNEL_DIR", str(tmp_path))
+    assert cpu_kernel.load() == "the hook"

@@ -26,11 +26,12 @@ built from the source below by ``torch.utils.cpp_extension`` the first time it i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -247,6 +248,28 @@ def kernel_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "gss" / "kernels"
 
 
+@contextlib.contextmanager
+def _build_lock(build: Path) -> Iterator[None]:
+    """Hold the build directory for this process. torch marks a build in progress with a
+    ``lock`` file and waits, forever, for it to go; a build that was killed (Ctrl-C during the
+    first ~30 s) leaves it behind, and every later attach with ``cpu_kernel=True`` would hang.
+    An OS lock is released when its process dies, so while this process holds one, a ``lock``
+    file can only be a dead build's, and is removed. Without ``fcntl`` (Windows) torch's file
+    is left alone."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(build / "gss-build.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # another process's build: wait for it to finish
+        try:
+            (build / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
 def load() -> Callable[..., Callable[..., Any]]:
     """The compiled ``make_hook(probe, neg_offset, neg_steer, on, hard, fallback)``, built on
     first use: it returns a hook (a C function called as ``hook(module, args, output)``) over
@@ -275,14 +298,15 @@ def load() -> Callable[..., Callable[..., Any]]:
                 os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{path}"
             except ImportError:
                 pass  # load_inline says that ninja is missing
-        module: Any = load_inline(
-            name,
-            cpp_sources=_SOURCE,
-            functions=None,  # the source binds make_hook itself
-            extra_cflags=["-O3"],
-            build_directory=str(build),
-            verbose=False,
-        )
+        with _build_lock(build):
+            module: Any = load_inline(
+                name,
+                cpp_sources=_SOURCE,
+                functions=None,  # the source binds make_hook itself
+                extra_cflags=["-O3"],
+                build_directory=str(build),
+                verbose=False,
+            )
     except Exception as err:
         raise GSSError(
             f"could not build gss's CPU steer kernel ({type(err).__name__}: "
