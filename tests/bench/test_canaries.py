@@ -1,6 +1,7 @@
 """gss bench canaries on a tiny Llama with a byte-level tokenizer built here (no downloads)."""
 
 import json
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -141,3 +142,34 @@ def test_quick_lora_run_calibrates_against_the_adapters_off_and_reuses_its_cache
 def test_unknown_baseline_is_refused_before_any_work(tmp_path):
     with pytest.raises(SystemExit, match="unknown baseline 'nope'"):
         main(["--model", str(tmp_path), "--baselines", "steering,nope"])
+
+
+def test_the_fine_tune_cache_holds_only_finished_saves(tmp_path, monkeypatch):
+    import safetensors.torch
+    import torch
+
+    from gss.bench.canaries.finetune import load_trained, save_trained
+
+    base = _tiny_llama(16)
+    tuned = _tiny_llama(16)
+    with torch.no_grad():
+        for p in tuned.parameters():
+            p.add_(1.0)
+    names = trainable_names(tuned, 1)
+    save_trained(tuned, names, {"epochs": 3}, tmp_path)
+    loaded, info = load_trained(base, tmp_path)
+    assert info == {"epochs": 3}
+    state = dict(loaded.named_parameters())
+    for name, p in tuned.named_parameters():
+        target = p if name in names else dict(base.named_parameters())[name]
+        assert torch.equal(state[name], target)
+
+    # a later save killed while writing the tensors: the old marker is gone, nothing half-read
+    def killed(tensors, path):
+        Path(path).write_bytes(b"half a file")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_trained(tuned, names, {"epochs": 4}, tmp_path)
+    assert load_trained(base, tmp_path) is None

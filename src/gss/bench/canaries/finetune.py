@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -277,9 +278,14 @@ def save_trained(
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / "finetune.json").unlink(missing_ok=True)  # unfinished until written again
     state = dict(model.named_parameters())
     save_file({n: state[n].detach().contiguous() for n in names}, folder / "trained.safetensors")
-    (folder / "finetune.json").write_text(json.dumps(info, indent=2))
+    # finetune.json marks a finished save (`load_trained`): written whole or not at all, so a
+    # run killed while saving retrains instead of failing on half a file every time after
+    partial = folder / "finetune.json.partial"
+    partial.write_text(json.dumps(info, indent=2))
+    os.replace(partial, folder / "finetune.json")
 
 
 def load_trained(
