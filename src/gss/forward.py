@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import GSSError
+from .layers import config_int
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -145,12 +146,8 @@ CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence
 def context_length(model: nn.Module) -> tuple[int, str] | None:
     """The most positions `model` takes and the config key that says so; None where its config
     sets no limit (a state-space model)."""
-    config = getattr(model, "config", None)
-    for key in CONTEXT_KEYS:
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value, key
-    return None
+    found = config_int(model, CONTEXT_KEYS)
+    return found if found is not None and found[0] > 0 else None
 
 
 def check_sequences(

@@ -40,9 +40,9 @@ def _get_path(root: nn.Module, path: str) -> nn.Module | None:
     return obj if isinstance(obj, nn.Module) else None
 
 
-def _config_int(model: nn.Module, names: tuple[str, ...]) -> int | None:
+def config_int(model: nn.Module, names: tuple[str, ...]) -> tuple[int, str] | None:
     """The first of `names` that the (text) config of the model, or of a model it wraps, sets
-    to an int."""
+    to an int, and that name."""
     for candidate in _unwrap(model):
         config = getattr(candidate, "config", None)
         text_config = getattr(config, "get_text_config", None)
@@ -51,12 +51,13 @@ def _config_int(model: nn.Module, names: tuple[str, ...]) -> int | None:
         for name in names:
             value = getattr(config, name, None)
             if isinstance(value, int) and not isinstance(value, bool):
-                return value
+                return value, name
     return None
 
 
 def _num_layers(model: nn.Module) -> int | None:
-    return _config_int(model, ("num_hidden_layers", "n_layer", "num_layers"))
+    found = config_int(model, ("num_hidden_layers", "n_layer", "num_layers"))
+    return None if found is None else found[0]
 
 
 def residual_width(model: nn.Module) -> int:
@@ -64,9 +65,9 @@ def residual_width(model: nn.Module) -> int:
     the steer rewrites): the config's hidden size, else the input embeddings' width. The two
     differ where the embeddings are projected in, e.g. OPT-350m (512-wide embeddings, 1024-wide
     blocks)."""
-    width = _config_int(model, ("hidden_size", "n_embd", "d_model"))
+    width = config_int(model, ("hidden_size", "n_embd", "d_model"))
     if width is not None:
-        return width
+        return width[0]
     get_emb = getattr(model, "get_input_embeddings", None)
     emb = get_emb() if callable(get_emb) else None
     weight = getattr(emb, "weight", None)
