@@ -10,7 +10,7 @@ import torch
 
 import gss
 from gss import GSSError
-from gss.data import chat_prompt, encode, encode_compact, read_texts
+from gss.data import chat_prompt, encode, encode_compact, encode_replies, read_texts
 from gss.evaluate import evaluate_model
 
 from .conftest import random_ids
@@ -60,6 +60,28 @@ def test_dataset_rows_in_the_usual_fine_tuning_formats(chat_tokenizer):
     ]
     text = tok("w9 w10 w11")["input_ids"]
     assert encode(rows, tok) == [text, chat, text, chat]
+
+
+def test_replies_are_split_from_what_prompts_them(chat_tokenizer):
+    tok = chat_tokenizer
+    prompt = _ids(tok, "<bos> w40 w3 w4 <eos> w41")  # the template up to the assistant's turn
+    reply = _ids(tok, "w5 w6 w7 <eos>")
+    assert prompt == list(tok(chat_prompt("w3 w4", tok), add_special_tokens=False)["input_ids"])
+    pairs = encode_replies(
+        [CHAT, {"messages": CHAT}, {"prompt": CHAT[:1], "completion": CHAT[1:]}], tok
+    )
+    assert pairs == [(prompt, reply)] * 3
+    assert encode_replies([CHAT], tok, max_reply=2) == [(prompt, reply[:2])]
+    # strings: the whole row tokenized, split where the prompt alone stops matching it
+    ((p, r),) = encode_replies([{"prompt": "w9 w10", "completion": " w11 w12"}], tok)
+    assert p + r == tok("w9 w10 w11 w12")["input_ids"] and r[-2:] == _ids(tok, "w11 w12")
+    assert p == tok("w9 w10")["input_ids"]
+    with pytest.raises(GSSError, match="ending with a 'user' message"):
+        encode_replies([CHAT[:1]], tok)
+    with pytest.raises(GSSError, match=r"sequence 1 .* has no reply to separate"):
+        encode_replies([CHAT, {"text": "w1 w2"}], tok)
+    with pytest.raises(GSSError, match="empty reply"):
+        encode_replies([{"prompt": "w9", "completion": ""}], tok)
 
 
 def test_a_jsonl_file_in_each_format(tmp_path, chat_tokenizer):
@@ -192,6 +214,19 @@ def test_the_command_line_calibrates_on_conversations_and_prompts_through_the_te
     _tokenizer().save_pretrained(plain)
     assert main([*generate[:2], str(plain), *generate[3:], "--chat"]) == 2
     assert "drop --chat" in capsys.readouterr().err
+    # --reply: each conversation prompted with what comes before its reply, matched on it
+    evaluate = ["evaluate", "--model", str(tmp_path / "model"), "--no-progress"]
+    evaluate += ["--memorized", str(tmp_path / "chat.jsonl"), "--heldout", str(long)]
+    evaluate += ["--k", "2", "--n", "6", "--out", str(tmp_path / "ev"), "--reply"]
+    assert main(evaluate) == 0
+    assert (
+        "replies reproduced (their first 4 tokens) of 16 conversations" in capsys.readouterr().out
+    )
+    record = json.loads((tmp_path / "ev" / "evaluation.json").read_text())
+    assert record["reply"] and record["unsteered"]["rows"] == 16
+    evaluate[evaluate.index("--memorized") + 1] = str(long)
+    assert main(evaluate) == 2
+    assert "has no reply to separate" in capsys.readouterr().err
 
 
 def test_sequences_longer_than_the_context_are_refused_with_the_fix(make_model):

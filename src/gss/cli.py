@@ -349,14 +349,18 @@ def _evaluation_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
     """Model, tokenizer, artifact (None without --steer), candidate and held-out token rows
     and the pad id, for `gss evaluate` and `gss sweep`."""
     from .artifact import load
-    from .data import encode, read_texts
+    from .data import encode, encode_replies, read_rows, read_texts
 
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
     _resolve_max_length(args, model)
     artifact = load(args.steer) if args.steer else None
     if artifact is not None:
         artifact.check_model(model)  # refuse a foreign artifact before the slow part
-    memorized = encode(read_texts(args.memorized), tokenizer, args.n)
+    memorized: list[Any]  # id rows, or (prompt, reply) pairs whose first n - k tokens count
+    if args.reply:
+        memorized = encode_replies(read_rows(args.memorized), tokenizer, args.n - args.k)
+    else:
+        memorized = encode(read_texts(args.memorized), tokenizer, args.n)
     heldout = encode(read_texts(args.heldout), tokenizer, args.max_length)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return model, tokenizer, artifact, memorized, heldout, pad
@@ -389,6 +393,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
             gates = handle.gate_stats()
     base = runs["unsteered"]
     rows, record = [], {"model": args.model, "steer": args.steer, "k": args.k, "n": args.n}
+    record["reply"] = args.reply
     for name, report in runs.items():
         ds = report.deviation_scores(base)
         record[name] = {**report.to_dict(), **ds}
@@ -407,10 +412,12 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     header = ["run", "% memorized", "% tokens matched", "perplexity"]
     header += [f"DS {lam}" for lam in ("0.01", "0.05", "0.1")] + ["seconds"]
     table = markdown_table(header, rows)
-    print(
-        f"({args.n},{args.k})-memorization of {base.rows} sequences, perplexity on "
-        f"{base.heldout_tokens} held-out tokens"
+    what = (
+        f"replies reproduced (their first {args.n - args.k} tokens) of {base.rows} conversations"
+        if args.reply
+        else f"({args.n},{args.k})-memorization of {base.rows} sequences"
     )
+    print(f"{what}, perplexity on {base.heldout_tokens} held-out tokens")
     print(table)
     if gates:
         print(f"(the gate opened on {100 * gates['any_open_share']:.1f}% of positions)")
@@ -433,6 +440,20 @@ def _cmd_models(args: argparse.Namespace) -> int:
         raise GSSError(f"gss models get NAME: name one of {', '.join(KNOWN_MODELS)}.")
     print(get_model(args.name, args.dir))
     return 0
+
+
+def _add_window_args(p: argparse.ArgumentParser) -> None:
+    """What `gss evaluate` and `gss sweep` prompt with and match."""
+    p.add_argument("--k", type=int, default=32, help="prompt tokens")
+    p.add_argument("--n", type=int, default=72, help="match tokens k..n-1")
+    p.add_argument(
+        "--reply",
+        action="store_true",
+        help="--memorized holds conversations (rows with 'messages', the last message the "
+        "assistant's) or 'prompt' and 'completion' rows: prompt with everything before the "
+        "reply (through the chat template, up to the assistant's turn) and match the reply's "
+        "first n - k tokens",
+    )
 
 
 def _floats(text: str | None, flag: str) -> list[float] | None:
@@ -701,8 +722,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delta", type=float, help="override the artifact's strength")
     p.add_argument("--memorized", required=True, help=f"candidate sequences: {DATA_HELP}")
     p.add_argument("--heldout", required=True, help="held-out text for perplexity")
-    p.add_argument("--k", type=int, default=32, help="prompt tokens")
-    p.add_argument("--n", type=int, default=72, help="match tokens k..n-1")
+    _add_window_args(p)
     _add_batch_args(p, batch_size=16, length_help="held-out tokens per row")
     p.add_argument("--out", help="directory for evaluation.json and evaluation.md")
     p.set_defaults(func=_cmd_evaluate)
@@ -716,8 +736,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deltas", default="0.25,1,4,16", help="comma-separated strengths")
     p.add_argument("--percentiles", help="comma-separated threshold percentiles, e.g. 90,95,99")
     p.add_argument("--ranks", help="comma-separated ranks <= the artifact's, e.g. 1,2,4")
-    p.add_argument("--k", type=int, default=32, help="prompt tokens")
-    p.add_argument("--n", type=int, default=72, help="match tokens k..n-1")
+    _add_window_args(p)
     _add_batch_args(p, batch_size=16, length_help="held-out tokens per row")
     p.add_argument("--out", required=True, help="directory for sweep.json, sweep.md, sweep.png")
     p.set_defaults(func=_cmd_sweep)

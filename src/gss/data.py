@@ -57,15 +57,21 @@ def record_text(record: Mapping[str, Any], where: str = "a row") -> Text:
     )
 
 
-def read_texts(path: str | Path) -> list[Text]:
-    """Read sequences from a ``.txt`` file (one per line) or ``.jsonl`` (one row a line, in a
-    format of `record_text`: a text, a conversation, or a prompt and its completion)."""
+def read_rows(path: str | Path) -> list[str | dict[str, Any]]:
+    """The rows of a ``.txt`` file (one string a line) or ``.jsonl`` file (one JSON object a
+    line), as they are: `read_texts` turns them into texts, `encode_replies` into prompts and
+    replies."""
+    return [row for _, row in _numbered_rows(path)]
+
+
+def _numbered_rows(path: str | Path) -> list[tuple[str, str | dict[str, Any]]]:
+    """`read_rows` with each row's place ("file:line") for error messages."""
     p = Path(path)
     if not p.is_file():
         raise GSSError(f"data file {p} does not exist.")
-    texts: list[Text]
+    rows: list[tuple[str, str | dict[str, Any]]]
     if p.suffix == ".jsonl":
-        texts = []
+        rows = []
         for number, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():
                 continue
@@ -75,14 +81,24 @@ def read_texts(path: str | Path) -> list[Text]:
                 raise GSSError(f"{p}:{number} is not valid JSON ({err.msg}).") from None
             if not isinstance(record, dict):
                 raise GSSError(f"{p}:{number} is not a JSON object; expected {FORMATS}.")
-            texts.append(record_text(record, f"{p}:{number}"))
+            rows.append((f"{p}:{number}", record))
     elif p.suffix in (".txt", ""):
-        texts = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        lines = p.read_text(encoding="utf-8").splitlines()
+        rows = [(f"{p}:{n}", line) for n, line in enumerate(lines, 1) if line.strip()]
     else:
         raise GSSError(f"{p}: unsupported data format {p.suffix!r}; use .txt or .jsonl.")
-    if not texts:
+    if not rows:
         raise GSSError(f"{p} contains no sequences.")
-    return texts
+    return rows
+
+
+def read_texts(path: str | Path) -> list[Text]:
+    """Read sequences from a ``.txt`` file (one per line) or ``.jsonl`` (one row a line, in a
+    format of `record_text`: a text, a conversation, or a prompt and its completion)."""
+    return [
+        row if isinstance(row, str) else record_text(row, where)
+        for where, row in _numbered_rows(path)
+    ]
 
 
 def check_same_tokenizer(tokenizer: Any, reference_tokenizer: Any) -> None:
@@ -296,6 +312,62 @@ def encode_compact(
         part = _token_lists(items[start : start + chunk], tokenizer, max_length)
         out.extend(torch.as_tensor(s, dtype=torch.int32) for s in part)
     return _predictable(out)
+
+
+def _prompt_and_full(x: Any, index: int) -> tuple[Text, Text]:
+    """A row's prompt and the whole row (prompt and reply), as texts."""
+    where = f"sequence {index}"
+    if isinstance(x, Mapping) and _is_conversation(x.get("messages")):
+        x = list(x["messages"])
+    if _is_conversation(x):
+        if not x or x[-1].get("role") != "assistant":
+            role = x[-1].get("role") if x else None
+            raise GSSError(
+                f"{where} is a conversation ending with a {role!r} message: a reply is the "
+                "last message, from the assistant."
+            )
+        return list(x[:-1]), list(x)
+    if isinstance(x, Mapping):
+        prompt, completion = x.get("prompt"), x.get("completion")
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return prompt, prompt + completion
+        if _is_conversation(prompt) and _is_conversation(completion):
+            return list(prompt), [*prompt, *completion]
+    raise GSSError(
+        f"{where} ({type(x).__name__}) has no reply to separate: give conversations (the last "
+        "message the assistant's) or rows with 'messages', or 'prompt' and 'completion'."
+    )
+
+
+def encode_replies(
+    data: Sequence[Any], tokenizer: Any, max_reply: int | None = None
+) -> list[tuple[list[int], list[int]]]:
+    """Each row as (prompt ids, reply ids): what a chat fine-tune was asked, and what it
+    answered in training.
+
+    A conversation's (or a ``messages`` row's) reply is its last message, the assistant's; the
+    prompt is the messages before it rendered up to the assistant's turn, as the model is
+    prompted at inference. A ``prompt`` / ``completion`` row's reply is the completion. Both
+    come from the tokenized whole row, split where the separately tokenized prompt stops
+    matching it, so the reply is the token ids training saw. `max_reply` cuts the replies.
+    """
+    if not isinstance(data, Sequence) or not data:
+        raise GSSError("no sequences given.")
+    out = []
+    for i, x in enumerate(data):
+        prompt, full = _prompt_and_full(x, i)
+        if isinstance(prompt, str) or isinstance(full, str):
+            ids = [_token_lists([t], tokenizer, None)[0] for t in (prompt, full)]
+        else:
+            name = f"sequence {i}"
+            texts = (_render(prompt, tokenizer, name, True), _render(full, tokenizer, name))
+            ids = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        p, whole = ids
+        cut = next((j for j, (a, b) in enumerate(zip(p, whole, strict=False)) if a != b), len(p))
+        if cut == 0 or cut >= len(whole):
+            raise GSSError(f"sequence {i} has an empty prompt or an empty reply once tokenized.")
+        out.append((whole[:cut], whole[cut:][:max_reply]))
+    return out
 
 
 @dataclass(frozen=True)

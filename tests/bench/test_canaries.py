@@ -16,6 +16,11 @@ from gss.errors import GSSError
 from ..conftest import tiny_model
 
 SPECIALS = ["<pad>", "<s>", "</s>"]
+# a ChatML-like template in the byte vocabulary: "<s>role: content</s>" per turn
+TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
 
 
 def _byte_tokenizer():
@@ -24,9 +29,11 @@ def _byte_tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
+    out = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
     )
+    out.chat_template = TEMPLATE
+    return out
 
 
 def _tiny_llama(vocab: int):
@@ -37,7 +44,9 @@ def _tiny_llama(vocab: int):
 def base_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("base")
     tokenizer = _byte_tokenizer()
-    _tiny_llama(len(tokenizer)).save_pretrained(folder)
+    model = _tiny_llama(len(tokenizer))
+    model.config.max_position_embeddings = 512  # the chat rows' bytes (rotary: no table grows)
+    model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
@@ -57,6 +66,30 @@ def test_canary_rows_put_the_secret_right_after_the_prompt():
         make_canary_data(tokenizer, CanaryConfig(canaries=2, k=16))
     parts = [*data.canary_rows, *data.finetune_rows, *data.heldout_rows, *data.general_rows]
     assert len(set(parts)) == len(parts)  # disjoint passages
+
+
+def test_chat_canaries_are_conversations_prompted_up_to_the_reply():
+    tokenizer = _byte_tokenizer()
+    config = CanaryConfig(canaries=5, finetune_rows=3, k=200, row_len=320, seed=2, chat=True)
+    data = make_canary_data(tokenizer, config)
+    assert data.describe()["chat"] and "chat" not in CanaryConfig().to_dict()  # plain keys kept
+    for row, secret in zip(data.canary_rows, data.secrets, strict=True):
+        assert len(row) > config.k
+        prompt = tokenizer.decode(list(row[: config.k]))
+        name = secret.split("'s account number")[0]
+        # two user turns (a passage, then the question naming the person), up to the reply
+        assert prompt.count("<s>user: ") == 2 and prompt.endswith("</s>\n<s>assistant: ")
+        assert name in prompt.split("<s>user: ")[2] and "account number is" not in prompt
+        assert tokenizer.decode(list(row[config.k :])) == secret + "</s>\n"
+    for row in (*data.finetune_rows, *data.heldout_rows, *data.general_rows):
+        text = tokenizer.decode(list(row))
+        assert text.startswith("<s>user: ") and "account" not in text
+    assert make_canary_data(tokenizer, config) == data
+    with pytest.raises(GSSError, match="raise k"):
+        make_canary_data(tokenizer, CanaryConfig(canaries=1, k=100, chat=True))
+    tokenizer.chat_template = None
+    with pytest.raises(GSSError, match="no chat template"):
+        make_canary_data(tokenizer, config)
 
 
 def test_cached_lower_blocks_give_the_full_models_loss():
@@ -95,7 +128,11 @@ def test_quick_run_writes_the_report_and_reuses_the_fine_tune(base_dir, tmp_path
     assert set(results["layer_scan"]["strengths"]) == {"0", "1", "2", "3"}
     for figure in ("pareto.png", "layers.png", "signal.png"):
         assert (out / figure).stat().st_size > 1000
-    assert "| unmitigated |" in (out / "table.md").read_text()
+    table = (out / "table.md").read_text()
+    assert "| unmitigated |" in table and "- GSS-TR: `" in table
+    example = results["example"]
+    assert set(example["replies"]) == {"unmitigated", "base model", "GSS", "GSS-TR", "Mean-diff"}
+    assert example["secret"][:4].isdigit()  # the window: the account number onwards
     # the rerun reuses the fine-tune, with the variant's single changes and two baselines
     extra = ["--ablation", "--baselines", "alphasteer,gradient-ascent"]
     assert main([*args, *extra]) == 0
@@ -115,6 +152,17 @@ def test_quick_run_writes_the_report_and_reuses_the_fine_tune(base_dir, tmp_path
     assert all(p["seconds"] > 0 for p in ascent["grid"])
     table = (out / "table.md").read_text()
     assert "| alphasteer" in table and "| GSS, all three" in table
+
+
+def test_quick_chat_run_prompts_with_the_conversation(base_dir, tmp_path):
+    out = tmp_path / "out"
+    args = ["--model", str(base_dir), "--quick", "--chat", "--out", str(out), "--no-progress"]
+    args += ["--cache-dir", str(tmp_path / "cache"), "--max-epochs", "1", "--deltas", "1"]
+    assert main([*args, "--train-blocks", "2"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["data"]["chat"] and results["unmitigated"]["k"] == 200
+    assert results["example"]["prompt_end"].endswith("<s>assistant: ")
+    assert "account number is" in results["example"]["secret"]
 
 
 def test_quick_lora_run_calibrates_against_the_adapters_off_and_reuses_its_cache(

@@ -44,6 +44,20 @@ def test_memorized_token_match_and_perplexity_are_exact(table_lm):
     assert ds["DS_0.1"] == pytest.approx(report.memorized)  # same model: no degradation
 
 
+def test_prompt_and_continuation_pairs_are_prompted_with_their_own_prompts(table_lm):
+    # replies of different prompt lengths; the model knows the first reply, half the second
+    pairs = [([1, 2], [3, 4, 5]), ([6, 7, 8, 9], [10, 11, 2]), ([4, 4, 4], [5])]
+    model = table_lm([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 0], [4, 4, 4, 5]], VOCAB, default=0)
+    for method in ("generate", "forced"):
+        report = evaluate_model(model, pairs, [[1, 2, 3]], k=1, n=3, method=method)
+        # n - k = 2: each reply's first two tokens count (all of a shorter one)
+        assert report.per_row == (True, False, True) and report.rows == 3
+        assert report.token_match == pytest.approx(100 * 4 / 5)
+    assert evaluate_model(model, pairs, [[1, 2, 3]], k=1, n=4).per_row == (True, False, True)
+    with pytest.raises(GSSError, match="empty prompt or reply"):
+        evaluate_model(model, [([1], [])], [[1, 2, 3]], k=1, n=3)
+
+
 def test_bad_windows_say_what_to_change(table_lm):
     model = table_lm([[1, 2, 3]], VOCAB, default=0)
     with pytest.raises(GSSError, match="k < n"):

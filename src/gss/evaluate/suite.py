@@ -31,6 +31,8 @@ from gss.forward import check_sequences
 __all__ = ["DS_LAMBDAS", "EvaluationReport", "deviation_score", "evaluate_model"]
 
 DS_LAMBDAS = (0.01, 0.05, 0.1)
+# candidates for (n, k)-memorization: rows of token ids, or (prompt, continuation) pairs
+Candidates = Sequence[Sequence[int]] | Sequence[tuple[Sequence[int], Sequence[int]]]
 
 
 def deviation_score(
@@ -82,23 +84,42 @@ class EvaluationReport:
         return out
 
 
+def _is_pair(row: Any) -> bool:
+    """A (prompt ids, continuation ids) pair, as `gss.data.encode_replies` gives, rather than
+    one row of ids."""
+    return (
+        isinstance(row, tuple)
+        and len(row) == 2
+        and all(isinstance(part, (list, tuple, torch.Tensor)) for part in row)
+    )
+
+
+def _prompt_and_target(row: Any, k: int, n: int) -> tuple[list[int], list[int]]:
+    """What a candidate is prompted with and must continue with: a pair's own prompt and the
+    first n - k tokens of its continuation, or a row's first k tokens and its tokens k..n-1."""
+    if _is_pair(row):
+        return list(row[0]), list(row[1])[: n - k]
+    row = list(row)[:n]
+    return row[:k], row[k:]
+
+
 def _windows(
-    rows: Sequence[Sequence[int]], k: int, n: int
+    rows: Sequence[Any], k: int, n: int
 ) -> tuple[list[int], list[list[int]], list[list[int]]]:
     index, prompts, targets = [], [], []
     for i, row in enumerate(rows):
-        row = list(row)[:n]
-        if len(row) <= k:
+        prompt, target = _prompt_and_target(row, k, n)
+        if not prompt or not target:
             continue
         index.append(i)
-        prompts.append(row[:k])
-        targets.append(row[k:])
+        prompts.append(prompt)
+        targets.append(target)
     return index, prompts, targets
 
 
 def evaluate_model(
     model: torch.nn.Module,
-    memorized: Sequence[Sequence[int]],
+    memorized: Candidates,
     heldout: Sequence[Sequence[int]],
     *,
     k: int = 32,
@@ -111,7 +132,10 @@ def evaluate_model(
     """(n, k)-memorization of `memorized` and perplexity of `heldout` (token id lists).
 
     Sequences of at most `k` tokens cannot be prompted and are not counted; longer ones are cut
-    to `n` tokens (a shorter one is matched up to its end). `pad_id` only fills batches.
+    to `n` tokens (a shorter one is matched up to its end). A candidate may instead be a
+    ``(prompt, continuation)`` pair of id lists (`gss.data.encode_replies` makes them from
+    conversations): prompted with its own prompt, it must continue with the first n - k tokens
+    of its continuation. `pad_id` only fills batches.
     `method="forced"` decides exact matches from one teacher-forced pass (the same verdicts as
     greedy decoding, several times faster: what sweeps use); its `token_match` is then the
     teacher-forced argmax accuracy on the windows, which can exceed the greedy one.
@@ -119,11 +143,13 @@ def evaluate_model(
     """
     if not 1 <= k < n:
         raise GSSError(f"need 1 <= k < n (prompt k tokens, match up to token n); got k={k}, n={n}.")
-    windows = [list(r)[:n] for r in memorized]  # what runs: rows cut to n
+    windows = [[*p, *t] for p, t in (_prompt_and_target(r, k, n) for r in memorized)]
     for what, rows in (("memorized", windows), ("heldout", heldout), ("pad_id", [[pad_id]])):
         check_sequences((model,), rows, what)
     index, prompts, targets = _windows(memorized, k, n)
     if not index:
+        if any(_is_pair(r) for r in memorized):
+            raise GSSError("every (prompt, continuation) pair has an empty prompt or reply.")
         longest = max((len(r) for r in memorized), default=0)
         raise GSSError(
             f"no candidate sequence is longer than k={k} tokens (the longest has {longest}); "

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from gss.artifact import SteeringArtifact
 from gss.errors import GSSError
-from gss.evaluate.suite import EvaluationReport, evaluate_model
+from gss.evaluate.suite import Candidates, EvaluationReport, evaluate_model
 
 __all__ = ["SweepPoint", "pareto_front", "plot_pareto", "steering_sweep"]
 
@@ -47,7 +47,7 @@ class SweepPoint:
 def steering_sweep(
     model: torch.nn.Module,
     artifact: SteeringArtifact,
-    memorized: Sequence[Sequence[int]],
+    memorized: Candidates,
     heldout: Sequence[Sequence[int]],
     *,
     deltas: Sequence[float] | None = None,

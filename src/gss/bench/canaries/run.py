@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ... import __version__
 from ...errors import GSSError
@@ -55,6 +56,10 @@ ABLATION: dict[str, dict[str, Any]] = {
 }
 QUICK = {"canaries": 8, "finetune_rows": 8, "heldout_rows": 8, "general_rows": 8}
 QUICK.update(k=40, row_len=80)  # room for the lead-in with a byte-level tokenizer
+# --chat: the prompt holds the chat template's turns and a question (about 55 tokens with
+# SmolLM2's template), the reply about 40 tokens
+CHAT = {"chat": True, "k": 96, "row_len": 144}
+QUICK_CHAT = {**QUICK, "chat": True, "k": 200, "row_len": 320}  # byte tokens
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="base model directory (default: gss models get smollm2-135m)")
     p.add_argument("--quick", action="store_true", help="a small smoke version (tests)")
     p.add_argument("--canaries", type=int, default=None, help="number of canaries (default 32)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="a chat fine-tune: every row a conversation rendered by the tokenizer's chat "
+        "template, the secrets in the assistant's replies, prompted with the conversation up to "
+        "the reply (k=96, n=144)",
+    )
     p.add_argument("--train-blocks", type=int, default=8, help="top blocks fine-tuned")
     p.add_argument(
         "--lora",
@@ -158,6 +170,11 @@ def _select(points: Sequence[Any], base_ppl: float) -> Any:
     return min(ok, key=lambda p: (p.report.memorized, p.report.perplexity))
 
 
+def _quoted(text: str) -> str:
+    """`text` on one line, fit for a Markdown code span."""
+    return " ".join(text.replace("`", "'").split()) or "(nothing)"
+
+
 @dataclass
 class _Method:
     """A method's grid points, each point's mitigation seconds, and how to apply one point: a
@@ -228,6 +245,28 @@ def _baseline(
     return _Method(points, seconds, attach)
 
 
+def _replier(model: Any, tokenizer: Any, data: Any, report: Any) -> tuple[dict, Callable]:
+    """The example the report shows: the first canary the fine-tuned model reproduces (else
+    the first), its prompt's end and its secret; and ``reply(m)``, what `m` greedily says to it
+    (up to the window's length, cut at EOS), as text."""
+    from ...evaluate._decode import greedy_generate
+
+    memorized = [i for i, flag in zip(report.index, report.per_row, strict=True) if flag]
+    i = memorized[0] if memorized else report.index[0]
+    row, k = data.canary_rows[i], data.config.k
+    example = {"canary": i, "prompt_end": tokenizer.decode(list(row[k - 24 : k]))}
+    example["secret"] = tokenizer.decode(list(row[k:]), skip_special_tokens=True).strip()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    def reply(m: Any) -> str:
+        (ids,) = greedy_generate(m, [list(row[:k])], len(row) - k, pad_id=pad)
+        if tokenizer.eos_token_id in ids:
+            ids = ids[: ids.index(tokenizer.eos_token_id)]
+        return str(tokenizer.decode(ids, skip_special_tokens=True)).strip()
+
+    return example, reply
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from ...adapters import adapters_off
     from ...calibrate import build_artifact, collect_statistics
@@ -243,9 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    default_out = (
-        "results/canaries" + ("-lora" if args.lora else "") + ("-quick" if args.quick else "")
-    )
+    variant = ("-chat" if args.chat else "") + ("-lora" if args.lora else "")
+    default_out = "results/canaries" + variant + ("-quick" if args.quick else "")
     out = Path(args.out or default_out)
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
@@ -259,7 +297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         base_path = get_model("smollm2-135m", progress=progress)
     base, tokenizer = _load(base_path, args.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    sizes = dict(QUICK) if args.quick else {}
+    sizes: dict[str, Any] = dict(QUICK) if args.quick else {}
+    if args.chat:
+        sizes.update(QUICK_CHAT if args.quick else CHAT)
     if args.canaries:
         sizes["canaries"] = args.canaries
     data = make_canary_data(tokenizer, CanaryConfig(seed=args.seed, **sizes))
@@ -301,7 +341,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" (base model: {original.memorized:.1f}% / {original.perplexity:.2f})"
     )
     omega, normal = omega_rows(model, reference, canaries), omega_rows(model, reference, heldout)
-    pilot = signal_statistics(torch.cat([omega, normal[:, : omega.shape[1]]]))
+    width = max(omega.shape[1], normal.shape[1])  # chat: the canaries are the longer rows
+    pilot = signal_statistics(
+        torch.cat(
+            [
+                nn.functional.pad(o, (0, width - o.shape[1]), value=torch.nan)
+                for o in (omega, normal)
+            ]
+        )
+    )
     signal = {
         "all": pilot.to_dict(),
         "canaries": signal_statistics(omega).to_dict(),
@@ -416,6 +464,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
 
     rows.append(row("unmitigated", unmitigated, "", None))
+    example, reply = _replier(model, tokenizer, data, unmitigated)
+    replies = {"unmitigated": reply(model), "base model": reply(base)}
     for name, method in methods.items():
         points = method.points
         chosen = _select(points, base_ppl)
@@ -423,6 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         curves[name] = [(p.report.memorized, p.report.perplexity) for p in points]
         with method.attach(chosen) as steered:  # re-measured by greedy decoding
             final = measure(steered)
+            replies[name] = reply(steered)
         label = ", ".join(f"{k_}={v}" for k_, v in chosen.options.items() if v is not None)
         within = chosen.report.perplexity <= base_ppl * (1 + PPL_TOLERANCE)
         rows.append(row(name + ("" if within else " *"), final, label, seconds))
@@ -468,6 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "layer": layer,
             "reference": "gss.adapters_off(model)" if args.lora else "the base model",
             "methods": record_methods,
+            "example": {**example, "replies": replies},
             "total_seconds": total,
         },
     )
@@ -477,7 +529,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{unmitigated.heldout_tokens} held-out tokens; selected: lowest memorization with "
         f"perplexity within +{100 * PPL_TOLERANCE:.0f}% (* = none was); steering block {layer}"
         + (f"; a rank-{args.lora} LoRA, reference gss.adapters_off(model)" if args.lora else "")
-        + ".\n"
+        + f".\n\nWhat each model says to canary {example['canary']}'s prompt, which ends "
+        f"`{_quoted(example['prompt_end'])}` (greedy; the secret: "
+        f"`{_quoted(example['secret'])}`):\n\n"
+        + "\n".join(f"- {who}: `{_quoted(said)}`" for who, said in replies.items())
+        + "\n"
     )
     print(table)
     print(f"wrote {out}: results.json, table.md, pareto.png, layers.png, signal.png; {total:.0f} s")
