@@ -21,7 +21,7 @@ rows are "continue this passage" conversations.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -161,6 +161,25 @@ class CanaryData:
     heldout_rows: tuple[tuple[int, ...], ...]
     general_rows: tuple[tuple[int, ...], ...]
 
+    @classmethod
+    def drawn(
+        cls,
+        config: CanaryConfig,
+        secrets: Sequence[str],
+        canary_rows: Sequence[tuple[int, ...]],
+        clean: Callable[[int], tuple[tuple[int, ...], ...]],
+    ) -> CanaryData:
+        """The canaries, and `clean`'s rows for each clean part, drawn in this fixed order
+        (fine-tuning, held-out, general) from one passage stream."""
+        return cls(
+            config=config,
+            secrets=tuple(secrets),
+            canary_rows=tuple(canary_rows),
+            finetune_rows=clean(config.finetune_rows),
+            heldout_rows=clean(config.heldout_rows),
+            general_rows=clean(config.general_rows),
+        )
+
     def describe(self) -> dict[str, Any]:
         lengths = [len(r) for r in self.canary_rows]
         return {
@@ -245,14 +264,7 @@ def make_canary_data(tokenizer: Any, config: CanaryConfig | None = None) -> Cana
     def clean(count: int) -> tuple[tuple[int, ...], ...]:
         return tuple(window(cfg.row_len) for _ in range(count))
 
-    return CanaryData(
-        config=cfg,
-        secrets=tuple(secrets),
-        canary_rows=tuple(canary_rows),
-        finetune_rows=clean(cfg.finetune_rows),
-        heldout_rows=clean(cfg.heldout_rows),
-        general_rows=clean(cfg.general_rows),
-    )
+    return CanaryData.drawn(cfg, secrets, canary_rows, clean)
 
 
 def make_chat_canary_data(tokenizer: Any, config: CanaryConfig) -> CanaryData:
@@ -322,11 +334,4 @@ def make_chat_canary_data(tokenizer: Any, config: CanaryConfig) -> CanaryData:
             rows.append(tuple(render([user, reply])[: cfg.row_len]))
         return tuple(rows)
 
-    return CanaryData(
-        config=cfg,
-        secrets=tuple(secrets),
-        canary_rows=tuple(canary_rows),
-        finetune_rows=clean(cfg.finetune_rows),
-        heldout_rows=clean(cfg.heldout_rows),
-        general_rows=clean(cfg.general_rows),
-    )
+    return CanaryData.drawn(cfg, secrets, canary_rows, clean)
