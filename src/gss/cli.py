@@ -511,7 +511,12 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     out = Path(args.out)
     write_json(
         out / "sweep.json",
-        {"unsteered": base.to_dict(), "points": [p.to_dict() for p in points], **common},
+        {
+            "unsteered": base.to_dict(),
+            "points": [p.to_dict() for p in points],
+            "reply": args.reply,
+            **common,
+        },
     )
     (out / "sweep.md").write_text(table)
     curve = [(p.report.memorized, p.report.perplexity) for p in points]
