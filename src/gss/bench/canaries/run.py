@@ -1,9 +1,10 @@
 """``gss bench canaries``: secret sharer on a real pretrained model, mitigated by GSS.
 
 1. Load the base model (default: SmolLM2-135M-Instruct from `gss models get`, fetched once);
-   plant canaries in Shakespeare passages; fine-tune the top blocks (or, with ``--lora R``, a
-   LoRA on them) until they are memorized (cached by config hash, so a rerun skips it). With a
-   LoRA, every reference pass below uses ``gss.adapters_off(model)``.
+   plant canaries in Shakespeare passages (``--chat``: in conversations rendered by the chat
+   template, each secret the assistant's reply to a question); fine-tune the top blocks (or,
+   with ``--lora R``, a LoRA on them) until they are memorized (cached by config hash, so a
+   rerun skips it). With a LoRA, every reference pass below uses ``gss.adapters_off(model)``.
 2. Measure the fine-tuned model: (n, k)-memorization of the canaries (greedy), per-token match,
    held-out perplexity; the pilot statistics of omega with the base model as reference.
 3. Scan every block's signal strength in one pass (plot), calibrate GSS (and the GSS-TR variant)
@@ -11,7 +12,8 @@
    percentile at the chosen delta; sweep mean-difference steering's strength.
 4. Per method, select the strength with the lowest memorization whose perplexity stays within
    5% of the unmitigated model's, re-measure it with greedy decoding, and report % memorized,
-   perplexity, DS_lambda, mitigation time and a Pareto figure.
+   perplexity, DS_lambda, mitigation time, a Pareto figure, and what each model answers to one
+   memorized canary's prompt.
 """
 
 from __future__ import annotations
