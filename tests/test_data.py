@@ -256,3 +256,31 @@ def test_sequences_longer_than_the_context_are_refused_with_the_fix(make_model):
     assert report.rows == 4
     llama = make_model("llama")
     assert context_length(llama) == (128, "max_position_embeddings")
+
+
+@pytest.mark.parametrize(
+    ("scaling", "context"),
+    [
+        ({"rope_type": "dynamic", "factor": 4.0}, 512),
+        ({"rope_type": "linear", "factor": 2.0}, 256),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}, 512),
+        # these keep the stretched length in max_position_embeddings themselves
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, 128),
+        ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 32}, 128),
+    ],
+)
+def test_a_rope_scaling_that_stretches_the_context_raises_the_limit(scaling, context):
+    from transformers import LlamaConfig
+
+    from gss.forward import context_length
+
+    model = torch.nn.Module()
+    extra = (
+        {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+        if scaling["rope_type"] == "llama3"
+        else {}
+    )
+    model.config = LlamaConfig(max_position_embeddings=128, rope_scaling={**scaling, **extra})
+    length, key = context_length(model)
+    assert length == context
+    assert key.startswith("max_position_embeddings") and (" x RoPE" in key) == (context != 128)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import GSSError
-from .layers import config_int
+from .layers import text_configs
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -143,11 +143,43 @@ def _token_id_limit(model: nn.Module) -> int | None:
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
 
 
+# RoPE scalings that stretch the positions a config's max_position_embeddings names by `factor`
+# (its value stays the pretrained length); others ("llama3", "longrope") set the stretched
+# length there themselves, keeping the pretrained one in original_max_position_embeddings
+STRETCHING_ROPE = ("linear", "dynamic", "yarn")
+
+
+def _rope_stretch(config: Any, length: int) -> float:
+    """The factor by which `config`'s RoPE scaling stretches `length` positions (1: none)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, key, None)
+        if not isinstance(params, dict):
+            continue
+        per_layer_type = [v for v in params.values() if isinstance(v, dict)]
+        for p in per_layer_type or [params]:
+            kind, factor = p.get("rope_type", p.get("type")), p.get("factor")
+            original = p.get("original_max_position_embeddings", length)
+            if kind in STRETCHING_ROPE and isinstance(factor, (int, float)) and original >= length:
+                return max(float(factor), 1.0)
+    return 1.0
+
+
 def context_length(model: nn.Module) -> tuple[int, str] | None:
-    """The most positions `model` takes and the config key that says so; None where its config
-    sets no limit (a state-space model)."""
-    found = config_int(model, CONTEXT_KEYS)
-    return found if found is not None and found[0] > 0 else None
+    """The most positions `model` takes and the config key that says so (times the RoPE
+    scaling factor where one stretches it); None where its config sets no limit (a
+    state-space model)."""
+    for config in text_configs(model):
+        for name in CONTEXT_KEYS:
+            value = getattr(config, name, None)
+            if not isinstance(value, int) or isinstance(value, bool):
+                continue
+            if value <= 0:
+                return None
+            stretch = _rope_stretch(config, value)
+            if stretch > 1:
+                return int(value * stretch), f"{name} x RoPE scaling factor {stretch:g}"
+            return value, name
+    return None
 
 
 def check_sequences(

@@ -7,6 +7,9 @@ so the two can never disagree about where they act.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -40,14 +43,21 @@ def _get_path(root: nn.Module, path: str) -> nn.Module | None:
     return obj if isinstance(obj, nn.Module) else None
 
 
-def config_int(model: nn.Module, names: tuple[str, ...]) -> tuple[int, str] | None:
-    """The first of `names` that the (text) config of the model, or of a model it wraps, sets
-    to an int, and that name."""
+def text_configs(model: nn.Module) -> Iterator[Any]:
+    """The (text) configs of the model and of the models it wraps, outermost first."""
     for candidate in _unwrap(model):
         config = getattr(candidate, "config", None)
         text_config = getattr(config, "get_text_config", None)
         if callable(text_config):
             config = text_config()
+        if config is not None:
+            yield config
+
+
+def config_int(model: nn.Module, names: tuple[str, ...]) -> tuple[int, str] | None:
+    """The first of `names` that the (text) config of the model, or of a model it wraps, sets
+    to an int, and that name."""
+    for config in text_configs(model):
         for name in names:
             value = getattr(config, name, None)
             if isinstance(value, int) and not isinstance(value, bool):
