@@ -90,7 +90,10 @@ def _is_pair(row: Any) -> bool:
     return (
         isinstance(row, tuple)
         and len(row) == 2
-        and all(isinstance(part, (list, tuple, torch.Tensor)) for part in row)
+        and all(
+            isinstance(part, (list, tuple)) or (isinstance(part, torch.Tensor) and part.ndim == 1)
+            for part in row
+        )
     )
 
 

@@ -247,7 +247,7 @@ def _baseline(
     return _Method(points, seconds, attach)
 
 
-def _replier(model: Any, tokenizer: Any, data: Any, report: Any) -> tuple[dict, Callable]:
+def _replier(tokenizer: Any, data: Any, report: Any) -> tuple[dict[str, Any], Callable[[Any], str]]:
     """The example the report shows: the first canary the fine-tuned model reproduces (else
     the first), its prompt's end and its secret; and ``reply(m)``, what `m` greedily says to it
     (up to the window's length, cut at EOS), as text."""
@@ -344,14 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     omega, normal = omega_rows(model, reference, canaries), omega_rows(model, reference, heldout)
     width = max(omega.shape[1], normal.shape[1])  # chat: the canaries are the longer rows
-    pilot = signal_statistics(
-        torch.cat(
-            [
-                nn.functional.pad(o, (0, width - o.shape[1]), value=torch.nan)
-                for o in (omega, normal)
-            ]
-        )
-    )
+    both = [nn.functional.pad(o, (0, width - o.shape[1]), value=torch.nan) for o in (omega, normal)]
+    pilot = signal_statistics(torch.cat(both))
     signal = {
         "all": pilot.to_dict(),
         "canaries": signal_statistics(omega).to_dict(),
@@ -466,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
 
     rows.append(row("unmitigated", unmitigated, "", None))
-    example, reply = _replier(model, tokenizer, data, unmitigated)
+    example, reply = _replier(tokenizer, data, unmitigated)
     replies = {"unmitigated": reply(model), "base model": reply(base)}
     for name, method in methods.items():
         points = method.points
