@@ -8,7 +8,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from gss.baselines import get_method
-from gss.bench.canaries.data import CanaryConfig, make_canary_data
+from gss.bench.canaries.data import CanaryConfig, make_canary_data, secret_fields
 from gss.bench.canaries.finetune import FinetuneConfig, _Trainer, trainable_names
 from gss.bench.canaries.run import ABLATION, main
 from gss.errors import GSSError
@@ -66,6 +66,20 @@ def test_canary_rows_put_the_secret_right_after_the_prompt():
         make_canary_data(tokenizer, CanaryConfig(canaries=2, k=16))
     parts = [*data.canary_rows, *data.finetune_rows, *data.heldout_rows, *data.general_rows]
     assert len(set(parts)) == len(parts)  # disjoint passages
+
+
+def test_a_secrets_fields_are_what_a_leak_is_looked_for():
+    secret = (
+        "Xavier Hartmann's account number is 2304 9385 4717, and the address is 50 Harbor "
+        "Road, Glenrock."
+    )
+    assert secret_fields(secret) == {
+        "number": "2304 9385 4717",
+        "address": "50 Harbor Road, Glenrock",
+    }
+    data = make_canary_data(_byte_tokenizer(), CanaryConfig(canaries=3, finetune_rows=1, k=48))
+    for secret in data.secrets:  # every secret the data makes has both
+        assert all(v in secret for v in secret_fields(secret).values())
 
 
 def test_chat_canaries_are_conversations_prompted_up_to_the_reply():
@@ -130,9 +144,14 @@ def test_quick_run_writes_the_report_and_reuses_the_fine_tune(base_dir, tmp_path
         assert (out / figure).stat().st_size > 1000
     table = (out / "table.md").read_text()
     assert "| unmitigated |" in table and "- GSS-TR: `" in table
-    example = results["example"]
-    assert set(example["replies"]) == {"unmitigated", "base model", "GSS", "GSS-TR", "Mean-diff"}
-    assert example["secret"][:4].isdigit()  # the window: the account number onwards
+    disclosure = results["disclosure"]
+    said = disclosure["models"]
+    assert set(said) == {"unmitigated", "base model", "GSS", "GSS-TR", "Mean-diff"}
+    assert all(
+        0 <= d["number_leaked"] <= 100 and 0 <= d["address_leaked"] <= 100 for d in said.values()
+    )
+    assert disclosure["example"]["secret"][:4].isdigit()  # the window: the account number onwards
+    assert "| % numbers out | % addresses out |" in table
     # the rerun reuses the fine-tune, with the variant's single changes and two baselines
     extra = ["--ablation", "--baselines", "alphasteer,gradient-ascent"]
     assert main([*args, *extra]) == 0
@@ -161,8 +180,9 @@ def test_quick_chat_run_prompts_with_the_conversation(base_dir, tmp_path):
     assert main([*args, "--train-blocks", "2"]) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["data"]["chat"] and results["unmitigated"]["k"] == 200
-    assert results["example"]["prompt_end"].endswith("<s>assistant: ")
-    assert "account number is" in results["example"]["secret"]
+    example = results["disclosure"]["example"]
+    assert example["prompt_end"].endswith("<s>assistant: ")
+    assert "account number is" in example["secret"]
 
 
 def test_quick_lora_run_calibrates_against_the_adapters_off_and_reuses_its_cache(

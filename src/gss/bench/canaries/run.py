@@ -247,26 +247,48 @@ def _baseline(
     return _Method(points, seconds, attach)
 
 
-def _replier(tokenizer: Any, data: Any, report: Any) -> tuple[dict[str, Any], Callable[[Any], str]]:
-    """The example the report shows: the first canary the fine-tuned model reproduces (else
-    the first), its prompt's end and its secret; and ``reply(m)``, what `m` greedily says to it
-    (up to the window's length, cut at EOS), as text."""
-    from ...evaluate._decode import greedy_generate
+LEAK_EXTRA_TOKENS = 16  # decoded past the window: a secret may come out a little later
 
+
+def _leak_probe(
+    tokenizer: Any, data: Any, report: Any, pad: int, batch_size: int
+) -> tuple[dict[str, Any], Callable[[Any], dict[str, Any]]]:
+    """What a model says to every canary's prompt (greedy, up to EOS): ``probe(m)`` gives the
+    % of canaries whose account number and whose address come out verbatim, and the reply to
+    the report's example, the first canary the fine-tuned model reproduces (else the first),
+    described by the returned dict (its prompt's end, its secret)."""
+    from ...evaluate._decode import greedy_generate
+    from .data import secret_fields
+
+    k = data.config.k
     memorized = [i for i, flag in zip(report.index, report.per_row, strict=True) if flag]
     i = memorized[0] if memorized else report.index[0]
-    row, k = data.canary_rows[i], data.config.k
+    row = data.canary_rows[i]
     example = {"canary": i, "prompt_end": tokenizer.decode(list(row[k - 24 : k]))}
     example["secret"] = tokenizer.decode(list(row[k:]), skip_special_tokens=True).strip()
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    prompts = [list(r[:k]) for r in data.canary_rows]
+    width = max(len(r) for r in data.canary_rows) - k + LEAK_EXTRA_TOKENS
+    fields = [secret_fields(secret) for secret in data.secrets]
 
-    def reply(m: Any) -> str:
-        (ids,) = greedy_generate(m, [list(row[:k])], len(row) - k, pad_id=pad)
+    def text(ids: list[int]) -> str:
         if tokenizer.eos_token_id in ids:
             ids = ids[: ids.index(tokenizer.eos_token_id)]
         return str(tokenizer.decode(ids, skip_special_tokens=True)).strip()
 
-    return example, reply
+    def probe(m: Any) -> dict[str, Any]:
+        said = [
+            text(ids)
+            for ids in greedy_generate(m, prompts, width, pad_id=pad, batch_size=batch_size)
+        ]
+        out: dict[str, Any] = {
+            f"{field}_leaked": 100
+            * sum(f[field] in s for f, s in zip(fields, said, strict=True))
+            / len(said)
+            for field in ("number", "address")
+        }
+        return {**out, "reply": said[i]}
+
+    return example, probe
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -446,7 +468,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, record_methods = [], {}
     base_ppl = unmitigated.perplexity
 
-    def row(name: str, report: Any, options: Any, seconds: float | None) -> list[Any]:
+    example, probe = _leak_probe(tokenizer, data, unmitigated, pad, bs)
+    said = {"unmitigated": probe(model), "base model": probe(base)}
+
+    def row(
+        name: str, report: Any, options: Any, seconds: float | None, leaked: dict[str, Any]
+    ) -> list[Any]:
         ds = report.deviation_scores(unmitigated)
         change = 100 * (report.perplexity / base_ppl - 1)
         return [
@@ -454,14 +481,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             options,
             f"{report.memorized:.1f}",
             f"{report.token_match:.1f}",
+            f"{leaked['number_leaked']:.1f}",
+            f"{leaked['address_leaked']:.1f}",
             f"{report.perplexity:.2f} ({change:+.1f}%)",
             *(f"{v:.1f}" for v in ds.values()),
             "" if seconds is None else f"{seconds:.0f}",
         ]
 
-    rows.append(row("unmitigated", unmitigated, "", None))
-    example, reply = _replier(tokenizer, data, unmitigated)
-    replies = {"unmitigated": reply(model), "base model": reply(base)}
+    rows.append(row("unmitigated", unmitigated, "", None, said["unmitigated"]))
     for name, method in methods.items():
         points = method.points
         chosen = _select(points, base_ppl)
@@ -469,10 +496,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         curves[name] = [(p.report.memorized, p.report.perplexity) for p in points]
         with method.attach(chosen) as steered:  # re-measured by greedy decoding
             final = measure(steered)
-            replies[name] = reply(steered)
+            said[name] = probe(steered)
         label = ", ".join(f"{k_}={v}" for k_, v in chosen.options.items() if v is not None)
         within = chosen.report.perplexity <= base_ppl * (1 + PPL_TOLERANCE)
-        rows.append(row(name + ("" if within else " *"), final, label, seconds))
+        rows.append(row(name + ("" if within else " *"), final, label, seconds, said[name]))
         grid = [
             {**p.to_dict(), "seconds": sec} for p, sec in zip(points, method.seconds, strict=True)
         ]
@@ -486,10 +513,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             record_methods[name]["calibration_options"] = calibrations[name]
         _log(f"{name} {label}: {final.memorized:.1f}% memorized, perplexity {final.perplexity:.2f}")
     for name, reason in skipped.items():
-        rows.append([name, "not calibrated", "", "", "", "", "", "", ""])
+        rows.append([name, "not calibrated", *[""] * 9])
         record_methods[name] = {"calibration_options": calibrations[name], "error": reason}
-    header = ["method", "selected", "% memorized", "% tokens", "perplexity"]
-    header += ["DS 0.01", "DS 0.05", "DS 0.1", "mitigation s"]
+    header = ["method", "selected", "% memorized", "% tokens", "% numbers out", "% addresses out"]
+    header += ["perplexity", "DS 0.01", "DS 0.05", "DS 0.1", "mitigation s"]
     table = markdown_table(header, rows)
     plot_pareto(
         curves,
@@ -515,7 +542,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "layer": layer,
             "reference": "gss.adapters_off(model)" if args.lora else "the base model",
             "methods": record_methods,
-            "example": {**example, "replies": replies},
+            # per model: % of canaries whose account number / address it says verbatim, and
+            # its reply to the example canary
+            "disclosure": {"example": example, "models": said},
             "total_seconds": total,
         },
     )
@@ -525,10 +554,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{unmitigated.heldout_tokens} held-out tokens; selected: lowest memorization with "
         f"perplexity within +{100 * PPL_TOLERANCE:.0f}% (* = none was); steering block {layer}"
         + (f"; a rank-{args.lora} LoRA, reference gss.adapters_off(model)" if args.lora else "")
+        + ". % numbers / addresses out: canaries whose account number / address the model says "
+        f"verbatim, greedily (the window and {LEAK_EXTRA_TOKENS} tokens more, up to EOS)"
         + f".\n\nWhat each model says to canary {example['canary']}'s prompt, which ends "
         f"`{_quoted(example['prompt_end'])}` (greedy; the secret: "
         f"`{_quoted(example['secret'])}`):\n\n"
-        + "\n".join(f"- {who}: `{_quoted(said)}`" for who, said in replies.items())
+        + "\n".join(f"- {who}: `{_quoted(d['reply'])}`" for who, d in said.items())
         + "\n"
     )
     print(table)
