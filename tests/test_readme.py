@@ -54,12 +54,17 @@ def test_readme_canary_table_is_the_committed_results():
         "GSS-TR": results["methods"]["GSS-TR"]["selected"],
         "mean-difference steering": results["methods"]["Mean-diff"]["selected"],
     }
+    said = results["disclosure"]["models"]
+    said_by = dict(zip(sources, ["base model", "unmitigated", "GSS", "GSS-TR", "Mean-diff"]))
     rows = _table_rows(_section("## Measured on a real model"))
     assert [row.split(" | ")[0].strip("| ") for row in rows] == list(sources)
     for row in rows:
-        name, memorized, tokens, perplexity = (cell.strip() for cell in row.strip("|").split("|"))
+        cells = (cell.strip() for cell in row.strip("|").split("|"))
+        name, memorized, tokens, out, perplexity = cells
         got = sources[name]
         assert memorized == f"{got['memorized']:.1f}" and tokens == f"{got['token_match']:.1f}"
+        leaks = said[said_by[name]]
+        assert out == f"{leaks['number_leaked']:.1f} / {leaks['address_leaked']:.1f}", name
         assert perplexity.split(" ")[0] == f"{got['perplexity']:.2f}", name
         if "(" in perplexity:  # the change against the unmitigated model's perplexity
             change = 100 * (got["perplexity"] / unmitigated - 1)
