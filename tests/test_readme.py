@@ -55,7 +55,8 @@ def test_readme_canary_table_is_the_committed_results():
         "mean-difference steering": results["methods"]["Mean-diff"]["selected"],
     }
     said = results["disclosure"]["models"]
-    said_by = dict(zip(sources, ["base model", "unmitigated", "GSS", "GSS-TR", "Mean-diff"]))
+    names = ["base model", "unmitigated", "GSS", "GSS-TR", "Mean-diff"]  # in the report
+    said_by = dict(zip(sources, names, strict=True))
     rows = _table_rows(_section("## Measured on a real model"))
     assert [row.split(" | ")[0].strip("| ") for row in rows] == list(sources)
     for row in rows:
