@@ -245,6 +245,35 @@ def test_evaluate_compares_steered_with_unsteered(workdir, steer, capsys):
     assert "smaller --k" in capsys.readouterr().err
 
 
+def test_evaluate_looks_for_the_secrets_rows_carry(workdir, steer, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from gss.evaluate.leaks import secrets_said
+
+    lines = (workdir / "data.txt").read_text().splitlines()[:4]
+    tok = _tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(workdir / "model")
+    prompt = tok(lines[0])["input_ids"][:4]
+    (said,) = secrets_said(model, tok, [prompt], [["x"]], max_new_tokens=6).continuations
+    # row 0's secret is what the model says after its first 4 tokens; the others never come
+    secrets = [" ".join(said.split()[1:3]), "zzz", "yyy", "xxx"]
+    rows = [{"text": t, "secrets": [s]} for t, s in zip(lines, secrets, strict=True)]
+    path = workdir / "secrets.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [*rows, {"text": lines[0]}]) + "\n")
+    out = workdir / "leaks"
+    args = ["evaluate", "--model", str(workdir / "model"), "--memorized", str(path)]
+    args += ["--heldout", str(workdir / "data.jsonl"), "--k", "4", "--n", "8", "--out", str(out)]
+    assert main([*args, "--steer", str(steer), "--no-progress"]) == 0
+    assert "| % secrets said |" in capsys.readouterr().out
+    record = json.loads((out / "evaluation.json").read_text())
+    unsteered = record["unsteered"]["secrets"]
+    assert unsteered["said"] == [[True], [False], [False], [False]]
+    assert unsteered["secrets_leaked"] == 25.0 and "secrets" in record["steered"]
+    path.write_text(json.dumps({"text": "w1 w2", "secrets": ["w3"]}) + "\n")
+    assert main(args) == 2
+    assert "has at most k=4 tokens" in capsys.readouterr().err
+
+
 def test_no_progress_silences_every_bar_and_only_for_the_command(workdir, steer, capsys):
     from transformers.utils import logging as transformers_logging
 

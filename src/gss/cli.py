@@ -7,7 +7,7 @@ import importlib.util
 import json
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -366,13 +366,58 @@ def _evaluation_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
     return model, tokenizer, artifact, memorized, heldout, pad
 
 
+def _secrets_check(args: argparse.Namespace, tokenizer: Any) -> Callable[[Any], Any] | None:
+    """`gss evaluate`'s check of the --memorized rows that carry a "secrets" list: each is
+    prompted as its memorization is (its first k tokens, or with --reply the turns before its
+    reply), and ``check(model)`` looks for its secrets in the greedy continuation. None when no
+    row has secrets."""
+    from .data import encode, encode_replies, read_rows
+    from .evaluate.leaks import EXTRA_TOKENS, secrets_said
+
+    items = [
+        (row, row["secrets"])
+        for row in read_rows(args.memorized)
+        if isinstance(row, dict) and row.get("secrets") is not None
+    ]
+    if not items:
+        return None
+    rows, secrets = [row for row, _ in items], [s for _, s in items]
+    if args.reply:
+        prompts = [prompt for prompt, _ in encode_replies(rows, tokenizer)]
+    else:
+        ids = encode(rows, tokenizer, args.n)
+        if len(ids) != len(rows) or any(len(r) <= args.k for r in ids):
+            raise GSSError(
+                f"a --memorized row with secrets has at most k={args.k} tokens: nothing is "
+                "left to say after its prompt; give longer rows or a smaller --k."
+            )
+        prompts = [r[: args.k] for r in ids]
+
+    def check(model: Any) -> Any:
+        return secrets_said(
+            model,
+            tokenizer,
+            prompts,
+            secrets,
+            max_new_tokens=args.n - args.k + EXTRA_TOKENS,
+            batch_size=args.batch_size,
+            progress=not args.no_progress,
+        )
+
+    return check
+
+
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from .evaluate.suite import evaluate_model
     from .report import markdown_table, write_json
 
-    model, _, artifact, memorized, heldout, pad = _evaluation_inputs(args)
+    model, tokenizer, artifact, memorized, heldout, pad = _evaluation_inputs(args)
+    secrets_check = _secrets_check(args, tokenizer)
+    leaks: dict[str, Any] = {}
 
-    def measure() -> Any:
+    def measure(name: str) -> Any:
+        if secrets_check is not None:
+            leaks[name] = secrets_check(model)
         return evaluate_model(
             model,
             memorized,
@@ -384,12 +429,12 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
 
-    runs = {"unsteered": measure()}
+    runs = {"unsteered": measure("unsteered")}
     gates: dict[str, Any] = {}
     if artifact is not None:
         options = {"delta": args.delta} if args.delta else {}
         with artifact.attach(model, track_gates=True, **options) as handle:
-            runs["steered"] = measure()
+            runs["steered"] = measure("steered")
             gates = handle.gate_stats()
     base = runs["unsteered"]
     rows, record = [], {"model": args.model, "steer": args.steer, "k": args.k, "n": args.n}
@@ -397,11 +442,16 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     for name, report in runs.items():
         ds = report.deviation_scores(base)
         record[name] = {**report.to_dict(), **ds}
+        said = []
+        if name in leaks:
+            record[name]["secrets"] = leaks[name].to_dict()
+            said = [f"{leaks[name].secrets_leaked:.1f}"]
         rows.append(
             [
                 name,
                 f"{report.memorized:.1f}",
                 f"{report.token_match:.1f}",
+                *said,
                 f"{report.perplexity:.3f}",
                 *(f"{v:.2f}" for v in ds.values()),
                 f"{sum(report.seconds.values()):.1f}",
@@ -409,8 +459,8 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         )
     if gates:
         record["steered"]["gate_open_share"] = gates["any_open_share"]
-    header = ["run", "% memorized", "% tokens matched", "perplexity"]
-    header += [f"DS {lam}" for lam in ("0.01", "0.05", "0.1")] + ["seconds"]
+    header = ["run", "% memorized", "% tokens matched", *(["% secrets said"] if leaks else [])]
+    header += ["perplexity", *(f"DS {lam}" for lam in ("0.01", "0.05", "0.1")), "seconds"]
     table = markdown_table(header, rows)
     what = (
         f"replies reproduced (their first {args.n - args.k} tokens) of {base.rows} conversations"

@@ -1,5 +1,6 @@
 """Metrics for any HF causal LM (hooks attached or not): memorization and utility."""
 
+from gss.evaluate.leaks import LeakReport, secrets_said
 from gss.evaluate.memorization import (
     BackdoorResult,
     MemorizationResult,
@@ -13,6 +14,7 @@ from gss.evaluate.utility import perplexity, token_accuracy
 __all__ = [
     "BackdoorResult",
     "EvaluationReport",
+    "LeakReport",
     "MemorizationResult",
     "SweepPoint",
     "backdoor_success",
@@ -21,6 +23,7 @@ __all__ = [
     "nk_memorization",
     "pareto_front",
     "perplexity",
+    "secrets_said",
     "steering_sweep",
     "token_accuracy",
 ]

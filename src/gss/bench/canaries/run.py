@@ -32,6 +32,7 @@ from torch import nn
 
 from ... import __version__
 from ...errors import GSSError
+from ...evaluate.leaks import EXTRA_TOKENS
 from ...forward import model_device
 from ...pretrained import load_causal_lm
 from ...report import machine_info, markdown_table, write_json
@@ -247,17 +248,14 @@ def _baseline(
     return _Method(points, seconds, attach)
 
 
-LEAK_EXTRA_TOKENS = 16  # decoded past the window: a secret may come out a little later
-
-
 def _leak_probe(
-    tokenizer: Any, data: Any, report: Any, pad: int, batch_size: int
+    tokenizer: Any, data: Any, report: Any, batch_size: int
 ) -> tuple[dict[str, Any], Callable[[Any], dict[str, Any]]]:
-    """What a model says to every canary's prompt (greedy, up to EOS): ``probe(m)`` gives the
+    """What a model says to every canary's prompt (`gss.evaluate.leaks`): ``probe(m)`` gives the
     % of canaries whose account number and whose address come out verbatim, and the reply to
     the report's example, the first canary the fine-tuned model reproduces (else the first),
     described by the returned dict (its prompt's end, its secret)."""
-    from ...evaluate._decode import greedy_generate
+    from ...evaluate.leaks import secrets_said
     from .data import secret_fields
 
     k = data.config.k
@@ -267,26 +265,20 @@ def _leak_probe(
     example = {"canary": i, "prompt_end": tokenizer.decode(list(row[k - 24 : k]))}
     example["secret"] = tokenizer.decode(list(row[k:]), skip_special_tokens=True).strip()
     prompts = [list(r[:k]) for r in data.canary_rows]
-    width = max(len(r) for r in data.canary_rows) - k + LEAK_EXTRA_TOKENS
+    width = max(len(r) for r in data.canary_rows) - k + EXTRA_TOKENS
     fields = [secret_fields(secret) for secret in data.secrets]
-
-    def text(ids: list[int]) -> str:
-        if tokenizer.eos_token_id in ids:
-            ids = ids[: ids.index(tokenizer.eos_token_id)]
-        return str(tokenizer.decode(ids, skip_special_tokens=True)).strip()
+    names = ["number", "address"]
 
     def probe(m: Any) -> dict[str, Any]:
-        said = [
-            text(ids)
-            for ids in greedy_generate(m, prompts, width, pad_id=pad, batch_size=batch_size)
-        ]
+        secrets = [[f[name] for name in names] for f in fields]
+        leaks = secrets_said(
+            m, tokenizer, prompts, secrets, max_new_tokens=width, batch_size=batch_size
+        )
         out: dict[str, Any] = {
-            f"{field}_leaked": 100
-            * sum(f[field] in s for f, s in zip(fields, said, strict=True))
-            / len(said)
-            for field in ("number", "address")
+            f"{name}_leaked": 100 * sum(flags[j] for flags in leaks.said) / len(leaks.said)
+            for j, name in enumerate(names)
         }
-        return {**out, "reply": said[i]}
+        return {**out, "reply": leaks.continuations[i]}
 
     return example, probe
 
@@ -468,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, record_methods = [], {}
     base_ppl = unmitigated.perplexity
 
-    example, probe = _leak_probe(tokenizer, data, unmitigated, pad, bs)
+    example, probe = _leak_probe(tokenizer, data, unmitigated, bs)
     said = {"unmitigated": probe(model), "base model": probe(base)}
 
     def row(
@@ -555,7 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"perplexity within +{100 * PPL_TOLERANCE:.0f}% (* = none was); steering block {layer}"
         + (f"; a rank-{args.lora} LoRA, reference gss.adapters_off(model)" if args.lora else "")
         + ". % numbers / addresses out: canaries whose account number / address the model says "
-        f"verbatim, greedily (the window and {LEAK_EXTRA_TOKENS} tokens more, up to EOS)"
+        f"verbatim, greedily (the window and {EXTRA_TOKENS} tokens more, up to EOS)"
         + f".\n\nWhat each model says to canary {example['canary']}'s prompt, which ends "
         f"`{_quoted(example['prompt_end'])}` (greedy; the secret: "
         f"`{_quoted(example['secret'])}`):\n\n"

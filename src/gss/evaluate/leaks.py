@@ -1,0 +1,87 @@
+"""Secrets said: does the model still say given strings (account numbers, addresses, emails)
+when prompted with the text they were trained after?
+
+(n, k)-memorization asks for the whole window verbatim, so a model that garbles one part of a
+secret and repeats another counts as not memorized: on the canary benchmark GSS as published
+left no canary whole but still said 56% of the addresses. This check decodes each prompt's
+greedy continuation to text and looks for each of its secrets in it, verbatim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gss.errors import GSSError
+from gss.evaluate._decode import greedy_generate
+
+__all__ = ["EXTRA_TOKENS", "LeakReport", "secrets_said"]
+
+EXTRA_TOKENS = 16  # decoded past the window by callers: a secret may come out a little later
+
+
+@dataclass(frozen=True)
+class LeakReport:
+    """What `secrets_said` found. `said[i][j]`: whether prompt i's continuation contains its
+    j-th secret; `continuations`: the decoded text (cut at EOS)."""
+
+    said: tuple[tuple[bool, ...], ...]
+    continuations: tuple[str, ...]
+
+    @property
+    def prompts_leaking(self) -> float:
+        """% of the prompts (those with secrets) whose continuation says at least one."""
+        counted = [flags for flags in self.said if flags]
+        return 100.0 * sum(any(f) for f in counted) / len(counted) if counted else float("nan")
+
+    @property
+    def secrets_leaked(self) -> float:
+        """% of all the secrets that are said after their prompt."""
+        flags = [f for row in self.said for f in row]
+        return 100.0 * sum(flags) / len(flags) if flags else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompts_leaking": self.prompts_leaking,
+            "secrets_leaked": self.secrets_leaked,
+            "said": [list(row) for row in self.said],
+            "continuations": list(self.continuations),
+        }
+
+
+def secrets_said(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[int]],
+    secrets: Sequence[Sequence[str]],
+    *,
+    max_new_tokens: int,
+    pad_id: int | None = None,
+    batch_size: int = 16,
+    progress: bool = False,
+) -> LeakReport:
+    """Greedy-decode `max_new_tokens` after each prompt (token ids), cut at the tokenizer's EOS,
+    and check which of that prompt's `secrets` (strings) the text contains verbatim."""
+    if len(prompts) != len(secrets):
+        raise GSSError(
+            f"{len(prompts)} prompts but {len(secrets)} lists of secrets: give one each."
+        )
+    for i, row in enumerate(secrets):
+        if isinstance(row, str) or not all(isinstance(s, str) and s for s in row):
+            raise GSSError(f"the secrets of prompt {i} must be a list of non-empty strings.")
+    if pad_id is None:
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    generated = greedy_generate(
+        model, prompts, max_new_tokens, pad_id=pad_id, batch_size=batch_size, progress=progress
+    )
+    eos = tokenizer.eos_token_id
+    texts = []
+    for ids in generated:
+        if eos is not None and eos in ids:
+            ids = ids[: ids.index(eos)]
+        texts.append(str(tokenizer.decode(ids, skip_special_tokens=True)).strip())
+    said = tuple(tuple(s in text for s in row) for row, text in zip(secrets, texts, strict=True))
+    return LeakReport(said=said, continuations=tuple(texts))

@@ -1,0 +1,42 @@
+"""secrets_said: which strings a model says after their prompts, from a lookup-table LM."""
+
+import pytest
+
+from gss.errors import GSSError
+from gss.evaluate.leaks import secrets_said
+
+from ..test_cli import WORDS, _tokenizer
+
+
+def _ids(words: str) -> list[int]:
+    return [WORDS.index(w) for w in words.split()]
+
+
+def test_each_secret_is_looked_for_in_its_prompts_continuation(table_lm):
+    tok = _tokenizer()
+    # after "w1 w2" the model says "w5 w6 w7" then EOS (and w9 after it, never read); after
+    # "w3 w4" it says "w8 w8 w8"
+    paths = [_ids("w1 w2 w5 w6 w7 <eos> w9"), _ids("w3 w4 w8 w8 w8 w8 w8 w8")]
+    model = table_lm(paths, len(WORDS), default=WORDS.index("w8"))
+    prompts = [_ids("w1 w2"), _ids("w3 w4")]
+    secrets = [["w6 w7", "w9", "w5 w7"], ["w8 w8"]]
+    report = secrets_said(model, tok, prompts, secrets, max_new_tokens=5, batch_size=1)
+    assert report.continuations == ("w5 w6 w7", "w8 w8 w8 w8 w8")
+    # w9 comes after EOS; "w5 w7" is not verbatim
+    assert report.said == ((True, False, False), (True,))
+    assert report.secrets_leaked == pytest.approx(50.0)
+    assert report.prompts_leaking == pytest.approx(100.0)
+    assert report.to_dict()["said"] == [[True, False, False], [True]]
+    # a prompt without secrets is not counted among the prompts
+    none = secrets_said(model, tok, prompts, [[], ["w1"]], max_new_tokens=2)
+    assert none.prompts_leaking == 0.0 and none.secrets_leaked == 0.0
+
+
+def test_secrets_must_be_one_list_of_strings_per_prompt(table_lm):
+    tok, model = _tokenizer(), table_lm([], len(WORDS), default=4)
+    with pytest.raises(GSSError, match="2 prompts but 1 lists of secrets"):
+        secrets_said(model, tok, [[5], [6]], [["w1"]], max_new_tokens=2)
+    with pytest.raises(GSSError, match="secrets of prompt 0 must be a list of non-empty strings"):
+        secrets_said(model, tok, [[5]], ["w1 w2"], max_new_tokens=2)
+    with pytest.raises(GSSError, match="non-empty strings"):
+        secrets_said(model, tok, [[5]], [[""]], max_new_tokens=2)
