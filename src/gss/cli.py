@@ -416,9 +416,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     leaks: dict[str, Any] = {}
 
     def measure(name: str) -> Any:
-        if secrets_check is not None:
-            leaks[name] = secrets_check(model)
-        return evaluate_model(
+        report = evaluate_model(
             model,
             memorized,
             heldout,
@@ -428,6 +426,9 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             progress=not args.no_progress,
         )
+        if secrets_check is not None:
+            leaks[name] = secrets_check(model)
+        return report
 
     runs = {"unsteered": measure("unsteered")}
     gates: dict[str, Any] = {}

@@ -40,3 +40,9 @@ def test_secrets_must_be_one_list_of_strings_per_prompt(table_lm):
         secrets_said(model, tok, [[5]], ["w1 w2"], max_new_tokens=2)
     with pytest.raises(GSSError, match="non-empty strings"):
         secrets_said(model, tok, [[5]], [[""]], max_new_tokens=2)
+
+
+def test_prompts_the_model_cannot_run_are_refused_before_decoding(make_model):
+    model = make_model("gpt2")  # 128 learned positions
+    with pytest.raises(GSSError, match="sequence 0 has 130 tokens, more than the 128 positions"):
+        secrets_said(model, _tokenizer(), [[5] * 120], [["w1"]], max_new_tokens=10)

@@ -17,6 +17,7 @@ import torch
 
 from gss.errors import GSSError
 from gss.evaluate._decode import greedy_generate
+from gss.forward import check_sequences
 
 __all__ = ["EXTRA_TOKENS", "LeakReport", "secrets_said"]
 
@@ -74,6 +75,13 @@ def secrets_said(
             raise GSSError(f"the secrets of prompt {i} must be a list of non-empty strings.")
     if pad_id is None:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    # what will run: each prompt and its continuation (its own last id stands in for the
+    # tokens not generated yet), so a too-long one is refused here, not deep inside torch
+    check_sequences(
+        (model,),
+        [[*p, *[p[-1]] * max_new_tokens] if len(p) else [] for p in prompts],
+        "prompts and their continuations",
+    )
     generated = greedy_generate(
         model, prompts, max_new_tokens, pad_id=pad_id, batch_size=batch_size, progress=progress
     )
