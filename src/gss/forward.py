@@ -183,13 +183,17 @@ def context_length(model: nn.Module) -> tuple[int, str] | None:
 
 
 def check_sequences(
-    models: Sequence[nn.Module], seqs: Sequence[Sequence[int] | Tensor] | Tensor, what: str
+    models: Sequence[nn.Module],
+    seqs: Sequence[Sequence[int] | Tensor] | Tensor,
+    what: str,
+    new_tokens: int = 0,
 ) -> None:
     """Refuse sequences `models` cannot run before a forward pass fails on them deep inside
     torch (on a GPU, with an assert that leaves the device unusable until the process ends):
     token ids they have no embedding row or logit for, and sequences longer than their
     context (learned position embeddings index past their end; rotary ones run on positions
-    never trained). A model that tells neither (a stand-in in tests) sets no bound."""
+    never trained), counting the `new_tokens` to be generated after each. A model that tells
+    neither (a stand-in in tests) sets no bound."""
     if isinstance(seqs, Tensor):
         rows: Sequence[Sequence[int] | Tensor] = list(seqs) if seqs.numel() else []
     else:
@@ -199,9 +203,10 @@ def check_sequences(
     longest = max(range(len(rows)), key=lambda i: len(rows[i]))
     for model in models:
         found = context_length(model)
-        if found is not None and len(rows[longest]) > found[0]:
+        if found is not None and len(rows[longest]) + new_tokens > found[0]:
             raise GSSError(
-                f"{what}: sequence {longest} has {len(rows[longest])} tokens, more than the "
+                f"{what}: sequence {longest} has {len(rows[longest]) + new_tokens} tokens, "
+                "more than the "
                 f"{found[0]} positions the model takes (config.{found[1]}). Cut the sequences "
                 "with max_length= (--max-length on the command line) or split long texts."
             )

@@ -54,20 +54,19 @@ def text_configs(model: nn.Module) -> Iterator[Any]:
             yield config
 
 
-def config_int(model: nn.Module, names: tuple[str, ...]) -> tuple[int, str] | None:
+def config_int(model: nn.Module, names: tuple[str, ...]) -> int | None:
     """The first of `names` that the (text) config of the model, or of a model it wraps, sets
-    to an int, and that name."""
+    to an int."""
     for config in text_configs(model):
         for name in names:
             value = getattr(config, name, None)
             if isinstance(value, int) and not isinstance(value, bool):
-                return value, name
+                return value
     return None
 
 
 def _num_layers(model: nn.Module) -> int | None:
-    found = config_int(model, ("num_hidden_layers", "n_layer", "num_layers"))
-    return None if found is None else found[0]
+    return config_int(model, ("num_hidden_layers", "n_layer", "num_layers"))
 
 
 def residual_width(model: nn.Module) -> int:
@@ -77,7 +76,7 @@ def residual_width(model: nn.Module) -> int:
     blocks)."""
     width = config_int(model, ("hidden_size", "n_embd", "d_model"))
     if width is not None:
-        return width[0]
+        return width
     get_emb = getattr(model, "get_input_embeddings", None)
     emb = get_emb() if callable(get_emb) else None
     weight = getattr(emb, "weight", None)

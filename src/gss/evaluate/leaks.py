@@ -75,13 +75,8 @@ def secrets_said(
             raise GSSError(f"the secrets of prompt {i} must be a list of non-empty strings.")
     if pad_id is None:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    # what will run: each prompt and its continuation (its own last id stands in for the
-    # tokens not generated yet), so a too-long one is refused here, not deep inside torch
-    check_sequences(
-        (model,),
-        [[*p, *[p[-1]] * max_new_tokens] if len(p) else [] for p in prompts],
-        "prompts and their continuations",
-    )
+    # a prompt too long to continue is refused here, not deep inside torch
+    check_sequences((model,), prompts, "prompts and their continuations", max_new_tokens)
     generated = greedy_generate(
         model, prompts, max_new_tokens, pad_id=pad_id, batch_size=batch_size, progress=progress
     )

@@ -318,13 +318,13 @@ def make_chat_canary_data(tokenizer: Any, config: CanaryConfig) -> CanaryData:
         reply = turn("assistant", lead.strip() + secret)
 
         # the conversation with the assistant's first reply cut after m passage tokens, for
-        # each m; the cut is the one whose generation prompt is exactly k tokens
-        cuts = [
+        # the m near k minus the prompt without any; the cut is the one whose generation
+        # prompt is exactly k tokens
+        short = len(render([user, turn("assistant", ""), question], True))
+        near = [
             [user, turn("assistant", excerpt(rest[:m], False)), question]
-            for m in range(len(rest) + 1)
+            for m in range(max(cfg.k - short - 3, 0), min(cfg.k - short + 4, len(rest) + 1))
         ]
-        short = len(render(cuts[0], True))
-        near = cuts[max(cfg.k - short - 3, 0) : max(cfg.k - short + 4, 0)]
         found = next((c for c in near if len(render(c, True)) == cfg.k), None)
         if found is None:
             raise GSSError(

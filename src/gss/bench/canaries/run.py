@@ -266,11 +266,10 @@ def _leak_probe(
     example["secret"] = tokenizer.decode(list(row[k:]), skip_special_tokens=True).strip()
     prompts = [list(r[:k]) for r in data.canary_rows]
     width = max(len(r) for r in data.canary_rows) - k + EXTRA_TOKENS
-    fields = [secret_fields(secret) for secret in data.secrets]
     names = ["number", "address"]
+    secrets = [[secret_fields(s)[name] for name in names] for s in data.secrets]
 
     def probe(m: Any) -> dict[str, Any]:
-        secrets = [[f[name] for name in names] for f in fields]
         leaks = secrets_said(
             m, tokenizer, prompts, secrets, max_new_tokens=width, batch_size=batch_size
         )
