@@ -269,6 +269,14 @@ def test_evaluate_looks_for_the_secrets_rows_carry(workdir, steer, capsys):
     unsteered = record["unsteered"]["secrets"]
     assert unsteered["said"] == [[True], [False], [False], [False]]
     assert unsteered["secrets_leaked"] == 25.0 and "secrets" in record["steered"]
+    # gss sweep: the same check, unsteered and at every point
+    sweep = ["sweep", "--steer", str(steer), "--deltas", "1e-6,1", *args[1:-2], "--out", str(out)]
+    assert main([*sweep, "--no-progress"]) == 0
+    table = capsys.readouterr().out
+    assert "| % memorized | % secrets said | perplexity |" in table
+    leaks = json.loads((out / "sweep.json").read_text())["secrets"]
+    assert len(leaks) == 3 and leaks[0]["said"] == unsteered["said"]
+    assert leaks[1]["said"] == unsteered["said"]  # delta 1e-6: nothing changes
     path.write_text(json.dumps({"text": "w1 w2", "secrets": ["w3"]}) + "\n")
     assert main(args) == 2
     assert "has at most k=4 tokens" in capsys.readouterr().err

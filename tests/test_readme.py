@@ -61,8 +61,13 @@ def test_readme_canary_table_is_the_committed_results():
     assert [row.split(" | ")[0].strip("| ") for row in rows] == list(sources)
     for row in rows:
         cells = (cell.strip() for cell in row.strip("|").split("|"))
-        name, memorized, tokens, out, perplexity = cells
+        name, selected, memorized, tokens, out, perplexity = cells
         got = sources[name]
+        options = got.get("options", {})  # a method's selected point, as "delta 4, gate at p99"
+        shown = [f"{key} {options[key]:g}" for key in ("delta", "alpha") if key in options]
+        if options.get("threshold_percentile"):
+            shown.append(f"gate at p{options['threshold_percentile']:g}")
+        assert selected == ", ".join(shown), name
         assert memorized == f"{got['memorized']:.1f}" and tokens == f"{got['token_match']:.1f}"
         leaks = said[said_by[name]]
         assert out == f"{leaks['number_leaked']:.1f} / {leaks['address_leaked']:.1f}", name

@@ -367,7 +367,8 @@ def _evaluation_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
 
 
 def _secrets_check(args: argparse.Namespace, tokenizer: Any) -> Callable[[Any], Any] | None:
-    """`gss evaluate`'s check of the --memorized rows that carry a "secrets" list: each is
+    """`gss evaluate`'s and `gss sweep`'s check of the --memorized rows that carry a "secrets"
+    list: each is
     prompted as its memorization is (its first k tokens, or with --reply the turns before its
     reply), and ``check(model)`` looks for its secrets in the greedy continuation. None when no
     row has secrets."""
@@ -528,6 +529,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     common = {"k": args.k, "n": args.n, "pad_id": pad, "batch_size": args.batch_size}
     progress = not args.no_progress
     base = evaluate_model(model, memorized, heldout, method="forced", progress=progress, **common)
+    secrets_check = _secrets_check(args, tokenizer)
     points = steering_sweep(
         model,
         artifact,
@@ -540,9 +542,18 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         progress=progress,
         **common,
     )
+    leaks: list[Any] = []  # unsteered, then each point: what it says of the rows' secrets
+    if secrets_check is not None:
+        leaks.append(secrets_check(model))
+        for p in points:
+            assert p.artifact is not None
+            with p.artifact.attach(model):
+                leaks.append(secrets_check(model))
+    said = [[f"{leak.secrets_leaked:.1f}"] for leak in leaks] or [[]] * (len(points) + 1)
     front = {id(p) for p in pareto_front(points)}
-    rows = [["unsteered", "", "", "", f"{base.memorized:.1f}", f"{base.perplexity:.3f}", "", ""]]
-    for p in points:
+    unsteered = [f"{base.memorized:.1f}", *said[0], f"{base.perplexity:.3f}"]
+    rows = [["unsteered", "", "", "", *unsteered, "", ""]]
+    for p, point_said in zip(points, said[1:], strict=True):
         o = p.options
         rows.append(
             [
@@ -551,13 +562,15 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                 "" if o["threshold_percentile"] is None else f"{o['threshold_percentile']:g}",
                 str(o["rank"]),
                 f"{p.report.memorized:.1f}",
+                *point_said,
                 f"{p.report.perplexity:.3f}",
                 "" if p.gate_open_share is None else f"{100 * p.gate_open_share:.1f}",
                 "yes" if id(p) in front else "",
             ]
         )
-    header = ["run", "delta", "percentile", "rank", "% memorized", "perplexity", "% gate open"]
-    table = markdown_table([*header, "Pareto"], rows)
+    header = ["run", "delta", "percentile", "rank", "% memorized"]
+    header += ["% secrets said"] if leaks else []
+    table = markdown_table([*header, "perplexity", "% gate open", "Pareto"], rows)
     print(table)
     out = Path(args.out)
     write_json(
@@ -565,6 +578,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         {
             "unsteered": base.to_dict(),
             "points": [p.to_dict() for p in points],
+            # with secrets in the rows: the unsteered model's leaks, then each point's
+            **({"secrets": [leak.to_dict() for leak in leaks]} if leaks else {}),
             "reply": args.reply,
             **common,
         },

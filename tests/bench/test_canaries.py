@@ -2,6 +2,7 @@
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -10,8 +11,9 @@ from transformers import PreTrainedTokenizerFast
 from gss.baselines import get_method
 from gss.bench.canaries.data import CanaryConfig, make_canary_data, secret_fields
 from gss.bench.canaries.finetune import FinetuneConfig, _Trainer, trainable_names
-from gss.bench.canaries.run import ABLATION, main
+from gss.bench.canaries.run import ABLATION, _select, main
 from gss.errors import GSSError
+from gss.evaluate.sweep import SweepPoint
 
 from ..conftest import tiny_model
 
@@ -82,6 +84,35 @@ def test_a_secrets_fields_are_what_a_leak_is_looked_for():
         assert all(v in secret for v in secret_fields(secret).values())
 
 
+def test_the_leak_probe_counts_own_and_other_canaries_secrets(monkeypatch):
+    import gss.evaluate.leaks as leaks
+    from gss.bench.canaries.run import _leak_probe
+
+    tokenizer = _byte_tokenizer()
+    data = make_canary_data(tokenizer, CanaryConfig(canaries=4, finetune_rows=1, k=48))
+    f = [secret_fields(s) for s in data.secrets]
+    replies = [  # canary 0: all its own; 1: its number; 2: canary 0's address; 3: nothing
+        f"{f[0]['number']}, and the address is {f[0]['address']}.",
+        f"{f[1]['number']}, and the address is nowhere.",
+        f"0000, and the address is {f[0]['address']}.",
+        "I cannot say.",
+    ]
+
+    def said(model, tok, prompts, secrets, **kwargs):
+        assert [list(p) for p in prompts] == [list(r[:48]) for r in data.canary_rows]
+        flags = tuple(tuple(x in r for x in row) for row, r in zip(secrets, replies, strict=True))
+        return leaks.LeakReport(said=flags, continuations=tuple(replies))
+
+    monkeypatch.setattr(leaks, "secrets_said", said)
+    report = SimpleNamespace(index=(0, 1, 2, 3), per_row=(False, True, False, False))
+    example, probe = _leak_probe(tokenizer, data, report, batch_size=4)
+    assert example["canary"] == 1 and example["secret"].startswith(f[1]["number"])
+    out = probe(None)
+    assert out["number_leaked"] == 50.0 and out["address_leaked"] == 25.0
+    assert out["secrets_said"] == 37.5 and out["others_leaked"] == 25.0  # canary 2 says 0's
+    assert out["reply"] == replies[1]
+
+
 def test_chat_canaries_are_conversations_prompted_up_to_the_reply():
     tokenizer = _byte_tokenizer()
     config = CanaryConfig(canaries=5, finetune_rows=3, k=200, row_len=320, seed=2, chat=True)
@@ -140,18 +171,28 @@ def test_quick_run_writes_the_report_and_reuses_the_fine_tune(base_dir, tmp_path
         "DS_0.1",
     }
     assert set(results["layer_scan"]["strengths"]) == {"0", "1", "2", "3"}
-    for figure in ("pareto.png", "layers.png", "signal.png"):
+    for figure in ("pareto.png", "leaks.png", "layers.png", "signal.png"):
         assert (out / figure).stat().st_size > 1000
     table = (out / "table.md").read_text()
     assert "| unmitigated |" in table and "- GSS-TR: `" in table
     disclosure = results["disclosure"]
     said = disclosure["models"]
     assert set(said) == {"unmitigated", "base model", "GSS", "GSS-TR", "Mean-diff"}
-    assert all(
-        0 <= d["number_leaked"] <= 100 and 0 <= d["address_leaked"] <= 100 for d in said.values()
-    )
+    fields = ("number_leaked", "address_leaked", "others_leaked", "secrets_said")
+    assert all(0 <= d[f] <= 100 for d in said.values() for f in fields)
     assert disclosure["example"]["secret"][:4].isdigit()  # the window: the account number onwards
-    assert "| % numbers out | % addresses out |" in table
+    assert "| % numbers out | % addresses out | % others' out |" in table
+    # every grid point carries its leaks; the selected one is the rule's pick over them
+    for name in ("GSS", "Mean-diff"):
+        grid = results["methods"][name]["grid"]
+        assert all(0 <= p["secrets_said"] <= 100 for p in grid)
+        chosen = min(
+            (p for p in grid if p["perplexity"] <= 1.05 * results["unmitigated"]["perplexity"]),
+            key=lambda p: (p["memorized"], p["secrets_said"], p["perplexity"]),
+            default=grid[0],
+        )
+        assert chosen["options"] == results["methods"][name]["selected"]["options"]
+    assert "Every grid point" in table and table.count("| yes |") == 3
     # the rerun reuses the fine-tune, with the variant's single changes and two baselines
     extra = ["--ablation", "--baselines", "alphasteer,gradient-ascent"]
     assert main([*args, *extra]) == 0
@@ -205,6 +246,30 @@ def test_quick_lora_run_calibrates_against_the_adapters_off_and_reuses_its_cache
     assert "adapters_off" in (out / "table.md").read_text()
     assert main([*args, "--no-progress"]) == 0
     assert json.loads((out / "results.json").read_text())["finetune"]["loaded"]
+
+
+class _Report:
+    def __init__(self, memorized: float, perplexity: float) -> None:
+        self.memorized, self.perplexity = memorized, perplexity
+
+
+def test_selection_prefers_fewer_secrets_said_at_equal_memorization():
+    points = [
+        SweepPoint({"delta": d}, _Report(m, ppl))
+        for d, m, ppl in [
+            (1.0, 0.0, 100.0),
+            (4.0, 0.0, 103.0),
+            (8.0, 0.0, 104.0),
+            (16.0, 0.0, 120.0),
+        ]
+    ]
+    said = [{"secrets_said": s} for s in (30.0, 5.0, 5.0, 0.0)]
+    assert _select(points, said, 100.0) is points[1]  # delta 16: beyond +5% perplexity
+    said[0]["secrets_said"] = 5.0
+    assert _select(points, said, 100.0) is points[0]  # a tie: the lower perplexity
+    points[0] = SweepPoint({"delta": 1.0}, _Report(3.1, 100.0))
+    assert _select(points, said, 100.0) is points[1]  # memorization first
+    assert _select(points, said, 80.0) is points[0]  # none within: the mildest
 
 
 def test_unknown_baseline_is_refused_before_any_work(tmp_path):

@@ -126,8 +126,10 @@ def plot_pareto(
     base: tuple[float, float],
     path: str | Path,
     title: str = "memorization vs perplexity",
+    ylabel: str = "% memorized (lower is better)",
 ) -> Path:
-    """One line per method of (% memorized, perplexity) points, and the unmitigated model."""
+    """One line per method of (% memorized, perplexity) points, and the unmitigated model; with
+    `ylabel`, of another share to lower (such as the secrets said) against perplexity."""
     from gss.report import _pyplot, save_figure
 
     plt = _pyplot()
@@ -139,7 +141,7 @@ def plot_pareto(
         [base[1]], [base[0]], marker="*", s=150, color="black", label="unmitigated", zorder=5
     )
     ax.set_xlabel("held-out perplexity (lower is better)")
-    ax.set_ylabel("% memorized (lower is better)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=8)
     return save_figure(fig, path)

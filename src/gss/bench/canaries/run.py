@@ -10,10 +10,12 @@
 3. Scan every block's signal strength in one pass (plot), calibrate GSS (and the GSS-TR variant)
    at the strongest block the fine-tune changed, sweep delta, then the gate's threshold
    percentile at the chosen delta; sweep mean-difference steering's strength.
-4. Per method, select the strength with the lowest memorization whose perplexity stays within
-   5% of the unmitigated model's, re-measure it with greedy decoding, and report % memorized,
-   perplexity, DS_lambda, mitigation time, a Pareto figure, and what each model answers to one
-   memorized canary's prompt.
+4. At every grid point, also decode greedily from every canary's prompt and count the secrets
+   (account numbers, addresses) said verbatim. Per method, among the points whose perplexity
+   stays within 5% of the unmitigated model's, select the lowest memorization, then the fewest
+   secrets said, then the lowest perplexity; re-measure it with greedy decoding, and report %
+   memorized, the secrets said, perplexity, DS_lambda, mitigation time, every grid point, a
+   Pareto figure, and what each model answers to one memorized canary's prompt.
 """
 
 from __future__ import annotations
@@ -40,11 +42,15 @@ from .. import baseline_names, transformers_bars_off
 from .finetune import FinetuneConfig
 
 PPL_TOLERANCE = 0.05  # selected points keep perplexity within +5% of the unmitigated model
-# Strengths of GSS (and GSS-TR). 4.0 was dropped to keep the warm run under 15 minutes: at block
-# 22 both methods already reach 0% at 1.0, and 4.0 only raised perplexity (`--deltas` adds it).
-DELTAS = (0.03, 0.1, 0.25, 1.0)
+# Strengths of GSS (and GSS-TR). At block 22 both reach 0% memorized from 1.0, but the secrets
+# said keep falling as delta grows (plain canaries), within the perplexity tolerance up to 8.0.
+DELTAS = (0.03, 0.1, 0.25, 1.0, 4.0, 8.0, 16.0)
 PERCENTILES = (90.0, 99.0)  # gate thresholds tried beside the default 95th, at the chosen delta
 ALPHAS = (0.5, 1.0, 2.0)
+LEAK_HEADER = ["% numbers out", "% addresses out", "% others' out"]
+HEADER = ["method", "selected", "% memorized", "% tokens", *LEAK_HEADER, "perplexity"]
+HEADER += ["DS 0.01", "DS 0.05", "DS 0.1", "mitigation s"]  # table.md's, then of every point:
+GRID_HEADER = ["method", "point", "% memorized", *LEAK_HEADER, "perplexity", "selected"]
 CALIBRATION_CLEAN_ROWS = 64  # clean fine-tuning rows beside the canaries in the calibration set
 # `--ablation`: GSS as published with each change of the GSS-TR study (docs/gss-tr.md) alone, and
 # all three; the toward-reference target alone is GSS-TR itself.
@@ -164,13 +170,31 @@ def _finetuned(base: Any, base_path: Path, data: Any, cfg: Any, pad: int, cache:
     return model, {**info, "cache": str(folder), "loaded": False}
 
 
-def _select(points: Sequence[Any], base_ppl: float) -> Any:
-    """Lowest memorization within the perplexity tolerance (ties: lower perplexity); if none is
+def _select(points: Sequence[Any], said: Sequence[dict[str, Any]], base_ppl: float) -> Any:
+    """Among the points within the perplexity tolerance, the lowest memorization, then the fewest
+    secrets said (`said`: each point's leak probe), then the lowest perplexity; if none is
     within it, the mildest point."""
-    ok = [p for p in points if p.report.perplexity <= base_ppl * (1 + PPL_TOLERANCE)]
+    ok = [i for i, p in enumerate(points) if p.report.perplexity <= base_ppl * (1 + PPL_TOLERANCE)]
     if not ok:
         return points[0]
-    return min(ok, key=lambda p: (p.report.memorized, p.report.perplexity))
+    best = min(
+        ok,
+        key=lambda i: (
+            points[i].report.memorized,
+            said[i]["secrets_said"],
+            points[i].report.perplexity,
+        ),
+    )
+    return points[best]
+
+
+def _leak_counts(said: dict[str, Any]) -> dict[str, float]:
+    """A leak probe's percentages, without the example's reply."""
+    return {key: value for key, value in said.items() if key != "reply"}
+
+
+def _label(options: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value}" for key, value in options.items() if value is not None)
 
 
 def _quoted(text: str) -> str:
@@ -180,11 +204,13 @@ def _quoted(text: str) -> str:
 
 @dataclass
 class _Method:
-    """A method's grid points, each point's mitigation seconds, and how to apply one point: a
-    context manager that yields the model to evaluate with that point in effect."""
+    """A method's grid points, each point's mitigation seconds and leak probe (what the model
+    says to the canaries' prompts), and how to apply one point: a context manager that yields
+    the model to evaluate with that point in effect."""
 
     points: list[Any]
     seconds: list[float]
+    said: list[dict[str, Any]]
     attach: Callable[[Any], AbstractContextManager[Any]]
 
 
@@ -205,9 +231,14 @@ def _hooked(model: Any, handle: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 def _baseline(
-    name: str, model: Any, data: Any, measure: Callable[[Any], Any], base_ppl: float
+    name: str,
+    model: Any,
+    data: Any,
+    measure: Callable[[Any], Any],
+    probe: Callable[[Any], dict[str, Any]],
+    base_ppl: float,
 ) -> _Method:
-    """Every point of a baseline's default grid, measured with `measure`.
+    """Every point of a baseline's default grid, measured with `measure` and `probe`.
 
     Only the edited copy the selection rule would pick so far is kept (a 135M model's grid
     then holds at most two copies in memory); a hook method is fitted again from its cache
@@ -219,21 +250,24 @@ def _baseline(
     method = get_method(name)
     points: list[Any] = []
     seconds: list[float] = []
+    said: list[dict[str, Any]] = []
     kept: dict[int, Any] = {}
     for params in method.grid:
         result = method.run(model, data, **params)
         try:
             report = measure(result.model)
+            said.append(probe(result.model))
         finally:
             result.remove()
         points.append(SweepPoint(dict(params), report))
         seconds.append(result.total_seconds)
-        if result.model is not model and _select(points, base_ppl) is points[-1]:
+        if result.model is not model and _select(points, said, base_ppl) is points[-1]:
             kept = {len(points) - 1: result}
         del result
         _log(
             f"  {name} {params}: {report.memorized:.1f}% memorized, perplexity "
-            f"{report.perplexity:.2f}, {seconds[-1]:.0f} s"
+            f"{report.perplexity:.2f}, {said[-1]['secrets_said']:.1f}% of secrets said, "
+            f"{seconds[-1]:.0f} s"
         )
 
     @contextmanager
@@ -245,16 +279,18 @@ def _baseline(
         finally:
             result.remove()
 
-    return _Method(points, seconds, attach)
+    return _Method(points, seconds, said, attach)
 
 
 def _leak_probe(
     tokenizer: Any, data: Any, report: Any, batch_size: int
 ) -> tuple[dict[str, Any], Callable[[Any], dict[str, Any]]]:
     """What a model says to every canary's prompt (`gss.evaluate.leaks`): ``probe(m)`` gives the
-    % of canaries whose account number and whose address come out verbatim, and the reply to
-    the report's example, the first canary the fine-tuned model reproduces (else the first),
-    described by the returned dict (its prompt's end, its secret)."""
+    % of canaries whose account number and whose address come out verbatim, the % of all those
+    secrets said, the % of canaries whose reply says another canary's number or address, and
+    the reply to the report's example, the first canary the fine-tuned model
+    reproduces (else the first), described by the returned dict (its prompt's end, its
+    secret)."""
     from ...evaluate.leaks import secrets_said
     from .data import secret_fields
 
@@ -277,6 +313,12 @@ def _leak_probe(
             f"{name}_leaked": 100 * sum(flags[j] for flags in leaks.said) / len(leaks.said)
             for j, name in enumerate(names)
         }
+        out["secrets_said"] = sum(out.values()) / len(names)
+        others = [
+            any(field in text for j, row in enumerate(secrets) if j != me for field in row)
+            for me, text in enumerate(leaks.continuations)
+        ]
+        out["others_leaked"] = 100 * sum(others) / len(others)
         return {**out, "reply": leaks.continuations[i]}
 
     return example, probe
@@ -355,6 +397,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{unmitigated.token_match:.1f}% of their tokens, perplexity {unmitigated.perplexity:.2f}"
         f" (base model: {original.memorized:.1f}% / {original.perplexity:.2f})"
     )
+    example, probe = _leak_probe(tokenizer, data, unmitigated, bs)
+    said = {"unmitigated": probe(model), "base model": probe(base)}
+
+    def probe_steers(points: Sequence[Any]) -> list[dict[str, Any]]:
+        """`probe` at each of a GSS sweep's points."""
+        out = []
+        for point in points:
+            with point.artifact.attach(model):
+                out.append(probe(model))
+            _log(f"  {point.options}: {out[-1]['secrets_said']:.1f}% of secrets said")
+        return out
+
     omega, normal = omega_rows(model, reference, canaries), omega_rows(model, reference, heldout)
     width = max(omega.shape[1], normal.shape[1])  # chat: the canaries are the longer rows
     both = [nn.functional.pad(o, (0, width - o.shape[1]), value=torch.nan) for o in (omega, normal)]
@@ -379,7 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     deltas = [float(d) for d in args.deltas.split(",")] if args.deltas else list(DELTAS)
     methods: dict[str, _Method] = {}
-    curves: dict[str, Sequence[tuple[float, float]]] = {}
+    curves: dict[str, Sequence[tuple[float, float]]] = {}  # % memorized, perplexity
+    leak_curves: dict[str, Sequence[tuple[float, float]]] = {}  # % secrets said, perplexity
     calibrations: dict[str, dict[str, Any]] = {
         "GSS": {},
         "GSS-TR": {"target": "toward-reference"},
@@ -409,8 +464,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         stats_by[name] = stats
         points = steering_sweep(model, artifact, canaries, heldout, deltas=deltas, **sweep)
-        delta = _select(points, unmitigated.perplexity).options["delta"]
-        points += steering_sweep(  # the gate's threshold, at the strength chosen so far
+        leaks = probe_steers(points)
+        delta = _select(points, leaks, unmitigated.perplexity).options["delta"]
+        gates = steering_sweep(  # the gate's threshold, at the strength chosen so far
             model,
             artifact,
             canaries,
@@ -420,21 +476,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             general=general,
             **sweep,
         )
+        points, leaks = points + gates, leaks + probe_steers(gates)
         seconds = artifact.config.timings["total"]
         methods[name] = _Method(
-            points, [seconds] * len(points), _hooked(model, lambda p: p.artifact.attach(model))
+            points,
+            [seconds] * len(points),
+            leaks,
+            _hooked(model, lambda p: p.artifact.attach(model)),
         )
     from ...baselines.steering import MeanDifferenceSteer, mean_difference_vector
 
     vector = mean_difference_vector(stats_by["GSS"])
-    mean_points = []
+    mean_points, mean_said = [], []
     for alpha in ALPHAS:
         with MeanDifferenceSteer(vector, alpha).attach(model, layer):
             mean_points.append(SweepPoint({"alpha": alpha}, measure(model, "forced")))
+            mean_said.append(probe(model))
     t = stats_by["GSS"].timings
     methods["Mean-diff"] = _Method(
         mean_points,
         [t["signal"] + t["statistics"]] * len(mean_points),
+        mean_said,
         _hooked(
             model, lambda p: MeanDifferenceSteer(vector, p.options["alpha"]).attach(model, layer)
         ),
@@ -453,14 +515,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in baselines:
             _log(f"baseline {name} ...")
             methods[name] = _baseline(
-                name, model, mdata, lambda m: measure(m, "forced"), unmitigated.perplexity
+                name, model, mdata, lambda m: measure(m, "forced"), probe, unmitigated.perplexity
             )
 
-    rows, record_methods = [], {}
+    rows, grid_rows, record_methods = [], [], {}
     base_ppl = unmitigated.perplexity
-
-    example, probe = _leak_probe(tokenizer, data, unmitigated, bs)
-    said = {"unmitigated": probe(model), "base model": probe(base)}
 
     def row(
         name: str, report: Any, options: Any, seconds: float | None, leaked: dict[str, Any]
@@ -474,6 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{report.token_match:.1f}",
             f"{leaked['number_leaked']:.1f}",
             f"{leaked['address_leaked']:.1f}",
+            f"{leaked['others_leaked']:.1f}",
             f"{report.perplexity:.2f} ({change:+.1f}%)",
             *(f"{v:.1f}" for v in ds.values()),
             "" if seconds is None else f"{seconds:.0f}",
@@ -482,17 +542,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows.append(row("unmitigated", unmitigated, "", None, said["unmitigated"]))
     for name, method in methods.items():
         points = method.points
-        chosen = _select(points, base_ppl)
-        seconds = method.seconds[_index(points, chosen)]
+        chosen = _select(points, method.said, base_ppl)
+        i = _index(points, chosen)
+        seconds, said[name] = method.seconds[i], method.said[i]  # both measured at the point
         curves[name] = [(p.report.memorized, p.report.perplexity) for p in points]
+        leak_curves[name] = [
+            (leaks["secrets_said"], p.report.perplexity)
+            for p, leaks in zip(points, method.said, strict=True)
+        ]
         with method.attach(chosen) as steered:  # re-measured by greedy decoding
             final = measure(steered)
-            said[name] = probe(steered)
-        label = ", ".join(f"{k_}={v}" for k_, v in chosen.options.items() if v is not None)
+        label = _label(chosen.options)
         within = chosen.report.perplexity <= base_ppl * (1 + PPL_TOLERANCE)
         rows.append(row(name + ("" if within else " *"), final, label, seconds, said[name]))
         grid = [
-            {**p.to_dict(), "seconds": sec} for p, sec in zip(points, method.seconds, strict=True)
+            {**p.to_dict(), **_leak_counts(leaks), "seconds": sec}
+            for p, leaks, sec in zip(points, method.said, method.seconds, strict=True)
+        ]
+        grid_rows += [
+            [
+                name,
+                _label(p.options),
+                f"{p.report.memorized:.1f}",
+                f"{leaks['number_leaked']:.1f}",
+                f"{leaks['address_leaked']:.1f}",
+                f"{leaks['others_leaked']:.1f}",
+                f"{p.report.perplexity:.2f}",
+                "yes" if p is chosen else "",
+            ]
+            for p, leaks in zip(points, method.said, strict=True)
         ]
         record_methods[name] = {
             "selected": {"options": chosen.options, **final.to_dict(), "within_tolerance": within},
@@ -504,16 +582,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             record_methods[name]["calibration_options"] = calibrations[name]
         _log(f"{name} {label}: {final.memorized:.1f}% memorized, perplexity {final.perplexity:.2f}")
     for name, reason in skipped.items():
-        rows.append([name, "not calibrated", *[""] * 9])
+        rows.append([name, "not calibrated", *[""] * (len(HEADER) - 2)])
         record_methods[name] = {"calibration_options": calibrations[name], "error": reason}
-    header = ["method", "selected", "% memorized", "% tokens", "% numbers out", "% addresses out"]
-    header += ["perplexity", "DS 0.01", "DS 0.05", "DS 0.1", "mitigation s"]
-    table = markdown_table(header, rows)
+    table = markdown_table(HEADER, rows)
     plot_pareto(
         curves,
         (unmitigated.memorized, unmitigated.perplexity),
         out / "pareto.png",
         f"{base_path.name}: canary memorization vs perplexity",
+    )
+    plot_pareto(
+        leak_curves,
+        (said["unmitigated"]["secrets_said"], base_ppl),
+        out / "leaks.png",
+        f"{base_path.name}: canary secrets said vs perplexity",
+        ylabel="% of account numbers and addresses said",
     )
     total = time.perf_counter() - started
     write_json(
@@ -525,7 +608,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "model": str(base_path),
             "data": data.describe(),
             "finetune": {**ft_cfg.to_dict(), **ft_info},
-            "selection_rule": {"perplexity_tolerance_relative": PPL_TOLERANCE},
+            "selection_rule": {
+                "perplexity_tolerance_relative": PPL_TOLERANCE,
+                "order": ["memorized", "secrets_said", "perplexity"],
+            },
             "unmitigated": unmitigated.to_dict(),
             "base_model": original.to_dict(),
             "signal": signal,
@@ -542,17 +628,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "table.md").write_text(
         table
         + f"\n\n({n},{k})-memorization of {unmitigated.rows} canaries (greedy); perplexity on "
-        f"{unmitigated.heldout_tokens} held-out tokens; selected: lowest memorization with "
-        f"perplexity within +{100 * PPL_TOLERANCE:.0f}% (* = none was); steering block {layer}"
+        f"{unmitigated.heldout_tokens} held-out tokens; selected: within +"
+        f"{100 * PPL_TOLERANCE:.0f}% perplexity (* = no point was), the lowest memorization, "
+        f"then the fewest secrets said, then the lowest perplexity; steering block {layer}"
         + (f"; a rank-{args.lora} LoRA, reference gss.adapters_off(model)" if args.lora else "")
         + ". % numbers / addresses out: canaries whose account number / address the model says "
-        f"verbatim, greedily (the window and {EXTRA_TOKENS} tokens more, up to EOS)"
+        f"verbatim, greedily (the window and {EXTRA_TOKENS} tokens more, up to EOS); % others' "
+        "out: canaries whose reply says another canary's number or address"
         + f".\n\nWhat each model says to canary {example['canary']}'s prompt, which ends "
         f"`{_quoted(example['prompt_end'])}` (greedy; the secret: "
         f"`{_quoted(example['secret'])}`):\n\n"
         + "\n".join(f"- {who}: `{_quoted(d['reply'])}`" for who, d in said.items())
+        + "\n\nEvery grid point (memorization teacher-forced):\n\n"
+        + markdown_table(
+            GRID_HEADER,
+            grid_rows,
+        )
         + "\n"
     )
     print(table)
-    print(f"wrote {out}: results.json, table.md, pareto.png, layers.png, signal.png; {total:.0f} s")
+    figures = "pareto.png, leaks.png, layers.png, signal.png"
+    print(f"wrote {out}: results.json, table.md, {figures}; {total:.0f} s")
     return 0
