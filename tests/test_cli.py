@@ -340,7 +340,14 @@ def test_sweep_writes_grid_front_and_plot(workdir, steer, capsys):
         (50.0, 2),
     }
     assert "yes" in (out / "sweep.md").read_text() and (out / "sweep.png").is_file()
-    capsys.readouterr()
+    # the selected point: the rule over the points written (no secrets in these rows)
+    limit = 1.05 * sweep["unsteered"]["perplexity"]
+    within = [i for i, p in enumerate(sweep["points"]) if p["perplexity"] <= limit]
+    key = lambda i: (sweep["points"][i]["memorized"], sweep["points"][i]["perplexity"])  # noqa: E731
+    assert sweep["selected"] == min(within, key=key, default=None)
+    assert "selected: perplexity within +5%" in capsys.readouterr().out
+    assert main([*args, "--tolerance", "-1"]) == 2
+    assert "tolerance must be >= 0" in capsys.readouterr().err
     assert main([*args, "--percentiles", "90"]) == 2
     assert "need general text" in capsys.readouterr().err
 

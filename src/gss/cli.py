@@ -520,9 +520,10 @@ def _floats(text: str | None, flag: str) -> list[float] | None:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from .data import encode, read_texts
     from .evaluate.suite import evaluate_model
-    from .evaluate.sweep import pareto_front, plot_pareto, steering_sweep
+    from .evaluate.sweep import pareto_front, plot_pareto, select_point, steering_sweep
     from .report import markdown_table, write_json
 
+    select_point([], 1.0, tolerance=args.tolerance)  # a bad --tolerance fails before any work
     model, tokenizer, artifact, memorized, heldout, pad = _evaluation_inputs(args)
     general = encode(read_texts(args.general), tokenizer, args.max_length) if args.general else None
     ranks = _floats(args.ranks, "--ranks")
@@ -551,9 +552,11 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                 leaks.append(secrets_check(model))
     said = [[f"{leak.secrets_leaked:.1f}"] for leak in leaks] or [[]] * (len(points) + 1)
     front = {id(p) for p in pareto_front(points)}
+    shares = [leak.secrets_leaked for leak in leaks[1:]] if leaks else None
+    chosen = select_point(points, base.perplexity, tolerance=args.tolerance, secrets_said=shares)
     unsteered = [f"{base.memorized:.1f}", *said[0], f"{base.perplexity:.3f}"]
-    rows = [["unsteered", "", "", "", *unsteered, "", ""]]
-    for p, point_said in zip(points, said[1:], strict=True):
+    rows = [["unsteered", "", "", "", *unsteered, "", "", ""]]
+    for i, (p, point_said) in enumerate(zip(points, said[1:], strict=True)):
         o = p.options
         rows.append(
             [
@@ -566,11 +569,17 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                 f"{p.report.perplexity:.3f}",
                 "" if p.gate_open_share is None else f"{100 * p.gate_open_share:.1f}",
                 "yes" if id(p) in front else "",
+                "yes" if i == chosen else "",
             ]
         )
     header = ["run", "delta", "percentile", "rank", "% memorized"]
     header += ["% secrets said"] if leaks else []
-    table = markdown_table([*header, "perplexity", "% gate open", "Pareto"], rows)
+    table = markdown_table([*header, "perplexity", "% gate open", "Pareto", "selected"], rows)
+    rule = f"perplexity within +{100 * args.tolerance:g}%, then the lowest memorization"
+    rule += ", then the fewest secrets said" if leaks else ""
+    table += f"\n\nselected: {rule}, then the lowest perplexity" + (
+        "" if chosen is not None else f" (no point is within +{100 * args.tolerance:g}%)"
+    )
     print(table)
     out = Path(args.out)
     write_json(
@@ -578,6 +587,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         {
             "unsteered": base.to_dict(),
             "points": [p.to_dict() for p in points],
+            "selected": chosen,  # an index into points, or null
+            "tolerance": args.tolerance,
             # with secrets in the rows: the unsteered model's leaks, then each point's
             **({"secrets": [leak.to_dict() for leak in leaks]} if leaks else {}),
             "reply": args.reply,
@@ -807,6 +818,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deltas", default="0.25,1,4,16", help="comma-separated strengths")
     p.add_argument("--percentiles", help="comma-separated threshold percentiles, e.g. 90,95,99")
     p.add_argument("--ranks", help="comma-separated ranks <= the artifact's, e.g. 1,2,4")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.05,
+        help="relative perplexity increase the selected point may cost (default 0.05: +5%%)",
+    )
     _add_window_args(p)
     _add_batch_args(p, batch_size=16, length_help="held-out tokens per row")
     p.add_argument("--out", required=True, help="directory for sweep.json, sweep.md, sweep.png")

@@ -248,28 +248,12 @@ def test_quick_lora_run_calibrates_against_the_adapters_off_and_reuses_its_cache
     assert json.loads((out / "results.json").read_text())["finetune"]["loaded"]
 
 
-class _Report:
-    def __init__(self, memorized: float, perplexity: float) -> None:
-        self.memorized, self.perplexity = memorized, perplexity
-
-
-def test_selection_prefers_fewer_secrets_said_at_equal_memorization():
-    points = [
-        SweepPoint({"delta": d}, _Report(m, ppl))
-        for d, m, ppl in [
-            (1.0, 0.0, 100.0),
-            (4.0, 0.0, 103.0),
-            (8.0, 0.0, 104.0),
-            (16.0, 0.0, 120.0),
-        ]
-    ]
-    said = [{"secrets_said": s} for s in (30.0, 5.0, 5.0, 0.0)]
-    assert _select(points, said, 100.0) is points[1]  # delta 16: beyond +5% perplexity
-    said[0]["secrets_said"] = 5.0
-    assert _select(points, said, 100.0) is points[0]  # a tie: the lower perplexity
-    points[0] = SweepPoint({"delta": 1.0}, _Report(3.1, 100.0))
-    assert _select(points, said, 100.0) is points[1]  # memorization first
-    assert _select(points, said, 80.0) is points[0]  # none within: the mildest
+def test_selection_falls_back_to_the_mildest_point():
+    report = SimpleNamespace(memorized=0.0, perplexity=120.0)
+    points = [SweepPoint({"delta": d}, report) for d in (1.0, 4.0)]
+    said = [{"secrets_said": 50.0}, {"secrets_said": 0.0}]
+    assert _select(points, said, 100.0) is points[0]  # none within +5%
+    assert _select(points, said, 115.0) is points[1]
 
 
 def test_unknown_baseline_is_refused_before_any_work(tmp_path):

@@ -8,7 +8,7 @@ from gss.evaluate.memorization import (
     nk_memorization,
 )
 from gss.evaluate.suite import EvaluationReport, deviation_score, evaluate_model
-from gss.evaluate.sweep import SweepPoint, pareto_front, steering_sweep
+from gss.evaluate.sweep import SweepPoint, pareto_front, select_point, steering_sweep
 from gss.evaluate.utility import perplexity, token_accuracy
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "pareto_front",
     "perplexity",
     "secrets_said",
+    "select_point",
     "steering_sweep",
     "token_accuracy",
 ]

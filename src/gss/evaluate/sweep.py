@@ -23,7 +23,7 @@ from gss.artifact import SteeringArtifact
 from gss.errors import GSSError
 from gss.evaluate.suite import Candidates, EvaluationReport, evaluate_model
 
-__all__ = ["SweepPoint", "pareto_front", "plot_pareto", "steering_sweep"]
+__all__ = ["SweepPoint", "pareto_front", "plot_pareto", "select_point", "steering_sweep"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,36 @@ def pareto_front(points: Sequence[SweepPoint]) -> list[SweepPoint]:
         if not dominated:
             front.append(p)
     return sorted(front, key=lambda p: p.report.memorized)
+
+
+def select_point(
+    points: Sequence[SweepPoint],
+    unsteered_perplexity: float,
+    *,
+    tolerance: float = 0.05,
+    secrets_said: Sequence[float] | None = None,
+) -> int | None:
+    """The index of the point to deploy: among those whose perplexity is within `tolerance`
+    (relative: 0.05 = +5%) of the unsteered model's, the lowest memorization, then the fewest
+    secrets said (`secrets_said`: a % per point, as `LeakReport.secrets_leaked`), then the
+    lowest perplexity. None when no point is within the tolerance.
+
+    Exact match alone is not enough to choose: past the strength where no row comes out whole,
+    the parts of the secrets said can keep falling (docs/your-model.md).
+    """
+    if tolerance < 0:
+        raise GSSError(f"tolerance must be >= 0 (a relative perplexity increase), got {tolerance}.")
+    if secrets_said is not None and len(secrets_said) != len(points):
+        raise GSSError(
+            f"{len(points)} sweep points but {len(secrets_said)} secrets-said shares: give one "
+            "per point, in the same order."
+        )
+    said = list(secrets_said) if secrets_said is not None else [0.0] * len(points)
+    limit = unsteered_perplexity * (1 + tolerance)
+    ok = [i for i, p in enumerate(points) if p.report.perplexity <= limit]
+    if not ok:
+        return None
+    return min(ok, key=lambda i: (points[i].report.memorized, said[i], points[i].report.perplexity))
 
 
 def plot_pareto(

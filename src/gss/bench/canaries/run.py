@@ -171,21 +171,13 @@ def _finetuned(base: Any, base_path: Path, data: Any, cfg: Any, pad: int, cache:
 
 
 def _select(points: Sequence[Any], said: Sequence[dict[str, Any]], base_ppl: float) -> Any:
-    """Among the points within the perplexity tolerance, the lowest memorization, then the fewest
-    secrets said (`said`: each point's leak probe), then the lowest perplexity; if none is
-    within it, the mildest point."""
-    ok = [i for i, p in enumerate(points) if p.report.perplexity <= base_ppl * (1 + PPL_TOLERANCE)]
-    if not ok:
-        return points[0]
-    best = min(
-        ok,
-        key=lambda i: (
-            points[i].report.memorized,
-            said[i]["secrets_said"],
-            points[i].report.perplexity,
-        ),
-    )
-    return points[best]
+    """`gss.evaluate.select_point` over the points and their leak probes (`said`); if no point
+    is within the perplexity tolerance, the mildest one."""
+    from ...evaluate.sweep import select_point
+
+    shares = [leaks["secrets_said"] for leaks in said]
+    i = select_point(points, base_ppl, tolerance=PPL_TOLERANCE, secrets_said=shares)
+    return points[0 if i is None else i]
 
 
 def _leak_counts(said: dict[str, Any]) -> dict[str, float]:
