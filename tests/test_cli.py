@@ -268,6 +268,7 @@ def test_evaluate_looks_for_the_secrets_rows_carry(workdir, steer, capsys):
     record = json.loads((out / "evaluation.json").read_text())
     unsteered = record["unsteered"]["secrets"]
     assert unsteered["said"] == [[True], [False], [False], [False]]
+    assert len(unsteered["others"]) == 4  # which rows said another row's secret
     assert unsteered["secrets_leaked"] == 25.0 and "secrets" in record["steered"]
     # gss sweep: the same check, unsteered and at every point
     sweep = ["sweep", "--steer", str(steer), "--deltas", "1e-6,1", *args[1:-2], "--out", str(out)]

@@ -98,12 +98,12 @@ def test_the_leak_probe_counts_own_and_other_canaries_secrets(monkeypatch):
         "I cannot say.",
     ]
 
-    def said(model, tok, prompts, secrets, **kwargs):
+    def generate(model, prompts, max_new_tokens, **kwargs):  # the decoder, stubbed
         assert [list(p) for p in prompts] == [list(r[:48]) for r in data.canary_rows]
-        flags = tuple(tuple(x in r for x in row) for row, r in zip(secrets, replies, strict=True))
-        return leaks.LeakReport(said=flags, continuations=tuple(replies))
+        return [tokenizer(reply)["input_ids"] for reply in replies]
 
-    monkeypatch.setattr(leaks, "secrets_said", said)
+    monkeypatch.setattr(leaks, "greedy_generate", generate)
+    monkeypatch.setattr(leaks, "check_sequences", lambda *args: None)
     report = SimpleNamespace(index=(0, 1, 2, 3), per_row=(False, True, False, False))
     example, probe = _leak_probe(tokenizer, data, report, batch_size=4)
     assert example["canary"] == 1 and example["secret"].startswith(f[1]["number"])

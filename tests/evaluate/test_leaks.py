@@ -27,6 +27,14 @@ def test_each_secret_is_looked_for_in_its_prompts_continuation(table_lm):
     assert report.secrets_leaked == pytest.approx(50.0)
     assert report.prompts_leaking == pytest.approx(100.0)
     assert report.to_dict()["said"] == [[True, False, False], [True]]
+    assert report.others == (False, False) and report.prompts_saying_others == 0.0
+    # prompt 0's continuation says prompt 1's secret ("w6"), not its own; a string both prompts
+    # hold ("w8 w8") is each one's own
+    swapped = secrets_said(model, tok, prompts, [["w9"], ["w6", "w8 w8"]], max_new_tokens=5)
+    assert swapped.said == ((False,), (False, True)) and swapped.others == (True, False)
+    assert swapped.prompts_saying_others == 50.0
+    both = secrets_said(model, tok, prompts, [["w8 w8"], ["w8 w8"]], max_new_tokens=5)
+    assert both.others == (False, False)
     # a prompt without secrets is not counted among the prompts
     none = secrets_said(model, tok, prompts, [[], ["w1"]], max_new_tokens=2)
     assert none.prompts_leaking == 0.0 and none.secrets_leaked == 0.0

@@ -306,11 +306,7 @@ def _leak_probe(
             for j, name in enumerate(names)
         }
         out["secrets_said"] = sum(out.values()) / len(names)
-        others = [
-            any(field in text for j, row in enumerate(secrets) if j != me for field in row)
-            for me, text in enumerate(leaks.continuations)
-        ]
-        out["others_leaked"] = 100 * sum(others) / len(others)
+        out["others_leaked"] = leaks.prompts_saying_others
         return {**out, "reply": leaks.continuations[i]}
 
     return example, probe
