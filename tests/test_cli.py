@@ -274,7 +274,7 @@ def test_evaluate_looks_for_the_secrets_rows_carry(workdir, steer, capsys):
     sweep = ["sweep", "--steer", str(steer), "--deltas", "1e-6,1", *args[1:-2], "--out", str(out)]
     assert main([*sweep, "--no-progress"]) == 0
     table = capsys.readouterr().out
-    assert "| % memorized | % secrets said | perplexity |" in table
+    assert "| % memorized | % secrets said | % saying another row's | perplexity |" in table
     leaks = json.loads((out / "sweep.json").read_text())["secrets"]
     assert len(leaks) == 3 and leaks[0]["said"] == unsteered["said"]
     assert leaks[1]["said"] == unsteered["said"]  # delta 1e-6: nothing changes

@@ -368,10 +368,9 @@ def _evaluation_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
 
 def _secrets_check(args: argparse.Namespace, tokenizer: Any) -> Callable[[Any], Any] | None:
     """`gss evaluate`'s and `gss sweep`'s check of the --memorized rows that carry a "secrets"
-    list: each is
-    prompted as its memorization is (its first k tokens, or with --reply the turns before its
-    reply), and ``check(model)`` looks for its secrets in the greedy continuation. None when no
-    row has secrets."""
+    list: each is prompted as its memorization is (its first k tokens, or with --reply the turns
+    before its reply), and ``check(model)`` looks for its secrets in the greedy continuation.
+    None when no row has secrets."""
     from .data import encode, encode_replies, read_rows
     from .evaluate.leaks import EXTRA_TOKENS, secrets_said
 
@@ -550,10 +549,17 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             assert p.artifact is not None
             with p.artifact.attach(model):
                 leaks.append(secrets_check(model))
-    said = [[f"{leak.secrets_leaked:.1f}"] for leak in leaks] or [[]] * (len(points) + 1)
+    said = [
+        [f"{leak.secrets_leaked:.1f}", f"{leak.prompts_saying_others:.1f}"] for leak in leaks
+    ] or [[]] * (len(points) + 1)
     front = {id(p) for p in pareto_front(points)}
-    shares = [leak.secrets_leaked for leak in leaks[1:]] if leaks else None
-    chosen = select_point(points, base.perplexity, tolerance=args.tolerance, secrets_said=shares)
+    chosen = select_point(
+        points,
+        base.perplexity,
+        tolerance=args.tolerance,
+        secrets_said=[leak.secrets_leaked for leak in leaks[1:]] if leaks else None,
+        others_said=[leak.prompts_saying_others for leak in leaks[1:]] if leaks else None,
+    )
     unsteered = [f"{base.memorized:.1f}", *said[0], f"{base.perplexity:.3f}"]
     rows = [["unsteered", "", "", "", *unsteered, "", "", ""]]
     for i, (p, point_said) in enumerate(zip(points, said[1:], strict=True)):
@@ -573,10 +579,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             ]
         )
     header = ["run", "delta", "percentile", "rank", "% memorized"]
-    header += ["% secrets said"] if leaks else []
+    header += ["% secrets said", "% saying another row's"] if leaks else []
     table = markdown_table([*header, "perplexity", "% gate open", "Pareto", "selected"], rows)
     rule = f"perplexity within +{100 * args.tolerance:g}%, then the lowest memorization"
-    rule += ", then the fewest secrets said" if leaks else ""
+    rule += ", then the fewest secrets said, then the fewest rows saying another's" if leaks else ""
     table += f"\n\nselected: {rule}, then the lowest perplexity" + (
         "" if chosen is not None else f" (no point is within +{100 * args.tolerance:g}%)"
     )

@@ -188,7 +188,7 @@ def test_quick_run_writes_the_report_and_reuses_the_fine_tune(base_dir, tmp_path
         assert all(0 <= p["secrets_said"] <= 100 for p in grid)
         chosen = min(
             (p for p in grid if p["perplexity"] <= 1.05 * results["unmitigated"]["perplexity"]),
-            key=lambda p: (p["memorized"], p["secrets_said"], p["perplexity"]),
+            key=lambda p: (p["memorized"], p["secrets_said"], p["others_leaked"], p["perplexity"]),
             default=grid[0],
         )
         assert chosen["options"] == results["methods"][name]["selected"]["options"]
@@ -251,7 +251,10 @@ def test_quick_lora_run_calibrates_against_the_adapters_off_and_reuses_its_cache
 def test_selection_falls_back_to_the_mildest_point():
     report = SimpleNamespace(memorized=0.0, perplexity=120.0)
     points = [SweepPoint({"delta": d}, report) for d in (1.0, 4.0)]
-    said = [{"secrets_said": 50.0}, {"secrets_said": 0.0}]
+    said = [
+        {"secrets_said": 50.0, "others_leaked": 0.0},
+        {"secrets_said": 0.0, "others_leaked": 0.0},
+    ]
     assert _select(points, said, 100.0) is points[0]  # none within +5%
     assert _select(points, said, 115.0) is points[1]
 

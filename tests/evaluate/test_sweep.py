@@ -29,10 +29,20 @@ def test_select_point_prefers_fewer_secrets_said_at_equal_memorization():
     assert select_point(points, 80.0, secrets_said=said) is None  # none within +5%
 
 
+def test_select_point_counts_another_prompts_secrets_after_its_own():
+    points = _points((1, 0.0, 100.0), (4, 0.0, 102.0), (8, 0.0, 104.0))
+    own, others = [0.0, 0.0, 3.1], [12.5, 3.1, 0.0]
+    assert select_point(points, 100.0, secrets_said=own) == 0
+    assert select_point(points, 100.0, secrets_said=own, others_said=others) == 1
+    assert select_point(points, 100.0, others_said=others) == 2  # no own counts: others decide
+
+
 def test_select_point_refuses_what_it_cannot_read():
     points = _points((1, 0.0, 100.0))
     with pytest.raises(GSSError, match="one per point"):
         select_point(points, 100.0, secrets_said=[1.0, 2.0])
+    with pytest.raises(GSSError, match="1 sweep points but 0 others-said shares"):
+        select_point(points, 100.0, others_said=[])
     with pytest.raises(GSSError, match="tolerance must be >= 0"):
         select_point(points, 100.0, tolerance=-0.1)
 

@@ -127,28 +127,40 @@ def select_point(
     *,
     tolerance: float = 0.05,
     secrets_said: Sequence[float] | None = None,
+    others_said: Sequence[float] | None = None,
 ) -> int | None:
     """The index of the point to deploy: among those whose perplexity is within `tolerance`
     (relative: 0.05 = +5%) of the unsteered model's, the lowest memorization, then the fewest
     secrets said (`secrets_said`: a % per point, as `LeakReport.secrets_leaked`), then the
-    lowest perplexity. None when no point is within the tolerance.
+    fewest prompts saying another prompt's secret (`others_said`: a % per point, as
+    `LeakReport.prompts_saying_others`), then the lowest perplexity. None when no point is
+    within the tolerance.
 
     Exact match alone is not enough to choose: past the strength where no row comes out whole,
-    the parts of the secrets said can keep falling (docs/your-model.md).
+    the parts of the secrets said can keep falling (docs/your-model.md). A prompt's own secret
+    comes first, since reciting it is the regurgitation being removed; a reply that says
+    someone else's instead is a leak too, so it decides among the points that say no more of
+    their own.
     """
     if tolerance < 0:
         raise GSSError(f"tolerance must be >= 0 (a relative perplexity increase), got {tolerance}.")
-    if secrets_said is not None and len(secrets_said) != len(points):
-        raise GSSError(
-            f"{len(points)} sweep points but {len(secrets_said)} secrets-said shares: give one "
-            "per point, in the same order."
-        )
-    said = list(secrets_said) if secrets_said is not None else [0.0] * len(points)
+    shares = []
+    for name, given in (("secrets-said", secrets_said), ("others-said", others_said)):
+        if given is not None and len(given) != len(points):
+            raise GSSError(
+                f"{len(points)} sweep points but {len(given)} {name} shares: give one per "
+                "point, in the same order."
+            )
+        shares.append(list(given) if given is not None else [0.0] * len(points))
+    own, others = shares
     limit = unsteered_perplexity * (1 + tolerance)
     ok = [i for i, p in enumerate(points) if p.report.perplexity <= limit]
     if not ok:
         return None
-    return min(ok, key=lambda i: (points[i].report.memorized, said[i], points[i].report.perplexity))
+    return min(
+        ok,
+        key=lambda i: (points[i].report.memorized, own[i], others[i], points[i].report.perplexity),
+    )
 
 
 def plot_pareto(

@@ -11,9 +11,10 @@
    at the strongest block the fine-tune changed, sweep delta, then the gate's threshold
    percentile at the chosen delta; sweep mean-difference steering's strength.
 4. At every grid point, also decode greedily from every canary's prompt and count the secrets
-   (account numbers, addresses) said verbatim. Per method, among the points whose perplexity
-   stays within 5% of the unmitigated model's, select the lowest memorization, then the fewest
-   secrets said, then the lowest perplexity; re-measure it with greedy decoding, and report %
+   (account numbers, addresses) said verbatim, its own and the other canaries'. Per method,
+   among the points whose perplexity stays within 5% of the unmitigated model's, select the
+   lowest memorization, then the fewest secrets said, then the fewest canaries saying another's
+   secret, then the lowest perplexity; re-measure it with greedy decoding, and report %
    memorized, the secrets said, perplexity, DS_lambda, mitigation time, every grid point, a
    Pareto figure, and what each model answers to one memorized canary's prompt.
 """
@@ -175,8 +176,11 @@ def _select(points: Sequence[Any], said: Sequence[dict[str, Any]], base_ppl: flo
     is within the perplexity tolerance, the mildest one."""
     from ...evaluate.sweep import select_point
 
-    shares = [leaks["secrets_said"] for leaks in said]
-    i = select_point(points, base_ppl, tolerance=PPL_TOLERANCE, secrets_said=shares)
+    own = [leaks["secrets_said"] for leaks in said]
+    others = [leaks["others_leaked"] for leaks in said]
+    i = select_point(
+        points, base_ppl, tolerance=PPL_TOLERANCE, secrets_said=own, others_said=others
+    )
     return points[0 if i is None else i]
 
 
@@ -598,7 +602,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "finetune": {**ft_cfg.to_dict(), **ft_info},
             "selection_rule": {
                 "perplexity_tolerance_relative": PPL_TOLERANCE,
-                "order": ["memorized", "secrets_said", "perplexity"],
+                "order": ["memorized", "secrets_said", "others_leaked", "perplexity"],
             },
             "unmitigated": unmitigated.to_dict(),
             "base_model": original.to_dict(),
@@ -618,7 +622,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         + f"\n\n({n},{k})-memorization of {unmitigated.rows} canaries (greedy); perplexity on "
         f"{unmitigated.heldout_tokens} held-out tokens; selected: within +"
         f"{100 * PPL_TOLERANCE:.0f}% perplexity (* = no point was), the lowest memorization, "
-        f"then the fewest secrets said, then the lowest perplexity; steering block {layer}"
+        "then the fewest secrets said, then the fewest canaries saying another's secret, then "
+        f"the lowest perplexity; steering block {layer}"
         + (f"; a rank-{args.lora} LoRA, reference gss.adapters_off(model)" if args.lora else "")
         + ". % numbers / addresses out: canaries whose account number / address the model says "
         f"verbatim, greedily (the window and {EXTRA_TOKENS} tokens more, up to EOS); % others' "
@@ -628,10 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"`{_quoted(example['secret'])}`):\n\n"
         + "\n".join(f"- {who}: `{_quoted(d['reply'])}`" for who, d in said.items())
         + "\n\nEvery grid point (memorization teacher-forced):\n\n"
-        + markdown_table(
-            GRID_HEADER,
-            grid_rows,
-        )
+        + markdown_table(GRID_HEADER, grid_rows)
         + "\n"
     )
     print(table)
