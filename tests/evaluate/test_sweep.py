@@ -43,6 +43,8 @@ def test_select_point_refuses_what_it_cannot_read():
         select_point(points, 100.0, secrets_said=[1.0, 2.0])
     with pytest.raises(GSSError, match="1 sweep points but 0 others-said shares"):
         select_point(points, 100.0, others_said=[])
+    with pytest.raises(GSSError, match="share is NaN"):
+        select_point(points, 100.0, secrets_said=[float("nan")])
     with pytest.raises(GSSError, match="tolerance must be >= 0"):
         select_point(points, 100.0, tolerance=-0.1)
 

@@ -11,6 +11,7 @@ thresholds do not depend on delta).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,7 +152,13 @@ def select_point(
                 f"{len(points)} sweep points but {len(given)} {name} shares: give one per "
                 "point, in the same order."
             )
-        shares.append(list(given) if given is not None else [0.0] * len(points))
+        values = [float(v) for v in given] if given is not None else [0.0] * len(points)
+        if any(math.isnan(v) for v in values):
+            raise GSSError(
+                f"a {name} share is NaN (a leak check with no secrets to look for): pass the "
+                "shares only when the rows carry secrets."
+            )
+        shares.append(values)
     own, others = shares
     limit = unsteered_perplexity * (1 + tolerance)
     ok = [i for i, p in enumerate(points) if p.report.perplexity <= limit]
