@@ -5,6 +5,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -84,9 +85,23 @@ def test_a_secrets_fields_are_what_a_leak_is_looked_for():
         assert all(v in secret for v in secret_fields(secret).values())
 
 
+class _UniformLM(torch.nn.Module):
+    """An LM that gives every next token the same probability: any text's perplexity is the
+    vocabulary's size."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        return SimpleNamespace(logits=torch.zeros(*input_ids.shape, self.vocab))
+
+
 def test_the_leak_probe_counts_own_and_other_canaries_secrets(monkeypatch):
     import gss.evaluate.leaks as leaks
     from gss.bench.canaries.run import _leak_probe
+    from gss.evaluate import repetition
 
     tokenizer = _byte_tokenizer()
     data = make_canary_data(tokenizer, CanaryConfig(canaries=4, finetune_rows=1, k=48))
@@ -95,7 +110,7 @@ def test_the_leak_probe_counts_own_and_other_canaries_secrets(monkeypatch):
         f"{f[0]['number']}, and the address is {f[0]['address']}.",
         f"{f[1]['number']}, and the address is nowhere.",
         f"0000, and the address is {f[0]['address']}.",
-        "I cannot say.",
+        "I cannot say. I cannot say.",
     ]
 
     def generate(model, prompts, max_new_tokens, **kwargs):  # the decoder, stubbed
@@ -105,12 +120,20 @@ def test_the_leak_probe_counts_own_and_other_canaries_secrets(monkeypatch):
     monkeypatch.setattr(leaks, "greedy_generate", generate)
     monkeypatch.setattr(leaks, "check_sequences", lambda *args: None)
     report = SimpleNamespace(index=(0, 1, 2, 3), per_row=(False, True, False, False))
-    example, probe = _leak_probe(tokenizer, data, report, batch_size=4)
+    judge = _UniformLM(len(tokenizer))
+    example, probe = _leak_probe(tokenizer, data, report, batch_size=4, judge=judge)
     assert example["canary"] == 1 and example["secret"].startswith(f[1]["number"])
     out = probe(None)
     assert out["number_leaked"] == 50.0 and out["address_leaked"] == 25.0
     assert out["secrets_said"] == 37.5 and out["others_leaked"] == 25.0  # canary 2 says 0's
     assert out["reply"] == replies[1]
+    # how the replies read: the repeated sentence's 4-grams, and the judge's perplexity of the
+    # replies alone (uniform: the vocabulary's size, whatever the prompt)
+    assert out["repetition"] == pytest.approx(
+        repetition([tokenizer(r)["input_ids"] for r in replies])
+    )
+    assert out["repetition"] > 0
+    assert out["reply_perplexity"] == pytest.approx(len(tokenizer), rel=1e-4)
 
 
 def test_chat_canaries_are_conversations_prompted_up_to_the_reply():
@@ -178,10 +201,13 @@ def test_quick_run_writes_the_report_and_reuses_the_fine_tune(base_dir, tmp_path
     disclosure = results["disclosure"]
     said = disclosure["models"]
     assert set(said) == {"unmitigated", "base model", "GSS", "GSS-TR", "Mean-diff"}
-    fields = ("number_leaked", "address_leaked", "others_leaked", "secrets_said")
+    fields = ("number_leaked", "address_leaked", "others_leaked", "secrets_said", "repetition")
     assert all(0 <= d[f] <= 100 for d in said.values() for f in fields)
+    assert all(d["reply_perplexity"] >= 1 for d in said.values())
     assert disclosure["example"]["secret"][:4].isdigit()  # the window: the account number onwards
-    assert "| % numbers out | % addresses out | % others' out |" in table
+    assert (
+        "| % numbers out | % addresses out | % others' out | % replies' 4-grams repeated |" in table
+    )
     # every grid point carries its leaks; the selected one is the rule's pick over them
     for name in ("GSS", "Mean-diff"):
         grid = results["methods"][name]["grid"]

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gss.evaluate import perplexity, token_accuracy
+from gss.errors import GSSError
+from gss.evaluate import perplexity, repetition, token_accuracy
 
 PAD = 15
 
@@ -68,3 +69,36 @@ def test_model_mode_is_restored(gpt2_factory):
     model = gpt2_factory().train()
     token_accuracy(model, _rows(), PAD)
     assert model.training
+
+
+def test_perplexity_after_a_prompt_scores_only_the_reply(gpt2_factory):
+    """With prompt lengths, a row's perplexity is that of its tokens after the prompt: the
+    reference is the row-by-row NLL of those targets alone."""
+    model = gpt2_factory()
+    rows, prompts = _rows(2), [3, 4, 1, 9, 0, 7]  # row 3 is all prompt, row 5 has no token past
+    nll = 0.0
+    n = 0
+    with torch.no_grad():
+        for r, p in zip(rows, prompts, strict=True):
+            ids = torch.tensor([r])
+            logits = model(input_ids=ids).logits[0, :-1]
+            first = max(p, 1)  # position of the first target scored
+            nll += float(F.cross_entropy(logits[first - 1 :], ids[0, first:], reduction="sum"))
+            n += max(len(r) - first, 0)
+    got = perplexity(model, rows, PAD, batch_size=4, prompt_lengths=prompts)
+    assert got == pytest.approx(math.exp(nll / n), rel=1e-5)
+    # prompt length 1 (or 0) is the plain perplexity
+    assert perplexity(model, rows, PAD, prompt_lengths=[1] * 6) == perplexity(model, rows, PAD)
+    with pytest.raises(GSSError, match="6 rows but 2 prompt lengths"):
+        perplexity(model, rows, PAD, prompt_lengths=[1, 2])
+
+
+def test_repetition_counts_ngrams_seen_before_in_the_same_row():
+    # row 0: 4-grams (1,2,3,4) (2,3,4,1) (3,4,1,2) (4,1,2,3) (1,2,3,4): the last repeats the
+    # first; row 1 has no repeat (the 4-gram of row 0 in it is another row's); row 2 is short
+    rows = [[1, 2, 3, 4, 1, 2, 3, 4], [1, 2, 3, 4, 5], [7, 7, 7]]
+    assert repetition(rows) == pytest.approx(100 * 1 / 7)
+    assert repetition([[5, 5, 5, 5, 5, 5]], n=2) == pytest.approx(80.0)  # 4 of 5 bigrams
+    assert math.isnan(repetition([[1, 2]]))
+    with pytest.raises(GSSError, match="n must be >= 1"):
+        repetition(rows, n=0)

@@ -22,6 +22,10 @@ def test_each_secret_is_looked_for_in_its_prompts_continuation(table_lm):
     secrets = [["w6 w7", "w9", "w5 w7"], ["w8 w8"]]
     report = secrets_said(model, tok, prompts, secrets, max_new_tokens=5, batch_size=1)
     assert report.continuations == ("w5 w6 w7", "w8 w8 w8 w8 w8")
+    w = {name: WORDS.index(name) for name in ("w5", "w6", "w7", "w8")}
+    assert report.continuation_ids == ((w["w5"], w["w6"], w["w7"]), (w["w8"],) * 5)
+    # "w8 w8 w8 w8 w8" holds two 4-grams, the second a repeat; "w5 w6 w7" has none
+    assert report.repetition == 50.0 and report.to_dict()["repetition"] == 50.0
     # w9 comes after EOS; "w5 w7" is not verbatim
     assert report.said == ((True, False, False), (True,))
     assert report.secrets_leaked == pytest.approx(50.0)

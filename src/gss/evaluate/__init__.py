@@ -9,7 +9,7 @@ from gss.evaluate.memorization import (
 )
 from gss.evaluate.suite import EvaluationReport, deviation_score, evaluate_model
 from gss.evaluate.sweep import SweepPoint, pareto_front, select_point, steering_sweep
-from gss.evaluate.utility import perplexity, token_accuracy
+from gss.evaluate.utility import perplexity, repetition, token_accuracy
 
 __all__ = [
     "BackdoorResult",
@@ -23,6 +23,7 @@ __all__ = [
     "nk_memorization",
     "pareto_front",
     "perplexity",
+    "repetition",
     "secrets_said",
     "select_point",
     "steering_sweep",

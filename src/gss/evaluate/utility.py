@@ -1,6 +1,7 @@
-"""Utility metrics for any HF causal LM: teacher-forced token accuracy and perplexity.
+"""Utility metrics for any HF causal LM: teacher-forced token accuracy and perplexity, and how
+much a generation repeats itself.
 
-Both are token-weighted over the real (non-padding) next-token targets of every row: the first
+Accuracy and perplexity are token-weighted over the real (non-padding) next-token targets of every row: the first
 token of a row is never a target, and padding is never one. TinyMem's accuracy counted PAD
 targets too (inflating it), and its perplexity averaged exp(batch mean loss) over batches; here
 accuracy is correct / targets and perplexity is exp(total NLL / targets) over all rows.
@@ -9,15 +10,17 @@ accuracy is correct / targets and perplexity is exp(total NLL / targets) over al
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from gss.data import right_pad
+from gss.errors import GSSError
 from gss.evaluate._decode import RowsLike, as_rows, batch_starts, eval_mode
 from gss.forward import forward_logits
 
-__all__ = ["perplexity", "token_accuracy"]
+__all__ = ["perplexity", "repetition", "token_accuracy"]
 
 
 def next_token_stats(
@@ -26,11 +29,20 @@ def next_token_stats(
     pad_id: int | None,
     batch_size: int,
     progress: bool = False,
+    starts: Sequence[int] | None = None,
 ) -> tuple[int, int, float]:
-    """(targets, argmax hits, summed NLL in nats) over the non-padding targets of `rows`."""
-    rows_ = [r for r in as_rows(rows, pad_id) if len(r) >= 2]
-    if not rows_:
+    """(targets, argmax hits, summed NLL in nats) over the non-padding targets of `rows`;
+    `starts`: each row's first token counted as a target (the length of its prompt)."""
+    all_rows = as_rows(rows, pad_id)
+    if starts is None:
+        starts = [1] * len(all_rows)
+    if len(starts) != len(all_rows):
+        raise GSSError(f"{len(all_rows)} rows but {len(starts)} prompt lengths: give one each.")
+    firsts_all = [max(int(s), 1) for s in starts]  # the first token is never a target
+    kept = [(r, s) for r, s in zip(all_rows, firsts_all, strict=True) if len(r) > s]
+    if not kept:
         raise ValueError("no row has a next-token target (rows need at least 2 tokens)")
+    rows_, firsts = [r for r, _ in kept], [s for _, s in kept]
     pad = 0 if pad_id is None else pad_id
     n = hits = 0
     nll = 0.0
@@ -39,7 +51,9 @@ def next_token_stats(
             ids, mask = right_pad(rows_[b : b + batch_size], pad)
             logits = forward_logits(model, ids, mask)[:, :-1].float().cpu()
             targets = ids[:, 1:]
-            valid = mask[:, 1:].bool()
+            position = torch.arange(1, ids.shape[1])  # of each target in its row
+            first = torch.as_tensor(firsts[b : b + batch_size])
+            valid = mask[:, 1:].bool() & (position[None] >= first[:, None])
             lp = F.log_softmax(logits[valid], dim=-1)
             t = targets[valid]
             n += int(t.numel())
@@ -61,11 +75,36 @@ def token_accuracy(
 
 
 def perplexity(
-    model: torch.nn.Module, rows: RowsLike, pad_id: int | None = None, *, batch_size: int = 64
+    model: torch.nn.Module,
+    rows: RowsLike,
+    pad_id: int | None = None,
+    *,
+    batch_size: int = 64,
+    prompt_lengths: Sequence[int] | None = None,
 ) -> float:
     """Token-weighted perplexity ``exp(sum NLL / targets)`` of `rows`; padding excluded.
 
-    Accepts the same row forms as `token_accuracy`.
+    Accepts the same row forms as `token_accuracy`. With `prompt_lengths` (one per row), only
+    the tokens after each row's prompt are scored: the perplexity of a reply given its prompt
+    (a row with no token past its prompt adds nothing).
     """
-    n, _, nll = next_token_stats(model, rows, pad_id, batch_size)
+    n, _, nll = next_token_stats(model, rows, pad_id, batch_size, starts=prompt_lengths)
     return math.exp(nll / n)
+
+
+def repetition(rows: Sequence[Sequence[int]], n: int = 4) -> float:
+    """% of the token n-grams of the rows that repeat an earlier n-gram of the same row, pooled
+    over the rows: how much generated text loops ("the address is the address is ..." scores
+    high, fluent text near 0). NaN when no row has n tokens."""
+    if n < 1:
+        raise GSSError(f"n must be >= 1, got {n}.")
+    total = repeated = 0
+    for row in rows:
+        ids = [int(t) for t in row]
+        seen: set[tuple[int, ...]] = set()
+        for i in range(len(ids) - n + 1):
+            gram = tuple(ids[i : i + n])
+            repeated += gram in seen
+            seen.add(gram)
+            total += 1
+    return 100.0 * repeated / total if total else float("nan")

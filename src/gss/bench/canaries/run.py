@@ -49,6 +49,7 @@ DELTAS = (0.03, 0.1, 0.25, 1.0, 4.0, 8.0, 16.0)
 PERCENTILES = (90.0, 99.0)  # gate thresholds tried beside the default 95th, at the chosen delta
 ALPHAS = (0.5, 1.0, 2.0)
 LEAK_HEADER = ["% numbers out", "% addresses out", "% others' out"]
+LEAK_HEADER += ["% replies' 4-grams repeated", "replies' base ppl"]
 HEADER = ["method", "selected", "% memorized", "% tokens", *LEAK_HEADER, "perplexity"]
 HEADER += ["DS 0.01", "DS 0.05", "DS 0.1", "mitigation s"]  # table.md's, then of every point:
 GRID_HEADER = ["method", "point", "% memorized", *LEAK_HEADER, "perplexity", "selected"]
@@ -189,6 +190,13 @@ def _leak_counts(said: dict[str, Any]) -> dict[str, float]:
     return {key: value for key, value in said.items() if key != "reply"}
 
 
+def _reply_cells(said: dict[str, Any]) -> list[str]:
+    """A leak probe's table cells after the addresses: others' secrets said, then how the
+    replies read."""
+    keys = ("others_leaked", "repetition", "reply_perplexity")
+    return [f"{said[key]:.1f}" for key in keys]
+
+
 def _label(options: dict[str, Any]) -> str:
     return ", ".join(f"{key}={value}" for key, value in options.items() if value is not None)
 
@@ -279,15 +287,17 @@ def _baseline(
 
 
 def _leak_probe(
-    tokenizer: Any, data: Any, report: Any, batch_size: int
+    tokenizer: Any, data: Any, report: Any, batch_size: int, judge: Any
 ) -> tuple[dict[str, Any], Callable[[Any], dict[str, Any]]]:
     """What a model says to every canary's prompt (`gss.evaluate.leaks`): ``probe(m)`` gives the
     % of canaries whose account number and whose address come out verbatim, the % of all those
-    secrets said, the % of canaries whose reply says another canary's number or address, and
-    the reply to the report's example, the first canary the fine-tuned model
-    reproduces (else the first), described by the returned dict (its prompt's end, its
-    secret)."""
+    secrets said, the % of canaries whose reply says another canary's number or address, how
+    the replies read (the % of their 4-grams that repeat, and their perplexity under `judge`,
+    the base model, given their prompts), and the reply to the report's example, the first
+    canary the fine-tuned model reproduces (else the first), described by the returned dict
+    (its prompt's end, its secret)."""
     from ...evaluate.leaks import secrets_said
+    from ...evaluate.utility import perplexity
     from .data import secret_fields
 
     k = data.config.k
@@ -311,6 +321,18 @@ def _leak_probe(
         }
         out["secrets_said"] = sum(out.values()) / len(names)
         out["others_leaked"] = leaks.prompts_saying_others
+        out["repetition"] = leaks.repetition
+        replied = [(p, r) for p, r in zip(prompts, leaks.continuation_ids, strict=True) if r]
+        out["reply_perplexity"] = (
+            perplexity(
+                judge,
+                [p + list(r) for p, r in replied],
+                batch_size=batch_size,
+                prompt_lengths=[k] * len(replied),
+            )
+            if replied
+            else float("nan")
+        )
         return {**out, "reply": leaks.continuations[i]}
 
     return example, probe
@@ -389,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{unmitigated.token_match:.1f}% of their tokens, perplexity {unmitigated.perplexity:.2f}"
         f" (base model: {original.memorized:.1f}% / {original.perplexity:.2f})"
     )
-    example, probe = _leak_probe(tokenizer, data, unmitigated, bs)
+    example, probe = _leak_probe(tokenizer, data, unmitigated, bs, base)
     said = {"unmitigated": probe(model), "base model": probe(base)}
 
     def probe_steers(points: Sequence[Any]) -> list[dict[str, Any]]:
@@ -525,7 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{report.token_match:.1f}",
             f"{leaked['number_leaked']:.1f}",
             f"{leaked['address_leaked']:.1f}",
-            f"{leaked['others_leaked']:.1f}",
+            *_reply_cells(leaked),
             f"{report.perplexity:.2f} ({change:+.1f}%)",
             *(f"{v:.1f}" for v in ds.values()),
             "" if seconds is None else f"{seconds:.0f}",
@@ -558,7 +580,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{p.report.memorized:.1f}",
                 f"{leaks['number_leaked']:.1f}",
                 f"{leaks['address_leaked']:.1f}",
-                f"{leaks['others_leaked']:.1f}",
+                *_reply_cells(leaks),
                 f"{p.report.perplexity:.2f}",
                 "yes" if p is chosen else "",
             ]
@@ -627,7 +649,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         + (f"; a rank-{args.lora} LoRA, reference gss.adapters_off(model)" if args.lora else "")
         + ". % numbers / addresses out: canaries whose account number / address the model says "
         f"verbatim, greedily (the window and {EXTRA_TOKENS} tokens more, up to EOS); % others' "
-        "out: canaries whose reply says another canary's number or address"
+        "out: canaries whose reply says another canary's number or address; % replies' 4-grams "
+        "repeated: of the replies' token 4-grams, those repeating an earlier one of the same "
+        "reply (a looping reply); replies' base ppl: their perplexity under the base model, "
+        "given the prompt (its own greedy replies set the floor; a secret's random digits "
+        "raise it)"
         + f".\n\nWhat each model says to canary {example['canary']}'s prompt, which ends "
         f"`{_quoted(example['prompt_end'])}` (greedy; the secret: "
         f"`{_quoted(example['secret'])}`):\n\n"
