@@ -1,10 +1,11 @@
 """Utility metrics for any HF causal LM: teacher-forced token accuracy and perplexity, and how
 much a generation repeats itself.
 
-Accuracy and perplexity are token-weighted over the real (non-padding) next-token targets of every row: the first
-token of a row is never a target, and padding is never one. TinyMem's accuracy counted PAD
-targets too (inflating it), and its perplexity averaged exp(batch mean loss) over batches; here
-accuracy is correct / targets and perplexity is exp(total NLL / targets) over all rows.
+Accuracy and perplexity are token-weighted over the real (non-padding) next-token targets of
+every row: the first token of a row is never a target, and padding is never one. TinyMem's
+accuracy counted PAD targets too (inflating it), and its perplexity averaged exp(batch mean loss)
+over batches; here accuracy is correct / targets and perplexity is exp(total NLL / targets) over
+all rows.
 """
 
 from __future__ import annotations
