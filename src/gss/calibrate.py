@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from . import distributed
 from .artifact import SteeringArtifact, SteeringConfig, model_fingerprint
 from .compiled import refuse_if_compiled
-from .data import Batch, TextsOrIds, batches, count_batches, encode, encode_compact
+from .data import Batch, TextsOrIds, batches, count_batches, encode, encode_compact, right_pad
 from .errors import GSSError
 from .forward import (
     check_same_vocab,
@@ -44,6 +44,7 @@ from .hook import COEFFICIENT_MODES, GATE_MODES, SteeredForward, split_block_out
 from .layers import residual_width, resolve_layer
 from .solve import SolveMethod, solve_probe_steer
 from .statistics import CovarianceAccumulator, CrossMomentAccumulator, MeanAccumulator
+from .trained_tokens import encode_trained
 
 CENTERINGS = ("covariance", "full", "none")
 TARGETS = ("loglik", "toward-reference")
@@ -307,9 +308,13 @@ def collect_statistics(
     max_length: int | None = None,
     block_path: str | None = None,
     keep_general: int | None = None,
+    replies_only: bool = False,
     progress: bool = True,
 ) -> CalibrationStatistics:
     """The calibration pass: omega, the token split, Sigma_gen and M at block ``layer``.
+
+    Only tokens the fine-tune was trained on can be memorized (`gss.trained_tokens`): those
+    whose ``labels`` are not -100 in rows that have labels, the replies with `replies_only`.
 
     While the general tokens number at most ``keep_general`` (default: as many as fit in
     64 MB of float32 hidden states), their hidden states are kept so that `build_artifact` sets
@@ -323,9 +328,18 @@ def collect_statistics(
         raise GSSError(f"memorized_quantile must be in (0, 1), got {memorized_quantile}.")
     check_same_vocab(model, reference)
     layer_index, block = resolve_layer(model, layer, block_path)
-    all_seqs = encode_compact(texts, tokenizer, max_length)
+    all_seqs, all_trained = encode_trained(texts, tokenizer, max_length, replies_only=replies_only)
     check_sequences((model, reference), all_seqs, "the texts")
     seqs = distributed.shard(all_seqs)
+    trained = distributed.shard(all_trained) if all_trained is not None else None
+
+    def trainable(batch: Batch, valid: Tensor) -> Tensor:
+        """`valid` (a batch's targets) less the targets training skipped."""
+        if trained is None:
+            return valid
+        mask = right_pad([trained[i] for i in batch.index.tolist()], 0)[0]
+        return valid & mask[:, 1:].bool().to(valid.device)
+
     gen_seqs = None
     if gen_texts is not None:
         all_gen = encode_compact(gen_texts, tokenizer, max_length)
@@ -339,6 +353,7 @@ def collect_statistics(
     mem_mean = MeanAccumulator(dim, device)
     timings = {"signal": 0.0, "statistics": 0.0}
     counts: dict[str, Any] = {"sequences": len(seqs), "tokens": 0, "memorized": 0, "general": 0}
+    counts["trained"] = 0  # the tokens that could be memorized (all, without labels or replies)
     # tokens whose log-prob differs between the two models: none means the reference is the
     # model itself, which _check_counts says in so many words
     counts["omega_nonzero"] = 0
@@ -383,7 +398,7 @@ def collect_statistics(
                     lp_ref = logprobs(reference, batch)
                     lp = logprobs(model, batch)
                 ref_logp[b] = lp_ref
-                valid = target_mask(batch.attention_mask).to(lp.device)
+                valid = trainable(batch, target_mask(batch.attention_mask).to(lp.device))
                 all_omega.append((lp - lp_ref.to(lp.device))[valid].float().cpu())
             values = distributed.gather_rows(torch.cat(all_omega))[: 2**24].double()
             cut = float(torch.quantile(values, 1 - memorized_quantile))
@@ -406,7 +421,8 @@ def collect_statistics(
             lp_model = token_logprobs(logits, batch.input_ids)
             valid = target_mask(batch.attention_mask).to(lp_model.device)
             omega = lp_model.detach() - lp_ref.to(lp_model.device)
-            mem = valid & (omega > cut)
+            eligible = trainable(batch, valid)
+            mem = eligible & (omega > cut)
             gen = valid & ~mem
             timings["signal"] += time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -442,6 +458,7 @@ def collect_statistics(
                 assert general_flags is not None
                 general_flags.add(gen, valid)
             counts["tokens"] += int(valid.sum())
+            counts["trained"] += int(eligible.sum())
             counts["memorized"] += n_mem
             counts["general"] += int(gen.sum())
             counts["omega_nonzero"] += int((valid & (omega != 0)).sum())
@@ -463,7 +480,8 @@ def collect_statistics(
 
     for acc in (sigma_acc, m_acc, mem_mean):
         acc.all_reduce()
-    distributed.sum_counts(counts, ("sequences", "tokens", "memorized", "general", "omega_nonzero"))
+    keys = ("sequences", "tokens", "trained", "memorized", "general", "omega_nonzero")
+    distributed.sum_counts(counts, keys)
     counts["memorized_share"] = counts["memorized"] / max(counts["tokens"], 1)
     stats.memorized_rule = {
         "kind": "quantile" if memorized_quantile is not None else "omega_above",
@@ -471,6 +489,7 @@ def collect_statistics(
         "quantile": memorized_quantile,
         "cut": cut,
         "sigma_from": "gen_texts" if gen_seqs is not None else "non_memorized_tokens",
+        "among": "trained tokens" if trained is not None else "all tokens",
     }
     return stats
 
@@ -603,6 +622,7 @@ def calibrate(
     solve_method: str = "auto",
     max_threshold_samples: int = THRESHOLD_SAMPLES,
     keep_general: int | None = None,
+    replies_only: bool = False,
     seed: int = 0,
     progress: bool = True,
 ) -> SteeringArtifact:
@@ -612,8 +632,10 @@ def calibrate(
         model: the fine-tuned causal LM whose memorization is to be removed.
         reference: a model with the same tokenizer that did not see the fine-tuning data
             (e.g. the base model); omega = log p_model - log p_ref per token.
-        texts: calibration text (strings with ``tokenizer``, or token id lists / a tensor),
-            usually including the data the model may have memorized.
+        texts: calibration text (strings with ``tokenizer``, conversations, dataset rows, or
+            token id lists / a tensor / rows with ``input_ids``), usually including the data
+            the model may have memorized. Rows with ``labels`` say which tokens the fine-tune
+            was trained on (-100: not): only those can be memorized.
         layer: 0-based decoder block whose output is read and steered (negative counts from
             the end).
         rank: number of probe/steer directions K.
@@ -623,6 +645,10 @@ def calibrate(
         gate_share: instead, set thresholds so the union of the K gates opens on this share of
             general tokens.
         omega_threshold: a token is memorized when omega > this (nats); 0 is the paper's rule.
+        replies_only: only the replies can be memorized (the assistant's messages of
+            conversations, the completions of prompt-completion rows): for a fine-tune trained
+            on them alone (trl's ``assistant_only_loss`` / ``completion_only_loss``). See
+            :mod:`gss.trained_tokens`.
         memorized_quantile: instead, mark the top ``memorized_quantile`` share of tokens by
             omega as memorized (costs one more forward of each model).
         gen_texts: held-out text for Sigma_gen and the thresholds (as in the paper's
@@ -670,6 +696,7 @@ def calibrate(
         max_length=max_length,
         block_path=block_path,
         keep_general=keep_general,
+        replies_only=replies_only,
         progress=progress,
     )
     return build_artifact(
@@ -769,6 +796,12 @@ def same_model_error(tokens: int) -> GSSError:
 def _check_counts(counts: dict[str, Any], n_mem: int, rank: int) -> None:
     if n_mem == 0 and counts.get("omega_nonzero") == 0:
         raise same_model_error(counts["tokens"])
+    if counts.get("trained") == 0:
+        raise GSSError(
+            f"none of the {counts['tokens']} calibration tokens was trained on (every label is "
+            "-100, or no reply survived max_length), so none can be memorized: check the "
+            "labels, or raise max_length so that the replies fit."
+        )
     if n_mem == 0:
         raise GSSError(
             f"no token of the {counts['tokens']} calibration tokens passed the memorized-token "

@@ -206,7 +206,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
     _resolve_max_length(args, model)
     reference = _load_reference(args.reference, model, tokenizer, args.device, args.dtype)
-    texts = read_texts(args.data)
+    texts = read_texts(args.data, keep_rows=True)  # rows keep their labels and completions
     gen_texts = read_texts(args.gen_data) if args.gen_data else None
     _apply_variant(args)
     artifact = calibrate(
@@ -222,6 +222,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         omega_threshold=args.omega_threshold,
         memorized_quantile=args.memorized_quantile,
         gen_texts=gen_texts,
+        replies_only=args.replies_only,
         gate=args.gate,
         coefficient=args.coefficient,
         centering=args.centering,
@@ -732,6 +733,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--memorized-quantile",
         type=float,
         help="instead: this top share of tokens by omega is memorized",
+    )
+    p.add_argument(
+        "--replies-only",
+        action="store_true",
+        help="only the assistant's messages / the completions can be memorized (a fine-tune "
+        "trained on replies alone); .jsonl rows with input_ids and labels say it themselves",
     )
     p.add_argument(
         "--gate",

@@ -92,13 +92,24 @@ def _numbered_rows(path: str | Path) -> list[tuple[str, str | dict[str, Any]]]:
     return rows
 
 
-def read_texts(path: str | Path) -> list[Text]:
+def read_texts(path: str | Path, keep_rows: bool = False) -> list[Any]:
     """Read sequences from a ``.txt`` file (one per line) or ``.jsonl`` (one row a line, in a
-    format of `record_text`: a text, a conversation, or a prompt and its completion)."""
-    return [
-        row if isinstance(row, str) else record_text(row, where)
-        for where, row in _numbered_rows(path)
-    ]
+    format of `record_text`: a text, a conversation, or a prompt and its completion).
+
+    `keep_rows`: ``.jsonl`` rows stay dicts once their format is checked, so that what only the
+    row says survives (which part is the completion; ``input_ids`` and ``labels``, which
+    tokens training computed a loss on: `gss.trained_tokens`)."""
+    out: list[Any] = []
+    for where, row in _numbered_rows(path):
+        if isinstance(row, str):
+            out.append(row)
+        elif keep_rows and "input_ids" in row:
+            _id_row(row, 0, where)
+            out.append(row)
+        else:
+            text = record_text(row, where)
+            out.append(row if keep_rows else text)
+    return out
 
 
 def check_same_tokenizer(tokenizer: Any, reference_tokenizer: Any) -> None:
@@ -131,9 +142,12 @@ def check_same_tokenizer(tokenizer: Any, reference_tokenizer: Any) -> None:
 
 
 def _as_text(x: Any, index: int) -> Text | None:
-    """`x` as a text (a string or a conversation), None if it is not one."""
+    """`x` as a text (a string or a conversation), None if it is not one (token ids, or a row
+    with ``input_ids``)."""
     if isinstance(x, str):
         return x
+    if isinstance(x, Mapping) and "input_ids" in x:
+        return None
     if isinstance(x, Mapping):
         return record_text(x, f"sequence {index} (a {type(x).__name__})")
     if _is_conversation(x):
@@ -179,19 +193,22 @@ def chat_prompt(prompt: str, tokenizer: Any) -> str:
     return _render([{"role": "user", "content": prompt}], tokenizer, "the prompt", True)
 
 
-def _id_row(x: Any, index: int) -> list[int]:
-    """One sequence of token ids as a list of ints; a GSSError for anything else."""
+def _id_row(x: Any, index: int, where: str | None = None) -> list[int]:
+    """One sequence of token ids (or a row's ``input_ids``) as a list of ints; a GSSError for
+    anything else, naming `where` it is (default: sequence `index`)."""
+    if isinstance(x, Mapping):
+        return _id_row(x["input_ids"], index, where or f"the input_ids of sequence {index}")
+    name = where or f"sequence {index}"
     if isinstance(x, Tensor) or hasattr(x, "__array__"):
         try:
             t = torch.as_tensor(x)
         except (TypeError, ValueError, RuntimeError):
             raise GSSError(
-                f"sequence {index} is an array of {getattr(x, 'dtype', 'objects')}, not of "
-                "token ids."
+                f"{name} is an array of {getattr(x, 'dtype', 'objects')}, not of token ids."
             ) from None
         if t.ndim != 1 or t.dtype.is_floating_point or t.dtype.is_complex:
             raise GSSError(
-                f"sequence {index} is a {t.ndim}-d {t.dtype} array; a sequence of token ids "
+                f"{name} is a {t.ndim}-d {t.dtype} array; a sequence of token ids "
                 "is 1-d and of an integer type."
             )
         return t.long().tolist()
@@ -201,7 +218,7 @@ def _id_row(x: Any, index: int) -> list[int]:
         except TypeError:
             odd = next(v for v in x if not hasattr(v, "__index__"))
             raise GSSError(
-                f"sequence {index} holds a {type(odd).__name__} ({odd!r:.40}) among its token "
+                f"{name} holds a {type(odd).__name__} ({odd!r:.40}) among its token "
                 "ids; ids are integers (texts are strings, conversations lists of "
                 "{'role', 'content'} dicts)."
             ) from None
@@ -211,7 +228,7 @@ def _id_row(x: Any, index: int) -> list[int]:
             "sequence of token ids, wrap it in a list ([ids]) or pass a 2-D tensor."
         )
     raise GSSError(
-        f"sequence {index} is of type {type(x).__name__}; pass strings, conversations (lists "
+        f"{name} is of type {type(x).__name__}; pass strings, conversations (lists "
         f"of {{'role', 'content'}} dicts), dataset rows ({FORMATS}) or lists of token ids."
     )
 
@@ -305,13 +322,25 @@ def encode_compact(
     tokenized ``chunk`` sequences at a time so the lists never exist for the whole corpus.
     """
     items = _items(data, max_length)
-    if isinstance(data, Tensor):
-        return _predictable(list(items))
+    return _predictable(compact_rows(items, tokenizer, max_length, chunk, isinstance(data, Tensor)))
+
+
+def compact_rows(
+    items: Sequence[Any],
+    tokenizer: Any | None,
+    max_length: int | None,
+    chunk: int = 1024,
+    views: bool = False,
+) -> list[Tensor]:
+    """`encode_compact` of every item (`_items`), the short ones kept: one tensor an item, in
+    order; `views`: the items are a tensor's rows, kept as they are."""
+    if views:
+        return list(items)
     out: list[Tensor] = []
     for start in range(0, len(items), chunk):
         part = _token_lists(items[start : start + chunk], tokenizer, max_length)
         out.extend(torch.as_tensor(s, dtype=torch.int32) for s in part)
-    return _predictable(out)
+    return out
 
 
 def _prompt_and_full(x: Any, index: int) -> tuple[Text, Text]:

@@ -15,6 +15,7 @@ from gss.bench.canaries.finetune import FinetuneConfig, _Trainer, trainable_name
 from gss.bench.canaries.run import ABLATION, _select, main
 from gss.errors import GSSError
 from gss.evaluate.sweep import SweepPoint
+from gss.trained_tokens import encode_trained
 
 from ..conftest import tiny_model
 
@@ -152,6 +153,17 @@ def test_chat_canaries_are_conversations_prompted_up_to_the_reply():
     for row in (*data.finetune_rows, *data.heldout_rows, *data.general_rows):
         text = tokenizer.decode(list(row))
         assert text.startswith("<s>user: ") and "account" not in text
+    # the canary and fine-tuning rows as conversations: what replies-only calibration reads
+    # (each encodes to its row), every reply's tokens (two in a canary row) the assistant's
+    rows = (*data.canary_rows, *data.finetune_rows)
+    ids, masks = encode_trained(data.conversations, tokenizer, config.row_len, replies_only=True)
+    assert [tuple(r.tolist()) for r in ids] == list(rows)
+    secret = masks[0].nonzero().flatten()[-len(data.canary_rows[0][config.k :]) :]
+    assert secret.tolist() == list(range(config.k, len(data.canary_rows[0])))
+    replies = [tokenizer.decode(r[m].tolist()) for r, m in zip(ids, masks, strict=True)]
+    assert all(r.count("</s>") == 2 for r in replies[:5]) and replies[0].endswith(
+        data.secrets[0] + "</s>\n"
+    )
     assert make_canary_data(tokenizer, config) == data
     with pytest.raises(GSSError, match="raise k"):
         make_canary_data(tokenizer, CanaryConfig(canaries=1, k=100, chat=True))
@@ -247,6 +259,12 @@ def test_quick_chat_run_prompts_with_the_conversation(base_dir, tmp_path):
     assert main([*args, "--train-blocks", "2"]) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["data"]["chat"] and results["unmitigated"]["k"] == 200
+    replies = results["methods"]["GSS, replies"]
+    assert replies["calibration_options"] == {"replies_only": True}
+    # the replies are a part of the calibration tokens, and only they can be memorized
+    counts, every = replies["token_counts"], results["methods"]["GSS"]["token_counts"]
+    assert counts["tokens"] == every["tokens"] and 0 < counts["trained"] < every["trained"]
+    assert counts["memorized"] <= counts["trained"]
     example = results["disclosure"]["example"]
     assert example["prompt_end"].endswith("<s>assistant: ")
     assert "account number is" in example["secret"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from gss.bench.tinymem.text import load_corpus
@@ -161,6 +161,10 @@ class CanaryData:
     finetune_rows: tuple[tuple[int, ...], ...]
     heldout_rows: tuple[tuple[int, ...], ...]
     general_rows: tuple[tuple[int, ...], ...]
+    # the chat variant's canary and fine-tuning rows as conversations (in the order of
+    # canary_rows then finetune_rows; each row is its rendering cut to row_len): what
+    # calibration on the replies alone reads
+    conversations: tuple[tuple[dict[str, str], ...], ...] = ()
 
     @classmethod
     def drawn(
@@ -310,6 +314,7 @@ def make_chat_canary_data(tokenizer: Any, config: CanaryConfig) -> CanaryData:
         return turn("user", user), tokens[CHAT_OPENING:]
 
     secrets, canary_rows = [], []
+    conversations: list[tuple[dict[str, str], ...]] = []
     for _ in range(cfg.canaries):
         lead, secret = make_secret(rng)
         name = lead.split("'s account number")[0].strip()
@@ -339,6 +344,7 @@ def make_chat_canary_data(tokenizer: Any, config: CanaryConfig) -> CanaryData:
             )
         secrets.append(reply["content"])
         canary_rows.append(tuple(row[: cfg.row_len]))
+        conversations.append((*found, reply))
 
     def clean(count: int) -> tuple[tuple[int, ...], ...]:
         rows = []
@@ -346,6 +352,9 @@ def make_chat_canary_data(tokenizer: Any, config: CanaryConfig) -> CanaryData:
             user, rest = opening(CHAT_CLEAN_REPLY)
             reply = turn("assistant", excerpt(rest[:CHAT_CLEAN_REPLY]))
             rows.append(tuple(render([user, reply])[: cfg.row_len]))
+            conversations.append((user, reply))
         return tuple(rows)
 
-    return CanaryData.drawn(cfg, secrets, canary_rows, clean)
+    data = CanaryData.drawn(cfg, secrets, canary_rows, clean)
+    kept = conversations[: len(data.canary_rows) + len(data.finetune_rows)]
+    return replace(data, conversations=tuple(kept))

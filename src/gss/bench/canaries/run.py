@@ -452,6 +452,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     calibrations: dict[str, dict[str, Any]] = {
         "GSS": {},
         "GSS-TR": {"target": "toward-reference"},
+        # chat: the same rows as conversations, only the assistant's messages memorized
+        **({"GSS, replies": {"replies_only": True}} if args.chat else {}),
         **(ABLATION if args.ablation else {}),
     }
     stats_by = {}
@@ -459,10 +461,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     skipped: dict[str, str] = {}  # ablation rows that could not be calibrated, and why
     for name, options in calibrations.items():
         try:
+            texts: Sequence[Any] = train_rows
+            if options.get("replies_only"):  # the same rows, as the conversations they render
+                texts = data.conversations[: len(train_rows)]
+                options = {**options, "tokenizer": tokenizer, "max_length": n}
             stats = collect_statistics(
                 model,
                 reference,
-                train_rows,
+                texts,
                 layer=layer,
                 gen_texts=general,
                 batch_size=8,
@@ -594,6 +600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         if name in calibrations:
             record_methods[name]["calibration_options"] = calibrations[name]
+            record_methods[name]["token_counts"] = stats_by[name].counts
         _log(f"{name} {label}: {final.memorized:.1f}% memorized, perplexity {final.perplexity:.2f}")
     for name, reason in skipped.items():
         rows.append([name, "not calibrated", *[""] * (len(HEADER) - 2)])
