@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from gss import GSSError, calibrate
+from gss import GSSError, calibrate, scan_layers
 from gss.calibrate import collect_statistics
 from gss.cli import main as cli_main
 from gss.data import read_texts
@@ -116,6 +116,15 @@ def test_tokens_never_trained_on_add_nothing_to_M():
     )
     assert with_labels.memorized_rule["among"] == "trained tokens"
     assert alone.memorized_rule["among"] == "all tokens"
+    # the layer scan reads the labels the same way
+    common = dict(gen_texts=general, batch_size=4, progress=False)
+    scanned, scanned_alone = (
+        scan_layers(model, reference, rows, **common),
+        scan_layers(model, reference, trained, **common),
+    )
+    assert scanned.memorized_tokens == scanned_alone.memorized_tokens
+    for block, strength in scanned_alone.strengths.items():
+        assert scanned.strengths[block] == pytest.approx(strength, rel=1e-4)
     # nothing trained on at all: a clear refusal
     none = [{"input_ids": r, "labels": torch.full_like(r, -100)} for r in skipped]
     with pytest.raises(GSSError, match="none of the 33 calibration tokens was trained on"):
@@ -139,3 +148,9 @@ def test_cli_calibrate_reads_labels_and_replies_only(tmp_path, chat_tokenizer):
     assert config["memorized_rule"]["among"] == "trained tokens"
     # 3 x (3 + 4 reply tokens, EOS included) and 3 x 4: every reply token, no other
     assert config["token_counts"]["trained"] == 3 * 7 + 3 * 4
+    layers = ["layers", *args[1:5], "--data", str(data), "--replies-only", "--out", str(out)]
+    assert cli_main([*layers, "--no-progress", "--device", "cpu"]) == 0
+    assert (
+        config["token_counts"]["memorized"]
+        == json.loads((out / "layers.json").read_text())["memorized_tokens"]
+    )

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from . import distributed
 from .artifact import SteeringArtifact, SteeringConfig, model_fingerprint
 from .compiled import refuse_if_compiled
-from .data import Batch, TextsOrIds, batches, count_batches, encode, encode_compact, right_pad
+from .data import Batch, TextsOrIds, batches, count_batches, encode, encode_compact
 from .errors import GSSError
 from .forward import (
     check_same_vocab,
@@ -44,7 +44,7 @@ from .hook import COEFFICIENT_MODES, GATE_MODES, SteeredForward, split_block_out
 from .layers import residual_width, resolve_layer
 from .solve import SolveMethod, solve_probe_steer
 from .statistics import CovarianceAccumulator, CrossMomentAccumulator, MeanAccumulator
-from .trained_tokens import encode_trained
+from .trained_tokens import encode_trained, trained_targets
 
 CENTERINGS = ("covariance", "full", "none")
 TARGETS = ("loglik", "toward-reference")
@@ -333,13 +333,6 @@ def collect_statistics(
     seqs = distributed.shard(all_seqs)
     trained = distributed.shard(all_trained) if all_trained is not None else None
 
-    def trainable(batch: Batch, valid: Tensor) -> Tensor:
-        """`valid` (a batch's targets) less the targets training skipped."""
-        if trained is None:
-            return valid
-        mask = right_pad([trained[i] for i in batch.index.tolist()], 0)[0]
-        return valid & mask[:, 1:].bool().to(valid.device)
-
     gen_seqs = None
     if gen_texts is not None:
         all_gen = encode_compact(gen_texts, tokenizer, max_length)
@@ -398,7 +391,9 @@ def collect_statistics(
                     lp_ref = logprobs(reference, batch)
                     lp = logprobs(model, batch)
                 ref_logp[b] = lp_ref
-                valid = trainable(batch, target_mask(batch.attention_mask).to(lp.device))
+                valid = trained_targets(
+                    trained, batch, target_mask(batch.attention_mask).to(lp.device)
+                )
                 all_omega.append((lp - lp_ref.to(lp.device))[valid].float().cpu())
             values = distributed.gather_rows(torch.cat(all_omega))[: 2**24].double()
             cut = float(torch.quantile(values, 1 - memorized_quantile))
@@ -421,7 +416,7 @@ def collect_statistics(
             lp_model = token_logprobs(logits, batch.input_ids)
             valid = target_mask(batch.attention_mask).to(lp_model.device)
             omega = lp_model.detach() - lp_ref.to(lp_model.device)
-            eligible = trainable(batch, valid)
+            eligible = trained_targets(trained, batch, valid)
             mem = eligible & (omega > cut)
             gen = valid & ~mem
             timings["signal"] += time.perf_counter() - t0

@@ -104,6 +104,15 @@ DATA_HELP = (
 )
 
 
+def _add_replies_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--replies-only",
+        action="store_true",
+        help="only the assistant's messages / the completions can be memorized (a fine-tune "
+        "trained on replies alone); .jsonl rows with input_ids and labels say it themselves",
+    )
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local directory of the fine-tuned model")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda or cuda:1")
@@ -628,8 +637,9 @@ def _cmd_layers(args: argparse.Namespace) -> int:
     scan = scan_layers(
         model,
         reference,
-        read_texts(args.data),
+        read_texts(args.data, keep_rows=True),
         layers=layers,
+        replies_only=args.replies_only,
         tokenizer=tokenizer,
         gen_texts=read_texts(args.gen_data) if args.gen_data else None,
         omega_threshold=args.omega_threshold,
@@ -734,12 +744,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="instead: this top share of tokens by omega is memorized",
     )
-    p.add_argument(
-        "--replies-only",
-        action="store_true",
-        help="only the assistant's messages / the completions can be memorized (a fine-tune "
-        "trained on replies alone); .jsonl rows with input_ids and labels say it themselves",
-    )
+    _add_replies_arg(p)
     p.add_argument(
         "--gate",
         default="hard",
@@ -854,6 +859,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="tokens with omega above this are memorized",
     )
+    _add_replies_arg(p)
     _add_target_arg(p)
     _add_batch_args(p)
     _add_block_path_arg(p)

@@ -45,6 +45,7 @@ from .forward import (
 from .layers import find_decoder_blocks, residual_width, resolve_layer
 from .solve import solve_probe_steer
 from .statistics import CovarianceAccumulator, CrossMomentAccumulator
+from .trained_tokens import encode_trained, trained_targets
 
 UNCHANGED_TOLERANCE = 1e-5  # relative difference below which a block's output is the reference's
 
@@ -140,11 +141,13 @@ def scan_layers(
     batch_size: int = 8,
     max_length: int | None = None,
     block_path: str | None = None,
+    replies_only: bool = False,
     progress: bool = True,
 ) -> LayerScan:
     """Signal strength at each block of `layers` (default: all), from one calibration pass.
 
-    Tokens with omega > `omega_threshold` are memorized; Sigma_gen comes from the other tokens of
+    Tokens with omega > `omega_threshold` are memorized (of those trained on, as `calibrate`
+    reads labels and `replies_only`); Sigma_gen comes from the other tokens of
     `texts`, or from `gen_texts` when given (an extra forward without gradients). Each scanned
     block holds two d x d float64 matrices in host memory, 16 d^2 bytes (5.3 MB at d = 576,
     268 MB at d = 4096: 8.6 GB for all 32 blocks of a 7B model); pass `layers` to scan fewer.
@@ -163,7 +166,7 @@ def scan_layers(
     moved = [0.0] * len(resolved)
     norm = [0.0] * len(resolved)
     tokens = omega_nonzero = 0
-    seqs = encode(texts, tokenizer, max_length)
+    seqs, trained = encode_trained(texts, tokenizer, max_length, replies_only=replies_only)
     check_sequences((model, reference), seqs, "the texts")
     gen_seqs = encode(gen_texts, tokenizer, max_length) if gen_texts is not None else None
     if gen_seqs is not None:
@@ -194,7 +197,7 @@ def scan_layers(
                 ref_logits = ref_logits.to(logits.device)
                 omega = lp.detach() - token_logprobs(ref_logits, batch.input_ids)
                 valid = target_mask(batch.attention_mask).to(lp.device)
-                mem = valid & (omega > omega_threshold)
+                mem = trained_targets(trained, batch, valid) & (omega > omega_threshold)
                 tokens += int(valid.sum())
                 omega_nonzero += int((valid & (omega != 0)).sum())
                 hiddens = _outputs(taps)

@@ -26,18 +26,20 @@ import torch
 from torch import Tensor
 
 from .data import (
+    Batch,
     TextsOrIds,
     _is_conversation,
     _items,
     _predictable,
     _render,
     compact_rows,
+    right_pad,
 )
 from .errors import GSSError
 
 IGNORE_INDEX = -100  # a label the loss skips (torch's cross_entropy default, HF's convention)
 
-__all__ = ["IGNORE_INDEX", "encode_trained"]
+__all__ = ["IGNORE_INDEX", "encode_trained", "trained_targets"]
 
 
 def encode_trained(
@@ -64,10 +66,19 @@ def encode_trained(
     return _predictable([row for row, _ in kept]), [mask for _, mask in kept]
 
 
+def trained_targets(trained: Sequence[Tensor] | None, batch: Batch, valid: Tensor) -> Tensor:
+    """`valid`, a batch's next-token targets (B, T-1), less those training skipped: `trained`
+    holds a mask for each sequence the batches index (None: none skipped)."""
+    if trained is None:
+        return valid
+    mask = right_pad([trained[i] for i in batch.index.tolist()], 0)[0]
+    return valid & mask[:, 1:].bool().to(valid.device)
+
+
 def _trained(x: Any, index: int, ids: Tensor, tokenizer: Any, replies_only: bool) -> Tensor:
     """Which of sequence `index`'s tokens `ids` (item `x`, cut as `ids` is) were trained on."""
     if isinstance(x, Mapping) and "labels" in x:
-        return _from_labels(x["labels"], index, len(ids))
+        return _from_labels(x["labels"], index, len(x["input_ids"]))[: len(ids)]
     if not replies_only:
         return torch.ones(len(ids), dtype=torch.bool)
     mask = torch.zeros(len(ids), dtype=torch.bool)
@@ -86,12 +97,12 @@ def _from_labels(labels: Any, index: int, length: int) -> Tensor:
             f"the labels of sequence {index} are a {t.ndim}-d {t.dtype} array; labels are one "
             f"integer a token (the token's id, or {IGNORE_INDEX} where training skipped it)."
         )
-    if len(t) < length:
+    if len(t) != length:
         raise GSSError(
             f"sequence {index} has {length} input_ids but {len(t)} labels: give one label a "
             "token, aligned with input_ids (as Hugging Face's data collators do)."
         )
-    return t[:length] != IGNORE_INDEX
+    return t != IGNORE_INDEX
 
 
 def _reply_spans(x: Any, index: int, ids: Tensor, tokenizer: Any) -> list[tuple[int, int]]:
