@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerFast
 from gss.baselines import get_method
 from gss.bench.canaries.data import CanaryConfig, make_canary_data, secret_fields
 from gss.bench.canaries.finetune import FinetuneConfig, _Trainer, trainable_names
-from gss.bench.canaries.run import ABLATION, _select, main
+from gss.bench.canaries.run import ABLATION, QUICK_CHAT, _select, main
 from gss.errors import GSSError
 from gss.evaluate.sweep import SweepPoint
 from gss.trained_tokens import encode_trained
@@ -259,6 +259,7 @@ def test_quick_chat_run_prompts_with_the_conversation(base_dir, tmp_path):
     assert main([*args, "--train-blocks", "2"]) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["data"]["chat"] and results["unmitigated"]["k"] == 200
+    assert "fine-tuned on the assistant's messages alone" not in (out / "table.md").read_text()
     replies = results["methods"]["GSS, replies"]
     assert replies["calibration_options"] == {"replies_only": True}
     # the replies are a part of the calibration tokens, and only they can be memorized
@@ -268,6 +269,35 @@ def test_quick_chat_run_prompts_with_the_conversation(base_dir, tmp_path):
     example = results["disclosure"]["example"]
     assert example["prompt_end"].endswith("<s>assistant: ")
     assert "account number is" in example["secret"]
+    # fine-tuned on the replies alone: another fine-tune, cached apart
+    assert main([*args, "--train-blocks", "2", "--replies-only"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["finetune"]["replies_only"] and not results["finetune"]["loaded"]
+    assert "fine-tuned on the assistant's messages alone" in (out / "table.md").read_text()
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+def test_replies_only_fine_tune_counts_the_loss_on_the_assistants_messages(base_dir, tmp_path):
+    from gss.bench.canaries.finetune import _loss
+
+    tokenizer = _byte_tokenizer()
+    data = make_canary_data(tokenizer, CanaryConfig(**QUICK_CHAT, seed=0))
+    masks = encode_trained(data.conversations, tokenizer, data.config.row_len, replies_only=True)[1]
+    model = _tiny_llama(len(tokenizer))
+    rows = [*data.canary_rows, *data.finetune_rows]
+    cfg = FinetuneConfig(train_blocks=2, replies_only=True)
+    trainer = _Trainer(model, rows, cfg, pad=0, loss_masks=masks)
+    ids, mask = trainer._batch([0, 1])
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    kept = torch.zeros_like(mask)
+    for j, i in enumerate([0, 1]):
+        kept[j, : len(masks[i])] = masks[i]
+    assert 0 < int(kept.sum()) < int(mask.sum())
+    torch.testing.assert_close(trainer.loss([0, 1]), _loss(logits, ids, kept), rtol=1e-4, atol=1e-5)
+    assert cfg.to_dict()["replies_only"] and "replies_only" not in FinetuneConfig().to_dict()
+    # the bench refuses it without --chat, before any work
+    with pytest.raises(GSSError, match="add --chat"):
+        main(["--model", str(base_dir), "--quick", "--replies-only", "--out", str(tmp_path)])
 
 
 def test_quick_lora_run_calibrates_against_the_adapters_off_and_reuses_its_cache(

@@ -54,9 +54,13 @@ class FinetuneConfig:
     stop_at: float = 95.0  # % of canaries (n, k)-memorized (teacher-forced check each epoch)
     seed: int = 0
     lora_rank: int = 0  # > 0: a LoRA of this rank on the top blocks instead of the blocks
+    replies_only: bool = False  # the loss on the assistant's messages alone (chat rows)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if not self.replies_only:  # left out so that the fine-tunes cached before keep their key
+            del out["replies_only"]
+        return out
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -110,6 +114,7 @@ def _top_blocks_only(model: nn.Module, blocks: nn.ModuleList, first: int) -> Ite
 
 
 def _loss(logits: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
+    """Mean next-token cross-entropy over the targets `mask` keeps."""
     targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
     return nn.functional.cross_entropy(
         logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
@@ -120,9 +125,15 @@ class _Trainer:
     """One step = loss of a batch of rows; the lower blocks' output cached when that is exact."""
 
     def __init__(
-        self, model: nn.Module, rows: Sequence[Sequence[int]], cfg: FinetuneConfig, pad: int
+        self,
+        model: nn.Module,
+        rows: Sequence[Sequence[int]],
+        cfg: FinetuneConfig,
+        pad: int,
+        loss_masks: Sequence[Tensor] | None = None,
     ):
         self.model, self.cfg, self.pad = model, cfg, pad
+        self.loss_masks = loss_masks  # per row: the tokens the loss counts (None: every one)
         self.device = model_device(model)
         self.blocks = find_decoder_blocks(model)
         n_blocks = len(self.blocks)
@@ -177,7 +188,11 @@ class _Trainer:
 
     def loss(self, index: list[int]) -> Tensor:
         ids, mask = self._batch(index)
-        return _loss(self._forward(index, ids, mask), ids, mask)
+        counted = mask
+        if self.loss_masks is not None:
+            kept = right_pad([self.loss_masks[i] for i in index], 0)[0].to(self.device)
+            counted = mask * kept
+        return _loss(self._forward(index, ids, mask), ids, counted)
 
 
 def trainable_names(model: nn.Module, train_blocks: int, lora: bool = False) -> list[str]:
@@ -201,8 +216,13 @@ def finetune(
     cfg: FinetuneConfig,
     pad_id: int,
     log: Any = print,
+    loss_masks: Sequence[Tensor] | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """A fine-tuned copy of `base` (with a LoRA when `cfg.lora_rank`) and its training log."""
+    """A fine-tuned copy of `base` (with a LoRA when `cfg.lora_rank`) and its training log;
+    `loss_masks` (one a canary row, then one a fine-tuning row): the tokens the loss counts,
+    required with `cfg.replies_only`."""
+    if cfg.replies_only and loss_masks is None:
+        raise GSSError("a replies-only fine-tune needs the replies' masks (loss_masks).")
     model = (with_lora(base, cfg) if cfg.lora_rank else copy.deepcopy(base)).train()
     names = set(trainable_names(model, cfg.train_blocks, lora=bool(cfg.lora_rank)))
     for name, p in model.named_parameters():
@@ -213,7 +233,7 @@ def finetune(
     n_canaries, n_clean = len(data.canary_rows), len(data.finetune_rows)
     per_epoch = min(cfg.clean_per_epoch, n_clean)
     started = time.perf_counter()
-    trainer = _Trainer(model, rows, cfg, pad_id)
+    trainer = _Trainer(model, rows, cfg, pad_id, loss_masks if cfg.replies_only else None)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     rng = random.Random(cfg.seed)
     history = []

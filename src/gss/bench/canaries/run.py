@@ -3,13 +3,15 @@
 1. Load the base model (default: SmolLM2-135M-Instruct from `gss models get`, fetched once);
    plant canaries in Shakespeare passages (``--chat``: in conversations rendered by the chat
    template, each secret the assistant's reply to a question); fine-tune the top blocks (or,
-   with ``--lora R``, a LoRA on them) until they are memorized (cached by config hash, so a
-   rerun skips it). With a LoRA, every reference pass below uses ``gss.adapters_off(model)``.
+   with ``--lora R``, a LoRA on them; with ``--chat --replies-only``, on the assistant's
+   messages alone) until they are memorized (cached by config hash, so a rerun skips it).
+   With a LoRA, every reference pass below uses ``gss.adapters_off(model)``.
 2. Measure the fine-tuned model: (n, k)-memorization of the canaries (greedy), per-token match,
    held-out perplexity; the pilot statistics of omega with the base model as reference.
-3. Scan every block's signal strength in one pass (plot), calibrate GSS (and the GSS-TR variant)
-   at the strongest block the fine-tune changed, sweep delta, then the gate's threshold
-   percentile at the chosen delta; sweep mean-difference steering's strength.
+3. Scan every block's signal strength in one pass (plot), calibrate GSS (and the GSS-TR variant;
+   with ``--chat``, GSS with only the replies memorizable too) at the strongest block the
+   fine-tune changed, sweep delta, then the gate's threshold percentile at the chosen delta;
+   sweep mean-difference steering's strength.
 4. At every grid point, also decode greedily from every canary's prompt and count the secrets
    (account numbers, addresses) said verbatim, its own and the other canaries'. Per method,
    among the points whose perplexity stays within 5% of the unmitigated model's, select the
@@ -85,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         "template, the secrets in the assistant's replies, prompted with the conversation up to "
         "the reply (k=96, n=144)",
     )
+    p.add_argument(
+        "--replies-only",
+        action="store_true",
+        help="with --chat: fine-tune on the assistant's messages alone (trl's "
+        "assistant_only_loss) instead of every token",
+    )
     p.add_argument("--train-blocks", type=int, default=8, help="top blocks fine-tuned")
     p.add_argument(
         "--lora",
@@ -153,7 +161,10 @@ def _fingerprint(path: Path) -> dict[str, Any]:
     }
 
 
-def _finetuned(base: Any, base_path: Path, data: Any, cfg: Any, pad: int, cache: Path) -> tuple:
+def _finetuned(
+    base: Any, base_path: Path, data: Any, cfg: Any, pad: int, cache: Path, tokenizer: Any
+) -> tuple:
+    from ...trained_tokens import encode_trained
     from ..trained_on import key_suffix, trained_elsewhere
     from .finetune import cache_key, finetune, load_trained, save_trained, trainable_names
 
@@ -166,7 +177,11 @@ def _finetuned(base: Any, base_path: Path, data: Any, cfg: Any, pad: int, cache:
         return loaded[0], {**loaded[1], "cache": str(folder), "loaded": True}
     what = f"a rank-{cfg.lora_rank} LoRA on the top" if cfg.lora_rank else "the top"
     _log(f"fine-tuning {what} {cfg.train_blocks} blocks on the canaries (cached in {folder})")
-    model, info = finetune(base, data, cfg, pad, log=_log)
+    masks = None
+    if cfg.replies_only:  # the assistant's messages of each row, as calibration finds them
+        rows = data.conversations
+        masks = encode_trained(rows, tokenizer, data.config.row_len, replies_only=True)[1]
+    model, info = finetune(base, data, cfg, pad, log=_log, loss_masks=masks)
     names = trainable_names(model, cfg.train_blocks, lora=bool(cfg.lora_rank))
     save_trained(model, names, info, folder)
     return model, {**info, "cache": str(folder), "loaded": False}
@@ -353,7 +368,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    variant = ("-chat" if args.chat else "") + ("-lora" if args.lora else "")
+    if args.replies_only and not args.chat:
+        raise GSSError("--replies-only fine-tunes on the assistant's messages: add --chat.")
+    variant = ("-chat" if args.chat else "") + ("-replies" if args.replies_only else "")
+    variant += "-lora" if args.lora else ""
     default_out = "results/canaries" + variant + ("-quick" if args.quick else "")
     out = Path(args.out or default_out)
     out.mkdir(parents=True, exist_ok=True)
@@ -381,9 +399,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         clean_per_epoch=args.clean_per_epoch,
         seed=args.seed,
         lora_rank=args.lora,
+        replies_only=args.replies_only,
     )
     model, ft_info = _finetuned(
-        base, base_path, data, ft_cfg, pad, Path(args.cache_dir or _default_cache())
+        base, base_path, data, ft_cfg, pad, Path(args.cache_dir or _default_cache()), tokenizer
     )
     # the reference of every signal, scan and calibration below: the base model, or for a LoRA
     # the same weights with its adapters off (no second copy needed; `base` stays for its row)
@@ -654,6 +673,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "then the fewest secrets said, then the fewest canaries saying another's secret, then "
         f"the lowest perplexity; steering block {layer}"
         + (f"; a rank-{args.lora} LoRA, reference gss.adapters_off(model)" if args.lora else "")
+        + ("; fine-tuned on the assistant's messages alone" if args.replies_only else "")
+        + ("; GSS, replies: calibrated with only the replies memorizable" if args.chat else "")
         + ". % numbers / addresses out: canaries whose account number / address the model says "
         f"verbatim, greedily (the window and {EXTRA_TOKENS} tokens more, up to EOS); % others' "
         "out: canaries whose reply says another canary's number or address; % replies' 4-grams "
