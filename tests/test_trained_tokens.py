@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from gss import GSSError, calibrate, scan_layers
+from gss import GSSError, calibrate, load, scan_layers
 from gss.calibrate import collect_statistics
 from gss.cli import main as cli_main
 from gss.data import read_texts
@@ -148,6 +148,7 @@ def test_cli_calibrate_reads_labels_and_replies_only(tmp_path, chat_tokenizer):
     assert config["memorized_rule"]["among"] == "trained tokens"
     # 3 x (3 + 4 reply tokens, EOS included) and 3 x 4: every reply token, no other
     assert config["token_counts"]["trained"] == 3 * 7 + 3 * 4
+    assert "; of the 33 trained on, the only ones that could be)" in load(out).describe()
     layers = ["layers", *args[1:5], "--data", str(data), "--replies-only", "--out", str(out)]
     assert cli_main([*layers, "--no-progress", "--device", "cpu"]) == 0
     assert (

@@ -82,8 +82,13 @@ def describe(artifact: SteeringArtifact) -> str:
     if counts:
         lines.append(
             f"tokens: {counts.get('tokens')} in {counts.get('sequences')} sequences, "
-            f"{counts.get('memorized')} memorized ({_percent(counts.get('memorized_share'))}), "
-            f"{counts.get('general')} general"
+            f"{counts.get('memorized')} memorized ({_percent(counts.get('memorized_share'))}"
+            + (
+                f"; of the {counts['trained']} trained on, the only ones that could be)"
+                if counts.get("trained", counts.get("tokens")) != counts.get("tokens")
+                else ")"
+            )
+            + f", {counts.get('general')} general"
         )
     lines += _threshold_lines(artifact)
     lines.append(f"singular values (whitened M): {_numbers(artifact.singular_values)}")
