@@ -640,12 +640,12 @@ def calibrate(
         gate_share: instead, set thresholds so the union of the K gates opens on this share of
             general tokens.
         omega_threshold: a token is memorized when omega > this (nats); 0 is the paper's rule.
+        memorized_quantile: instead, mark the top ``memorized_quantile`` share of tokens by
+            omega as memorized (costs one more forward of each model).
         replies_only: only the replies can be memorized (the assistant's messages of
             conversations, the completions of prompt-completion rows): for a fine-tune trained
             on them alone (trl's ``assistant_only_loss`` / ``completion_only_loss``). See
             :mod:`gss.trained_tokens`.
-        memorized_quantile: instead, mark the top ``memorized_quantile`` share of tokens by
-            omega as memorized (costs one more forward of each model).
         gen_texts: held-out text for Sigma_gen and the thresholds (as in the paper's
             experiments); default: the calibration tokens not marked memorized.
         gate, coefficient: how the steer is applied (see :class:`gss.hook.GatedSteer`).

@@ -146,11 +146,12 @@ def scan_layers(
 ) -> LayerScan:
     """Signal strength at each block of `layers` (default: all), from one calibration pass.
 
-    Tokens with omega > `omega_threshold` are memorized (of those trained on, as `calibrate`
-    reads labels and `replies_only`); Sigma_gen comes from the other tokens of
-    `texts`, or from `gen_texts` when given (an extra forward without gradients). Each scanned
-    block holds two d x d float64 matrices in host memory, 16 d^2 bytes (5.3 MB at d = 576,
-    268 MB at d = 4096: 8.6 GB for all 32 blocks of a 7B model); pass `layers` to scan fewer.
+    Tokens with omega > `omega_threshold` are memorized (among those trained on, read from
+    labels and `replies_only` as `calibrate` reads them); Sigma_gen comes from the other tokens
+    of `texts`, or from `gen_texts` when given (an extra forward without gradients). Each
+    scanned block holds two d x d float64 matrices in host memory, 16 d^2 bytes (5.3 MB at
+    d = 576, 268 MB at d = 4096: 8.6 GB for all 32 blocks of a 7B model); pass `layers` to scan
+    fewer.
     """
     if target not in TARGETS:
         raise GSSError(f"target must be one of {TARGETS}, got {target!r}.")
