@@ -264,9 +264,10 @@ def test_evaluate_looks_for_the_secrets_rows_carry(workdir, steer, capsys):
     args = ["evaluate", "--model", str(workdir / "model"), "--memorized", str(path)]
     args += ["--heldout", str(workdir / "data.jsonl"), "--k", "4", "--n", "8", "--out", str(out)]
     assert main([*args, "--steer", str(steer), "--no-progress"]) == 0
-    assert "| % secrets said |" in capsys.readouterr().out
+    assert "| % secrets said | % 4-grams repeated |" in capsys.readouterr().out
     record = json.loads((out / "evaluation.json").read_text())
     unsteered = record["unsteered"]["secrets"]
+    assert 0 <= unsteered["repetition"] <= 100  # how much the decoded continuations loop
     assert unsteered["said"] == [[True], [False], [False], [False]]
     assert len(unsteered["others"]) == 4  # which rows said another row's secret
     assert unsteered["secrets_leaked"] == 25.0 and "secrets" in record["steered"]
@@ -274,7 +275,8 @@ def test_evaluate_looks_for_the_secrets_rows_carry(workdir, steer, capsys):
     sweep = ["sweep", "--steer", str(steer), "--deltas", "1e-6,1", *args[1:-2], "--out", str(out)]
     assert main([*sweep, "--no-progress"]) == 0
     table = capsys.readouterr().out
-    assert "| % memorized | % secrets said | % saying another row's | perplexity |" in table
+    header = "| % memorized | % secrets said | % saying another row's | % 4-grams repeated |"
+    assert header in table
     leaks = json.loads((out / "sweep.json").read_text())["secrets"]
     assert len(leaks) == 3 and leaks[0]["said"] == unsteered["said"]
     assert leaks[1]["said"] == unsteered["said"]  # delta 1e-6: nothing changes

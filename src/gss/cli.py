@@ -98,6 +98,8 @@ def _add_reference_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+# with secrets in the rows: how much the decoded continuations loop (LeakReport.repetition)
+REPEATED = "% 4-grams repeated"
 DATA_HELP = (
     ".txt (one sequence a line) or .jsonl (rows with 'text', or 'messages' (rendered with the "
     "chat template), or 'prompt' and 'completion')"
@@ -456,7 +458,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         said = []
         if name in leaks:
             record[name]["secrets"] = leaks[name].to_dict()
-            said = [f"{leaks[name].secrets_leaked:.1f}"]
+            said = [f"{leaks[name].secrets_leaked:.1f}", f"{leaks[name].repetition:.1f}"]
         rows.append(
             [
                 name,
@@ -470,7 +472,8 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         )
     if gates:
         record["steered"]["gate_open_share"] = gates["any_open_share"]
-    header = ["run", "% memorized", "% tokens matched", *(["% secrets said"] if leaks else [])]
+    header = ["run", "% memorized", "% tokens matched"]
+    header += ["% secrets said", REPEATED] if leaks else []
     header += ["perplexity", *(f"DS {lam}" for lam in ("0.01", "0.05", "0.1")), "seconds"]
     table = markdown_table(header, rows)
     what = (
@@ -560,7 +563,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             with p.artifact.attach(model):
                 leaks.append(secrets_check(model))
     said = [
-        [f"{leak.secrets_leaked:.1f}", f"{leak.prompts_saying_others:.1f}"] for leak in leaks
+        [f"{x:.1f}" for x in (leak.secrets_leaked, leak.prompts_saying_others, leak.repetition)]
+        for leak in leaks
     ] or [[]] * (len(points) + 1)
     front = {id(p) for p in pareto_front(points)}
     chosen = select_point(
@@ -589,7 +593,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             ]
         )
     header = ["run", "delta", "percentile", "rank", "% memorized"]
-    header += ["% secrets said", "% saying another row's"] if leaks else []
+    header += ["% secrets said", "% saying another row's", REPEATED] if leaks else []
     table = markdown_table([*header, "perplexity", "% gate open", "Pareto", "selected"], rows)
     rule = f"perplexity within +{100 * args.tolerance:g}%, then the lowest memorization"
     rule += ", then the fewest secrets said, then the fewest rows saying another's" if leaks else ""
