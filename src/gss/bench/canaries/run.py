@@ -179,8 +179,8 @@ def _finetuned(
     _log(f"fine-tuning {what} {cfg.train_blocks} blocks on the canaries (cached in {folder})")
     masks = None
     if cfg.replies_only:  # the assistant's messages of each row, as calibration finds them
-        rows = data.conversations
-        masks = encode_trained(rows, tokenizer, data.config.row_len, replies_only=True)[1]
+        chats, width = data.conversations, data.config.row_len
+        masks = encode_trained(chats, tokenizer, width, replies_only=True)[1]
     model, info = finetune(base, data, cfg, pad, log=_log, loss_masks=masks)
     names = trainable_names(model, cfg.train_blocks, lora=bool(cfg.lora_rank))
     save_trained(model, names, info, folder)
