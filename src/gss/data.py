@@ -343,6 +343,20 @@ def compact_rows(
     return out
 
 
+def template_ids(rendered: str, tokenizer: Any) -> list[int]:
+    """A rendered chat template's token ids: it holds its own special tokens, so none is added."""
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+
+def prompt_end(prompt: Sequence[int], row: Sequence[int]) -> int:
+    """Where a row's reply starts: the first position at which the separately tokenized prompt
+    stops matching the row (a token may straddle the join, a tokenizer may end a text with EOS),
+    else the prompt's length."""
+    return next(
+        (j for j, (a, b) in enumerate(zip(prompt, row, strict=False)) if a != b), len(prompt)
+    )
+
+
 def _prompt_and_full(x: Any, index: int) -> tuple[Text, Text]:
     """A row's prompt and the whole row (prompt and reply), as texts."""
     where = f"sequence {index}"
@@ -390,9 +404,9 @@ def encode_replies(
         else:
             name = f"sequence {i}"
             texts = (_render(prompt, tokenizer, name, True), _render(full, tokenizer, name))
-            ids = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+            ids = [template_ids(t, tokenizer) for t in texts]
         p, whole = ids
-        cut = next((j for j, (a, b) in enumerate(zip(p, whole, strict=False)) if a != b), len(p))
+        cut = prompt_end(p, whole)
         if cut == 0 or cut >= len(whole):
             raise GSSError(f"sequence {i} has an empty prompt or an empty reply once tokenized.")
         out.append((whole[:cut], whole[cut:][:max_reply]))

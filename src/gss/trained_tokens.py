@@ -33,7 +33,9 @@ from .data import (
     _predictable,
     _render,
     compact_rows,
+    prompt_end,
     right_pad,
+    template_ids,
 )
 from .errors import GSSError
 
@@ -115,14 +117,9 @@ def _reply_spans(x: Any, index: int, ids: Tensor, tokenizer: Any) -> list[tuple[
     if isinstance(x, Mapping):
         prompt, completion = x.get("prompt"), x.get("completion")
         if isinstance(prompt, str) and isinstance(completion, str):
-            head = list(tokenizer(prompt)["input_ids"])
-            # where the prompt's own tokens stop matching the row's: a token may straddle
-            # the join of prompt and completion, and a tokenizer may end a text with EOS
-            row = ids.tolist()
-            cut = next((j for j, (a, b) in enumerate(zip(head, row, strict=False)) if a != b), None)
-            return [(len(head) if cut is None else cut, len(ids))]
+            return [(prompt_end(tokenizer(prompt)["input_ids"], ids.tolist()), len(ids))]
         if _is_conversation(prompt) and _is_conversation(completion):
-            head = _tokens(_render(prompt, tokenizer, name, True), tokenizer)
+            head = template_ids(_render(prompt, tokenizer, name, True), tokenizer)
             _check_prefix(head, ids, name, "its prompt")
             return [(len(head), len(ids))]
     raise GSSError(
@@ -141,8 +138,10 @@ def _turn_spans(
     for j, message in enumerate(conversation):
         if message.get("role") != "assistant":
             continue
-        head = _tokens(_render(conversation[:j], tokenizer, name, True), tokenizer) if j else []
-        through = _tokens(_render(conversation[: j + 1], tokenizer, name), tokenizer)
+        head = (
+            template_ids(_render(conversation[:j], tokenizer, name, True), tokenizer) if j else []
+        )
+        through = template_ids(_render(conversation[: j + 1], tokenizer, name), tokenizer)
         _check_prefix(through, ids, name, f"its messages through reply {j}")
         if through[: len(head)] != head:
             raise GSSError(
@@ -156,11 +155,6 @@ def _turn_spans(
             f"{name} is a conversation without an assistant message: nothing to train on."
         )
     return spans
-
-
-def _tokens(text: str, tokenizer: Any) -> list[int]:
-    """A rendered template's tokens (it holds its own special tokens, as `gss.data` encodes)."""
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _check_prefix(part: Sequence[int], ids: Tensor, name: str, what: str) -> None:
