@@ -19,13 +19,28 @@ KW = dict(layer=0, rank=3, batch_size=4, progress=False)
 DEADLINE = 180
 
 
+def _data(quantile: bool) -> tuple:
+    """Token ids for the quantile rule's run; for the other, conversations through a chat
+    template, so the replies' signal (gss.reply_signal) is summed over the ranks too."""
+    if quantile:
+        return random_ids(13, 12), {}
+    from .test_cli import _tokenizer
+    from .test_data import TEMPLATE
+    from .test_reply_signal import _conversations
+
+    tokenizer = _tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    return _conversations(13), {"tokenizer": tokenizer}
+
+
 def _worker(rank: int, init_file: str, out: str, quantile: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         model, ref = tiny_model("gpt2", seed=0), tiny_model("gpt2", seed=1)
         extra = {"memorized_quantile": 0.3} if quantile else {}
-        art = gss.calibrate(model, ref, random_ids(13, 12), **KW, **extra)
+        texts, tokenizer = _data(quantile)
+        art = gss.calibrate(model, ref, texts, **KW, **extra, **tokenizer)
         if rank == 0:
             art.save_pretrained(out)
     finally:
@@ -44,7 +59,8 @@ def _run(tmp_path, quantile: bool):
             pytest.fail(f"the two ranks did not finish in {DEADLINE} s")
     model, ref = tiny_model("gpt2", seed=0), tiny_model("gpt2", seed=1)
     extra = {"memorized_quantile": 0.3} if quantile else {}
-    single = gss.calibrate(model, ref, random_ids(13, 12), **KW, **extra)
+    texts, tokenizer = _data(quantile)
+    single = gss.calibrate(model, ref, texts, **KW, **extra, **tokenizer)
     return gss.load(out), single
 
 
@@ -57,3 +73,7 @@ def test_two_ranks_equal_one_process(tmp_path):
             ), name
         for key in ("tokens", "memorized", "general", "sequences"):
             assert multi.config.token_counts[key] == single.config.token_counts[key]
+        if not quantile:
+            replies = multi.config.token_counts["replies"]
+            assert replies["rows"] == 13 and replies["reply_tokens"] == 13 * 7
+            assert replies == pytest.approx(single.config.token_counts["replies"], rel=1e-5)

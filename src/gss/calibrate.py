@@ -42,9 +42,10 @@ from .forward import (
 from .gradients import per_position_gradients
 from .hook import COEFFICIENT_MODES, GATE_MODES, SteeredForward, split_block_output
 from .layers import residual_width, resolve_layer
+from .reply_signal import ReplySignal, warn_if_replies_alone
 from .solve import SolveMethod, solve_probe_steer
 from .statistics import CovarianceAccumulator, CrossMomentAccumulator, MeanAccumulator
-from .trained_tokens import encode_trained, trained_targets
+from .trained_tokens import encode_trained, reply_masks, trained_targets
 
 CENTERINGS = ("covariance", "full", "none")
 TARGETS = ("loglik", "toward-reference")
@@ -332,6 +333,9 @@ def collect_statistics(
     check_sequences((model, reference), all_seqs, "the texts")
     seqs = distributed.shard(all_seqs)
     trained = distributed.shard(all_trained) if all_trained is not None else None
+    # nothing restricts the memorized set: does the signal say the replies alone were trained?
+    masks = reply_masks(texts, tokenizer, max_length) if all_trained is None else None
+    replies = ReplySignal(distributed.shard(masks) if masks is not None else None)
 
     gen_seqs = None
     if gen_texts is not None:
@@ -417,6 +421,7 @@ def collect_statistics(
             valid = target_mask(batch.attention_mask).to(lp_model.device)
             omega = lp_model.detach() - lp_ref.to(lp_model.device)
             eligible = trained_targets(trained, batch, valid)
+            replies.update(batch, omega, valid)
             mem = eligible & (omega > cut)
             gen = valid & ~mem
             timings["signal"] += time.perf_counter() - t0
@@ -478,6 +483,10 @@ def collect_statistics(
     keys = ("sequences", "tokens", "trained", "memorized", "general", "omega_nonzero")
     distributed.sum_counts(counts, keys)
     counts["memorized_share"] = counts["memorized"] / max(counts["tokens"], 1)
+    reply_signal = replies.result()
+    if reply_signal is not None:
+        counts["replies"] = reply_signal
+        warn_if_replies_alone(reply_signal, stacklevel=4)
     stats.memorized_rule = {
         "kind": "quantile" if memorized_quantile is not None else "omega_above",
         "omega_threshold": omega_threshold if memorized_quantile is None else None,

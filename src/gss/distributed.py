@@ -34,13 +34,13 @@ def shard(items: Sequence[T]) -> list[T]:
 
 
 def sum_counts(counts: dict[str, Any], keys: Sequence[str]) -> None:
-    """All-reduce integer counters in place."""
+    """All-reduce counters (integers, or float sums) in place."""
     if not is_distributed():
         return
     t = torch.tensor([float(counts[k]) for k in keys], dtype=torch.float64)
     dist.all_reduce(t)
     for k, v in zip(keys, t.tolist(), strict=True):
-        counts[k] = int(v)
+        counts[k] = int(v) if isinstance(counts[k], int) else v
 
 
 def gather_rows(rows: Tensor) -> Tensor:

@@ -43,9 +43,10 @@ from .forward import (
     token_logprobs,
 )
 from .layers import find_decoder_blocks, residual_width, resolve_layer
+from .reply_signal import ReplySignal, warn_if_replies_alone
 from .solve import solve_probe_steer
 from .statistics import CovarianceAccumulator, CrossMomentAccumulator
-from .trained_tokens import encode_trained, trained_targets
+from .trained_tokens import encode_trained, reply_masks, trained_targets
 
 UNCHANGED_TOLERANCE = 1e-5  # relative difference below which a block's output is the reference's
 
@@ -169,6 +170,7 @@ def scan_layers(
     tokens = omega_nonzero = 0
     seqs, trained = encode_trained(texts, tokenizer, max_length, replies_only=replies_only)
     check_sequences((model, reference), seqs, "the texts")
+    replies = ReplySignal(reply_masks(texts, tokenizer, max_length) if trained is None else None)
     gen_seqs = encode(gen_texts, tokenizer, max_length) if gen_texts is not None else None
     if gen_seqs is not None:
         check_sequences((model, reference), gen_seqs, "gen_texts")
@@ -199,6 +201,7 @@ def scan_layers(
                 omega = lp.detach() - token_logprobs(ref_logits, batch.input_ids)
                 valid = target_mask(batch.attention_mask).to(lp.device)
                 mem = trained_targets(trained, batch, valid) & (omega > omega_threshold)
+                replies.update(batch, omega, valid)
                 tokens += int(valid.sum())
                 omega_nonzero += int((valid & (omega != 0)).sum())
                 hiddens = _outputs(taps)
@@ -230,6 +233,7 @@ def scan_layers(
                     sigma.update(h[:, :-1][valid.to(h.device)])
     if moments[0].count == 0 and omega_nonzero == 0:
         raise same_model_error(tokens)
+    warn_if_replies_alone(replies.result())
     strengths = {
         layer: signal_strength(m.value, s.covariance)
         for layer, m, s in zip(resolved, moments, sigmas, strict=True)

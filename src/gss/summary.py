@@ -67,6 +67,18 @@ def _threshold_lines(artifact: SteeringArtifact) -> list[str]:
     return lines
 
 
+def _reply_lines(replies: dict[str, Any] | None) -> list[str]:
+    """omega on the replies of the conversations checked and on their other tokens
+    (`gss.reply_signal`)."""
+    if not replies:
+        return []
+    other = replies.get("other_omega_mean")
+    return [
+        f"omega on {replies.get('rows')} conversations: {replies['reply_omega_mean']:.2f} nats a "
+        f"reply token, " + ("no other token" if other is None else f"{other:.2f} a token outside")
+    ]
+
+
 def describe(artifact: SteeringArtifact) -> str:
     """Several lines for a person: the model, the steer, the calibration, the gates, the solve."""
     c = artifact.config
@@ -90,6 +102,7 @@ def describe(artifact: SteeringArtifact) -> str:
             )
             + f", {counts.get('general')} general"
         )
+        lines += _reply_lines(counts.get("replies"))
     lines += _threshold_lines(artifact)
     lines.append(f"singular values (whitened M): {_numbers(artifact.singular_values)}")
     solve = c.solve

@@ -41,7 +41,7 @@ from .errors import GSSError
 
 IGNORE_INDEX = -100  # a label the loss skips (torch's cross_entropy default, HF's convention)
 
-__all__ = ["IGNORE_INDEX", "encode_trained", "trained_targets"]
+__all__ = ["IGNORE_INDEX", "encode_trained", "reply_masks", "trained_targets"]
 
 
 def encode_trained(
@@ -83,8 +83,12 @@ def _trained(x: Any, index: int, ids: Tensor, tokenizer: Any, replies_only: bool
         return _from_labels(x["labels"], index, len(x["input_ids"]))[: len(ids)]
     if not replies_only:
         return torch.ones(len(ids), dtype=torch.bool)
-    mask = torch.zeros(len(ids), dtype=torch.bool)
-    for start, end in _reply_spans(x, index, ids, tokenizer):
+    return _span_mask(_reply_spans(x, index, ids, tokenizer), len(ids))
+
+
+def _span_mask(spans: Sequence[tuple[int, int]], length: int) -> Tensor:
+    mask = torch.zeros(length, dtype=torch.bool)
+    for start, end in spans:
         mask[start:end] = True
     return mask
 
@@ -167,3 +171,25 @@ def _check_prefix(part: Sequence[int], ids: Tensor, name: str, what: str) -> Non
             "follows), so the replies cannot be located: pass rows with 'input_ids' and "
             "'labels' instead."
         )
+
+
+def reply_masks(
+    data: TextsOrIds, tokenizer: Any | None, max_length: int | None, rows: int = 512
+) -> list[Tensor | None] | None:
+    """For the first `rows` of `encode_trained`'s sequences (without labels or
+    `replies_only`), which tokens are replies: None for a row without any (plain text, token
+    ids, a conversation whose template cannot place them), and None in all when no row has
+    any. What `gss.reply_signal` compares; never an error."""
+    items = _items(data, max_length)[:rows]
+    if not any(isinstance(x, Mapping) or _is_conversation(x) for x in items):
+        return None
+    ids = compact_rows(items, tokenizer, max_length)
+    masks: list[Tensor | None] = []
+    for i, (x, row) in enumerate(zip(items, ids, strict=True)):
+        if len(row) < 2:  # dropped from the sequences, as `_predictable` drops it
+            continue
+        try:
+            masks.append(_span_mask(_reply_spans(x, i, row, tokenizer), len(row)))
+        except GSSError:
+            masks.append(None)
+    return masks if any(m is not None for m in masks) else None
