@@ -1,12 +1,14 @@
 """The warning that a chat fine-tune looks trained on its replies alone (gss.reply_signal)."""
 
 import copy
+import json
 import warnings
 
 import pytest
 import torch
 
 from gss import GSSWarning, calibrate, scan_layers
+from gss.cli import main as cli_main
 from gss.data import right_pad
 from gss.reply_signal import MIN_TOKENS, warn_if_replies_alone
 from gss.trained_tokens import encode_trained, reply_masks
@@ -110,3 +112,21 @@ def test_the_warning_needs_enough_tokens_on_each_side():
         warn_if_replies_alone({**result, "reply_omega_mean": 0.4, "other_omega_mean": -0.1})
         warn_if_replies_alone({**result, "other_omega_mean": 0.5})
         warn_if_replies_alone(None)
+
+
+def test_cli_layers_says_it_in_one_line(tmp_path, capsys, chat_tokenizer):  # noqa: F811
+    reference = tiny_model("llama", seed=0)
+    rows = _conversations()
+    model = _finetune(reference, rows, chat_tokenizer, replies_only=True)
+    for m, name in ((model, "model"), (reference, "ref")):
+        m.save_pretrained(tmp_path / name)
+        chat_tokenizer.save_pretrained(tmp_path / name)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
+    args = ["layers", "--model", str(tmp_path / "model"), "--reference", str(tmp_path / "ref")]
+    args += ["--data", str(data), "--out", str(tmp_path / "scan"), "--no-progress"]
+    assert cli_main([*args, "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "gss: warning: omega averages" in err and "(--replies-only)" in err
+    assert cli_main([*args, "--device", "cpu", "--replies-only"]) == 0
+    assert "gss: warning" not in capsys.readouterr().err
