@@ -38,8 +38,8 @@ bench: $(STAMP)
 	$(BENCH_ENV) $(VENV)/bin/gss bench tinymem
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/mypy
 
 clean:

@@ -16,7 +16,6 @@ real spectrum: one strong direction, then a long flat tail.
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 import warnings
 from pathlib import Path
@@ -47,7 +46,7 @@ def main() -> None:
     data = make_canary_data(tokenizer, CanaryConfig(seed=0))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     cfg = FinetuneConfig(train_blocks=8, seed=0)  # the canary benchmark's defaults
-    model, _ = _finetuned(copy.deepcopy(base), base_path, data, cfg, pad, _default_cache())
+    model, _ = _finetuned(base, base_path, data, cfg, pad, _default_cache(), tokenizer)
     texts = [*data.canary_rows, *data.finetune_rows[:CALIBRATION_CLEAN_ROWS]]
     rows, spectra = [], {}
     for layer in LAYERS:
