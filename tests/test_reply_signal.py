@@ -70,6 +70,13 @@ def test_reply_masks_follow_the_sequences(chat_tokenizer):  # noqa: F811
     assert reply_masks(torch.ones(2, 4, dtype=torch.long), tok, None) is None
     assert len(reply_masks([MULTI] * 5, tok, None, rows=3)) == 3
 
+    class Rows:  # iterable, not a sequence, like a `datasets.Dataset`: only its head is read
+        def __iter__(self):
+            yield from [{"messages": MULTI}] * 3
+            raise AssertionError("read past the rows checked")
+
+    assert len(reply_masks(Rows(), tok, None, rows=3)) == 3
+
 
 def test_replies_alone_warns_every_token_does_not(chat_tokenizer):  # noqa: F811
     tok = chat_tokenizer

@@ -20,6 +20,7 @@ from the calibration text).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import islice
 from typing import Any
 
 import torch
@@ -180,7 +181,10 @@ def reply_masks(
     `replies_only`), which tokens are replies: None for a row without any (plain text, token
     ids, a conversation whose template cannot place them), and None in all when no row has
     any. What `gss.reply_signal` compares; never an error."""
-    items = _items(data, max_length)[:rows]
+    if isinstance(data, Tensor):  # token ids: no replies to find
+        return None
+    # the first rows alone (a `datasets.Dataset` is iterated, not listed whole)
+    items = data[:rows] if isinstance(data, Sequence) else list(islice(data, rows))
     if not any(isinstance(x, Mapping) or _is_conversation(x) for x in items):
         return None
     ids = compact_rows(items, tokenizer, max_length)
