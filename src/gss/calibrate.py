@@ -654,7 +654,9 @@ def calibrate(
         replies_only: only the replies can be memorized (the assistant's messages of
             conversations, the completions of prompt-completion rows): for a fine-tune trained
             on them alone (trl's ``assistant_only_loss`` / ``completion_only_loss``). See
-            :mod:`gss.trained_tokens`.
+            :mod:`gss.trained_tokens`. Without it or labels, conversations are checked: omega
+            on their replies and on the rest is recorded in the token counts, with a warning
+            when the rest looks untouched by the fine-tune (:mod:`gss.reply_signal`).
         gen_texts: held-out text for Sigma_gen and the thresholds (as in the paper's
             experiments); default: the calibration tokens not marked memorized.
         gate, coefficient: how the steer is applied (see :class:`gss.hook.GatedSteer`).
