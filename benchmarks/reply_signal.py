@@ -55,10 +55,12 @@ def main() -> None:
         model, _ = _finetuned(base, base_path, data, cfg, pad, _default_cache(), tokenizer)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            stats = collect_statistics(model, base, rows, tokenizer=tokenizer, layer=LAYER)
+            stats = collect_statistics(
+                model, base, rows, tokenizer=tokenizer, layer=LAYER, progress=False
+            )
         said = [str(w.message) for w in caught if issubclass(w.category, GSSWarning)]
         restricted = collect_statistics(
-            model, base, rows, tokenizer=tokenizer, layer=LAYER, replies_only=True
+            model, base, rows, tokenizer=tokenizer, layer=LAYER, replies_only=True, progress=False
         )
         memorized = stats.counts["memorized"]
         in_replies = restricted.counts["memorized"]
