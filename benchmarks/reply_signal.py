@@ -16,22 +16,18 @@ from __future__ import annotations
 import argparse
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from gss import GSSWarning
-from gss.bench.canaries.data import CanaryConfig, make_canary_data
 from gss.bench.canaries.finetune import FinetuneConfig
 from gss.bench.canaries.run import (
     CALIBRATION_CLEAN_ROWS,
-    CHAT,
     _default_cache,
     _finetuned,
-    _load,
+    default_setup,
 )
 from gss.calibrate import collect_statistics
-from gss.models import get_model
 from gss.report import machine_info, markdown_table, write_json
 
 LAYER = 22
@@ -43,11 +39,7 @@ def main() -> None:
     parser.add_argument("--out", default="results/reply-signal")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    base_path = get_model("smollm2-135m")
-    base, tokenizer = _load(base_path, "cpu")
-    sizes: dict[str, Any] = dict(CHAT)
-    data = make_canary_data(tokenizer, CanaryConfig(seed=0, **sizes))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    base_path, base, tokenizer, data, pad = default_setup(chat=True)
     rows = [list(c) for c in data.conversations[: len(data.canary_rows) + CALIBRATION_CLEAN_ROWS]]
     found = []
     for replies_only in (False, True):

@@ -22,12 +22,10 @@ from pathlib import Path
 
 import torch
 
-from gss.bench.canaries.data import CanaryConfig, make_canary_data
 from gss.bench.canaries.finetune import FinetuneConfig
-from gss.bench.canaries.run import CALIBRATION_CLEAN_ROWS, _default_cache, _finetuned, _load
+from gss.bench.canaries.run import CALIBRATION_CLEAN_ROWS, _default_cache, _finetuned, default_setup
 from gss.bench.perf.scaling import accuracy
 from gss.calibrate import collect_statistics
-from gss.models import get_model
 from gss.report import machine_info, markdown_table, write_json
 from gss.solve import solve_probe_steer
 
@@ -41,10 +39,7 @@ def main() -> None:
     parser.add_argument("--out", default="results/solve-accuracy")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    base_path = get_model("smollm2-135m")
-    base, tokenizer = _load(base_path, "cpu")
-    data = make_canary_data(tokenizer, CanaryConfig(seed=0))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    base_path, base, tokenizer, data, pad = default_setup()
     cfg = FinetuneConfig(train_blocks=8, seed=0)  # the canary benchmark's defaults
     model, _ = _finetuned(base, base_path, data, cfg, pad, _default_cache(), tokenizer)
     texts = [*data.canary_rows, *data.finetune_rows[:CALIBRATION_CLEAN_ROWS]]

@@ -153,6 +153,21 @@ def _load(path: Path, device: str) -> tuple[Any, Any]:
     return model.to(device).eval(), tokenizer
 
 
+def default_setup(chat: bool = False) -> tuple[Path, Any, Any, Any, int]:
+    """What the bench's default run starts from, for scripts that study its fine-tunes: the
+    SmolLM2-135M path, the model and its tokenizer (CPU), the canary data of seed 0 at the
+    bench's sizes (`chat`: `--chat`'s) and the pad id."""
+    from ...models import get_model
+    from .data import CanaryConfig, make_canary_data
+
+    base_path = get_model("smollm2-135m")
+    base, tokenizer = _load(base_path, "cpu")
+    sizes: dict[str, Any] = dict(CHAT) if chat else {}
+    data = make_canary_data(tokenizer, CanaryConfig(seed=0, **sizes))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return base_path, base, tokenizer, data, pad
+
+
 def _fingerprint(path: Path) -> dict[str, Any]:
     weights = sorted(path.glob("*.safetensors"))
     return {
