@@ -137,3 +137,14 @@ def test_cli_layers_says_it_in_one_line(tmp_path, capsys, chat_tokenizer):  # no
     assert "gss: warning: omega averages" in err and "(--replies-only)" in err
     assert cli_main([*args, "--device", "cpu", "--replies-only"]) == 0
     assert "gss: warning" not in capsys.readouterr().err
+    # `gss signal` reports omega on the replies and on the rest, and warns the same way
+    signal = ["signal", *args[1:7], "--out", str(tmp_path / "signal"), "--no-progress"]
+    assert cli_main([*signal, "--device", "cpu"]) == 0
+    assert "gss: warning: omega averages" in capsys.readouterr().err
+    report = json.loads((tmp_path / "signal" / "signal.json").read_text())
+    options = dict(
+        tokenizer=chat_tokenizer, layer=1, rank=2, gen_texts=["w3 w4 w5"], progress=False
+    )
+    artifact, _ = _warnings(lambda: calibrate(model, reference, rows, **options))
+    found = artifact.config.token_counts["replies"]
+    assert report["replies"] == pytest.approx(found, rel=1e-4)

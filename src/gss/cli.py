@@ -322,26 +322,33 @@ def _cmd_signal(args: argparse.Namespace) -> int:
     import torch
 
     from .data import encode, read_texts
+    from .reply_signal import reply_signal_of_rows, warn_if_replies_alone
     from .signal import omega_rows, signal_statistics
+    from .trained_tokens import reply_masks
 
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
     _resolve_max_length(args, model)
     reference = _load_reference(args.reference, model, tokenizer, args.device, args.dtype)
 
-    def omega_of(path: str) -> torch.Tensor:
-        seqs = encode(read_texts(path), tokenizer, args.max_length)
+    def omega_of(texts: list[Any]) -> torch.Tensor:
+        seqs = encode(texts, tokenizer, args.max_length)
         return omega_rows(model, reference, seqs, args.batch_size, not args.no_progress)
 
-    omega = omega_of(args.data)
+    texts = read_texts(args.data, keep_rows=True)
+    omega = omega_of(texts)
     if not bool(omega.nan_to_num().any()):
         print(
             "gss: note: omega is 0 on every token: the reference gives the model's own "
             "log-probabilities (is it the fine-tuned model itself?)",
             file=sys.stderr,
         )
-    normal = omega_of(args.normal_data) if args.normal_data else None
+    normal = omega_of(read_texts(args.normal_data)) if args.normal_data else None
     stats = signal_statistics(omega)
     report = {"data": stats.to_dict()}
+    replies = reply_signal_of_rows(omega, reply_masks(texts, tokenizer, args.max_length))
+    if replies is not None:  # conversations: omega on their replies and on the rest
+        report["replies"] = replies
+        warn_if_replies_alone(replies)
     if normal is not None:
         report["normal"] = signal_statistics(normal).to_dict()
     print(json.dumps(report, indent=2))

@@ -7,9 +7,9 @@ secret-sharer chat fine-tune of SmolLM2-135M trained that way (``gss bench canar
 --replies-only``), omega averaged 2.17 nats on the replies and -0.04 outside them (48% of those
 above 0), and GSS calibrated with every token memorizable removed nothing within +5% perplexity,
 while ``replies_only=True`` removed every secret. Trained on every token, the same conversations
-averaged 1.93 inside and 4.34 outside. So calibration and the layer scan, when their text holds
-conversations or prompt-completion rows and nothing restricts the memorized set, compare the two
-means and warn when the outside one is a small share of the inside one.
+averaged 1.93 inside and 4.34 outside. So calibration, the layer scan and `gss signal`, when
+their text holds conversations or prompt-completion rows and nothing restricts the memorized
+set, compare the two means and warn when the outside one is a small share of the inside one.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from . import distributed
 from .data import Batch, right_pad
 from .errors import GSSWarning
 
-__all__ = ["ReplySignal", "warn_if_replies_alone"]
+__all__ = ["ReplySignal", "reply_signal_of_rows", "warn_if_replies_alone"]
 
 OUTSIDE_SHARE = 0.2  # warn when omega outside the replies averages below this share of inside
 MIN_TOKENS = 64  # on each side, before the means say anything
@@ -79,6 +79,18 @@ class ReplySignal:
             "other_tokens": other,
             "other_omega_mean": sums["other_omega"] / other if other else None,
         }
+
+
+def reply_signal_of_rows(
+    omega: Tensor, masks: Sequence[Tensor | None] | None
+) -> dict[str, Any] | None:
+    """`ReplySignal.result` of omega rows as `gss.signal.omega_rows` gives them (rows, longest
+    - 1; NaN past each row's end), the rows `masks` (`gss.trained_tokens.reply_masks`) cover."""
+    signal = ReplySignal(masks)
+    rows, width = omega.shape
+    ids = torch.zeros(rows, width + 1, dtype=torch.long)
+    signal.update(Batch(ids, torch.ones_like(ids), torch.arange(rows)), omega, ~omega.isnan())
+    return signal.result()
 
 
 def warn_if_replies_alone(result: dict[str, Any] | None, stacklevel: int = 3) -> None:
