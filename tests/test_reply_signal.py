@@ -121,7 +121,7 @@ def test_the_warning_needs_enough_tokens_on_each_side():
         warn_if_replies_alone(None)
 
 
-def test_cli_layers_says_it_in_one_line(tmp_path, capsys, chat_tokenizer):  # noqa: F811
+def test_cli_layers_and_signal_say_it_in_one_line(tmp_path, capsys, chat_tokenizer):  # noqa: F811
     reference = tiny_model("llama", seed=0)
     rows = _conversations()
     model = _finetune(reference, rows, chat_tokenizer, replies_only=True)
