@@ -40,9 +40,13 @@ class ReplySignal:
 
     def __init__(self, masks: Sequence[Tensor | None] | None) -> None:
         self.masks = masks
-        rows = 0 if masks is None else sum(m is not None for m in masks)
-        self.sums: dict[str, Any] = {"rows": rows, "reply_tokens": 0, "reply_omega": 0.0}
-        self.sums.update(other_tokens=0, other_omega=0.0)
+        self.sums: dict[str, Any] = {
+            "rows": 0 if masks is None else sum(m is not None for m in masks),
+            "reply_tokens": 0,
+            "reply_omega": 0.0,
+            "other_tokens": 0,
+            "other_omega": 0.0,
+        }
 
     def update(self, batch: Batch, omega: Tensor, valid: Tensor) -> None:
         """Add a batch's omega (B, T-1) at its valid targets."""
