@@ -88,9 +88,9 @@ def variants(art, d, dtype):
     try:
         from gss import cuda_kernel
 
-        steer = cuda_kernel.load()
-        probe = probe_t.t().contiguous()
-        out["triton one kernel"] = lambda h: steer(h, probe_t, probe, neg_off, neg_steer, True)
+        bind = cuda_kernel.load()
+        out["triton one kernel"] = bind(probe_t, neg_off, neg_steer, True, direct_launch=False)
+        out["triton one kernel, direct launch"] = bind(probe_t, neg_off, neg_steer, True)
     except Exception as err:
         print("triton variant unavailable:", repr(err))
     out["no-op python call"] = lambda h: h
@@ -259,6 +259,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
     p.add_argument("--skip-generate", action="store_true")
+    p.add_argument("--skip-micro", action="store_true", help="only the generate comparison")
     p.add_argument("--profile", action="store_true", help="profile decode steps instead")
     args = p.parse_args()
     dtype = torch.bfloat16
@@ -273,7 +274,8 @@ def main():
         "smollm2-135m-shape": smollm2_shape(dtype),
     }
     for name, m in models.items():
-        hook_micro(name, m, dtype, micro)
+        if not args.skip_micro:
+            hook_micro(name, m, dtype, micro)
     if not args.skip_generate:
         for name, m in models.items():
             try:

@@ -7,22 +7,29 @@
 #   bash benchmarks/gpu_checks.sh solve     # its calibration and solve parts (the solve iterates to
 #                                           # convergence since the H100 run: its row is stale)
 #   bash benchmarks/gpu_checks.sh variants  # each fused steer: error, us per call, generate eager/compiled
+#                                           # (--skip-micro: the generate comparison alone)
 #   bash benchmarks/gpu_checks.sh profile   # torch.profiler of decode steps: host vs GPU time, syncs
 #   bash benchmarks/gpu_checks.sh nnsight   # overhead with the peer library (WHEELS=dir of its wheels)
 #
+# overhead and nnsight take gss bench perf's arguments after the stage's name instead of their
+# defaults (overhead: --model benchmarks/configs/llama-2-7b --repeats 9; nnsight: --repeats 5).
+# PERF_OUT: the results folder of gss bench perf (default $OUT/<stage>/perf-cuda); name
+# results/perf-cuda to add to the committed results, as a run here does.
 # Runs from the repository root with the machine's own torch (PYTHONPATH=src, no install).
 set -euo pipefail
 stage=${1:?"which stage: tests, overhead, solve, variants, profile or nnsight"}
+shift
 out=${OUT:-gpu-out}/$stage
+perf_out=${PERF_OUT:-$out/perf-cuda}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" || true
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" \
     >> "$out/gpu.txt"
 
-overhead() {  # the overhead part of gss bench perf on the 135M and 7B shapes; extra args after
+overhead() {  # the overhead part of gss bench perf: the tiny model, the 135M shape, "$@"
     python3 -m gss bench perf --device cuda --dtype bfloat16 --only overhead \
-        --model benchmarks/configs/smollm2-135m "$@" --out "$out/perf-cuda" --no-progress
+        --model benchmarks/configs/smollm2-135m "$@" --out "$perf_out" --no-progress
 }
 
 case $stage in
@@ -31,21 +38,23 @@ case $stage in
             tests/test_device_map.py tests/test_compile.py tests/test_hook.py 2>&1 | tee "$out/tests.log"
         ;;
     overhead)
-        overhead --model benchmarks/configs/llama-2-7b --repeats 9 2>&1 | tee "$out/log.txt"
+        [ $# -gt 0 ] || set -- --model benchmarks/configs/llama-2-7b --repeats 9
+        overhead "$@" 2>&1 | tee "$out/log.txt"
         ;;
     solve)
         python3 -m gss bench perf --device cuda --dtype bfloat16 --only calibration,solve \
-            --out "$out/perf-cuda" --no-progress 2>&1 | tee "$out/log.txt"
+            --out "$perf_out" --no-progress 2>&1 | tee "$out/log.txt"
         ;;
     variants)
-        python3 benchmarks/cuda_steer_variants.py --out "$out" 2>&1 | tee "$out/log.txt"
+        python3 benchmarks/cuda_steer_variants.py --out "$out" "$@" 2>&1 | tee "$out/log.txt"
         ;;
     profile)
         python3 benchmarks/cuda_steer_variants.py --profile --out "$out" 2>&1 | tee "$out/log.txt"
         ;;
     nnsight)
         python3 -m pip install -q --no-index --find-links "${WHEELS:?"WHEELS: a folder of the nnsight wheels"}" nnsight
-        overhead --repeats 5 2>&1 | tee "$out/log.txt"
+        [ $# -gt 0 ] || set -- --repeats 5
+        overhead "$@" 2>&1 | tee "$out/log.txt"
         ;;
     *)
         echo "unknown stage $stage: tests, overhead, solve, variants, profile or nnsight" >&2

@@ -10,6 +10,7 @@ compiler.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -113,6 +114,35 @@ def test_a_steer_attached_after_compiling_runs_and_comes_off(make_model, how):
         target, _reference(make_model), random_ids(12, 16), layer=0, rank=2, progress=False
     )
     assert torch.allclose(again.steer, art.steer, atol=1e-5)
+
+
+def test_attaching_again_finds_the_code_compiled_with_the_steer(make_model):
+    """Dynamo guards on the wrapper's identity. Every attach after the first puts the block's
+    last wrapper back, so steering some calls and not others compiles each state once, not
+    once per attach (before: one more compile each time, and torch's limit of 8 then left
+    the model running uncompiled); another steer of the same shapes runs in the same code,
+    its own tensors flowing in."""
+    model, art = _setup(make_model)
+    other = dataclasses.replace(art, offset=art.offset + 1.0)
+    plain, steered = _eager(model, art)
+    with gss.steer(model, other):
+        other_steered = _logits(model)
+    compiles = []
+
+    def counting(gm, example_inputs):
+        compiles.append(1)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=counting)
+    counts = []
+    for _ in range(3):
+        torch.testing.assert_close(_logits(compiled), plain, atol=1e-5, rtol=1e-5)
+        with gss.steer(model, art):
+            torch.testing.assert_close(_logits(compiled), steered, atol=1e-5, rtol=1e-5)
+        with gss.steer(model, other):
+            torch.testing.assert_close(_logits(compiled), other_steered, atol=1e-5, rtol=1e-5)
+        counts.append(len(compiles))
+    assert counts[0] == counts[-1] <= 3, counts
 
 
 def test_without_inlined_modules_a_compiled_model_is_refused(make_model, monkeypatch):

@@ -53,6 +53,35 @@ def test_kernel_equals_the_ops_and_leaves_closed_rows_untouched(dtype, gate, sha
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [1, K])
+def test_the_direct_launch_writes_what_tritons_launch_writes(dtype, k):
+    """After its first call a bound steer launches the compiled kernel itself; it writes the
+    bits Triton's own launch writes, for any number of decode rows, and an input Triton's
+    specialisation does not cover (a pointer off its 16-byte alignment) takes Triton's
+    launch."""
+    gen = torch.Generator().manual_seed(k)
+    probe_t = (torch.randn(D, k, generator=gen) * 0.2).cuda()
+    neg_offset = (torch.randn(k, generator=gen) * 0.1).cuda()
+    neg_steer = torch.randn(k, D, generator=gen).cuda()
+    direct = cuda_kernel.BoundSteer(probe_t, neg_offset, neg_steer, hard=True)
+    tritons = cuda_kernel.BoundSteer(probe_t, neg_offset, neg_steer, hard=True, direct_launch=False)
+    for rows in (1, 16, cuda_kernel.SMALL_ROWS, 3, 1):
+        x = torch.randn(rows, 1, D, generator=gen).to("cuda", dtype)
+        got = direct(x)
+        assert torch.equal(got, tritons(x)) and got.dtype == dtype and got.shape == x.shape
+        assert not torch.equal(got, x), "the data should open some gates"
+    assert direct.launch is not None and tritons.launch is None
+    offset_by_one = torch.randn(D + 1, generator=gen).to("cuda", dtype)[1:].view(1, 1, D)
+    assert offset_by_one.data_ptr() % cuda_kernel.ALIGN != 0
+    assert torch.equal(direct(offset_by_one), tritons(offset_by_one))
+    with pytest.raises(RuntimeError):
+        direct(torch.randn(1, 1, D, dtype=dtype))  # on the CPU: refused, nothing launched
+    with pytest.raises(RuntimeError):
+        direct(torch.randn(1, 1, D + 1, device="cuda", dtype=dtype))
+
+
+@cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attached_generation_matches_on_cuda(dtype):
     model, art = calibrated_llama()

@@ -1,5 +1,7 @@
 import copy
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -110,6 +112,28 @@ def test_context_manager_cleans_up_on_exceptions(make_model):
         assert not block._forward_hooks
         raise RuntimeError("boom")
     assert "forward" not in block.__dict__ and not block._forward_hooks
+
+
+def test_the_next_steer_reuses_the_removed_wrapper_and_nothing_stays_alive(make_model):
+    """A removed steer's wrapper stays with its block, holding nothing, and the next attach
+    puts it back (compiled code knows it: test_compile.py); a steer on top of an attached one
+    gets a wrapper of its own. Dropping the model frees it: nothing of gss keeps it alive."""
+    model = make_model("gpt2")
+    art = _artifact_for(model, make_model)
+    block = gss.find_decoder_blocks(model)[0]
+    first = art.attach(model)
+    wrapper = block.__dict__["forward"]
+    first.remove()
+    assert "forward" not in block.__dict__ and wrapper.block is None and wrapper.forward is None
+    with art.attach(model), art.attach(model, track_gates=True):
+        outer = block.__dict__["forward"]
+        assert outer is not wrapper and outer.forward is wrapper
+    with art.attach(model):
+        assert block.__dict__["forward"] is wrapper
+    ref = weakref.ref(model)
+    del model, block, first, wrapper, outer
+    gc.collect()
+    assert ref() is None
 
 
 class _TupleBlock(nn.Module):

@@ -155,7 +155,7 @@ class GatedSteer:
                 self._cpu.update(fused)
                 self._fused = True
         self._cpu_kernel: Callable[..., Callable[..., Any]] | None = None
-        self._cuda_kernel: Callable[..., Tensor] | None = None
+        self._cuda_kernel: Callable[..., Callable[[Tensor], Tensor]] | None = None
         if cpu_kernel or cuda_kernel:
             if not self._fused:
                 option = "cpu_kernel" if cpu_kernel else "cuda_kernel"
@@ -327,15 +327,14 @@ class GatedSteer:
             ops = steer_cast
 
         if self._cuda_kernel is not None and device.type == "cuda":
-            fused_kernel, hard = self._cuda_kernel, self.gate == "hard"
-            probe = probe_t.t().contiguous()  # (K, d): the kernel reads the probes as rows
+            fused_kernel = self._cuda_kernel(probe_t, neg_offset, neg_steer, self.gate == "hard")
             is_compiling = torch.compiler.is_compiling
 
             def steer_kernel(hidden: Tensor) -> Tensor:
                 if is_compiling():  # a compiled graph gets the ops: its compiler fuses them
                     return ops(hidden)
                 # another device or width raises a RuntimeError: the checked path
-                return fused_kernel(hidden, probe_t, probe, neg_offset, neg_steer, hard)
+                return fused_kernel(hidden)
 
             return steer_kernel
         return ops
@@ -427,6 +426,11 @@ class SteeredForward:
     of this one, removing it only turns it into a pass-through, so that wrapper keeps working.
     A deep copy of the model copies the wrapper bound to the copied block.
 
+    Removed from the top, the wrapper lets go of the block and its hook and can be installed
+    again (`install`), which `register` does with the block's last one: compiled code guards
+    on the wrapper's identity, so the same wrapper finds the code compiled with it, where a
+    new one would compile the model again on every attach.
+
     ``traced`` is what runs while ``torch.compile`` traces the block, where ``hook`` is a
     compiled C function that dynamo cannot read (``cpu_kernel``): the Python steer it stands
     for, so compiled code holds the steer's ops in its graph instead of breaking it there.
@@ -435,15 +439,25 @@ class SteeredForward:
     def __init__(
         self, block: nn.Module, hook: Callable[..., Any], traced: Callable[..., Any] | None = None
     ) -> None:
-        self.block = block
+        self.install(block, hook, traced)
+
+    def install(
+        self, block: nn.Module, hook: Callable[..., Any], traced: Callable[..., Any] | None = None
+    ) -> None:
+        """Put this wrapper on ``block`` with ``hook`` (it must not be installed anywhere)."""
+        self.block: nn.Module | None = block
         self.hook = hook
         self.traced = hook if traced is None else traced
-        self.forward = block.forward  # the instance attribute or the bound method
+        self.forward: Callable[..., Any] | None = block.forward  # instance attribute or method
         self._had_instance_forward = "forward" in block.__dict__
         block.forward = self
 
+    @property
+    def installed(self) -> bool:
+        return self.block is not None
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        output = self.forward(*args, **kwargs)
+        output = self.forward(*args, **kwargs)  # type: ignore[misc]  # None only once removed
         hook = self.hook
         if hook is not self.traced and torch.compiler.is_compiling():
             hook = self.traced
@@ -452,13 +466,19 @@ class SteeredForward:
 
     def remove(self) -> None:
         block = self.block
+        if block is None:
+            return
+        self.hook = self.traced = _unchanged
         if block.__dict__.get("forward") is not self:
-            # wrapped again since: stay in the chain, steer nothing
-            self.hook = self.traced = _unchanged
-        elif self._had_instance_forward:
+            return  # wrapped again since: stay in the chain, steer nothing
+        if self._had_instance_forward:
             block.forward = self.forward
         else:
             del block.forward
+        self.block = self.forward = None  # nothing kept alive by a wrapper off its block
+
+
+_LAST_WRAPPER = "_gss_steered_forward"  # the block's attribute that keeps its last wrapper
 
 
 class SteerHandle:
@@ -504,4 +524,11 @@ def register(
     :class:`GatedSteer` built with ``cpu_kernel`` runs its compiled C hook there."""
     refuse_if_compiled(block if model is None else model)
     wrapped = hook.forward_hook() if isinstance(hook, GatedSteer) else hook
-    return SteerHandle(hook, SteeredForward(block, wrapped, traced=hook))
+    wrapper = block.__dict__.get(_LAST_WRAPPER)
+    if isinstance(wrapper, SteeredForward) and not wrapper.installed:
+        wrapper.install(block, wrapped, traced=hook)  # the one compiled code knows
+    else:
+        wrapper = SteeredForward(block, wrapped, traced=hook)
+        if not isinstance(block.__dict__.get(_LAST_WRAPPER), SteeredForward):
+            block.__dict__[_LAST_WRAPPER] = wrapper  # not nn.Module's setattr: no submodule
+    return SteerHandle(hook, wrapper)
