@@ -182,29 +182,10 @@ class BoundSteer:
         if run is None or function is None or metadata is None or stream_of is None:
             return None
         index = self.device_index
-        trial = torch.empty_like(out)
-        for tail in (self._args + tuple(self._constexprs.values()), self._args):
-            try:
-                run(
-                    rows,
-                    1,
-                    1,
-                    stream_of(index),
-                    function,
-                    metadata,
-                    None,
-                    None,
-                    None,
-                    x,
-                    trial,
-                    *tail,
-                )
-            except (TypeError, ValueError, RuntimeError, SystemError):
-                continue
-            if not torch.equal(trial, out):
-                continue
 
-            def launch(rows: int, x: Tensor, out: Tensor, tail: tuple[Any, ...] = tail) -> None:
+        def bound(tail: tuple[Any, ...]) -> Launch:
+            def launch(rows: int, x: Tensor, out: Tensor) -> None:
+                # grid, stream, kernel, its metadata; no launch metadata or hooks; arguments
                 run(
                     rows,
                     1,
@@ -221,6 +202,16 @@ class BoundSteer:
                 )
 
             return launch
+
+        trial = torch.empty_like(out)
+        for tail in (self._args + tuple(self._constexprs.values()), self._args):
+            launch = bound(tail)
+            try:
+                launch(rows, x, trial)
+            except (TypeError, ValueError, RuntimeError, SystemError):
+                continue
+            if torch.equal(trial, out):
+                return launch
         return None
 
 

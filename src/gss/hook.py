@@ -524,11 +524,12 @@ def register(
     :class:`GatedSteer` built with ``cpu_kernel`` runs its compiled C hook there."""
     refuse_if_compiled(block if model is None else model)
     wrapped = hook.forward_hook() if isinstance(hook, GatedSteer) else hook
-    wrapper = block.__dict__.get(_LAST_WRAPPER)
-    if isinstance(wrapper, SteeredForward) and not wrapper.installed:
-        wrapper.install(block, wrapped, traced=hook)  # the one compiled code knows
-    else:
-        wrapper = SteeredForward(block, wrapped, traced=hook)
-        if not isinstance(block.__dict__.get(_LAST_WRAPPER), SteeredForward):
-            block.__dict__[_LAST_WRAPPER] = wrapper  # not nn.Module's setattr: no submodule
+    last = block.__dict__.get(_LAST_WRAPPER)
+    if isinstance(last, SteeredForward) and not last.installed:
+        last.install(block, wrapped, traced=hook)  # the one compiled code knows
+        return SteerHandle(hook, last)
+    wrapper = SteeredForward(block, wrapped, traced=hook)
+    # kept unless the last one still steers: a pass-through left in a chain never comes off
+    if not isinstance(last, SteeredForward) or last.hook is _unchanged:
+        block.__dict__[_LAST_WRAPPER] = wrapper  # not nn.Module's setattr: no submodule
     return SteerHandle(hook, wrapper)
