@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import json
 import math
 import os
@@ -51,6 +53,7 @@ def machine_info(**extra: Any) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        **package_versions("transformers", "triton"),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         **cpu_info(),
@@ -58,6 +61,16 @@ def machine_info(**extra: Any) -> dict[str, Any]:
         "cuda": torch.cuda.is_available(),
         **extra,
     }
+
+
+def package_versions(*names: str) -> dict[str, str]:
+    """The installed versions of ``names`` (read from their metadata, nothing imported), for
+    the ones installed: Triton's launch, for one, is part of what a CUDA timing measures."""
+    found = {}
+    for name in names:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            found[name] = importlib.metadata.version(name)
+    return found
 
 
 def cpu_info() -> dict[str, str]:

@@ -139,12 +139,13 @@ def table(results: dict[str, Any]) -> str:
     device = m.get("device", "cpu")  # runs before --device were all cpu / float32
     if m.get("gpu"):
         device += f" ({m['gpu']})"
+    versions = "".join(f", {k} {m[k]}" for k in ("transformers", "triton") if k in m)
     lines = [
         "# gss bench perf\n",
         f"`{results['command']}`; device {device}, {m.get('dtype', 'float32')}; "
         f"{m['cpu_count']} CPUs, {m['threads']} torch threads, "
-        f"torch {m['torch']}, {m['platform']}. Every speed figure is a ratio of arms run in "
-        "turn in one process after warm-up (median over rounds, IQR in brackets).\n",
+        f"torch {m['torch']}{versions}, {m['platform']}. Every speed figure is a ratio of arms "
+        "run in turn in one process after warm-up (median over rounds, IQR in brackets).\n",
     ]
     machines = results.get("part_machines", {})
     earlier = [
