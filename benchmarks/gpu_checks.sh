@@ -4,8 +4,7 @@
 #
 #   bash benchmarks/gpu_checks.sh tests     # the CUDA-only tests (they skip on CPU, in CI)
 #   bash benchmarks/gpu_checks.sh overhead  # gss bench perf's overhead part, cuda bf16, 135M and 7B shapes
-#   bash benchmarks/gpu_checks.sh solve     # its calibration and solve parts (the solve iterates to
-#                                           # convergence since the H100 run: its row is stale)
+#   bash benchmarks/gpu_checks.sh solve     # its calibration and solve parts
 #   bash benchmarks/gpu_checks.sh variants  # each fused steer: error, us per call, generate eager/compiled
 #                                           # (--skip-micro: the generate comparison alone)
 #   bash benchmarks/gpu_checks.sh profile   # torch.profiler of decode steps: host vs GPU time, syncs
