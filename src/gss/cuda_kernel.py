@@ -121,12 +121,8 @@ class BoundSteer:
                 f"the CUDA steer kernel needs its parameters on a GPU, not {probe_t.device}."
             )
         self.d, self.k = probe_t.shape
-        self.probe_t, self.neg_offset, self.neg_steer, self.hard = (
-            probe_t,
-            neg_offset,
-            neg_steer,
-            hard,
-        )
+        self.probe_t, self.neg_offset, self.neg_steer = probe_t, neg_offset, neg_steer
+        self.hard = hard
         self.probe = probe_t.t().contiguous()  # (K, d): the kernel reads the probes as rows
         self.device_index: int = probe_t.device.index or 0
         block_k = max(2, triton.next_power_of_2(self.k))
@@ -173,8 +169,8 @@ class BoundSteer:
         """The compiled kernel's own launcher with this steer's arguments bound, if it writes
         what Triton's launch just wrote into ``out`` (bit for bit); else None. Triton versions
         differ in whether the launcher takes the constexpr arguments too, so both layouts are
-        tried: a launcher given the wrong number refuses them (TypeError) and
-        launches nothing. Triton's launch hooks (its profiler's) do not see direct launches."""
+        tried, and one that raises or writes other bits is not kept. Triton's launch hooks
+        (its profiler's) do not see direct launches."""
         run = getattr(compiled, "run", None)
         function = getattr(compiled, "function", None)
         metadata = getattr(compiled, "packed_metadata", None)
