@@ -6,12 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup test test-min bench lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml benchmarks/pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	# A CPU-only machine must not pull a multi-GB CUDA build: take torch 2.13.0 (CPU wheel) unless a torch is already importable.
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "torch==2.13.0"
-	$(VPY) -m pip install -q -e ".[dev]"
+	$(VPY) -m pip install -q -e ".[dev]" -e ./benchmarks
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -26,7 +26,7 @@ test-min:
 	test -x $(MIN_VENV)/bin/python || $(PY) -m venv $(MIN_VENV)
 	$(MIN_VENV)/bin/python -m pip install -q --upgrade pip
 	$(MIN_VENV)/bin/python -c "import torch" 2>/dev/null || $(MIN_VENV)/bin/python -m pip install -q "torch==2.13.0"
-	$(MIN_VENV)/bin/python -m pip install -q -e ".[dev]" -c .ci/min-versions.txt
+	$(MIN_VENV)/bin/python -m pip install -q -e ".[dev]" -e ./benchmarks -c .ci/min-versions.txt
 	$(MIN_VENV)/bin/python -m pytest -q
 
 # The committed TinyMem tables were trained where torch's CPU kernels use AVX2. A CPU with

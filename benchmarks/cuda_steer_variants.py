@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from gss.bench.perf.common import Sizes, tiny_model
-from gss.bench.perf.overhead import build_artifact
+from gss_bench.perf.common import Sizes, tiny_model
+from gss_bench.perf.overhead import build_artifact
 
 DEV = torch.device("cuda")
 
@@ -86,7 +86,7 @@ def variants(art, d, dtype):
     out["bf16 ops, no casts (3 kernels)"] = native
     out["torch.compile(closure)"] = torch.compile(hook._fast, dynamic=False)
     try:
-        from gss import cuda_kernel
+        from gss.steering import cuda_kernel
 
         bind = cuda_kernel.load()
         out["triton one kernel"] = bind(probe_t, neg_off, neg_steer, True, direct_launch=False)
@@ -144,7 +144,7 @@ def generate(model, ids, n, static):
 
 
 def generate_compare(name, model, rows, new_tokens=64, rounds=7):
-    from gss.compiled import compiled_parts
+    from gss.steering.compiled import compiled_parts
 
     torch._dynamo.config.skip_nnmodule_hook_guards = False  # attach/detach recompiles
     art = build_artifact(model, Sizes(), 4)

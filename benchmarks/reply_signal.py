@@ -6,7 +6,7 @@ chat fine-tunes of SmolLM2-135M (``gss bench canaries --chat``, every token trai
 bench's cache, or trained once, 6-8 min), it calibrates on the bench's 96 calibration
 conversations (32 canaries, 64 clean) at block 22, the block both benches steer, with every
 token memorizable, and records omega on the replies and on the other tokens
-(``gss.reply_signal``), how many of each count as memorized, and whether calibration warned.
+(``gss.signal.replies``), how many of each count as memorized, and whether calibration warned.
 
     ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/reply_signal.py [--out DIR]
 """
@@ -20,15 +20,15 @@ from pathlib import Path
 import torch
 
 from gss import GSSWarning
-from gss.bench.canaries.finetune import FinetuneConfig
-from gss.bench.canaries.run import (
+from gss.calibrate import collect_statistics
+from gss.report import machine_info, markdown_table, write_json
+from gss_bench.canaries.finetune import FinetuneConfig
+from gss_bench.canaries.run import (
     CALIBRATION_CLEAN_ROWS,
     _default_cache,
     _finetuned,
     default_setup,
 )
-from gss.calibrate import collect_statistics
-from gss.report import machine_info, markdown_table, write_json
 
 LAYER = 22
 COMMAND = "ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/reply_signal.py"

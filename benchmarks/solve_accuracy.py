@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from gss.bench.canaries.finetune import FinetuneConfig
-from gss.bench.canaries.run import CALIBRATION_CLEAN_ROWS, _default_cache, _finetuned, default_setup
-from gss.bench.perf.scaling import accuracy
 from gss.calibrate import collect_statistics
 from gss.report import machine_info, markdown_table, write_json
-from gss.solve import solve_probe_steer
+from gss.solve.whitened import solve_probe_steer
+from gss_bench.canaries.finetune import FinetuneConfig
+from gss_bench.canaries.run import CALIBRATION_CLEAN_ROWS, _default_cache, _finetuned, default_setup
+from gss_bench.perf.scaling import accuracy
 
 LAYERS = (22, 29)  # the lowest fine-tuned block (the scan's best) and the last
 RANKS = (1, 4, 8, 16, 64)

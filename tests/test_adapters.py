@@ -9,7 +9,7 @@ import torch
 import gss
 from gss import GSSError
 from gss.cli import main
-from gss.forward import forward_logits
+from gss.hf.forward import forward_logits
 
 from .conftest import _general_rows, _train, random_ids, tiny_model
 from .test_cli import _tokenizer

@@ -116,7 +116,7 @@ def test_thresholds_from_kept_hidden_states_equal_a_second_pass(make_model, sepa
 def test_general_flags_give_back_each_batch_mask_for_ragged_sequences():
     from gss.calibrate import GeneralFlags
     from gss.data import batches
-    from gss.forward import target_mask
+    from gss.hf.forward import target_mask
 
     lengths = [2, 7, 3, 9, 5, 5, 12, 4]
     seqs = [list(range(1, n + 1)) for n in lengths]

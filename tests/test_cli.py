@@ -394,7 +394,7 @@ def test_gss_warnings_print_as_one_line_like_errors(workdir, capsys, monkeypatch
     import warnings
 
     from gss import GSSWarning
-    from gss.artifact import SteeringArtifact
+    from gss.artifact.steering_artifact import SteeringArtifact
 
     def describe(self):
         warnings.warn("the solve did not settle", GSSWarning, stacklevel=2)

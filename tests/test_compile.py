@@ -18,7 +18,7 @@ import torch._dynamo
 import transformers
 
 import gss
-from gss.baselines.steering import MeanDifferenceSteer
+from gss_bench.baselines.steering import MeanDifferenceSteer
 
 from .conftest import random_ids
 
@@ -71,7 +71,7 @@ def test_compiled_code_ignores_late_hooks_by_default(make_model):
     plain, steered = _eager(model, art)
     compiled = torch.compile(model, backend="eager")
     assert _which(_logits(compiled), plain, steered) == "plain"
-    _, block = gss.layers.resolve_layer(model, 0)
+    _, block = gss.hf.blocks.resolve_layer(model, 0)
     handle = block.register_forward_hook(art.make_hook())
     assert _which(_logits(compiled), plain, steered) == "plain"  # silently unsteered
     handle.remove()
@@ -96,7 +96,7 @@ def test_a_steer_attached_after_compiling_runs_and_comes_off(make_model, how):
     recompiles with the steer, removing it goes back to the code without (both cached)."""
     model, art = _setup(make_model)
     plain, steered = _eager(model, art)
-    _, block = gss.layers.resolve_layer(model, 0)
+    _, block = gss.hf.blocks.resolve_layer(model, 0)
     target = _compile(model, block, how)
     seen = [_which(_logits(target), plain, steered)]
     for _ in range(2):
@@ -149,9 +149,9 @@ def test_without_inlined_modules_a_compiled_model_is_refused(make_model, monkeyp
     """Before torch 2.5 dynamo does not inline modules by default, and then compiled code did
     not see late hooks (torch 2.4.1); the wrapped forward is not trusted there either. Newer
     torch always inlines, so the old setting is simulated."""
-    monkeypatch.setattr(gss.compiled, "_modules_inlined", lambda: False)
+    monkeypatch.setattr(gss.steering.compiled, "_modules_inlined", lambda: False)
     model, art = _setup(make_model)
-    _, block = gss.layers.resolve_layer(model, 0)
+    _, block = gss.hf.blocks.resolve_layer(model, 0)
     target = _compile(model, block, "method")
     with pytest.raises(gss.GSSError, match="inline_inbuilt_nn_modules = True"):
         art.attach(target)
@@ -201,7 +201,7 @@ def test_a_wrapper_the_model_does_not_know_of_still_follows_the_steer(make_model
     plain, steered = _eager(model, art)
     compiled = torch.compile(model, backend="eager")
     _logits(compiled)
-    assert gss.compiled.compiled_parts(model) == []  # gss cannot see it, and need not
+    assert gss.steering.compiled.compiled_parts(model) == []  # gss cannot see it, and need not
     with art.attach(model):
         assert _which(_logits(compiled), plain, steered) == "steered"
     assert _which(_logits(compiled), plain, steered) == "plain"
@@ -231,8 +231,8 @@ def test_generate_compiling_its_decode_steps_follows_the_steer(make_model):
             )
 
     plain = generate(compile_config=config)
-    assert "compiled by generate" in " ".join(gss.compiled.compiled_parts(model))
-    _, block = gss.layers.resolve_layer(model, 0)
+    assert "compiled by generate" in " ".join(gss.steering.compiled.compiled_parts(model))
+    _, block = gss.hf.blocks.resolve_layer(model, 0)
     bypass = block.register_forward_hook(art.make_hook())
     late = generate(compile_config=config)
     eager = generate(disable_compile=True)
@@ -287,4 +287,4 @@ def test_on_a_gpu_generate_with_cuda_graphs_follows_the_steer(make_model, dtype)
         # the prefill (eager) picked the same token, so the compiled step saw the same prefix
         assert torch.equal(got_ids[:, :7], (steered_ids if attached else plain_ids)[:, :7])
     assert seen == ["plain", "steered", "plain", "steered", "plain"]
-    assert "compiled by generate" in " ".join(gss.compiled.compiled_parts(model))
+    assert "compiled by generate" in " ".join(gss.steering.compiled.compiled_parts(model))

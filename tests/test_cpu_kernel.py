@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import gss
-from gss import cpu_kernel
 from gss.errors import GSSError
-from gss.hook import GatedSteer, SteeredForward
+from gss.steering import cpu_kernel
+from gss.steering.gated import GatedSteer, SteeredForward
 
 from .conftest import calibrated_llama, needs_cxx, random_ids
 
@@ -178,7 +178,7 @@ def test_dispatch_modes_see_the_steer_ops():
 def test_a_removed_hook_frees_its_steer():
     _, compiled = _steers("hard")
     block = torch.nn.Identity()
-    handle = gss.hook.register(block, compiled)
+    handle = gss.steering.gated.register(block, compiled)
     block(torch.randn(1, 1, D))
     alive = weakref.ref(compiled)
     handle.remove()

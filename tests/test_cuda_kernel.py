@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import gss
-from gss import cuda_kernel
 from gss.errors import GSSError
-from gss.forward import cache_argument, returned_cache
-from gss.hook import GatedSteer
+from gss.hf.forward import cache_argument, returned_cache
+from gss.steering import cuda_kernel
+from gss.steering.gated import GatedSteer
 
 from .conftest import calibrated_llama, random_ids
 

@@ -234,7 +234,7 @@ def test_the_command_line_calibrates_on_conversations_and_prompts_through_the_te
 
 
 def test_sequences_longer_than_the_context_are_refused_with_the_fix(make_model):
-    from gss.forward import context_length
+    from gss.hf.forward import context_length
 
     model, ref = make_model("gpt2"), make_model("gpt2", seed=1)
     # learned positions, 128 rows (GPT2Config maps max_position_embeddings to n_positions)
@@ -272,7 +272,7 @@ def test_sequences_longer_than_the_context_are_refused_with_the_fix(make_model):
 def test_a_rope_scaling_that_stretches_the_context_raises_the_limit(scaling, context):
     from transformers import LlamaConfig
 
-    from gss.forward import context_length
+    from gss.hf.forward import context_length
 
     model = torch.nn.Module()
     extra = (

@@ -21,7 +21,7 @@ DEADLINE = 180
 
 def _data(quantile: bool) -> tuple:
     """Token ids for the quantile rule's run; for the other, conversations through a chat
-    template, so the replies' signal (gss.reply_signal) is summed over the ranks too."""
+    template, so the replies' signal (gss.signal.replies) is summed over the ranks too."""
     if quantile:
         return random_ids(13, 12), {}
     from .test_cli import _tokenizer

@@ -5,8 +5,8 @@ import torch
 
 import gss
 from gss.calibrate import _objective, _tapped, collect_statistics
-from gss.gradients import per_position_gradients
-from gss.layers import resolve_layer
+from gss.hf.blocks import resolve_layer
+from gss.statistics.gradients import per_position_gradients
 
 from .conftest import random_ids
 

@@ -9,7 +9,7 @@ from torch import nn
 
 import gss
 from gss import GSSError
-from gss.hook import GatedSteer, SteeredForward, register
+from gss.steering.gated import GatedSteer, SteeredForward, register
 
 from .conftest import calibrated_llama, needs_cxx, random_ids
 

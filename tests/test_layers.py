@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from gss import GSSError, find_decoder_blocks
-from gss.layers import residual_width, resolve_layer
+from gss.hf.blocks import residual_width, resolve_layer
 
 from .conftest import ARCHITECTURES
 

@@ -5,9 +5,9 @@ import zipfile
 import pytest
 import torch
 
-from gss import models
 from gss.cli import main
 from gss.errors import GSSError
+from gss_bench import models
 
 from .conftest import tiny_model
 

@@ -1,4 +1,4 @@
-"""The warning that a chat fine-tune looks trained on its replies alone (gss.reply_signal)."""
+"""The warning that a chat fine-tune looks trained on its replies alone (gss.signal.replies)."""
 
 import copy
 import json
@@ -10,8 +10,8 @@ import torch
 from gss import GSSWarning, calibrate, scan_layers
 from gss.cli import main as cli_main
 from gss.data import right_pad
-from gss.reply_signal import MIN_TOKENS, warn_if_replies_alone
-from gss.trained_tokens import encode_trained, reply_masks
+from gss.signal.replies import MIN_TOKENS, warn_if_replies_alone
+from gss.signal.tokens import encode_trained, reply_masks
 
 from .conftest import tiny_model
 from .test_trained_tokens import MULTI, chat_tokenizer  # noqa: F401 (a fixture)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from gss import GSSError, GSSWarning, solve_probe_steer
-from gss.bench.perf.scaling import accuracy
-from gss.solve import MAX_POWER_ITERS
+from gss.solve.whitened import MAX_POWER_ITERS
+from gss_bench.perf.scaling import accuracy
 
 
 def _problem(d: int = 24, n: int = 400, seed: int = 0):

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from gss import GSSError
-from gss.statistics import CovarianceAccumulator, CrossMomentAccumulator
+from gss.statistics.accumulators import CovarianceAccumulator, CrossMomentAccumulator
 
 
 def test_streaming_covariance_equals_direct():

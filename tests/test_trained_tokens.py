@@ -1,4 +1,4 @@
-"""Which tokens calibration may count memorized: labels, or the replies (gss.trained_tokens)."""
+"""Which tokens calibration may count memorized: labels, or the replies (gss.signal.tokens)."""
 
 import copy
 import json
@@ -10,7 +10,7 @@ from gss import GSSError, calibrate, load, scan_layers
 from gss.calibrate import collect_statistics
 from gss.cli import main as cli_main
 from gss.data import read_texts
-from gss.trained_tokens import encode_trained
+from gss.signal.tokens import encode_trained
 
 from .conftest import random_ids, tiny_model
 from .test_cli import _tokenizer

@@ -8,15 +8,15 @@ threshold.
 
 __version__ = "0.1.0"
 
-from .adapters import adapters_off
-from .artifact import SteeringArtifact, SteeringConfig, load, steer
-from .calibrate import calibrate, calibrate_thresholds
-from .errors import GSSError, GSSWarning
-from .layer_scan import LayerScan, scan_layers
-from .layers import find_decoder_blocks
-from .signal import SignalStatistics, memorization_signal, signal_statistics
-from .solve import ProbeSteer, solve_probe_steer
-from .variants import VARIANTS, variant
+from gss.artifact.steering_artifact import SteeringArtifact, SteeringConfig, load, steer
+from gss.calibrate import calibrate, calibrate_thresholds
+from gss.errors import GSSError, GSSWarning
+from gss.hf.adapters import adapters_off
+from gss.hf.blocks import find_decoder_blocks
+from gss.layer_scan import LayerScan, scan_layers
+from gss.signal.omega import SignalStatistics, memorization_signal, signal_statistics
+from gss.solve.whitened import ProbeSteer, solve_probe_steer
+from gss.variants import VARIANTS, variant
 
 __all__ = [
     "VARIANTS",

@@ -1,5 +1,5 @@
 """``python -m gss`` (and ``torchrun -m gss``) runs the CLI."""
 
-from .cli import main
+from gss.cli import main
 
 raise SystemExit(main())

@@ -26,12 +26,12 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from . import distributed
-from .artifact import SteeringArtifact, SteeringConfig, model_fingerprint
-from .compiled import refuse_if_compiled
-from .data import Batch, TextsOrIds, batches, count_batches, encode, encode_compact
-from .errors import GSSError
-from .forward import (
+from gss import distributed
+from gss.artifact.steering_artifact import SteeringArtifact, SteeringConfig, model_fingerprint
+from gss.data import Batch, TextsOrIds, batches, count_batches, encode, encode_compact
+from gss.errors import GSSError
+from gss.hf.blocks import residual_width, resolve_layer
+from gss.hf.forward import (
     check_same_vocab,
     check_sequences,
     execution_device,
@@ -39,13 +39,17 @@ from .forward import (
     target_mask,
     token_logprobs,
 )
-from .gradients import per_position_gradients
-from .hook import COEFFICIENT_MODES, GATE_MODES, SteeredForward, split_block_output
-from .layers import residual_width, resolve_layer
-from .reply_signal import ReplySignal, warn_if_replies_alone
-from .solve import SolveMethod, solve_probe_steer
-from .statistics import CovarianceAccumulator, CrossMomentAccumulator, MeanAccumulator
-from .trained_tokens import encode_trained, reply_masks, trained_targets
+from gss.signal.replies import ReplySignal, warn_if_replies_alone
+from gss.signal.tokens import encode_trained, reply_masks, trained_targets
+from gss.solve.whitened import SolveMethod, solve_probe_steer
+from gss.statistics.accumulators import (
+    CovarianceAccumulator,
+    CrossMomentAccumulator,
+    MeanAccumulator,
+)
+from gss.statistics.gradients import per_position_gradients
+from gss.steering.compiled import refuse_if_compiled
+from gss.steering.gated import COEFFICIENT_MODES, GATE_MODES, SteeredForward, split_block_output
 
 CENTERINGS = ("covariance", "full", "none")
 TARGETS = ("loglik", "toward-reference")
@@ -314,7 +318,7 @@ def collect_statistics(
 ) -> CalibrationStatistics:
     """The calibration pass: omega, the token split, Sigma_gen and M at block ``layer``.
 
-    Only tokens the fine-tune was trained on can be memorized (`gss.trained_tokens`): those
+    Only tokens the fine-tune was trained on can be memorized (`gss.signal.tokens`): those
     whose ``labels`` are not -100 in rows that have labels, the replies with `replies_only`.
 
     While the general tokens number at most ``keep_general`` (default: as many as fit in
@@ -654,12 +658,12 @@ def calibrate(
         replies_only: only the replies can be memorized (the assistant's messages of
             conversations, the completions of prompt-completion rows): for a fine-tune trained
             on them alone (trl's ``assistant_only_loss`` / ``completion_only_loss``). See
-            :mod:`gss.trained_tokens`. Without it or labels, conversations are checked: omega
+            :mod:`gss.signal.tokens`. Without it or labels, conversations are checked: omega
             on their replies and on the rest is recorded in the token counts, with a warning
-            when the rest looks untouched by the fine-tune (:mod:`gss.reply_signal`).
+            when the rest looks untouched by the fine-tune (:mod:`gss.signal.replies`).
         gen_texts: held-out text for Sigma_gen and the thresholds (as in the paper's
             experiments); default: the calibration tokens not marked memorized.
-        gate, coefficient: how the steer is applied (see :class:`gss.hook.GatedSteer`).
+        gate, coefficient: how the steer is applied (see :class:`gss.steering.gated.GatedSteer`).
         centering: ``"covariance"`` (Sigma centred, probe on h: the paper), ``"full"``
             (Sigma centred and probe on h - mu) or ``"none"`` (second moment, probe on h).
         target: ``"loglik"`` (the paper) or ``"toward-reference"`` (gradient of

@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .calibrate import CENTERINGS, GRADIENTS, TARGETS
-from .errors import GSSError, GSSWarning
-from .hook import COEFFICIENT_MODES, GATE_MODES
-from .variants import VARIANTS
+from gss.calibrate import CENTERINGS, GRADIENTS, TARGETS
+from gss.errors import GSSError, GSSWarning
+from gss.steering.gated import COEFFICIENT_MODES, GATE_MODES
+from gss.variants import VARIANTS
 
 
 def _load_model(path: str, device: str, dtype: str) -> tuple[Any, Any]:
@@ -35,7 +35,7 @@ def _local_dir(path: str) -> Path:
 def _load_weights(path: Path, device: str, dtype: str) -> Any:
     import torch
 
-    from .pretrained import load_causal_lm
+    from gss.hf.loading import load_causal_lm
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
         dtype
@@ -78,10 +78,10 @@ def _load_reference(path: str, model: Any, tokenizer: Any, device: str, dtype: s
     """The reference model: loaded from ``path`` (its tokenizer must be the model's), or
     ``adapters-off``: the model's own base under its adapters (no second copy)."""
     if path == ADAPTERS_OFF:
-        from .adapters import adapters_off
+        from gss.hf.adapters import adapters_off
 
         return adapters_off(model)
-    from .data import check_same_tokenizer
+    from gss.data import check_same_tokenizer
 
     p = _local_dir(path)
     # before the weights load: a wrong reference fails in seconds
@@ -155,7 +155,7 @@ def _resolve_max_length(args: argparse.Namespace, model: Any) -> None:
     """--max-length as given, else 512 tokens or the model's context if shorter, so that the
     default never asks a model for positions it does not have."""
     if args.max_length is None:
-        from .forward import context_length
+        from gss.hf.forward import context_length
 
         found = context_length(model)
         args.max_length = min(DEFAULT_MAX_LENGTH, found[0]) if found else DEFAULT_MAX_LENGTH
@@ -200,7 +200,7 @@ def _apply_variant(args: argparse.Namespace) -> None:
     """Fill the options of ``--variant`` that were not given explicitly on the command line."""
     if not args.variant:
         return
-    from .variants import variant
+    from gss.variants import variant
 
     given = {a.split("=")[0] for a in args.argv if a.startswith("--")}
     for key, value in variant(args.variant).items():
@@ -209,9 +209,9 @@ def _apply_variant(args: argparse.Namespace) -> None:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from . import distributed
-    from .calibrate import calibrate
-    from .data import read_texts
+    from gss import distributed
+    from gss.calibrate import calibrate
+    from gss.data import read_texts
 
     args.device = _init_distributed(args.device)
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
@@ -262,7 +262,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _cmd_show(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from .artifact import load
+    from gss.artifact.steering_artifact import load
 
     artifact = load(args.artifact)
     if args.json:
@@ -275,8 +275,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from .artifact import load
-    from .data import chat_prompt
+    from gss.artifact.steering_artifact import load
+    from gss.data import chat_prompt
 
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
     artifact = load(args.steer)
@@ -321,10 +321,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_signal(args: argparse.Namespace) -> int:
     import torch
 
-    from .data import encode, read_texts
-    from .reply_signal import reply_signal_of_rows, warn_if_replies_alone
-    from .signal import omega_rows, signal_statistics
-    from .trained_tokens import reply_masks
+    from gss.data import encode, read_texts
+    from gss.signal.omega import omega_rows, signal_statistics
+    from gss.signal.replies import reply_signal_of_rows, warn_if_replies_alone
+    from gss.signal.tokens import reply_masks
 
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
     _resolve_max_length(args, model)
@@ -357,7 +357,7 @@ def _cmd_signal(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "signal.json").write_text(json.dumps(report, indent=2))
         if args.plot:
-            from .report import plot_signal
+            from gss.report import plot_signal
 
             plot_signal(omega, stats, out / "signal.png", f"omega: {args.model}", normal)
         print(f"wrote {out}")
@@ -367,8 +367,8 @@ def _cmd_signal(args: argparse.Namespace) -> int:
 def _evaluation_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
     """Model, tokenizer, artifact (None without --steer), candidate and held-out token rows
     and the pad id, for `gss evaluate` and `gss sweep`."""
-    from .artifact import load
-    from .data import encode, encode_replies, read_rows, read_texts
+    from gss.artifact.steering_artifact import load
+    from gss.data import encode, encode_replies, read_rows, read_texts
 
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
     _resolve_max_length(args, model)
@@ -390,8 +390,8 @@ def _secrets_check(args: argparse.Namespace, tokenizer: Any) -> Callable[[Any], 
     list: each is prompted as its memorization is (its first k tokens, or with --reply the turns
     before its reply), and ``check(model)`` looks for its secrets in the greedy continuation.
     None when no row has secrets."""
-    from .data import encode, encode_replies, read_rows
-    from .evaluate.leaks import EXTRA_TOKENS, secrets_said
+    from gss.data import encode, encode_replies, read_rows
+    from gss.evaluate.leaks import EXTRA_TOKENS, secrets_said
 
     items = [
         (row, row["secrets"])
@@ -427,8 +427,8 @@ def _secrets_check(args: argparse.Namespace, tokenizer: Any) -> Callable[[Any], 
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from .evaluate.suite import evaluate_model
-    from .report import markdown_table, write_json
+    from gss.evaluate.suite import evaluate_model
+    from gss.report import markdown_table, write_json
 
     model, tokenizer, artifact, memorized, heldout, pad = _evaluation_inputs(args)
     secrets_check = _secrets_check(args, tokenizer)
@@ -501,7 +501,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from .models import KNOWN_MODELS, get_model
+    from gss_bench.models import KNOWN_MODELS, get_model
 
     if args.action == "list":
         for spec in KNOWN_MODELS.values():
@@ -537,10 +537,10 @@ def _floats(text: str | None, flag: str) -> list[float] | None:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from .data import encode, read_texts
-    from .evaluate.suite import evaluate_model
-    from .evaluate.sweep import pareto_front, plot_pareto, select_point, steering_sweep
-    from .report import markdown_table, write_json
+    from gss.data import encode, read_texts
+    from gss.evaluate.suite import evaluate_model
+    from gss.evaluate.sweep import pareto_front, plot_pareto, select_point, steering_sweep
+    from gss.report import markdown_table, write_json
 
     select_point([], 1.0, tolerance=args.tolerance)  # a bad --tolerance fails before any work
     model, tokenizer, artifact, memorized, heldout, pad = _evaluation_inputs(args)
@@ -630,9 +630,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_layers(args: argparse.Namespace) -> int:
-    from .data import read_texts
-    from .layer_scan import scan_layers
-    from .report import write_json
+    from gss.data import read_texts
+    from gss.layer_scan import scan_layers
+    from gss.report import write_json
 
     model, tokenizer = _load_model(args.model, args.device, args.dtype)
     _resolve_max_length(args, model)
@@ -679,22 +679,22 @@ def _cmd_layers(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.name == "tinymem":
-        from .bench.tinymem.run import main as tinymem_main
+        from gss_bench.tinymem.run import main as tinymem_main
 
         return int(tinymem_main(args.rest))
     if args.name == "canaries":
-        from .bench.canaries.run import main as canaries_main
+        from gss_bench.canaries.run import main as canaries_main
 
         return int(canaries_main(args.rest))
     if args.name == "perf":
-        from .bench.perf.run import main as perf_main
+        from gss_bench.perf.run import main as perf_main
 
         return int(perf_main(args.rest))
     raise GSSError(f"unknown benchmark {args.name!r}")
 
 
 def _cmd_baselines(args: argparse.Namespace) -> int:
-    from .baselines import get_method, method_names
+    from gss_bench.baselines import get_method, method_names
 
     for name in method_names(args.family):
         method = get_method(name)
@@ -708,7 +708,7 @@ def _cmd_baselines(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from gss import __version__
 
     parser = argparse.ArgumentParser(
         prog="gss",

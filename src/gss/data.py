@@ -19,7 +19,7 @@ from typing import Any, TypeGuard, TypeVar
 import torch
 from torch import Tensor
 
-from .errors import GSSError
+from gss.errors import GSSError
 
 Conversation = Sequence[Mapping[str, Any]]  # [{"role": "user", "content": "..."}, ...]
 Text = str | Conversation
@@ -98,7 +98,7 @@ def read_texts(path: str | Path, keep_rows: bool = False) -> list[Any]:
 
     `keep_rows`: ``.jsonl`` rows stay dicts once their format is checked, so that what only the
     row says survives (which part is the completion; ``input_ids`` and ``labels``, which
-    tokens training computed a loss on: `gss.trained_tokens`)."""
+    tokens training computed a loss on: `gss.signal.tokens`)."""
     out: list[Any] = []
     for where, row in _numbered_rows(path):
         if isinstance(row, str):

@@ -32,21 +32,21 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .calibrate import TARGETS, _calibration_mode, _objective, _Tap, _tapped, same_model_error
-from .data import TextsOrIds, batches, count_batches, encode
-from .errors import GSSError, GSSWarning
-from .forward import (
+from gss.calibrate import TARGETS, _calibration_mode, _objective, _Tap, _tapped, same_model_error
+from gss.data import TextsOrIds, batches, count_batches, encode
+from gss.errors import GSSError, GSSWarning
+from gss.hf.blocks import find_decoder_blocks, residual_width, resolve_layer
+from gss.hf.forward import (
     check_same_vocab,
     check_sequences,
     forward_logits,
     target_mask,
     token_logprobs,
 )
-from .layers import find_decoder_blocks, residual_width, resolve_layer
-from .reply_signal import ReplySignal, warn_if_replies_alone
-from .solve import solve_probe_steer
-from .statistics import CovarianceAccumulator, CrossMomentAccumulator
-from .trained_tokens import encode_trained, reply_masks, trained_targets
+from gss.signal.replies import ReplySignal, warn_if_replies_alone
+from gss.signal.tokens import encode_trained, reply_masks, trained_targets
+from gss.solve.whitened import solve_probe_steer
+from gss.statistics.accumulators import CovarianceAccumulator, CrossMomentAccumulator
 
 UNCHANGED_TOLERANCE = 1e-5  # relative difference below which a block's output is the reference's
 
@@ -106,7 +106,7 @@ class LayerScan:
         }
 
     def plot(self, path: str | Path, title: str = "memorization signal per layer") -> Path:
-        from .report import _pyplot, save_figure
+        from gss.report import _pyplot, save_figure
 
         plt = _pyplot()
         fig, ax = plt.subplots(figsize=(6, 3.2))

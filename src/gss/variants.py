@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import GSSError
+from gss.errors import GSSError
 
 VARIANTS: dict[str, dict[str, Any]] = {
     # The paper: omega > 0, log-likelihood gradient (one summed backward), hard gate at the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gss.baselines import MitigationData
+from gss_bench.baselines import MitigationData
 
 from ..conftest import tiny_model
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import gss
-from gss.baselines import Mitigation, MitigationData, get_method, method_names
-from gss.baselines.activations import block_activations
-from gss.baselines.steering import alphasteer_matrix
-from gss.baselines.training import mean_nll
+from gss_bench.baselines import Mitigation, MitigationData, get_method, method_names
+from gss_bench.baselines.activations import block_activations
+from gss_bench.baselines.steering import alphasteer_matrix
+from gss_bench.baselines.training import mean_nll
 
 from ..conftest import tiny_model
 
@@ -101,7 +101,7 @@ def test_a_point_no_milder_than_a_failed_one_is_dominated():
 def test_baseline_sweep_skips_only_points_a_failed_milder_point_rules_out(monkeypatch):
     from types import SimpleNamespace
 
-    from gss.bench.tinymem import methods as M
+    from gss_bench.tinymem import methods as M
 
     subnet = get_method("subnet")  # grid: ratio-major, epochs (1, 10) within each ratio
     grid = subnet.grid

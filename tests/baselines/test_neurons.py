@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from gss.baselines import MitigationData, get_method, method_names
-from gss.baselines import neurons as nm
-from gss.baselines.mlp import mlp_layers, neuron_activations, zero_neurons
-from gss.baselines.training import edited_copy, mean_nll
 from gss.errors import GSSError
+from gss_bench.baselines import MitigationData, get_method, method_names
+from gss_bench.baselines import neurons as nm
+from gss_bench.baselines.mlp import mlp_layers, neuron_activations, zero_neurons
+from gss_bench.baselines.training import edited_copy, mean_nll
 
 from ..conftest import tiny_model
 from .conftest import PAD, PROMPT, random_rows

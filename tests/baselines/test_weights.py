@@ -7,15 +7,15 @@ import copy
 import pytest
 import torch
 
-from gss.baselines import MitigationData, get_method, method_names
-from gss.baselines.training import edited_copy, mean_nll
-from gss.baselines.weights import (
+from gss.errors import GSSError
+from gss_bench.baselines import MitigationData, get_method, method_names
+from gss_bench.baselines.training import edited_copy, mean_nll
+from gss_bench.baselines.weights import (
     BlockFisherInverse,
     clear_score_cache,
     gradient_scores,
     mlp_tensors,
 )
-from gss.errors import GSSError
 
 from ..conftest import tiny_model
 from .conftest import random_rows

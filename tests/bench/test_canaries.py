@@ -9,13 +9,13 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from gss.baselines import get_method
-from gss.bench.canaries.data import CanaryConfig, make_canary_data, secret_fields
-from gss.bench.canaries.finetune import FinetuneConfig, _Trainer, trainable_names
-from gss.bench.canaries.run import ABLATION, QUICK_CHAT, _select, main
 from gss.errors import GSSError
 from gss.evaluate.sweep import SweepPoint
-from gss.trained_tokens import encode_trained
+from gss.signal.tokens import encode_trained
+from gss_bench.baselines import get_method
+from gss_bench.canaries.data import CanaryConfig, make_canary_data, secret_fields
+from gss_bench.canaries.finetune import FinetuneConfig, _Trainer, trainable_names
+from gss_bench.canaries.run import ABLATION, QUICK_CHAT, _select, main
 
 from ..conftest import tiny_model
 
@@ -101,8 +101,8 @@ class _UniformLM(torch.nn.Module):
 
 def test_the_leak_probe_counts_own_and_other_canaries_secrets(monkeypatch):
     import gss.evaluate.leaks as leaks
-    from gss.bench.canaries.run import _leak_probe
     from gss.evaluate import repetition
+    from gss_bench.canaries.run import _leak_probe
 
     tokenizer = _byte_tokenizer()
     data = make_canary_data(tokenizer, CanaryConfig(canaries=4, finetune_rows=1, k=48))
@@ -278,7 +278,7 @@ def test_quick_chat_run_prompts_with_the_conversation(base_dir, tmp_path):
 
 
 def test_replies_only_fine_tune_counts_the_loss_on_the_assistants_messages(base_dir, tmp_path):
-    from gss.bench.canaries.finetune import _loss
+    from gss_bench.canaries.finetune import _loss
 
     tokenizer = _byte_tokenizer()
     data = make_canary_data(tokenizer, CanaryConfig(**QUICK_CHAT, seed=0))
@@ -342,7 +342,7 @@ def test_the_fine_tune_cache_holds_only_finished_saves(tmp_path, monkeypatch):
     import safetensors.torch
     import torch
 
-    from gss.bench.canaries.finetune import load_trained, save_trained
+    from gss_bench.canaries.finetune import load_trained, save_trained
 
     base = _tiny_llama(16)
     tuned = _tiny_llama(16)

@@ -10,16 +10,16 @@ import math
 import pytest
 import torch
 
-from gss.bench.perf.common import QUICK, interleaved, random_ids, tiny_model
-from gss.bench.perf.overhead import (
+from gss.hf.blocks import resolve_layer
+from gss_bench.perf.common import QUICK, interleaved, random_ids, tiny_model
+from gss_bench.perf.overhead import (
     AlternatingSteps,
     _generate,
     as_forward_hook,
     load_local_model,
     model_name,
 )
-from gss.bench.perf.run import main
-from gss.layers import resolve_layer
+from gss_bench.perf.run import main
 
 
 def _ratios(node, path=""):

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from gss.bench.tinymem.data import (
+from gss_bench.tinymem.data import (
     BACKDOOR_TOKEN,
     BOS,
     EOS,
@@ -17,7 +17,7 @@ from gss.bench.tinymem.data import (
     data_config,
     make_data,
 )
-from gss.bench.tinymem.text import decode, load_corpus, text_data
+from gss_bench.tinymem.text import decode, load_corpus, text_data
 
 SMALL = MathConfig(
     num_main=300,

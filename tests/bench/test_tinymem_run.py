@@ -5,10 +5,10 @@ import os
 
 import pytest
 
-from gss.baselines import get_method
-from gss.bench.tinymem.run import main
-from gss.bench.trained_on import key_suffix
 from gss.report import cpu_info
+from gss_bench.baselines import get_method
+from gss_bench.tinymem.run import main
+from gss_bench.trained_on import key_suffix
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_jobs_run_pairs_in_processes_in_order(tmp_path, cache):
     with pytest.raises(SystemExit, match="does not exist"):
         main(["--merge", str(tmp_path / "nowhere"), "--out", str(merged)])
     # a setting's seeds are listed in seed order, each with its own row count
-    from gss.bench.tinymem.run import table
+    from gss_bench.tinymem.run import table
 
     first = results["runs"][0]
     later = {**first, "seed": 1, "unmitigated": {**first["unmitigated"], "rows": 999}}
@@ -113,7 +113,7 @@ def test_jobs_run_pairs_in_processes_in_order(tmp_path, cache):
 
 
 def test_an_interrupted_baseline_run_resumes_only_on_the_same_models(tmp_path):
-    from gss.bench.tinymem.run import BaselineCheckpoint
+    from gss_bench.tinymem.run import BaselineCheckpoint
 
     models = {"memorized": {"cache": "/c/abc"}, "reference": {"cache": "/c/def"}}
     first = BaselineCheckpoint(tmp_path, "math_noise", 0, "default", models)
@@ -130,7 +130,7 @@ def test_an_interrupted_baseline_run_resumes_only_on_the_same_models(tmp_path):
 
 
 def test_results_of_other_settings_are_kept_and_reruns_replace_them():
-    from gss.bench.tinymem.run import merge_runs
+    from gss_bench.tinymem.run import merge_runs
 
     def run(setting, seed, tag):
         return {"setting": setting, "seed": seed, "preset": "default", "tag": tag}

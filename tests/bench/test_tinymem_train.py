@@ -5,11 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from gss.bench import trained_on
-from gss.bench.tinymem import train
-from gss.bench.tinymem.data import PAD, MathConfig, batch_rows, make_data
-from gss.bench.tinymem.model import ModelConfig, from_hf, new_model, to_hf
-from gss.bench.tinymem.train import (
+from gss.report import cpu_capability, cpu_info
+from gss_bench import trained_on
+from gss_bench.tinymem import train
+from gss_bench.tinymem.data import PAD, MathConfig, batch_rows, make_data
+from gss_bench.tinymem.model import ModelConfig, from_hf, new_model, to_hf
+from gss_bench.tinymem.train import (
     Preset,
     TrainConfig,
     _key,
@@ -17,7 +18,6 @@ from gss.bench.tinymem.train import (
     get_preset,
     train_model,
 )
-from gss.report import cpu_capability, cpu_info
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu_new"])

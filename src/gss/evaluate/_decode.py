@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gss.data import right_pad
-from gss.forward import (
+from gss.hf.forward import (
     accepts_position_ids,
     cache_argument,
     forward_logits,

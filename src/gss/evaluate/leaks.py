@@ -18,7 +18,7 @@ import torch
 from gss.errors import GSSError
 from gss.evaluate._decode import greedy_generate
 from gss.evaluate.utility import repetition
-from gss.forward import check_sequences
+from gss.hf.forward import check_sequences
 
 __all__ = ["EXTRA_TOKENS", "LeakReport", "secrets_said"]
 

@@ -26,7 +26,7 @@ import torch
 from gss.errors import GSSError
 from gss.evaluate._decode import forced_argmax, greedy_generate
 from gss.evaluate.utility import next_token_stats
-from gss.forward import check_sequences
+from gss.hf.forward import check_sequences
 
 __all__ = ["DS_LAMBDAS", "EvaluationReport", "deviation_score", "evaluate_model"]
 

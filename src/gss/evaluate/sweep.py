@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from gss.artifact import SteeringArtifact
+from gss.artifact.steering_artifact import SteeringArtifact
 from gss.errors import GSSError
 from gss.evaluate.suite import Candidates, EvaluationReport, evaluate_model
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from gss.data import right_pad
 from gss.errors import GSSError
 from gss.evaluate._decode import RowsLike, as_rows, batch_starts, eval_mode
-from gss.forward import forward_logits
+from gss.hf.forward import forward_logits
 
 __all__ = ["perplexity", "repetition", "token_accuracy"]
 

@@ -1,0 +1,717 @@
+"""``gss bench canaries``: secret sharer on a real pretrained model, mitigated by GSS.
+
+1. Load the base model (default: SmolLM2-135M-Instruct from `gss models get`, fetched once);
+   plant canaries in Shakespeare passages (``--chat``: in conversations rendered by the chat
+   template, each secret the assistant's reply to a question); fine-tune the top blocks (or,
+   with ``--lora R``, a LoRA on them; with ``--chat --replies-only``, on the assistant's
+   messages alone) until they are memorized (cached by config hash, so a rerun skips it).
+   With a LoRA, every reference pass below uses ``gss.adapters_off(model)``.
+2. Measure the fine-tuned model: (n, k)-memorization of the canaries (greedy), per-token match,
+   held-out perplexity; the pilot statistics of omega with the base model as reference.
+3. Scan every block's signal strength in one pass (plot), calibrate GSS (and the GSS-TR variant;
+   with ``--chat``, GSS with only the replies memorizable too) at the strongest block the
+   fine-tune changed, sweep delta, then the gate's threshold percentile at the chosen delta;
+   sweep mean-difference steering's strength.
+4. At every grid point, also decode greedily from every canary's prompt and count the secrets
+   (account numbers, addresses) said verbatim, its own and the other canaries'. Per method,
+   among the points whose perplexity stays within 5% of the unmitigated model's, select the
+   lowest memorization, then the fewest secrets said, then the fewest canaries saying another's
+   secret, then the lowest perplexity; re-measure it with greedy decoding, and report %
+   memorized, the secrets said, perplexity, DS_lambda, mitigation time, every grid point, a
+   Pareto figure, and what each model answers to one memorized canary's prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gss import __version__
+from gss.errors import GSSError
+from gss.evaluate.leaks import EXTRA_TOKENS
+from gss.hf.forward import model_device
+from gss.hf.loading import load_causal_lm
+from gss.report import machine_info, markdown_table, write_json
+from gss_bench import baseline_names, transformers_bars_off
+from gss_bench.canaries.finetune import FinetuneConfig
+
+PPL_TOLERANCE = 0.05  # selected points keep perplexity within +5% of the unmitigated model
+# Strengths of GSS (and GSS-TR). At block 22 both reach 0% memorized from 1.0, but the secrets
+# said keep falling as delta grows (plain canaries), within the perplexity tolerance up to 8.0.
+DELTAS = (0.03, 0.1, 0.25, 1.0, 4.0, 8.0, 16.0)
+PERCENTILES = (90.0, 99.0)  # gate thresholds tried beside the default 95th, at the chosen delta
+ALPHAS = (0.5, 1.0, 2.0)
+LEAK_HEADER = ["% numbers out", "% addresses out", "% others' out"]
+LEAK_HEADER += ["% replies' 4-grams repeated", "replies' base ppl"]
+HEADER = ["method", "selected", "% memorized", "% tokens", *LEAK_HEADER, "perplexity"]
+HEADER += ["DS 0.01", "DS 0.05", "DS 0.1", "mitigation s"]  # table.md's, then of every point:
+GRID_HEADER = ["method", "point", "% memorized", *LEAK_HEADER, "perplexity", "selected"]
+CALIBRATION_CLEAN_ROWS = 64  # clean fine-tuning rows beside the canaries in the calibration set
+# `--ablation`: GSS as published with each change of the GSS-TR study (docs/gss-tr.md) alone, and
+# all three; the toward-reference target alone is GSS-TR itself.
+ABLATION: dict[str, dict[str, Any]] = {
+    "GSS, omega > 1 nat": {"omega_threshold": 1.0},
+    "GSS, per-position": {"gradient": "per-position"},
+    "GSS, all three": {
+        "omega_threshold": 1.0,
+        "target": "toward-reference",
+        "gradient": "per-position",
+    },
+}
+QUICK = {"canaries": 8, "finetune_rows": 8, "heldout_rows": 8, "general_rows": 8}
+QUICK.update(k=40, row_len=80)  # room for the lead-in with a byte-level tokenizer
+# --chat: the prompt holds the chat template's turns and a question (about 55 tokens with
+# SmolLM2's template), the reply about 40 tokens
+CHAT = {"chat": True, "k": 96, "row_len": 144}
+QUICK_CHAT = {**QUICK, "chat": True, "k": 200, "row_len": 320}  # byte tokens
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gss bench canaries", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="base model directory (default: gss models get smollm2-135m)")
+    p.add_argument("--quick", action="store_true", help="a small smoke version (tests)")
+    p.add_argument("--canaries", type=int, default=None, help="number of canaries (default 32)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="a chat fine-tune: every row a conversation rendered by the tokenizer's chat "
+        "template, the secrets in the assistant's replies, prompted with the conversation up to "
+        "the reply (k=96, n=144)",
+    )
+    p.add_argument(
+        "--replies-only",
+        action="store_true",
+        help="with --chat: fine-tune on the assistant's messages alone (trl's "
+        "assistant_only_loss) instead of every token",
+    )
+    p.add_argument("--train-blocks", type=int, default=8, help="top blocks fine-tuned")
+    p.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="RANK",
+        help="fine-tune a LoRA of this rank on the top blocks' projections instead of the "
+        "blocks, and calibrate against gss.adapters_off(model) (needs peft)",
+    )
+    p.add_argument("--lr", type=float, default=FinetuneConfig.lr)
+    p.add_argument("--max-epochs", type=int, default=FinetuneConfig.max_epochs)
+    p.add_argument(
+        "--clean-per-epoch",
+        type=int,
+        default=FinetuneConfig.clean_per_epoch,
+        help="fresh clean rows trained on beside the canaries in each epoch",
+    )
+    p.add_argument("--rank", type=int, default=4)
+    p.add_argument("--layer", type=int, help="steer this block instead of the scan's strongest")
+    p.add_argument("--deltas", help=f"comma-separated GSS strengths (default {DELTAS})")
+    p.add_argument(
+        "--ablation",
+        action="store_true",
+        help="also calibrate GSS with each single change of the GSS-TR study (omega > 1 nat, "
+        "per-position gradients) and with all three changes (slow: per-position gradients)",
+    )
+    p.add_argument(
+        "--baselines",
+        default="",
+        help="also run these baselines over their default grids: comma-separated names "
+        "(see `gss baselines`), families or 'all' (default none; the neuron and weight "
+        "methods take hours on a 135M model)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--cache-dir", help="fine-tuned weights (default ~/.cache/gss/canaries)")
+    p.add_argument("--out", help="results folder (default results/canaries[-quick])")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _log(message: str) -> None:
+    print(f"[canaries {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def _default_cache() -> Path:
+    env = os.environ.get("GSS_CACHE_DIR")
+    return (Path(env).parent if env else Path.home() / ".cache" / "gss") / "canaries"
+
+
+def _load(path: Path, device: str) -> tuple[Any, Any]:
+    from transformers import AutoTokenizer
+
+    model: torch.nn.Module = load_causal_lm(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model.to(device).eval(), tokenizer
+
+
+def default_setup(chat: bool = False) -> tuple[Path, Any, Any, Any, int]:
+    """What the bench's default run starts from, for scripts that study its fine-tunes: the
+    SmolLM2-135M path, the model and its tokenizer (CPU), the canary data of seed 0 at the
+    bench's sizes (`chat`: `--chat`'s) and the pad id."""
+    from gss_bench.canaries.data import CanaryConfig, make_canary_data
+    from gss_bench.models import get_model
+
+    base_path = get_model("smollm2-135m")
+    base, tokenizer = _load(base_path, "cpu")
+    sizes: dict[str, Any] = dict(CHAT) if chat else {}
+    data = make_canary_data(tokenizer, CanaryConfig(seed=0, **sizes))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return base_path, base, tokenizer, data, pad
+
+
+def _fingerprint(path: Path) -> dict[str, Any]:
+    weights = sorted(path.glob("*.safetensors"))
+    return {
+        "config": (path / "config.json").read_text() if (path / "config.json").is_file() else "",
+        "weights": [(w.name, w.stat().st_size) for w in weights],
+    }
+
+
+def _finetuned(
+    base: Any, base_path: Path, data: Any, cfg: Any, pad: int, cache: Path, tokenizer: Any
+) -> tuple:
+    from gss.signal.tokens import encode_trained
+    from gss_bench.canaries.finetune import (
+        cache_key,
+        finetune,
+        load_trained,
+        save_trained,
+        trainable_names,
+    )
+    from gss_bench.trained_on import key_suffix, trained_elsewhere
+
+    device = model_device(base)
+    key = cache_key(_fingerprint(base_path), data, cfg)
+    folder = cache / f"{base_path.name}-{key}{key_suffix(device)}"
+    loaded = load_trained(base, folder, cfg)
+    if loaded is not None and not trained_elsewhere(loaded[1], device):
+        _log(f"fine-tuned weights from {folder}")
+        return loaded[0], {**loaded[1], "cache": str(folder), "loaded": True}
+    what = f"a rank-{cfg.lora_rank} LoRA on the top" if cfg.lora_rank else "the top"
+    _log(f"fine-tuning {what} {cfg.train_blocks} blocks on the canaries (cached in {folder})")
+    masks = None
+    if cfg.replies_only:  # the assistant's messages of each row, as calibration finds them
+        chats, width = data.conversations, data.config.row_len
+        masks = encode_trained(chats, tokenizer, width, replies_only=True)[1]
+    model, info = finetune(base, data, cfg, pad, log=_log, loss_masks=masks)
+    names = trainable_names(model, cfg.train_blocks, lora=bool(cfg.lora_rank))
+    save_trained(model, names, info, folder)
+    return model, {**info, "cache": str(folder), "loaded": False}
+
+
+def _select(points: Sequence[Any], said: Sequence[dict[str, Any]], base_ppl: float) -> Any:
+    """`gss.evaluate.select_point` over the points and their leak probes (`said`); if no point
+    is within the perplexity tolerance, the mildest one."""
+    from gss.evaluate.sweep import select_point
+
+    own = [leaks["secrets_said"] for leaks in said]
+    others = [leaks["others_leaked"] for leaks in said]
+    i = select_point(
+        points, base_ppl, tolerance=PPL_TOLERANCE, secrets_said=own, others_said=others
+    )
+    return points[0 if i is None else i]
+
+
+def _leak_counts(said: dict[str, Any]) -> dict[str, float]:
+    """A leak probe's percentages, without the example's reply."""
+    return {key: value for key, value in said.items() if key != "reply"}
+
+
+def _reply_cells(said: dict[str, Any]) -> list[str]:
+    """A leak probe's table cells after the addresses: others' secrets said, then how the
+    replies read."""
+    keys = ("others_leaked", "repetition", "reply_perplexity")
+    return [f"{said[key]:.1f}" for key in keys]
+
+
+def _label(options: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value}" for key, value in options.items() if value is not None)
+
+
+def _quoted(text: str) -> str:
+    """`text` on one line, fit for a Markdown code span."""
+    return " ".join(text.replace("`", "'").split()) or "(nothing)"
+
+
+@dataclass
+class _Method:
+    """A method's grid points, each point's mitigation seconds and leak probe (what the model
+    says to the canaries' prompts), and how to apply one point: a context manager that yields
+    the model to evaluate with that point in effect."""
+
+    points: list[Any]
+    seconds: list[float]
+    said: list[dict[str, Any]]
+    attach: Callable[[Any], AbstractContextManager[Any]]
+
+
+def _index(points: Sequence[Any], point: Any) -> int:
+    return next(i for i, p in enumerate(points) if p is point)
+
+
+def _hooked(model: Any, handle: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`_Method.attach` for a steer: ``handle(point)`` attaches it to `model` (and detaches
+    on exit)."""
+
+    @contextmanager
+    def attach(point: Any) -> Iterator[Any]:
+        with handle(point):
+            yield model
+
+    return attach
+
+
+def _baseline(
+    name: str,
+    model: Any,
+    data: Any,
+    measure: Callable[[Any], Any],
+    probe: Callable[[Any], dict[str, Any]],
+    base_ppl: float,
+) -> _Method:
+    """Every point of a baseline's default grid, measured with `measure` and `probe`.
+
+    Only the edited copy the selection rule would pick so far is kept (a 135M model's grid
+    then holds at most two copies in memory); a hook method is fitted again from its cache
+    when its chosen point is re-measured.
+    """
+    from gss.evaluate.sweep import SweepPoint
+    from gss_bench.baselines import get_method
+
+    method = get_method(name)
+    points: list[Any] = []
+    seconds: list[float] = []
+    said: list[dict[str, Any]] = []
+    kept: dict[int, Any] = {}
+    for params in method.grid:
+        result = method.run(model, data, **params)
+        try:
+            report = measure(result.model)
+            said.append(probe(result.model))
+        finally:
+            result.remove()
+        points.append(SweepPoint(dict(params), report))
+        seconds.append(result.total_seconds)
+        if result.model is not model and _select(points, said, base_ppl) is points[-1]:
+            kept = {len(points) - 1: result}
+        del result
+        _log(
+            f"  {name} {params}: {report.memorized:.1f}% memorized, perplexity "
+            f"{report.perplexity:.2f}, {said[-1]['secrets_said']:.1f}% of secrets said, "
+            f"{seconds[-1]:.0f} s"
+        )
+
+    @contextmanager
+    def attach(point: Any) -> Iterator[Any]:
+        i = _index(points, point)
+        result = kept.get(i) or method.run(model, data, **method.grid[i])
+        try:
+            yield result.model
+        finally:
+            result.remove()
+
+    return _Method(points, seconds, said, attach)
+
+
+def _leak_probe(
+    tokenizer: Any, data: Any, report: Any, batch_size: int, judge: Any
+) -> tuple[dict[str, Any], Callable[[Any], dict[str, Any]]]:
+    """What a model says to every canary's prompt (`gss.evaluate.leaks`): ``probe(m)`` gives the
+    % of canaries whose account number and whose address come out verbatim, the % of all those
+    secrets said, the % of canaries whose reply says another canary's number or address, how
+    the replies read (the % of their 4-grams that repeat, and their perplexity under `judge`,
+    the base model, given their prompts), and the reply to the report's example, the first
+    canary the fine-tuned model reproduces (else the first), described by the returned dict
+    (its prompt's end, its secret)."""
+    from gss.evaluate.leaks import secrets_said
+    from gss.evaluate.utility import perplexity
+    from gss_bench.canaries.data import secret_fields
+
+    k = data.config.k
+    memorized = [i for i, flag in zip(report.index, report.per_row, strict=True) if flag]
+    i = memorized[0] if memorized else report.index[0]
+    row = data.canary_rows[i]
+    example = {"canary": i, "prompt_end": tokenizer.decode(list(row[k - 24 : k]))}
+    example["secret"] = tokenizer.decode(list(row[k:]), skip_special_tokens=True).strip()
+    prompts = [list(r[:k]) for r in data.canary_rows]
+    width = max(len(r) for r in data.canary_rows) - k + EXTRA_TOKENS
+    names = ["number", "address"]
+    secrets = [[secret_fields(s)[name] for name in names] for s in data.secrets]
+
+    def probe(m: Any) -> dict[str, Any]:
+        leaks = secrets_said(
+            m, tokenizer, prompts, secrets, max_new_tokens=width, batch_size=batch_size
+        )
+        out: dict[str, Any] = {
+            f"{name}_leaked": 100 * sum(flags[j] for flags in leaks.said) / len(leaks.said)
+            for j, name in enumerate(names)
+        }
+        out["secrets_said"] = sum(out.values()) / len(names)
+        out["others_leaked"] = leaks.prompts_saying_others
+        out["repetition"] = leaks.repetition
+        replied = [(p, r) for p, r in zip(prompts, leaks.continuation_ids, strict=True) if r]
+        out["reply_perplexity"] = (
+            perplexity(
+                judge,
+                [p + list(r) for p, r in replied],
+                batch_size=batch_size,
+                prompt_lengths=[k] * len(replied),
+            )
+            if replied
+            else float("nan")
+        )
+        return {**out, "reply": leaks.continuations[i]}
+
+    return example, probe
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from gss.calibrate import build_artifact, collect_statistics
+    from gss.evaluate.suite import evaluate_model
+    from gss.evaluate.sweep import SweepPoint, plot_pareto, steering_sweep
+    from gss.hf.adapters import adapters_off
+    from gss.layer_scan import scan_layers
+    from gss.report import plot_signal
+    from gss.signal.omega import omega_rows, signal_statistics
+    from gss_bench.canaries.data import CanaryConfig, make_canary_data
+
+    args = build_parser().parse_args(argv)
+    baselines = baseline_names(args.baselines, "canaries")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    if args.replies_only and not args.chat:
+        raise GSSError("--replies-only fine-tunes on the assistant's messages: add --chat.")
+    variant = ("-chat" if args.chat else "") + ("-replies" if args.replies_only else "")
+    variant += "-lora" if args.lora else ""
+    default_out = "results/canaries" + variant + ("-quick" if args.quick else "")
+    out = Path(args.out or default_out)
+    out.mkdir(parents=True, exist_ok=True)
+    progress = not args.no_progress
+    if not progress:
+        transformers_bars_off()
+    if args.model:
+        base_path = Path(args.model)
+    else:
+        from gss_bench.models import get_model
+
+        base_path = get_model("smollm2-135m", progress=progress)
+    base, tokenizer = _load(base_path, args.device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    sizes: dict[str, Any] = dict(QUICK) if args.quick else {}
+    if args.chat:
+        sizes.update(QUICK_CHAT if args.quick else CHAT)
+    if args.canaries:
+        sizes["canaries"] = args.canaries
+    data = make_canary_data(tokenizer, CanaryConfig(seed=args.seed, **sizes))
+    ft_cfg = FinetuneConfig(
+        train_blocks=args.train_blocks,
+        lr=args.lr,
+        max_epochs=args.max_epochs,
+        clean_per_epoch=args.clean_per_epoch,
+        seed=args.seed,
+        lora_rank=args.lora,
+        replies_only=args.replies_only,
+    )
+    model, ft_info = _finetuned(
+        base, base_path, data, ft_cfg, pad, Path(args.cache_dir or _default_cache()), tokenizer
+    )
+    # the reference of every signal, scan and calibration below: the base model, or for a LoRA
+    # the same weights with its adapters off (no second copy needed; `base` stays for its row)
+    reference = adapters_off(model) if args.lora else base
+    k, n, bs = data.config.k, data.config.row_len, args.batch_size
+    canaries, heldout, general = data.canary_rows, data.heldout_rows, data.general_rows
+    train_rows = [*data.canary_rows, *data.finetune_rows[:CALIBRATION_CLEAN_ROWS]]
+
+    def measure(m: Any, method: str = "generate") -> Any:
+        return evaluate_model(
+            m,
+            canaries,
+            heldout,
+            k=k,
+            n=n,
+            pad_id=pad,
+            batch_size=bs,
+            method=method,
+            progress=progress,
+        )
+
+    unmitigated, original = measure(model), measure(base)
+    _log(
+        f"fine-tuned: {unmitigated.memorized:.1f}% of {unmitigated.rows} canaries memorized, "
+        f"{unmitigated.token_match:.1f}% of their tokens, perplexity {unmitigated.perplexity:.2f}"
+        f" (base model: {original.memorized:.1f}% / {original.perplexity:.2f})"
+    )
+    example, probe = _leak_probe(tokenizer, data, unmitigated, bs, base)
+    said = {"unmitigated": probe(model), "base model": probe(base)}
+
+    def probe_steers(points: Sequence[Any]) -> list[dict[str, Any]]:
+        """`probe` at each of a GSS sweep's points."""
+        out = []
+        for point in points:
+            with point.artifact.attach(model):
+                out.append(probe(model))
+            _log(f"  {point.options}: {out[-1]['secrets_said']:.1f}% of secrets said")
+        return out
+
+    omega, normal = omega_rows(model, reference, canaries), omega_rows(model, reference, heldout)
+    width = max(omega.shape[1], normal.shape[1])  # chat: the canaries are the longer rows
+    both = [nn.functional.pad(o, (0, width - o.shape[1]), value=torch.nan) for o in (omega, normal)]
+    pilot = signal_statistics(torch.cat(both))
+    signal = {
+        "all": pilot.to_dict(),
+        "canaries": signal_statistics(omega).to_dict(),
+        "heldout": signal_statistics(normal).to_dict(),
+    }
+    title = "omega with the base model as reference: canary rows vs held-out text"
+    plot_signal(omega, pilot, out / "signal.png", title, normal)
+    scan = scan_layers(
+        model, reference, train_rows, gen_texts=general, batch_size=8, progress=progress
+    )
+    scan.plot(out / "layers.png", f"signal strength per block: {base_path.name} + canaries")
+    layer = scan.best if args.layer is None else args.layer
+    frozen = scan.unchanged
+    _log(
+        f"layer scan ({scan.seconds:.0f} s): strongest block {scan.strongest}, strongest the "
+        f"fine-tune changed {scan.best} ({len(frozen)} blocks equal the base's); steering {layer}"
+    )
+
+    deltas = [float(d) for d in args.deltas.split(",")] if args.deltas else list(DELTAS)
+    methods: dict[str, _Method] = {}
+    curves: dict[str, Sequence[tuple[float, float]]] = {}  # % memorized, perplexity
+    leak_curves: dict[str, Sequence[tuple[float, float]]] = {}  # % secrets said, perplexity
+    calibrations: dict[str, dict[str, Any]] = {
+        "GSS": {},
+        "GSS-TR": {"target": "toward-reference"},
+        # chat: the same rows as conversations, only the assistant's messages memorized
+        **({"GSS, replies": {"replies_only": True}} if args.chat else {}),
+        **(ABLATION if args.ablation else {}),
+    }
+    stats_by = {}
+    sweep = {"k": k, "n": n, "pad_id": pad, "batch_size": bs, "progress": progress}
+    skipped: dict[str, str] = {}  # ablation rows that could not be calibrated, and why
+    for name, options in calibrations.items():
+        try:
+            texts: Sequence[Any] = train_rows
+            if options.get("replies_only"):  # the same rows, as the conversations they render
+                texts = data.conversations[: len(train_rows)]
+                options = {**options, "tokenizer": tokenizer, "max_length": n}
+            stats = collect_statistics(
+                model,
+                reference,
+                texts,
+                layer=layer,
+                gen_texts=general,
+                batch_size=8,
+                progress=progress,
+                **options,
+            )
+            artifact = build_artifact(model, stats, rank=args.rank, progress=False)
+        except GSSError as err:
+            if name not in ABLATION:
+                raise
+            skipped[name] = str(err)  # e.g. no token passes omega > 1 nat
+            _log(f"{name}: not calibrated: {err}")
+            continue
+        stats_by[name] = stats
+        points = steering_sweep(model, artifact, canaries, heldout, deltas=deltas, **sweep)
+        leaks = probe_steers(points)
+        delta = _select(points, leaks, unmitigated.perplexity).options["delta"]
+        gates = steering_sweep(  # the gate's threshold, at the strength chosen so far
+            model,
+            artifact,
+            canaries,
+            heldout,
+            deltas=[delta],
+            percentiles=PERCENTILES,
+            general=general,
+            **sweep,
+        )
+        points, leaks = points + gates, leaks + probe_steers(gates)
+        seconds = artifact.config.timings["total"]
+        methods[name] = _Method(
+            points,
+            [seconds] * len(points),
+            leaks,
+            _hooked(model, lambda p: p.artifact.attach(model)),
+        )
+    from gss_bench.baselines.steering import MeanDifferenceSteer, mean_difference_vector
+
+    vector = mean_difference_vector(stats_by["GSS"])
+    mean_points, mean_said = [], []
+    for alpha in ALPHAS:
+        with MeanDifferenceSteer(vector, alpha).attach(model, layer):
+            mean_points.append(SweepPoint({"alpha": alpha}, measure(model, "forced")))
+            mean_said.append(probe(model))
+    t = stats_by["GSS"].timings
+    methods["Mean-diff"] = _Method(
+        mean_points,
+        [t["signal"] + t["statistics"]] * len(mean_points),
+        mean_said,
+        _hooked(
+            model, lambda p: MeanDifferenceSteer(vector, p.options["alpha"]).attach(model, layer)
+        ),
+    )
+    if baselines:
+        from gss_bench.baselines import MitigationData
+
+        mdata = MitigationData(
+            memorized=canaries,
+            clean=data.finetune_rows[:CALIBRATION_CLEAN_ROWS],
+            pad_id=pad,
+            prompt_len=k,
+            layer=layer,
+            reference=base,  # a whole model: weight-level baselines read its parameters
+        )
+        for name in baselines:
+            _log(f"baseline {name} ...")
+            methods[name] = _baseline(
+                name, model, mdata, lambda m: measure(m, "forced"), probe, unmitigated.perplexity
+            )
+
+    rows, grid_rows, record_methods = [], [], {}
+    base_ppl = unmitigated.perplexity
+
+    def row(
+        name: str, report: Any, options: Any, seconds: float | None, leaked: dict[str, Any]
+    ) -> list[Any]:
+        ds = report.deviation_scores(unmitigated)
+        change = 100 * (report.perplexity / base_ppl - 1)
+        return [
+            name,
+            options,
+            f"{report.memorized:.1f}",
+            f"{report.token_match:.1f}",
+            f"{leaked['number_leaked']:.1f}",
+            f"{leaked['address_leaked']:.1f}",
+            *_reply_cells(leaked),
+            f"{report.perplexity:.2f} ({change:+.1f}%)",
+            *(f"{v:.1f}" for v in ds.values()),
+            "" if seconds is None else f"{seconds:.0f}",
+        ]
+
+    rows.append(row("unmitigated", unmitigated, "", None, said["unmitigated"]))
+    for name, method in methods.items():
+        points = method.points
+        chosen = _select(points, method.said, base_ppl)
+        i = _index(points, chosen)
+        seconds, said[name] = method.seconds[i], method.said[i]  # both measured at the point
+        curves[name] = [(p.report.memorized, p.report.perplexity) for p in points]
+        leak_curves[name] = [
+            (leaks["secrets_said"], p.report.perplexity)
+            for p, leaks in zip(points, method.said, strict=True)
+        ]
+        with method.attach(chosen) as steered:  # re-measured by greedy decoding
+            final = measure(steered)
+        label = _label(chosen.options)
+        within = chosen.report.perplexity <= base_ppl * (1 + PPL_TOLERANCE)
+        rows.append(row(name + ("" if within else " *"), final, label, seconds, said[name]))
+        grid = [
+            {**p.to_dict(), **_leak_counts(leaks), "seconds": sec}
+            for p, leaks, sec in zip(points, method.said, method.seconds, strict=True)
+        ]
+        grid_rows += [
+            [
+                name,
+                _label(p.options),
+                f"{p.report.memorized:.1f}",
+                f"{leaks['number_leaked']:.1f}",
+                f"{leaks['address_leaked']:.1f}",
+                *_reply_cells(leaks),
+                f"{p.report.perplexity:.2f}",
+                "yes" if p is chosen else "",
+            ]
+            for p, leaks in zip(points, method.said, strict=True)
+        ]
+        record_methods[name] = {
+            "selected": {"options": chosen.options, **final.to_dict(), "within_tolerance": within},
+            "deviation_scores": final.deviation_scores(unmitigated),
+            "mitigation_seconds": seconds,
+            "grid": grid,
+        }
+        if name in calibrations:
+            record_methods[name]["calibration_options"] = calibrations[name]
+            record_methods[name]["token_counts"] = stats_by[name].counts
+        _log(f"{name} {label}: {final.memorized:.1f}% memorized, perplexity {final.perplexity:.2f}")
+    for name, reason in skipped.items():
+        rows.append([name, "not calibrated", *[""] * (len(HEADER) - 2)])
+        record_methods[name] = {"calibration_options": calibrations[name], "error": reason}
+    table = markdown_table(HEADER, rows)
+    plot_pareto(
+        curves,
+        (unmitigated.memorized, unmitigated.perplexity),
+        out / "pareto.png",
+        f"{base_path.name}: canary memorization vs perplexity",
+    )
+    plot_pareto(
+        leak_curves,
+        (said["unmitigated"]["secrets_said"], base_ppl),
+        out / "leaks.png",
+        f"{base_path.name}: canary secrets said vs perplexity",
+        ylabel="% of account numbers and addresses said",
+    )
+    total = time.perf_counter() - started
+    write_json(
+        out / "results.json",
+        {
+            "command": "gss bench canaries " + " ".join(argv or []),
+            "gss_version": __version__,
+            "machine": machine_info(device=args.device),
+            "model": str(base_path),
+            "data": data.describe(),
+            "finetune": {**ft_cfg.to_dict(), **ft_info},
+            "selection_rule": {
+                "perplexity_tolerance_relative": PPL_TOLERANCE,
+                "order": ["memorized", "secrets_said", "others_leaked", "perplexity"],
+            },
+            "unmitigated": unmitigated.to_dict(),
+            "base_model": original.to_dict(),
+            "signal": signal,
+            "layer_scan": scan.to_dict(),
+            "layer": layer,
+            "reference": "gss.adapters_off(model)" if args.lora else "the base model",
+            "methods": record_methods,
+            # per model: % of canaries whose account number / address it says verbatim, and
+            # its reply to the example canary
+            "disclosure": {"example": example, "models": said},
+            "total_seconds": total,
+        },
+    )
+    (out / "table.md").write_text(
+        table
+        + f"\n\n({n},{k})-memorization of {unmitigated.rows} canaries (greedy); perplexity on "
+        f"{unmitigated.heldout_tokens} held-out tokens; selected: within +"
+        f"{100 * PPL_TOLERANCE:.0f}% perplexity (* = no point was), the lowest memorization, "
+        "then the fewest secrets said, then the fewest canaries saying another's secret, then "
+        f"the lowest perplexity; steering block {layer}"
+        + (f"; a rank-{args.lora} LoRA, reference gss.adapters_off(model)" if args.lora else "")
+        + ("; fine-tuned on the assistant's messages alone" if args.replies_only else "")
+        + ("; GSS, replies: calibrated with only the replies memorizable" if args.chat else "")
+        + ". % numbers / addresses out: canaries whose account number / address the model says "
+        f"verbatim, greedily (the window and {EXTRA_TOKENS} tokens more, up to EOS); % others' "
+        "out: canaries whose reply says another canary's number or address; % replies' 4-grams "
+        "repeated: of the replies' token 4-grams, those repeating an earlier one of the same "
+        "reply (a looping reply); replies' base ppl: their perplexity under the base model, "
+        "given the prompt (its own greedy replies set the floor; a secret's random digits "
+        "raise it)"
+        + f".\n\nWhat each model says to canary {example['canary']}'s prompt, which ends "
+        f"`{_quoted(example['prompt_end'])}` (greedy; the secret: "
+        f"`{_quoted(example['secret'])}`):\n\n"
+        + "\n".join(f"- {who}: `{_quoted(d['reply'])}`" for who, d in said.items())
+        + "\n\nEvery grid point (memorization teacher-forced):\n\n"
+        + markdown_table(GRID_HEADER, grid_rows)
+        + "\n"
+    )
+    print(table)
+    figures = "pareto.png, leaks.png, layers.png, signal.png"
+    print(f"wrote {out}: results.json, table.md, {figures}; {total:.0f} s")
+    return 0

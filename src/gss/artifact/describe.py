@@ -1,0 +1,118 @@
+"""A steering artifact told in words: what it steers, how it was calibrated, what it measured.
+
+The config holds everything an audit needs, but as nested JSON; `describe` prints the parts a
+user checks before deploying a steer (the model it was made for, the block, the strength, how
+often the gates open on general text, the memorized share, what the solve did) and
+`short_repr` the one line that ``repr`` shows instead of the tensors.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gss.artifact.steering_artifact import SteeringArtifact
+
+
+def _numbers(values: Any, digits: int = 4) -> str:
+    return ", ".join(f"{float(v):.{digits}g}" for v in values)
+
+
+def _percent(share: Any) -> str:
+    return "?" if share is None else f"{100 * float(share):.1f}%"
+
+
+def short_repr(artifact: SteeringArtifact) -> str:
+    c = artifact.config
+    model = c.fingerprint.get("architecture", "?")
+    union = c.gate_open_share.get("union")
+    gates = "" if union is None else f", gates open on {_percent(union)} of general tokens"
+    return (
+        f"SteeringArtifact(model={model}, layer={c.layer}, rank={artifact.rank}, "
+        f"d={artifact.probe.shape[-1]}, delta={c.delta:g}, gate={c.gate!r}, "
+        f"coefficient={c.coefficient!r}{gates})"
+    )
+
+
+def _model_line(fingerprint: dict[str, Any]) -> str:
+    if not fingerprint:
+        return "model: not recorded"
+    name = fingerprint.get("name_or_path")
+    return (
+        f"model: {fingerprint.get('architecture')} ({fingerprint.get('model_type')}), "
+        f"{fingerprint.get('num_layers')} blocks, d = {fingerprint.get('hidden_size')}, "
+        f"vocabulary {fingerprint.get('vocab_size')}" + (f", from {name}" if name else "")
+    )
+
+
+def _threshold_lines(artifact: SteeringArtifact) -> list[str]:
+    c = artifact.config
+    rule = c.threshold_rule
+    if rule.get("kind") == "percentile":
+        how = f"each direction's {rule['percentile']:g}th percentile on general tokens"
+    elif rule.get("kind") == "gate_share":
+        how = f"one level set for a union share of {_percent(rule.get('target'))}"
+    else:
+        how = str(rule) if rule else "rule not recorded"
+    shares = c.gate_open_share
+    lines = [f"thresholds: {_numbers(artifact.thresholds)} ({how})"]
+    if shares:
+        per_direction = ", ".join(map(_percent, shares.get("per_direction", [])))
+        union = shares.get("union")
+        lines.append(
+            f"gates, on {shares.get('tokens')} general tokens: "
+            + ("" if union is None else f"any open on {_percent(union)}, ")
+            + f"each open on {per_direction}"
+        )
+    return lines
+
+
+def _reply_lines(replies: dict[str, Any] | None) -> list[str]:
+    """omega on the replies of the conversations checked and on their other tokens
+    (`gss.signal.replies`)."""
+    if not replies:
+        return []
+    other = replies.get("other_omega_mean")
+    return [
+        f"omega on {replies.get('rows')} conversations: {replies['reply_omega_mean']:.2f} nats a "
+        f"reply token, " + ("no other token" if other is None else f"{other:.2f} a token outside")
+    ]
+
+
+def describe(artifact: SteeringArtifact) -> str:
+    """Several lines for a person: the model, the steer, the calibration, the gates, the solve."""
+    c = artifact.config
+    counts = c.token_counts
+    block = f"block {c.layer}" + (f" of {c.block_path}" if c.block_path else "")
+    lines = [
+        f"gss steering artifact (format {c.format_version}, written by gss {c.gss_version})",
+        _model_line(c.fingerprint),
+        f"steer: {block}, K = {artifact.rank}, delta = {c.delta:g}, gate {c.gate}, "
+        f"coefficient {c.coefficient}, centering {c.centering}",
+        f"calibration: target {c.target}, gradient {c.gradient}",
+    ]
+    if counts:
+        lines.append(
+            f"tokens: {counts.get('tokens')} in {counts.get('sequences')} sequences, "
+            f"{counts.get('memorized')} memorized ({_percent(counts.get('memorized_share'))}"
+            + (
+                f"; of the {counts['trained']} trained on, the only ones that could be)"
+                if counts.get("trained", counts.get("tokens")) != counts.get("tokens")
+                else ")"
+            )
+            + f", {counts.get('general')} general"
+        )
+        lines += _reply_lines(counts.get("replies"))
+    lines += _threshold_lines(artifact)
+    lines.append(f"singular values (whitened M): {_numbers(artifact.singular_values)}")
+    solve = c.solve
+    if solve:
+        how = solve.get("method", "?")
+        if how == "truncated":
+            settled = "settled" if solve.get("converged") else "NOT settled"
+            how += f", {solve.get('power_iters')} subspace iterations, {settled}"
+        lines.append(f"solve: {how}; Sigma_gen loaded by {c.jitter:.3g} on its diagonal")
+    if c.timings:
+        parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in c.timings.items())
+        lines.append(f"timings: {parts}")
+    return "\n".join(lines)

@@ -1,0 +1,255 @@
+"""Model forward passes that are exact under left or right padding.
+
+Many architectures derive positions from the call (``arange``) rather than from the attention
+mask, so a left-padded row would see shifted positions. Passing ``position_ids`` computed from
+the mask makes a padded row score exactly like the same row alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+from gss.errors import GSSError
+from gss.hf.blocks import text_configs
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """0-based positions counting only real tokens; padding positions get 0 (any value works)."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.clamp_min(0)
+
+
+def accepts_position_ids(model: nn.Module) -> bool:
+    try:
+        return "position_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def cache_argument(model: nn.Module) -> str:
+    """The keyword `model`'s forward takes its KV cache under: ``cache`` from transformers 5.24
+    on (which deprecates ``past_key_values``, warning on every use), else ``past_key_values``.
+    A wrapper (a peft model) is asked for the model it wraps."""
+    unwrap = getattr(model, "get_base_model", None)
+    inner = unwrap() if callable(unwrap) else model
+    try:
+        params = inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def returned_cache(output: Any) -> Any:
+    """The KV cache a forward returned, read under the name that does not warn (``cache`` from
+    transformers 5.24 on, ``past_key_values`` before)."""
+    if "cache" in getattr(output, "__dataclass_fields__", {}):  # the old name is an alias there
+        return output.cache
+    return getattr(output, "past_key_values", None)
+
+
+def _placed_device(module: nn.Module) -> torch.device | None:
+    """Where ``module`` computes: its ``accelerate`` dispatch hook's execution device (an
+    offloaded module keeps its weights on "meta" between calls), else its first weight that is
+    not on "meta"; None if neither says."""
+    hook_device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if hook_device is not None:
+        return torch.device(hook_device)
+    for p in module.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return None
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Device of the input embeddings (where input ids must go), also under a device_map:
+    with a GPU, accelerate offloads the modules mapped to "cpu" and runs them on the GPU."""
+    get_emb = getattr(model, "get_input_embeddings", None)
+    emb = get_emb() if callable(get_emb) else None
+    found = _placed_device(emb) if isinstance(emb, nn.Module) else None
+    return found or _placed_device(model) or next(model.parameters()).device
+
+
+def execution_device(model: nn.Module, block: nn.Module) -> torch.device:
+    """Where ``block`` computes, also when it is offloaded under an ``accelerate`` device_map."""
+    return _placed_device(block) or model_device(model)
+
+
+def input_embedding_weight(model: nn.Module) -> Tensor:
+    """The (vocab, d) input embedding matrix of a transformers model."""
+    # nn.Module.__getattr__ types both lookups as `Tensor | Module`
+    get_emb = cast(Callable[[], nn.Module], model.get_input_embeddings)
+    return cast(Tensor, get_emb().weight)
+
+
+def input_embedding_values(model: nn.Module) -> Tensor:
+    """The input embedding matrix with its values: under an ``accelerate`` device_map that
+    offloads the embeddings (to "cpu" beside a GPU, or to "disk"), the module's weight is on
+    "meta" between calls and the values sit in its dispatch hook's weights map."""
+    weight = input_embedding_weight(model)
+    if weight.device.type != "meta":
+        return weight
+    get_emb = cast(Callable[[], nn.Module], model.get_input_embeddings)
+    weights_map = getattr(getattr(get_emb(), "_hf_hook", None), "weights_map", None)
+    if weights_map is None:
+        raise GSSError(
+            "the model's input embeddings are on the meta device with no offloaded copy to "
+            "read: load the model's weights (from_pretrained, or accelerate's "
+            "load_checkpoint_and_dispatch) before calibrating or attaching."
+        )
+    return cast(Tensor, weights_map["weight"])
+
+
+def vocab_size(model: nn.Module) -> int:
+    """Number of logits the model produces."""
+    get_out = getattr(model, "get_output_embeddings", None)
+    out = get_out() if callable(get_out) else None
+    if out is not None and getattr(out, "weight", None) is not None:
+        return int(out.weight.shape[0])
+    config = getattr(model, "config", None)
+    size = getattr(config, "vocab_size", None)
+    if size is None:
+        raise GSSError(f"cannot tell the vocabulary size of {type(model).__name__}.")
+    return int(size)
+
+
+def check_same_vocab(model: nn.Module, reference: nn.Module) -> None:
+    a, b = vocab_size(model), vocab_size(reference)
+    if a != b:
+        raise GSSError(
+            f"the model has a vocabulary of {a} tokens but the reference has {b}: the "
+            "memorization signal compares log-probabilities token by token, so both must share "
+            "one tokenizer. Use a reference fine-tuned from the same base model."
+        )
+
+
+def _token_id_limit(model: nn.Module) -> int | None:
+    """One past the largest id `model` takes: its logits, or its input embedding's rows if
+    fewer (a model may pad either); None for a model that tells neither."""
+    get_emb = getattr(model, "get_input_embeddings", None)
+    emb = get_emb() if callable(get_emb) else None
+    rows = getattr(getattr(emb, "weight", None), "shape", None)
+    try:
+        size = vocab_size(model)
+    except GSSError:
+        return int(rows[0]) if rows else None
+    return min(size, int(rows[0])) if rows else size
+
+
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
+
+
+# RoPE scalings that stretch the positions a config's max_position_embeddings names by `factor`
+# (its value stays the pretrained length); others ("llama3", "longrope") set the stretched
+# length there themselves, keeping the pretrained one in original_max_position_embeddings
+STRETCHING_ROPE = ("linear", "dynamic", "yarn")
+
+
+def _rope_stretch(config: Any, length: int) -> float:
+    """The factor by which `config`'s RoPE scaling stretches `length` positions (1: none)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, key, None)
+        if not isinstance(params, dict):
+            continue
+        per_layer_type = [v for v in params.values() if isinstance(v, dict)]
+        for p in per_layer_type or [params]:
+            kind, factor = p.get("rope_type", p.get("type")), p.get("factor")
+            original = p.get("original_max_position_embeddings", length)
+            if kind in STRETCHING_ROPE and isinstance(factor, (int, float)) and original >= length:
+                return max(float(factor), 1.0)
+    return 1.0
+
+
+def context_length(model: nn.Module) -> tuple[int, str] | None:
+    """The most positions `model` takes and the config key that says so (times the RoPE
+    scaling factor where one stretches it); None where its config sets no limit (a
+    state-space model)."""
+    for config in text_configs(model):
+        for name in CONTEXT_KEYS:
+            value = getattr(config, name, None)
+            if not isinstance(value, int) or isinstance(value, bool):
+                continue
+            if value <= 0:
+                return None
+            stretch = _rope_stretch(config, value)
+            if stretch > 1:
+                return int(value * stretch), f"{name} x RoPE scaling factor {stretch:g}"
+            return value, name
+    return None
+
+
+def check_sequences(
+    models: Sequence[nn.Module],
+    seqs: Sequence[Sequence[int] | Tensor] | Tensor,
+    what: str,
+    new_tokens: int = 0,
+) -> None:
+    """Refuse sequences `models` cannot run before a forward pass fails on them deep inside
+    torch (on a GPU, with an assert that leaves the device unusable until the process ends):
+    token ids they have no embedding row or logit for, and sequences longer than their
+    context (learned position embeddings index past their end; rotary ones run on positions
+    never trained), counting the `new_tokens` to be generated after each. A model that tells
+    neither (a stand-in in tests) sets no bound."""
+    if isinstance(seqs, Tensor):
+        rows: Sequence[Sequence[int] | Tensor] = list(seqs) if seqs.numel() else []
+    else:
+        rows = [r for r in seqs if len(r)]
+    if not rows:
+        return
+    longest = max(range(len(rows)), key=lambda i: len(rows[i]))
+    for model in models:
+        found = context_length(model)
+        if found is not None and len(rows[longest]) + new_tokens > found[0]:
+            raise GSSError(
+                f"{what}: sequence {longest} has {len(rows[longest]) + new_tokens} tokens, "
+                "more than the "
+                f"{found[0]} positions the model takes (config.{found[1]}). Cut the sequences "
+                "with max_length= (--max-length on the command line) or split long texts."
+            )
+    limits = [n for n in map(_token_id_limit, models) if n is not None]
+    if not limits:
+        return
+    tensors = [r if isinstance(r, Tensor) else torch.as_tensor(r) for r in rows]
+    low = min(int(t.min()) for t in tensors)
+    high = max(int(t.max()) for t in tensors)
+    limit = min(limits)
+    if low >= 0 and high < limit:
+        return
+    bad = low if low < 0 else high
+    raise GSSError(
+        f"{what}: token id {bad} is outside the model's vocabulary (ids 0 to {limit - 1}). "
+        "Such ids come from another tokenizer, or from padding marked with a negative id. "
+        "Tokenize with the model's own tokenizer (or pass the strings and tokenizer=...), and "
+        "mark padding with attention_mask."
+    )
+
+
+def forward_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """Logits (B, T, V) of a forward pass with mask-derived positions, no KV cache."""
+    device = model_device(model)
+    mask = attention_mask.to(device)
+    kwargs: dict[str, Any] = {
+        "input_ids": input_ids.to(device),
+        "attention_mask": mask,
+        "use_cache": False,
+    }
+    if accepts_position_ids(model):
+        kwargs["position_ids"] = position_ids_from_mask(mask)
+    return model(**kwargs).logits
+
+
+def target_mask(attention_mask: Tensor) -> Tensor:
+    """(B, T-1) mask of next-token targets that have a real token and a real context."""
+    m = attention_mask.bool()
+    return m[:, 1:] & m[:, :-1]
+
+
+def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
+    """float32 log p(x_t | x_<t) for t = 1..T-1, shape (B, T-1)."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    targets = input_ids[:, 1:].to(logp.device)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
