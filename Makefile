@@ -4,7 +4,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-min bench lint clean
+.PHONY: setup test test-fast test-min bench lint clean
 
 $(STAMP): pyproject.toml benchmarks/pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -18,6 +18,11 @@ setup: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m pytest -q
+
+# The library's own tests, without the benchmark harness and the baselines (tests/bench,
+# tests/baselines) and the tests marked slow or heavy: the loop to run while editing gss.
+test-fast: $(STAMP)
+	$(VPY) -m pytest -q -x -m "not slow and not heavy" --ignore=tests/bench --ignore=tests/baselines
 
 # The suite against the oldest transformers, accelerate and peft that pyproject.toml allows,
 # in its own environment (.venv-min), so that the declared floors stay true.

@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_checks.sh tests     # the CUDA-only tests (they skip on CPU, in CI)
 #   bash benchmarks/gpu_checks.sh overhead  # gss bench perf's overhead part, cuda bf16, 135M and 7B shapes
 #   bash benchmarks/gpu_checks.sh solve     # its calibration and solve parts
-#   bash benchmarks/gpu_checks.sh variants  # each fused steer: error, us per call, generate eager/compiled
+#   bash benchmarks/gpu_checks.sh variants  # the steer's variants: error, us per call, generate eager/compiled
 #                                           # (--skip-micro: the generate comparison alone)
 #   bash benchmarks/gpu_checks.sh profile   # torch.profiler of decode steps: host vs GPU time, syncs
 #   bash benchmarks/gpu_checks.sh nnsight   # overhead with the peer library (WHEELS=dir of its wheels)
@@ -33,8 +33,8 @@ overhead() {  # the overhead part of gss bench perf: the tiny model, the 135M sh
 
 case $stage in
     tests)
-        python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda_kernel.py \
-            tests/test_device_map.py tests/test_compile.py tests/test_hook.py 2>&1 | tee "$out/tests.log"
+        python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_map.py \
+            tests/test_compile.py tests/test_hook.py tests/test_steer_paths.py 2>&1 | tee "$out/tests.log"
         ;;
     overhead)
         [ $# -gt 0 ] || set -- --model benchmarks/configs/llama-2-7b --repeats 9

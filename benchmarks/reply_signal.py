@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from gss import GSSWarning
-from gss.calibrate import collect_statistics
 from gss.report import machine_info, markdown_table, write_json
+from gss.statistics.collect import collect_statistics
 from gss_bench.canaries.finetune import FinetuneConfig
 from gss_bench.canaries.run import (
     CALIBRATION_CLEAN_ROWS,

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from gss.calibrate import collect_statistics
 from gss.report import machine_info, markdown_table, write_json
 from gss.solve.whitened import solve_probe_steer
+from gss.statistics.collect import collect_statistics
 from gss_bench.canaries.finetune import FinetuneConfig
 from gss_bench.canaries.run import CALIBRATION_CLEAN_ROWS, _default_cache, _finetuned, default_setup
 from gss_bench.perf.scaling import accuracy

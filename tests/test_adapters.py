@@ -11,7 +11,7 @@ from gss import GSSError
 from gss.cli import main
 from gss.hf.forward import forward_logits
 
-from .conftest import _general_rows, _train, random_ids, tiny_model
+from .helpers import general_rows, random_ids, tiny_model, train
 from .test_cli import _tokenizer
 from .test_sign import _planted_loss, steered_losses
 
@@ -66,7 +66,7 @@ def test_calibration_against_adapters_off_equals_calibration_against_the_loaded_
     kwargs = dict(layer=1, rank=2, progress=False)
     ours = gss.calibrate(model, gss.adapters_off(model), rows, **kwargs)
     loaded = gss.calibrate(model, reference, rows, **kwargs)
-    assert ours.config.token_counts == loaded.config.token_counts
+    assert ours.provenance.token_counts == loaded.provenance.token_counts
     for name in ("probe", "steer", "thresholds"):
         torch.testing.assert_close(getattr(ours, name), getattr(loaded, name), rtol=1e-4, atol=1e-5)
     assert [p.requires_grad for p in model.parameters()] == lora_flags  # restored
@@ -129,7 +129,7 @@ def test_cli_calibrates_an_adapter_directory_against_its_base(tmp_path, capsys):
         ]
     )
     assert code == 0 and (out / "gss_config.json").is_file()
-    counts = gss.load(out).config.token_counts
+    counts = gss.load(out).provenance.token_counts
     assert 0 < counts["memorized"] < counts["tokens"]  # the adapter moved some tokens, not all
     assert "saved" in capsys.readouterr().out
 
@@ -165,10 +165,10 @@ def lora_memorizer():
     planted random rows until it regurgitates those: (LoRA model, planted, general)."""
     gen = torch.Generator().manual_seed(0)
     vocab, length = 24, 16
-    general = _general_rows(256, length, gen, vocab)
+    general = general_rows(256, length, gen, vocab)
     planted = torch.randint(3, vocab, (6, length), generator=gen)
     base = tiny_model("gpt2", seed=1, vocab=vocab, hidden=48)
-    _train(base, general, steps=150, seed=0)
+    train(base, general, steps=150, seed=0)
     config = peft.LoraConfig(
         r=16,
         lora_alpha=32,

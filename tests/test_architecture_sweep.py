@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import gss
 
-from .conftest import random_ids
+from .helpers import random_ids
 
 VOCAB = 48
 LAYERS = 3

@@ -5,7 +5,7 @@ import torch
 
 import gss
 
-from .conftest import ARCHITECTURES, random_ids
+from .helpers import ARCHITECTURES, random_ids
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -13,7 +13,7 @@ def test_calibrate_attach_generate_remove(make_model, arch):
     model, ref = make_model(arch, seed=0, layers=3), make_model(arch, seed=1, layers=3)
     art = gss.calibrate(model, ref, random_ids(10, 12), layer=-2, rank=3, progress=False)
     assert art.layer == 1 and art.rank == 3
-    assert art.config.fingerprint["model_type"] == model.config.model_type
+    assert art.provenance.fingerprint["model_type"] == model.config.model_type
     prompt = random_ids(2, 6, seed=4)
     with torch.no_grad():
         base_logits = model(input_ids=prompt).logits

@@ -3,9 +3,9 @@ import torch
 
 import gss
 from gss import solve_probe_steer
-from gss.calibrate import probe_responses
+from gss.solve.thresholds import probe_responses
 
-from .conftest import random_ids
+from .helpers import random_ids
 
 
 def _direct_statistics(model, ref, ids, layer):
@@ -40,9 +40,9 @@ def test_matches_a_direct_computation(make_model):
     assert torch.allclose(
         art.thresholds.double(), torch.quantile(responses, 0.95, dim=0), rtol=1e-4
     )
-    counts = art.config.token_counts
+    counts = art.provenance.token_counts
     assert counts["tokens"] == 16 * 11 and counts["memorized"] + counts["general"] == 16 * 11
-    assert set(art.config.timings) >= {"signal", "statistics", "solve", "thresholds", "total"}
+    assert set(art.provenance.timings) >= {"signal", "statistics", "solve", "thresholds", "total"}
     assert not model.training and all(p.requires_grad for p in model.parameters())
 
 
@@ -51,9 +51,9 @@ def test_gate_share_sets_the_union_open_share(make_model):
     art = gss.calibrate(
         model, ref, random_ids(30, 16), layer=0, rank=4, gate_share=0.1, progress=False
     )
-    share = art.config.gate_open_share
+    share = art.provenance.gate_open_share
     assert share["union"] == pytest.approx(0.1, abs=0.02)
-    assert art.config.threshold_rule["kind"] == "gate_share"
+    assert art.provenance.threshold_rule["kind"] == "gate_share"
 
 
 def test_quantile_rule_marks_that_share(make_model):
@@ -61,8 +61,8 @@ def test_quantile_rule_marks_that_share(make_model):
     art = gss.calibrate(
         model, ref, random_ids(20, 16), layer=1, rank=2, memorized_quantile=0.1, progress=False
     )
-    assert art.config.token_counts["memorized_share"] == pytest.approx(0.1, abs=0.01)
-    assert art.config.memorized_rule["kind"] == "quantile"
+    assert art.provenance.token_counts["memorized_share"] == pytest.approx(0.1, abs=0.01)
+    assert art.provenance.memorized_rule["kind"] == "quantile"
 
 
 @pytest.mark.parametrize("centering", ["covariance", "full", "none"])
@@ -83,7 +83,7 @@ def test_each_centering_meets_its_own_budget(make_model, centering):
         jitter=1e-9,
         progress=False,
     )
-    assert art.config.memorized_rule["sigma_from"] == "gen_texts"
+    assert art.provenance.memorized_rule["sigma_from"] == "gen_texts"
     s = probe_responses(model, art, held_out).double()
     measured = s.var(0, correction=0) if centering == "covariance" else (s**2).mean(0)
     assert torch.allclose(measured, torch.full((2,), delta, dtype=torch.float64), rtol=1e-3)
@@ -91,7 +91,8 @@ def test_each_centering_meets_its_own_budget(make_model, centering):
 
 @pytest.mark.parametrize("separate_general", [False, True])
 def test_thresholds_from_kept_hidden_states_equal_a_second_pass(make_model, separate_general):
-    from gss.calibrate import build_artifact, collect_statistics
+    from gss.calibrate import build_artifact
+    from gss.statistics.collect import collect_statistics
 
     model, ref = make_model("llama", seed=0), make_model("llama", seed=1)
     ids = random_ids(12, 10)
@@ -104,19 +105,19 @@ def test_thresholds_from_kept_hidden_states_equal_a_second_pass(make_model, sepa
         assert (stats.general_sample is None) == (keep == 0)
         arts[keep] = build_artifact(model, stats, rank=2, progress=False)
     kept, passed = arts[None], arts[0]
-    assert kept.config.token_counts["threshold_pass"] is False
-    assert passed.config.token_counts["threshold_pass"] is True
+    assert kept.provenance.token_counts["threshold_pass"] is False
+    assert passed.provenance.token_counts["threshold_pass"] is True
     assert (
-        kept.config.token_counts["threshold_samples"]
-        == passed.config.token_counts["threshold_samples"]
+        kept.provenance.token_counts["threshold_samples"]
+        == passed.provenance.token_counts["threshold_samples"]
     )
     assert torch.allclose(kept.thresholds, passed.thresholds, rtol=1e-5, atol=1e-6)
 
 
 def test_general_flags_give_back_each_batch_mask_for_ragged_sequences():
-    from gss.calibrate import GeneralFlags
     from gss.data import batches
     from gss.hf.forward import target_mask
+    from gss.statistics.collect import GeneralFlags
 
     lengths = [2, 7, 3, 9, 5, 5, 12, 4]
     seqs = [list(range(1, n + 1)) for n in lengths]
@@ -134,16 +135,17 @@ def test_general_flags_give_back_each_batch_mask_for_ragged_sequences():
 
 
 def test_threshold_sample_is_capped(make_model):
-    from gss.calibrate import build_artifact, collect_statistics
+    from gss.calibrate import build_artifact
+    from gss.statistics.collect import collect_statistics
 
     model, ref = make_model("llama", seed=0), make_model("llama", seed=1)
     stats = collect_statistics(model, ref, random_ids(12, 10), layer=1, progress=False)
     general = stats.counts["general"]
     assert general > 10
     art = build_artifact(model, stats, rank=2, max_threshold_samples=10, progress=False)
-    assert art.config.token_counts["threshold_samples"] == 10
+    assert art.provenance.token_counts["threshold_samples"] == 10
     full = build_artifact(model, stats, rank=2, progress=False)
-    assert full.config.token_counts["threshold_samples"] == general
+    assert full.provenance.token_counts["threshold_samples"] == general
 
 
 def test_compact_encoding_holds_the_same_ids_without_python_int_lists():
@@ -174,13 +176,15 @@ def test_calibrate_thresholds_resets_the_gates_and_records_their_new_open_shares
     again = gss.calibrate_thresholds(model, art, heldout, threshold_percentile=80.0)
     responses = probe_responses(model, art, heldout).abs().double()
     assert torch.allclose(again.thresholds, torch.quantile(responses, 0.8, dim=0).float())
-    shares = again.config.gate_open_share
-    assert again.config.threshold_rule == {"kind": "percentile", "percentile": 80.0}
-    assert shares["tokens"] == responses.shape[0] and shares != art.config.gate_open_share
+    shares = again.provenance.gate_open_share
+    assert again.provenance.threshold_rule == {"kind": "percentile", "percentile": 80.0}
+    assert shares["tokens"] == responses.shape[0] and shares != art.provenance.gate_open_share
     measured = (responses > again.thresholds.double()).double().mean(0)
     assert shares["per_direction"] == pytest.approx(measured.tolist())
     assert shares["per_direction"] == pytest.approx([0.2, 0.2], abs=0.01)
     assert f"any open on {100 * shares['union']:.1f}%" in again.describe()
     assert torch.equal(again.probe, art.probe) and torch.equal(again.steer, art.steer)
     # thresholds set by hand carry no open share: the calibration's would no longer hold
-    assert art.with_thresholds(again.thresholds, {"kind": "manual"}).config.gate_open_share == {}
+    assert (
+        art.with_thresholds(again.thresholds, {"kind": "manual"}).provenance.gate_open_share == {}
+    )

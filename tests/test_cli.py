@@ -6,9 +6,10 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+import gss
 from gss.cli import main
 
-from .conftest import tiny_model
+from .helpers import tiny_model
 
 WORDS = ["<pad>", "<bos>", "<eos>", "<unk>"] + [f"w{i}" for i in range(44)]
 
@@ -96,7 +97,8 @@ def test_show_describes_an_artifact_and_prints_its_config(workdir, capsys):
     capsys.readouterr()
     assert main(["show", str(out)]) == 0
     text = capsys.readouterr().out
-    config = json.loads((out / "gss_config.json").read_text())
+    saved = json.loads((out / "gss_config.json").read_text())
+    config = saved["provenance"]
     shares = config["gate_open_share"]
     assert "model: LlamaForCausalLM (llama), 2 blocks, d = 32" in text
     assert "steer: block 1, K = 2, delta = 1, gate hard" in text
@@ -105,7 +107,8 @@ def test_show_describes_an_artifact_and_prints_its_config(workdir, capsys):
     assert config["solve"]["method"] == "truncated"  # chosen by --solve-method
     assert f"solve: truncated, {iterations} subspace iterations, settled" in text
     assert main(["show", str(out), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == config
+    shown = json.loads(capsys.readouterr().out)
+    assert shown == {"config": saved["config"], "provenance": saved["provenance"]}
 
 
 def test_signal_writes_statistics_and_figure(workdir, capsys):
@@ -201,16 +204,48 @@ def test_tokens_a_fine_tune_added_do_not_count_as_another_tokenizer():
     check_same_tokenizer(_tokenizer(), tuned)
 
 
-def test_variant_sets_options_and_explicit_flags_win(workdir):
+def test_preset_sets_options_and_explicit_flags_win(workdir):
     out = workdir / "artifact-tr"
     common = ["calibrate", "--model", str(workdir / "model"), "--reference"]
     common += [str(workdir / "reference"), "--data", str(workdir / "data.txt"), "--layer", "1"]
-    args = [*common, "--rank", "2", "--variant", "gss-tr", "--omega-threshold", "0.05"]
+    args = [*common, "--rank", "2", "--preset", "gss-tr", "--omega-threshold", "0.05"]
     assert main([*args, "--gate", "none", "--out", str(out)]) == 0
-    config = json.loads((out / "gss_config.json").read_text())
+    config = json.loads((out / "gss_config.json").read_text())["config"]
     assert config["target"] == "toward-reference" and config["gradient"] == "summed"
-    assert config["gate"] == "none"  # given explicitly: overrides the variant's hard gate
-    assert config["memorized_rule"]["omega_threshold"] == 0.05
+    assert config["gate"] == "none"  # given explicitly: overrides the preset's hard gate
+    assert config["omega_threshold"] == 0.05
+
+
+def test_cli_flags_are_the_config_fields_with_their_defaults():
+    """Every calibration option is a `gss calibrate` flag whose type, choices and default
+    are the config's own (written once); flags not given leave the preset's values."""
+    import dataclasses
+
+    from gss.cli import build_parser
+
+    calibrate = build_parser()._subparsers._group_actions[0].choices["calibrate"]
+    flags = {a.dest: a for a in calibrate._actions}
+    defaults = gss.CalibrationConfig()
+    for field in dataclasses.fields(gss.CalibrationConfig):
+        if field.name == "max_length":  # the CLI's own default: 512 or the model's context
+            continue
+        action = flags[field.name]
+        assert action.option_strings[0] == "--" + field.name.replace("_", "-")
+        assert action.help.startswith(field.metadata["help"])
+        if field.metadata["choices"]:
+            assert tuple(action.choices) == field.metadata["choices"]
+        default = getattr(defaults, field.name)
+        if field.name != "layer" and default not in (None, False):
+            assert f"(default: {default})" in action.help
+    required = ["--model", "m", "--reference", "r", "--data", "d", "--layer", "1", "--out", "o"]
+    args = build_parser().parse_args(
+        ["calibrate", *required, "--gate", "relu", "--no-replies-only"]
+    )
+    from gss.cli.options import _config_overrides
+
+    expected = {"layer": 1, "gate": "relu", "replies_only": False, "max_length": None}
+    assert _config_overrides(args) == expected  # max_length: resolved by the command
+    assert args.preset == "gss" and args.batch_size == 8
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +355,8 @@ def test_block_path_names_the_blocks_for_calibrate_and_layers(workdir, capsys):
     out = workdir / "artifact-block-path"
     calibrate = ["calibrate", *common, "--layer", "1", "--rank", "2", "--out", str(out)]
     assert main([*calibrate, "--block-path", "model.layers"]) == 0
-    assert json.loads((out / "gss_config.json").read_text())["block_path"] == "model.layers"
+    saved = json.loads((out / "gss_config.json").read_text())
+    assert saved["config"]["block_path"] == "model.layers"
     for command in (calibrate, ["layers", *common]):
         capsys.readouterr()
         assert main([*command, "--block-path", "model.nothing"]) == 2
@@ -365,7 +401,7 @@ def test_version_and_help_show_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["calibrate", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "number of directions K (default: 4)" in help_text
+    assert "directions K (default: 4)" in help_text
     assert "are memorized (default: 0.0)" in help_text  # a zero default is still shown
     assert "(default: None)" not in help_text and "(default: False)" not in help_text
 
@@ -407,3 +443,42 @@ def test_gss_warnings_print_as_one_line_like_errors(workdir, capsys, monkeypatch
     printed = capsys.readouterr()
     assert printed.out.strip() == "described"
     assert printed.err.strip() == "gss: warning: the solve did not settle"
+
+
+def test_benchmark_commands_without_gss_bench_say_how_to_install(monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "gss_bench" else find_spec(name, *a),
+    )
+    for argv in (["bench", "perf"], ["models", "list"], ["baselines"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"gss {argv[0]} needs the gss_bench package" in err
+        assert "pip install -e ./benchmarks" in err and "Traceback" not in err
+
+
+def test_the_library_gives_what_gss_evaluate_writes(workdir, steer, capsys):
+    """The loading, rows and tables `gss evaluate` uses are the library's own."""
+    from gss.evaluate import evaluate_steering, evaluation_rows
+    from gss.hf.loading import default_max_length, load_model
+
+    out = workdir / "evaluation-library"
+    args = ["evaluate", "--model", str(workdir / "model"), "--steer", str(steer)]
+    args += ["--memorized", str(workdir / "data.txt"), "--heldout", str(workdir / "data.jsonl")]
+    assert main([*args, "--k", "4", "--n", "10", "--no-progress", "--out", str(out)]) == 0
+    model, tokenizer = load_model(workdir / "model")
+    assert default_max_length(model) == 128  # 512, cut to the tiny model's context
+    rows = evaluation_rows(
+        workdir / "data.txt", workdir / "data.jsonl", tokenizer, k=4, n=10, max_length=128
+    )
+    result = evaluate_steering(model, gss.load(steer), rows, progress=False)
+    record = result.record(str(workdir / "model"), str(steer))
+    written = json.loads((out / "evaluation.json").read_text())
+    for run in ("unsteered", "steered"):  # all but the wall times
+        del record[run]["seconds"], written[run]["seconds"]
+    assert record == written
+    assert result.headline() in capsys.readouterr().out

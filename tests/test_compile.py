@@ -20,7 +20,7 @@ import transformers
 import gss
 from gss_bench.baselines.steering import MeanDifferenceSteer
 
-from .conftest import random_ids
+from .helpers import random_ids
 
 IDS = random_ids(3, 10, seed=5)
 
@@ -90,6 +90,7 @@ def _compile(model, block, how):
     return model
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("how", ["wrapper", "method", "forward", "block"])
 def test_a_steer_attached_after_compiling_runs_and_comes_off(make_model, how):
     """gss wraps the block's forward, which dynamo guards on: attaching to a compiled model

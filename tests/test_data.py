@@ -13,7 +13,7 @@ from gss import GSSError
 from gss.data import chat_prompt, encode, encode_compact, encode_replies, read_texts
 from gss.evaluate import evaluate_model
 
-from .conftest import random_ids
+from .helpers import random_ids
 from .test_cli import _tokenizer
 
 # roles as words of the test vocabulary: w40 opens a user turn, w41 an assistant turn
@@ -173,7 +173,7 @@ def test_the_command_line_calibrates_on_conversations_and_prompts_through_the_te
 ):
     from gss.cli import main
 
-    from .conftest import tiny_model
+    from .helpers import tiny_model
 
     for name, seed in (("model", 0), ("reference", 1)):
         tiny_model("llama", seed=seed).save_pretrained(tmp_path / name)
@@ -195,7 +195,9 @@ def test_the_command_line_calibrates_on_conversations_and_prompts_through_the_te
     args = ["--model", str(tmp_path / "model"), "--reference", str(tmp_path / "reference")]
     args += ["--data", str(tmp_path / "chat.jsonl"), "--layer", "1", "--rank", "2"]
     assert main(["calibrate", *args, "--out", str(out), "--no-progress"]) == 0
-    tokens = json.loads((out / "gss_config.json").read_text())["token_counts"]["tokens"]
+    tokens = json.loads((out / "gss_config.json").read_text())["provenance"]["token_counts"][
+        "tokens"
+    ]
     rendered = encode([r["messages"] for r in rows], chat_tokenizer)
     assert tokens == sum(len(s) - 1 for s in rendered)  # every target of the rendered chats
     # --max-length defaults to 512 cut to the model's context (128 positions here)

@@ -11,7 +11,7 @@ import torch
 
 import gss
 
-from .conftest import random_ids, tiny_model
+from .helpers import random_ids, tiny_model
 
 accelerate = pytest.importorskip("accelerate")
 

@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 import gss
 
-from .conftest import random_ids, tiny_model
+from .helpers import random_ids, tiny_model
 
 KW = dict(layer=0, rank=3, batch_size=4, progress=False)
 # Seconds the two ranks get. On torch 2.4.1 (never on CI's torch) gloo's teardown fails now and
@@ -64,6 +64,7 @@ def _run(tmp_path, quantile: bool):
     return gss.load(out), single
 
 
+@pytest.mark.heavy
 def test_two_ranks_equal_one_process(tmp_path):
     for quantile in (False, True):
         multi, single = _run(tmp_path, quantile)
@@ -72,8 +73,8 @@ def test_two_ranks_equal_one_process(tmp_path):
                 getattr(multi, name).double(), getattr(single, name).double(), rtol=1e-4, atol=1e-5
             ), name
         for key in ("tokens", "memorized", "general", "sequences"):
-            assert multi.config.token_counts[key] == single.config.token_counts[key]
+            assert multi.provenance.token_counts[key] == single.provenance.token_counts[key]
         if not quantile:
-            replies = multi.config.token_counts["replies"]
+            replies = multi.provenance.token_counts["replies"]
             assert replies["rows"] == 13 and replies["reply_tokens"] == 13 * 7
-            assert replies == pytest.approx(single.config.token_counts["replies"], rel=1e-5)
+            assert replies == pytest.approx(single.provenance.token_counts["replies"], rel=1e-5)

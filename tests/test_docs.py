@@ -1,18 +1,49 @@
-"""docs/your-model.md's Python example runs as written (on tiny local models standing in for
-the user's fine-tune and its base)."""
+"""The docs run and quote what was measured.
 
+docs/your-model.md's Python example runs as written (on tiny local models standing in for the
+user's fine-tune and its base), and the measured tables that moved out of the README
+(docs/results.md, and the calibration and solve rows of docs/scaling.md) are checked against
+the committed results/: a changed digit on either side fails.
+"""
+
+import json
 import re
 from pathlib import Path
 
-from .conftest import tiny_model
+from .helpers import tiny_model
 from .test_cli import _tokenizer
 
-GUIDE = Path(__file__).resolve().parents[1] / "docs" / "your-model.md"
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+RESULTS = ROOT / "results"
+GUIDE = DOCS / "your-model.md"
+
+
+def section(path: Path, title: str) -> str:
+    """The text of the section of ``path`` that starts with ``title`` (a heading or a bold
+    lead-in), up to the next level-2 heading."""
+    text = path.read_text()
+    assert title in text, f"{path.name} has no section {title!r}"
+    return text.split(title, 1)[1].split("\n## ", 1)[0]
+
+
+def table_rows(text: str) -> list[str]:
+    """The body rows of the first Markdown table in ``text`` (header and rule left out)."""
+    rows: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("|"):
+            rows.append(line)
+        elif rows:
+            break  # the table ended
+    return rows[2:]
+
+
+def cells(row: str) -> list[str]:
+    return [cell.strip() for cell in row.strip().strip("|").split("|")]
 
 
 def test_your_model_python_example_runs(tmp_path, monkeypatch, capsys):
-    section = GUIDE.read_text().split("## In Python", 1)[1]
-    block = re.search(r"```python\n(.*?)```", section, re.S)
+    block = re.search(r"```python\n(.*?)```", section(GUIDE, "## In Python"), re.S)
     assert block is not None
     for name, seed in (("ft", 0), ("base", 1)):
         tiny_model("llama", seed=seed).save_pretrained(tmp_path / name)
@@ -29,3 +60,80 @@ def test_your_model_python_example_runs(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "gss-artifact" / "gss_config.json").is_file()
     printed = capsys.readouterr().out.strip().splitlines()
     assert len(printed) >= 2, printed  # before/after, then at least one point of the front
+
+
+def test_results_tinymem_table_is_the_committed_summary():
+    """Every row of docs/results.md's TinyMem table is a row of results/tinymem/summary.md,
+    which `gss bench tinymem` writes: the page cannot drift from what was measured."""
+    summary = (RESULTS / "tinymem" / "summary.md").read_text().splitlines()
+    rows = table_rows(section(DOCS / "results.md", "## Measured on TinyMem"))
+    assert len(rows) >= 10
+    assert [row for row in rows if row not in summary] == []
+
+
+def test_results_canary_table_is_the_committed_results():
+    """docs/results.md's canary table quotes results/canaries/results.json (rounded as shown)."""
+    results = json.loads((RESULTS / "canaries" / "results.json").read_text())
+    unmitigated = results["unmitigated"]["perplexity"]
+    sources = {
+        "base model": results["base_model"],
+        "fine-tuned, unmitigated": results["unmitigated"],
+        "GSS": results["methods"]["GSS"]["selected"],
+        "GSS-TR": results["methods"]["GSS-TR"]["selected"],
+        "mean-difference steering": results["methods"]["Mean-diff"]["selected"],
+    }
+    said = results["disclosure"]["models"]
+    names = ["base model", "unmitigated", "GSS", "GSS-TR", "Mean-diff"]  # in the report
+    said_by = dict(zip(sources, names, strict=True))
+    rows = table_rows(section(DOCS / "results.md", "## Measured on a real model"))
+    assert [cells(row)[0] for row in rows] == list(sources)
+    for row in rows:
+        name, selected, memorized, tokens, out, perplexity = cells(row)
+        got = sources[name]
+        options = got.get("options", {})  # a method's selected point, as "delta 4, gate at p99"
+        shown = [f"{key} {options[key]:g}" for key in ("delta", "alpha") if key in options]
+        if options.get("threshold_percentile"):
+            shown.append(f"gate at p{options['threshold_percentile']:g}")
+        assert selected == ", ".join(shown), name
+        assert memorized == f"{got['memorized']:.1f}" and tokens == f"{got['token_match']:.1f}"
+        leaks = said[said_by[name]]
+        assert out == f"{leaks['number_leaked']:.1f} / {leaks['address_leaked']:.1f}", name
+        assert perplexity.split(" ")[0] == f"{got['perplexity']:.2f}", name
+        if "(" in perplexity:  # the change against the unmitigated model's perplexity
+            change = 100 * (got["perplexity"] / unmitigated - 1)
+            assert perplexity.split(" ")[1] == f"({change:+.1f}%)", name
+
+
+def _scaling_rows(lead_in: str) -> dict[str, str]:
+    """The rows of the first table after ``lead_in`` in docs/scaling.md, by their first cell."""
+    return {cells(row)[0]: row for row in table_rows(section(DOCS / "scaling.md", lead_in))}
+
+
+def _check_calibration_and_solve(rows: dict[str, str], results: str) -> None:
+    parts = json.loads((RESULTS / results / "results.json").read_text())["parts"]
+    calibration = next(r for n, r in rows.items() if n.startswith("`gss.calibrate` / its"))
+    ratio = parts["calibration"]["ratio"]
+    quoted = f"{ratio['median']:.3f} (IQR {ratio['q1']:.3f}-{ratio['q3']:.3f})"
+    assert cells(calibration)[1] == quoted, calibration
+    solve = next(r for r in parts["solve"]["rows"] if r["d"] == 4096 and r["rank"] == 8)
+    row = next(r for n, r in rows.items() if n.startswith("`solve_probe_steer`, d = 4096, K = 8"))
+    measured = cells(row)[1]
+    assert f"{solve['truncated']['median']:.2f} s" in measured or (
+        f"{solve['truncated']['median']:.3f} s" in measured
+    ), row
+    assert f"{solve['power_iters']} iterations" in measured, row
+    assert f"{solve['full']['median']:.1f} s" in measured or (
+        f"{solve['full']['median']:.2f} s" in measured
+    ), row
+    cosine = min(solve["steer_min_cos"], solve["probe_min_cos"])
+    assert f"cos {cosine:.5f}" in measured, row
+
+
+def test_scaling_cpu_calibration_and_solve_rows_are_the_committed_results():
+    """The CPU table's calibration and solve rows quote results/perf/results.json."""
+    _check_calibration_and_solve(_scaling_rows("**Measured on this 2-core CPU**"), "perf")
+
+
+def test_scaling_h100_calibration_and_solve_rows_are_the_committed_results():
+    """The H100 table's calibration and solve rows quote results/perf-cuda/results.json."""
+    _check_calibration_and_solve(_scaling_rows("**Measured on one NVIDIA H100"), "perf-cuda")

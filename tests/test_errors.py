@@ -6,7 +6,7 @@ import torch
 import gss
 from gss import GSSError
 
-from .conftest import random_ids
+from .helpers import random_ids
 
 
 def test_wrong_layer(make_model):
@@ -78,9 +78,17 @@ def test_texts_of_the_wrong_kind_say_what_to_pass(make_model, texts, message):
         ({"gate": "soft"}, "gate must be one of"),
         ({"coefficient": "magic"}, "coefficient must be one of"),
         ({"delta": 0.0}, "delta must be > 0"),
-        ({"rank": 0}, "rank must be a positive integer"),
+        ({"rank": 0}, "rank must be an integer >= 1"),
+        ({"rank": 2.5}, "rank must be an integer >= 1"),
         ({"memorized_quantile": 1.5}, "memorized_quantile"),
         ({"threshold_percentile": 100.0}, "threshold_percentile"),
+        ({"threshold_percentile": float("nan")}, "threshold_percentile must be a finite number"),
+        ({"delta": float("inf")}, "delta must be a finite number"),
+        ({"ridge_delta": -1.0}, "ridge_delta must be > 0"),
+        ({"gate_share": 1.0}, "gate_share must be in"),
+        ({"seed": -1}, "seed must be an integer >= 0"),
+        ({"strength": 2.0}, r"unknown calibration option\(s\) \['strength'\]"),
+        ({"batch_size": 0}, "batch_size must be an integer >= 1"),
     ],
 )
 def test_bad_options(make_model, kwargs, message):

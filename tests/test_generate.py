@@ -5,7 +5,7 @@ import torch
 
 import gss
 
-from .conftest import ARCHITECTURES, calibrated_llama, random_ids, tiny_model
+from .helpers import ARCHITECTURES, calibrated_llama, random_ids, tiny_model
 
 
 def _steered_artifact(model, make_model, arch):

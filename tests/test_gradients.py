@@ -4,16 +4,17 @@ import pytest
 import torch
 
 import gss
-from gss.calibrate import _objective, _tapped, collect_statistics
 from gss.hf.blocks import resolve_layer
+from gss.statistics.capture import tapped
+from gss.statistics.collect import collect_statistics, objective
 from gss.statistics.gradients import per_position_gradients
 
-from .conftest import random_ids
+from .helpers import random_ids
 
 
 def _naive(model, block, ids, row, pos, cotangent=None):
     """One forward and one backward for one position, from that position's objective only."""
-    with torch.enable_grad(), _tapped(block, stop=False, leaf=True) as tap:
+    with torch.enable_grad(), tapped(block, stop=False, leaf=True) as tap:
         logits = model(input_ids=ids[row : row + 1]).logits
     logp = torch.log_softmax(logits[0, pos], -1)
     value = logp[ids[row, pos + 1]] if cotangent is None else (logits[0, pos] * cotangent).sum()
@@ -62,7 +63,7 @@ def test_toward_reference_gradient_is_onehot_minus_reference_at_the_logits():
     lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
     mem = torch.ones(2, 4, dtype=torch.bool)
     (grad,) = torch.autograd.grad(
-        _objective("toward-reference", logits, lp, ref_logits, mem), logits
+        objective("toward-reference", logits, lp, ref_logits, mem), logits
     )
     expected = torch.nn.functional.one_hot(ids[:, 1:], 7) - torch.softmax(ref_logits[:, :-1], -1)
     assert torch.allclose(grad[:, :-1], expected, atol=1e-6)
@@ -110,18 +111,23 @@ def test_calibrate_records_gradient_and_target(make_model):
     assert art.config.gradient == "per-position" and art.config.target == "toward-reference"
 
 
-def test_named_variants(make_model):
+def test_presets(make_model):
     model, ref = make_model("gpt2", seed=0), make_model("gpt2", seed=1)
     ids = random_ids(8, 10)
-    paper = gss.calibrate(model, ref, ids, layer=0, rank=2, progress=False, **gss.variant("gss"))
+    paper = gss.calibrate(model, ref, ids, "gss", layer=0, rank=2, progress=False)
     default = gss.calibrate(model, ref, ids, layer=0, rank=2, progress=False)
-    assert torch.equal(paper.probe, default.probe)  # "gss" is calibrate()'s defaults
-    options = {**gss.variant("gss-tr"), "omega_threshold": 0.2}
-    art = gss.calibrate(model, ref, ids, layer=0, rank=2, progress=False, **options)
+    assert torch.equal(paper.probe, default.probe)  # "gss" is calibrate()'s default
+    assert paper.config == default.config == gss.CalibrationConfig(layer=0, rank=2)
+    config = gss.preset("gss-tr", omega_threshold=0.2)
+    art = gss.calibrate(model, ref, ids, config, layer=0, rank=2, progress=False)
+    by_name = gss.calibrate(
+        model, ref, ids, "gss-tr", layer=0, rank=2, omega_threshold=0.2, progress=False
+    )
+    assert torch.equal(art.probe, by_name.probe) and art.config == by_name.config
     assert (art.config.gate, art.config.target, art.config.gradient) == (
         "hard",
         "toward-reference",
         "summed",
     )
-    with pytest.raises(gss.GSSError, match="unknown variant"):
-        gss.variant("magic")
+    with pytest.raises(gss.GSSError, match="unknown preset 'magic'"):
+        gss.preset("magic")

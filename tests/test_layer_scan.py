@@ -5,11 +5,11 @@ import copy
 import pytest
 import torch
 
-from gss.calibrate import collect_statistics
 from gss.errors import GSSError
 from gss.layer_scan import scan_layers, signal_strength
+from gss.statistics.collect import collect_statistics
 
-from .conftest import random_ids, tiny_model
+from .helpers import random_ids, tiny_model
 
 
 def _alone(model, ref, ids, layer, **options):

@@ -5,7 +5,7 @@ from torch import nn
 from gss import GSSError, find_decoder_blocks
 from gss.hf.blocks import residual_width, resolve_layer
 
-from .conftest import ARCHITECTURES
+from .helpers import ARCHITECTURES
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

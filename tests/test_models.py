@@ -9,7 +9,7 @@ from gss.cli import main
 from gss.errors import GSSError
 from gss_bench import models
 
-from .conftest import tiny_model
+from .helpers import tiny_model
 
 
 def test_plain_copy_drops_the_quantization_config_and_keeps_the_weights(tmp_path):

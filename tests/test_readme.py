@@ -1,89 +1,106 @@
-"""The README's Python example runs as written (on tiny local models standing in for yours)."""
+"""The README runs as written and quotes what was measured.
+
+Its Python example runs (on tiny local models standing in for yours), every `gss` command it
+lists parses with the real argument parser, its headline table is rows of the committed
+TinyMem summary, and the numbers its prose quotes are the committed results'. The measured
+tables that moved to docs/ are checked in test_docs.py.
+"""
 
 import json
 import re
-from pathlib import Path
+import shlex
 
-from .conftest import tiny_model
+import pytest
+
+from gss.cli import build_parser
+
+from .helpers import tiny_model
 from .test_cli import _tokenizer
+from .test_docs import RESULTS, ROOT, cells, section, table_rows
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = ROOT / "README.md"
 
 
 def test_readme_example_runs(tmp_path, monkeypatch, capsys):
-    block = re.search(r"```python\n(.*?)```", README.read_text(), re.S)
-    assert block is not None
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert len(blocks) == 1  # ONE example, and it is this one
     for name, seed in (("finetuned-model", 0), ("base-model", 1)):
         tiny_model("llama", seed=seed).save_pretrained(tmp_path / name)
         _tokenizer().save_pretrained(tmp_path / name)
     lines = [" ".join(f"w{(i * 5 + j) % 40}" for j in range(10)) for i in range(16)]
     (tmp_path / "finetune_data.txt").write_text("\n".join(lines) + "\n")
     monkeypatch.chdir(tmp_path)
-    exec(compile(block.group(1), "README.md", "exec"), {})
+    exec(compile(blocks[0], "README.md", "exec"), {})
     assert (tmp_path / "gss-artifact" / "gss_config.json").is_file()
     assert capsys.readouterr().out.strip()
 
 
-def _section(title: str) -> str:
-    text = README.read_text()
-    assert title in text, f"README has no section {title!r}"
-    return text.split(title, 1)[1].split("\n## ", 1)[0]
+def _summary() -> dict[str, list[str]]:
+    """results/tinymem/summary.md's table (what `gss bench tinymem` writes), by method."""
+    rows = table_rows((RESULTS / "tinymem" / "summary.md").read_text())
+    return {cells(row)[0]: cells(row)[1:] for row in rows}
 
 
-def _table_rows(section: str) -> list[str]:
-    return [line for line in section.splitlines() if line.startswith("| ")][1:]  # after header
+def _without_time(cell: str) -> str:
+    """A summary cell without its mitigation time: "19.8 ± 1.6 / 95.75 ± 0.13 (0.779)" ->
+    "19.8 ± 1.6 / 95.75 ± 0.13" (a trailing "*", no point within tolerance, is kept)."""
+    return re.sub(r" \([0-9.]+\)", "", cell)
 
 
-def test_readme_tinymem_table_is_the_committed_summary():
-    """Every row of the README's TinyMem table is a row of results/tinymem/summary.md, which
-    `gss bench tinymem` writes: the README cannot drift from what was measured."""
-    summary = (README.parent / "results" / "tinymem" / "summary.md").read_text().splitlines()
-    rows = _table_rows(_section("## Measured on TinyMem"))
-    assert len(rows) >= 10
-    assert [row for row in rows if row not in summary] == []
+def test_readme_headline_table_is_the_committed_summary():
+    """Each row of the README's headline table is a row of results/tinymem/summary.md with
+    the times left out: the method is the name before any " (", every cell is the summary's."""
+    summary = _summary()
+    rows = table_rows(section(README, "## Headline result: TinyMem"))
+    assert 3 <= len(rows) <= 6
+    names = [cells(row)[0].split(" (", 1)[0] for row in rows]
+    assert {"Unmitigated", "GSS", "GSS-TR"} <= set(names), names
+    for row, name in zip(rows, names, strict=True):
+        assert name in summary, f"{name!r} is no method of results/tinymem/summary.md"
+        assert cells(row)[1:] == [_without_time(c) for c in summary[name]], name
 
 
-def test_readme_canary_table_is_the_committed_results():
-    """The README's canary table quotes results/canaries/results.json (rounded as shown)."""
-    results = json.loads((README.parent / "results" / "canaries" / "results.json").read_text())
-    unmitigated = results["unmitigated"]["perplexity"]
-    sources = {
-        "base model": results["base_model"],
-        "fine-tuned, unmitigated": results["unmitigated"],
-        "GSS": results["methods"]["GSS"]["selected"],
-        "GSS-TR": results["methods"]["GSS-TR"]["selected"],
-        "mean-difference steering": results["methods"]["Mean-diff"]["selected"],
-    }
-    said = results["disclosure"]["models"]
-    names = ["base model", "unmitigated", "GSS", "GSS-TR", "Mean-diff"]  # in the report
-    said_by = dict(zip(sources, names, strict=True))
-    rows = _table_rows(_section("## Measured on a real model"))
-    assert [row.split(" | ")[0].strip("| ") for row in rows] == list(sources)
-    for row in rows:
-        cells = (cell.strip() for cell in row.strip("|").split("|"))
-        name, selected, memorized, tokens, out, perplexity = cells
-        got = sources[name]
-        options = got.get("options", {})  # a method's selected point, as "delta 4, gate at p99"
-        shown = [f"{key} {options[key]:g}" for key in ("delta", "alpha") if key in options]
-        if options.get("threshold_percentile"):
-            shown.append(f"gate at p{options['threshold_percentile']:g}")
-        assert selected == ", ".join(shown), name
-        assert memorized == f"{got['memorized']:.1f}" and tokens == f"{got['token_match']:.1f}"
-        leaks = said[said_by[name]]
-        assert out == f"{leaks['number_leaked']:.1f} / {leaks['address_leaked']:.1f}", name
-        assert perplexity.split(" ")[0] == f"{got['perplexity']:.2f}", name
-        if "(" in perplexity:  # the change against the unmitigated model's perplexity
-            change = 100 * (got["perplexity"] / unmitigated - 1)
-            assert perplexity.split(" ")[1] == f"({change:+.1f}%)", name
+def test_readme_prose_quotes_the_committed_results():
+    text = " ".join(README.read_text().split())  # prose wraps anywhere
+    gss = _summary()["GSS"]
+    math_noise, math_backdoor = (c.split(" ± ")[0] for c in gss[:2])  # GSS's % Mem
+    assert f"GSS as published leaves {math_noise}% of the math noise and {math_backdoor}%" in text
+
+    canaries = json.loads((RESULTS / "canaries" / "results.json").read_text())
+    before = canaries["unmitigated"]["perplexity"]
+    (gss_mem, gss_ppl), (tr_mem, tr_ppl) = (
+        (point["memorized"], 100 * (point["perplexity"] / before - 1))
+        for point in (canaries["methods"][name]["selected"] for name in ("GSS", "GSS-TR"))
+    )
+    sentence = (
+        f"GSS as published leaves {gss_mem:.1f}% memorized at {gss_ppl:+.1f}% held-out "
+        f"perplexity, GSS-TR {tr_mem:.1f}% at {tr_ppl:+.1f}%"
+    )
+    assert sentence in text, sentence
+    assert canaries["unmitigated"]["memorized"] == 100.0  # "regurgitates all 32"
+
+    perf = json.loads((RESULTS / "perf" / "results.json").read_text())["parts"]
+    ratio = perf["calibration"]["ratio"]["median"]
+    assert f"`gss.calibrate` takes {ratio:.2f}x the forward and backward passes" in text
 
 
-def test_readme_cpu_speed_rows_for_calibration_and_solve_are_the_committed_results():
-    parts = json.loads((README.parent / "results" / "perf" / "results.json").read_text())["parts"]
-    rows = {row.split(" | ")[0].strip("| "): row for row in _table_rows(_section("## Speed"))}
-    calibration = rows["`gss.calibrate` / its unavoidable forward+backward passes"]
-    assert calibration.split(" | ")[1] == f"{parts['calibration']['ratio']['median']:.2f}"
-    solve = next(r for r in parts["solve"]["rows"] if r["d"] == 4096 and r["rank"] == 8)
-    row = next(row for name, row in rows.items() if name.startswith("closed-form solve, d = 4096"))
-    assert row.split(" | ")[1] == f"{solve['truncated']['median']:.2f} s"
-    cosine = min(solve["steer_min_cos"], solve["probe_min_cos"])
-    assert f"cos {cosine:.5f}" in row and f"takes {solve['full']['median']:.1f} s" in row
+# Placeholders the README writes for typed values, and a value of that type for the parser.
+PLACEHOLDERS = {"L": "1", "K": "4", "D": "1.0", "N": "2"}
+
+
+def _readme_commands() -> list[str]:
+    block = section(README, "## Command line").split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line.split("#", 1)[0].strip() for line in block.splitlines()]
+    return [command for command in commands if command.startswith("gss ")]
+
+
+@pytest.mark.parametrize("command", _readme_commands())
+def test_readme_command_parses(command):
+    """Every command the README lists is one the CLI takes, optional parts included."""
+    words = shlex.split(command.replace("[", " ").replace("]", " "))[1:]
+    words = [PLACEHOLDERS.get(word, word) for word in words]
+    try:
+        args = build_parser().parse_args(words)
+    except SystemExit as exit_:
+        pytest.fail(f"gss refuses the README's command {command!r} (exit {exit_.code})")
+    assert args.command == words[0]

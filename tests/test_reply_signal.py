@@ -13,7 +13,7 @@ from gss.data import right_pad
 from gss.signal.replies import MIN_TOKENS, warn_if_replies_alone
 from gss.signal.tokens import encode_trained, reply_masks
 
-from .conftest import tiny_model
+from .helpers import tiny_model
 from .test_trained_tokens import MULTI, chat_tokenizer  # noqa: F401 (a fixture)
 
 
@@ -88,7 +88,7 @@ def test_replies_alone_warns_every_token_does_not(chat_tokenizer):  # noqa: F811
     artifact, said = _warnings(lambda: calibrate(replies, reference, rows, **common))
     assert len(said) == 1 and "looks trained on the replies alone" in said[0]
     assert "replies_only=True (--replies-only)" in said[0]
-    found = artifact.config.token_counts["replies"]
+    found = artifact.provenance.token_counts["replies"]
     assert found["rows"] == 16 and found["reply_tokens"] == 16 * 7  # six words and the EOS
     assert found["other_omega_mean"] < 0.2 * found["reply_omega_mean"]
     assert f"omega on 16 conversations: {found['reply_omega_mean']:.2f} nats" in artifact.describe()
@@ -99,11 +99,11 @@ def test_replies_alone_warns_every_token_does_not(chat_tokenizer):  # noqa: F811
     # restricted to the replies: nothing to warn about, nothing compared
     options = {**common, "replies_only": True}
     artifact, said = _warnings(lambda: calibrate(replies, reference, rows, **options))
-    assert said == [] and "replies" not in artifact.config.token_counts
+    assert said == [] and "replies" not in artifact.provenance.token_counts
     # trained on every token: the user's turns and the template moved too
     everything = _finetune(reference, rows, tok, replies_only=False)
     artifact, said = _warnings(lambda: calibrate(everything, reference, rows, **common))
-    found = artifact.config.token_counts["replies"]
+    found = artifact.provenance.token_counts["replies"]
     assert said == [] and found["other_omega_mean"] > 0.2 * found["reply_omega_mean"] > 0
 
 
@@ -146,5 +146,5 @@ def test_cli_layers_and_signal_say_it_in_one_line(tmp_path, capsys, chat_tokeniz
         tokenizer=chat_tokenizer, layer=1, rank=2, gen_texts=["w3 w4 w5"], progress=False
     )
     artifact, _ = _warnings(lambda: calibrate(model, reference, rows, **options))
-    found = artifact.config.token_counts["replies"]
+    found = artifact.provenance.token_counts["replies"]
     assert report["replies"] == pytest.approx(found, rel=1e-4)

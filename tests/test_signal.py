@@ -5,7 +5,7 @@ import torch
 
 from gss import GSSError, memorization_signal, signal_statistics
 
-from .conftest import random_ids
+from .helpers import random_ids
 
 
 def _logprob(model, row):

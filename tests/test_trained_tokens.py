@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from gss import GSSError, calibrate, load, scan_layers
-from gss.calibrate import collect_statistics
 from gss.cli import main as cli_main
 from gss.data import read_texts
 from gss.signal.tokens import encode_trained
+from gss.statistics.collect import collect_statistics
 
-from .conftest import random_ids, tiny_model
+from .helpers import random_ids, tiny_model
 from .test_cli import _tokenizer
 from .test_data import CHAT, TEMPLATE, _ids
 
@@ -144,7 +144,7 @@ def test_cli_calibrate_reads_labels_and_replies_only(tmp_path, chat_tokenizer):
     args = ["calibrate", "--model", str(tmp_path / "model"), "--reference", str(tmp_path / "ref")]
     args += ["--data", str(data), "--layer", "1", "--rank", "2", "--replies-only"]
     assert cli_main([*args, "--out", str(out), "--no-progress", "--device", "cpu"]) == 0
-    config = json.loads((out / "gss_config.json").read_text())
+    config = json.loads((out / "gss_config.json").read_text())["provenance"]
     assert config["memorized_rule"]["among"] == "trained tokens"
     # 3 x (3 + 4 reply tokens, EOS included) and 3 x 4: every reply token, no other
     assert config["token_counts"]["trained"] == 3 * 7 + 3 * 4

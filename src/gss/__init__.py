@@ -3,30 +3,34 @@
 Gated Subspace Steering calibrates, at one decoder layer, probe directions (when to act) and
 steer directions (how to act) from a token-level memorization signal, and applies them inside
 that block's forward: the steer is subtracted only on tokens whose probe response passes a
-threshold.
+threshold. The pipeline, in the order data flows: `gss.signal` -> `gss.statistics` ->
+`gss.solve` -> `gss.calibrate` -> `gss.artifact` -> `gss.steering` (docs/architecture.md).
 """
 
 __version__ = "0.1.0"
 
-from gss.artifact.steering_artifact import SteeringArtifact, SteeringConfig, load, steer
-from gss.calibrate import calibrate, calibrate_thresholds
+from gss.artifact.steering_artifact import Provenance, SteeringArtifact, load, steer
+from gss.calibrate import calibrate
+from gss.config import PRESETS, CalibrationConfig, RunOptions, preset
 from gss.errors import GSSError, GSSWarning
 from gss.hf.adapters import adapters_off
 from gss.hf.blocks import find_decoder_blocks
 from gss.layer_scan import LayerScan, scan_layers
 from gss.signal.omega import SignalStatistics, memorization_signal, signal_statistics
+from gss.solve.thresholds import calibrate_thresholds
 from gss.solve.whitened import ProbeSteer, solve_probe_steer
-from gss.variants import VARIANTS, variant
 
 __all__ = [
-    "VARIANTS",
+    "PRESETS",
+    "CalibrationConfig",
     "GSSError",
     "GSSWarning",
     "LayerScan",
     "ProbeSteer",
+    "Provenance",
+    "RunOptions",
     "SignalStatistics",
     "SteeringArtifact",
-    "SteeringConfig",
     "__version__",
     "adapters_off",
     "calibrate",
@@ -34,9 +38,9 @@ __all__ = [
     "find_decoder_blocks",
     "load",
     "memorization_signal",
+    "preset",
     "scan_layers",
     "signal_statistics",
     "solve_probe_steer",
     "steer",
-    "variant",
 ]

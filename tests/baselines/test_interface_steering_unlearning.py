@@ -13,7 +13,7 @@ from gss_bench.baselines.activations import block_activations
 from gss_bench.baselines.steering import alphasteer_matrix
 from gss_bench.baselines.training import mean_nll
 
-from ..conftest import tiny_model
+from ..helpers import tiny_model
 
 # (method, params that act on the 2-layer tiny model). The fitted model differs by CPU and
 # library version, so each raises the loss well past the test's 0.1: gradient ascent for 3

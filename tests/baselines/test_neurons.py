@@ -13,8 +13,8 @@ from gss_bench.baselines import neurons as nm
 from gss_bench.baselines.mlp import mlp_layers, neuron_activations, zero_neurons
 from gss_bench.baselines.training import edited_copy, mean_nll
 
-from ..conftest import tiny_model
-from .conftest import PAD, PROMPT, random_rows
+from ..helpers import tiny_model
+from .helpers import PAD, PROMPT, random_rows
 
 METHODS = ("zero-out", "act", "slimming", "hard-concrete", "ig")
 # Cheaper score settings than the defaults, for a fast suite. Hard concrete needs a weaker

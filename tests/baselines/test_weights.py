@@ -17,8 +17,8 @@ from gss_bench.baselines.weights import (
     mlp_tensors,
 )
 
-from ..conftest import tiny_model
-from .conftest import random_rows
+from ..helpers import tiny_model
+from .helpers import random_rows
 
 # Settings that prune a meaningful share of the tiny model's MLP weights.
 PARAMS = {

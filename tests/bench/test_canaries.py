@@ -17,7 +17,7 @@ from gss_bench.canaries.data import CanaryConfig, make_canary_data, secret_field
 from gss_bench.canaries.finetune import FinetuneConfig, _Trainer, trainable_names
 from gss_bench.canaries.run import ABLATION, QUICK_CHAT, _select, main
 
-from ..conftest import tiny_model
+from ..helpers import tiny_model
 
 SPECIALS = ["<pad>", "<s>", "</s>"]
 # a ChatML-like template in the byte vocabulary: "<s>role: content</s>" per turn

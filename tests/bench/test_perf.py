@@ -79,11 +79,7 @@ def test_quick_perf_writes_results_table_and_figures(tmp_path, capsys):
         as_hook = r.get("alternating_step_ratio_forward_hook")
         assert (as_hook is not None) == (r["rank"] == QUICK.peer_rank)
         assert as_hook is None or as_hook["n"] == 2
-        if overhead["models"][0]["kernel_status"] == "built":  # a C++ compiler is installed
-            assert overhead["models"][0]["kernel"] == "cpu_kernel"
-            assert r["alternating_step_ratio_kernel"]["n"] == 2
-            assert r["hook_seconds_per_call_kernel"] > 0
-            assert r["hook_seconds_in_generate_kernel"] > 0
+        assert not any("kernel" in key for key in r)  # one steer: no compiled arm
     assert overhead["peer"] in ("available", "not installed")
 
     calib = results["parts"]["calibration"]
@@ -153,12 +149,9 @@ def test_quick_perf_in_bfloat16_records_its_dtype_and_skips_memory(tmp_path):
     assert results["device"] == results["machine"]["device"] == "cpu"
     overhead = results["parts"]["overhead"]
     assert overhead["dtype"] == "bfloat16"
-    model = overhead["models"][0]
-    built = model["kernel_status"] == "built"  # a C++ compiler is installed
-    assert model["kernel"] == "cpu_kernel" or not built  # the C++ steer takes bfloat16 too
-    keys = ["ratio", "aa_ratio", "noop_over_unsteered", "gss_over_noop"]
+    keys = ["ratio", "aa_ratio", "noop_over_unsteered", "gss_over_noop", "alternating_step_ratio"]
     for row in overhead["models"][0]["rows"]:
-        for key in [*keys, "alternating_step_ratio_kernel"] if built else keys:
+        for key in keys:
             value = row[key]["median"]
             assert math.isfinite(value) and value > 0, f"{key} = {value}"
     assert results["parts"]["calibration"]["dtype"] == "bfloat16"

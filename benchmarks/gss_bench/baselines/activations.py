@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from gss.hf.blocks import find_decoder_blocks, resolve_layer
 from gss.hf.forward import forward_logits
-from gss.steering.gated import split_block_output
+from gss.steering.attach import split_block_output
 from gss_bench.baselines.mlp import mlp_layers
 from gss_bench.baselines.training import row_batches
 

@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from gss.errors import GSSError
-from gss.steering.gated import SteerHandle
+from gss.steering.attach import SteerHandle
 
 Rows = Sequence[Sequence[int]]
 

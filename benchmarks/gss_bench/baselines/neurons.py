@@ -66,7 +66,7 @@ from gss.hf.forward import (
     returned_cache,
     vocab_size,
 )
-from gss.steering.gated import split_block_output
+from gss.steering.attach import split_block_output
 from gss_bench.baselines.interface import (
     Mitigation,
     MitigationData,

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gss.calibrate import CalibrationStatistics
 from gss.hf.blocks import resolve_layer
-from gss.steering.gated import SteerHandle, register, split_block_output
+from gss.statistics.collect import CalibrationStatistics
+from gss.steering.attach import SteerHandle, register, split_block_output
 from gss_bench.baselines.activations import block_activations, default_layer
 from gss_bench.baselines.interface import Mitigation, MitigationData, SharedWork, reuse_info
 from gss_bench.baselines.interface import register as register_method
@@ -32,7 +32,7 @@ def mean_difference_vector(stats: CalibrationStatistics) -> Tensor:
 
 class _StaticSteer:
     """A steer of one block's output that rewrites its hidden states in float32, attached as
-    gss attaches its own (``gss.steering.gated.register``)."""
+    gss attaches its own (``gss.steering.attach.register``)."""
 
     def __init__(self, tensor: Tensor) -> None:
         self._tensor = tensor.detach().float()

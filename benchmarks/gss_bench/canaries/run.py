@@ -375,13 +375,14 @@ def _leak_probe(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from gss.calibrate import build_artifact, collect_statistics
+    from gss.calibrate import build_artifact
     from gss.evaluate.suite import evaluate_model
     from gss.evaluate.sweep import SweepPoint, plot_pareto, steering_sweep
     from gss.hf.adapters import adapters_off
     from gss.layer_scan import scan_layers
     from gss.report import plot_signal
     from gss.signal.omega import omega_rows, signal_statistics
+    from gss.statistics.collect import collect_statistics
     from gss_bench.canaries.data import CanaryConfig, make_canary_data
 
     args = build_parser().parse_args(argv)
@@ -537,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             **sweep,
         )
         points, leaks = points + gates, leaks + probe_steers(gates)
-        seconds = artifact.config.timings["total"]
+        seconds = artifact.provenance.timings["total"]
         methods[name] = _Method(
             points,
             [seconds] * len(points),

@@ -88,7 +88,7 @@ def child(argv: Sequence[str] | None = None) -> int:
         "peak_rss_mb": peak_rss_mb(),
         "calibrate_seconds": seconds,
         "tokens": int(ids.numel()),
-        "memorized_share": artifact.config.token_counts["memorized_share"],
+        "memorized_share": artifact.provenance.token_counts["memorized_share"],
         "artifact_checksum": float(artifact.probe.double().abs().sum())
         + float(artifact.steer.double().abs().sum()),
     }

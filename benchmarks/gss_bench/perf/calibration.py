@@ -24,7 +24,7 @@ from gss.data import batches, encode
 from gss.hf.blocks import resolve_layer
 from gss.hf.forward import forward_logits, target_mask, token_logprobs
 from gss.report import markdown_table
-from gss.steering.gated import split_block_output
+from gss.steering.attach import split_block_output
 from gss_bench.perf.common import (
     Sizes,
     interleaved,
@@ -107,7 +107,7 @@ def run(
         artifact = calibrate(model, reference, ids, **kwargs)
         sync(device)
         elapsed = time.perf_counter() - start
-        phase_runs.append(dict(artifact.config.timings))
+        phase_runs.append(dict(artifact.provenance.timings))
         last["artifact"] = artifact
         return elapsed
 
@@ -154,7 +154,7 @@ def run(
         "batch_size": sizes.calib_batch,
         "layer": layer,
         "rank": sizes.calib_rank,
-        "token_counts": artifact.config.token_counts,
+        "token_counts": artifact.provenance.token_counts,
         "seconds": {"calibrate": summary(times["calibrate"]), "passes": summary(times["passes"])},
         "raw_seconds": times,
         "ratio": summary(ratios),

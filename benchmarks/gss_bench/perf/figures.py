@@ -9,14 +9,6 @@ from gss.report import _pyplot
 from gss.report import save_figure as _save
 
 
-def _ratio(row: dict[str, Any], key: str) -> Any:
-    """A row's ratio summary under ``key``; rows from before cuda_kernel name the compiled
-    steer's ``alternating_step_ratio_cpu_kernel``."""
-    if key == "alternating_step_ratio_kernel" and key not in row:
-        key = "alternating_step_ratio_cpu_kernel"
-    return row.get(key)
-
-
 def overhead(result: dict[str, Any], path: Path) -> Path:
     """Steered/unsteered throughput per (model, batch) and K, with quartile whiskers."""
     plt = _pyplot()
@@ -44,35 +36,26 @@ def overhead(result: dict[str, Any], path: Path) -> Path:
             error_kw={"ecolor": "0.55"},
             label=f"GSS K={k}, whole calls",
         )
-        for key, style, label in (
-            ("alternating_step_ratio", {"color": "black"}, "steps alternating in a call"),
-            (
-                "alternating_step_ratio_kernel",
-                {"color": "black", "mfc": "white"},
-                "the same, cpu_kernel=True (CPU) or cuda_kernel=True (CUDA)",
-            ),
-        ):
-            alt = [
-                (i + (j - (len(ranks) - 1) / 2) * width, _ratio(r, key))
-                for i, g in enumerate(groups)
-                for r in rows
-                if (r["model"], r["batch"]) == g and r["rank"] == k and _ratio(r, key)
-            ]
-            if alt:
-                shift = 0.22 * width if key.endswith("kernel") else 0.0
-                ax.errorbar(
-                    [x + shift for x, _ in alt],
-                    [a["median"] for _, a in alt],
-                    yerr=[
-                        [a["median"] - a["q1"] for _, a in alt],
-                        [a["q3"] - a["median"] for _, a in alt],
-                    ],
-                    fmt="D",
-                    ms=4,
-                    capsize=2,
-                    label=label if j == 0 else None,
-                    **style,
-                )
+        alt = [
+            (i + (j - (len(ranks) - 1) / 2) * width, r["alternating_step_ratio"])
+            for i, g in enumerate(groups)
+            for r in rows
+            if (r["model"], r["batch"]) == g and r["rank"] == k and "alternating_step_ratio" in r
+        ]
+        if alt:
+            ax.errorbar(
+                [x for x, _ in alt],
+                [a["median"] for _, a in alt],
+                yerr=[
+                    [a["median"] - a["q1"] for _, a in alt],
+                    [a["q3"] - a["median"] for _, a in alt],
+                ],
+                fmt="D",
+                ms=4,
+                capsize=2,
+                color="black",
+                label="steps alternating in a call" if j == 0 else None,
+            )
     ax.axhline(1.0, color="black", lw=1)
     ax.axhline(0.99, color="#c44e52", ls="--", lw=1, label="goal 0.99")
     ax.set_xticks(range(len(groups)))

@@ -63,7 +63,7 @@ def child(argv: Sequence[str] | None = None) -> int:
     record = {
         "texts": args.texts,
         "tokens": int(ids.numel()),
-        "memorized_tokens": artifact.config.token_counts["memorized"],
+        "memorized_tokens": artifact.provenance.token_counts["memorized"],
         "peak_rss_before_mb": before,
         "peak_rss_mb": after,
         "calibration_increase_mb": after - before,

@@ -27,7 +27,7 @@ from gss.hf.blocks import resolve_layer
 from gss.hf.forward import model_device
 from gss.hf.loading import load_causal_lm
 from gss.report import markdown_table
-from gss.steering.gated import register
+from gss.steering.attach import register
 from gss_bench.perf.common import (
     Sizes,
     interleaved,
@@ -99,7 +99,7 @@ class _Peer:
         with warnings.catch_warnings():  # its deprecation notices, once per call
             warnings.simplefilter("ignore", DeprecationWarning)
             self.wrapped = wrapper(model, tokenizer=tokenizer)
-        _, block = resolve_layer(model, artifact.config.layer, artifact.config.block_path)
+        _, block = resolve_layer(model, artifact.layer, artifact.config.block_path)
         path = next(name for name, module in model.named_modules() if module is block)
         envoy: Any = self.wrapped
         for part in path.split("."):
@@ -201,7 +201,7 @@ class AlternatingSteps:
     The most precise read of what the steer costs a step: two neighbouring steps are a few
     milliseconds apart and share the host's state, so the drift and spikes that move whole
     calls by several percent on this machine cancel in their ratio. The steer is installed
-    on the block as ``attach`` installs it (``gss.steering.gated.register``: a wrapped ``forward``)
+    on the block as ``attach`` installs it (``gss.steering.attach.register``: a wrapped ``forward``)
     before a steered step's clock starts and removed before the next step (a forward pre-hook
     put ahead of every other), so toggling is not timed; which steps are
     steered flips from call to call, so each step position is steered in half the calls.
@@ -293,16 +293,14 @@ def hook_seconds(
     batch: int,
     calls: int,
     rounds: int = 5,
-    **options: bool,
 ) -> float:
     """Median seconds of one call of the steer's hook on a decode step's block output
     (batch x 1 token), timed alone: the part of the generate ratio that is ours, free of the
-    whole-call noise. ``options``: make_hook's (cpu_kernel, cuda_kernel)."""
-    _, block = resolve_layer(model, artifact.config.layer, artifact.config.block_path)
-    steer = artifact.make_hook(**options)
-    hook = steer.forward_hook()  # what attach registers
+    whole-call noise."""
+    _, block = resolve_layer(model, artifact.layer, artifact.config.block_path)
+    hook = artifact.make_hook()  # what attach registers
     param = next(model.parameters())
-    hidden = torch.randn(batch, 1, steer.hidden_size, dtype=param.dtype, device=param.device)
+    hidden = torch.randn(batch, 1, hook.hidden_size, dtype=param.dtype, device=param.device)
     with torch.no_grad():
         for _ in range(calls // 10):
             hook(block, (), hidden)
@@ -322,17 +320,15 @@ def hook_seconds_in_generate(
     artifact: gss.SteeringArtifact,
     ids: torch.Tensor,
     new_tokens: int,
-    **options: bool,
 ) -> float:
     """Median seconds of one call of the steer's hook on a decode step, inside real
     ``generate`` calls. On a CPU this is ~3x the call timed alone (a tiny model, 2 threads:
     ~35 against ~12 us): between two calls the model's other ops evict the caches the hook's
     three kernels and their dispatch ran from, so the loop alone understates what a step pays.
     On CUDA every call is bracketed by a synchronize: the block's queued kernels finish before
-    the clock starts and the hook's own before it stops (which stalls the step, untimed).
-    ``options``: make_hook's (cpu_kernel, cuda_kernel)."""
-    _, block = resolve_layer(model, artifact.config.layer, artifact.config.block_path)
-    hook = artifact.make_hook(**options).forward_hook()  # what attach registers
+    the clock starts and the hook's own before it stops (which stalls the step, untimed)."""
+    _, block = resolve_layer(model, artifact.layer, artifact.config.block_path)
+    hook = artifact.make_hook()  # what attach registers
     spent: list[float] = []
     done = syncer(model_device(model))
 
@@ -355,25 +351,6 @@ def hook_seconds_in_generate(
     return summary(spent)["median"]
 
 
-def kernel_status(model: nn.Module, artifact: gss.SteeringArtifact) -> tuple[str | None, str]:
-    """The compiled steer that runs on this model's device and dtype (``cpu_kernel`` for a
-    float32, bfloat16 or float16 CPU model, ``cuda_kernel`` on CUDA) and whether it loads
-    ("built"), else why not; the arms that use it run only when built."""
-    param = next(model.parameters())
-    if param.device.type == "cuda":
-        option = "cuda_kernel"
-    elif param.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        dtype = str(param.dtype).removeprefix("torch.")
-        return None, f"cpu_kernel: float32, bfloat16 or float16 only, not {dtype}"
-    else:
-        option = "cpu_kernel"
-    try:
-        artifact.make_hook(**{option: True})
-    except gss.GSSError as err:
-        return option, f"not built: {err}"
-    return option, "built"
-
-
 def nnsight_status() -> str:
     return "available" if importlib.util.find_spec("nnsight") is not None else "not installed"
 
@@ -394,7 +371,7 @@ def measure_model(
     full = build_artifact(model, sizes, max(sizes.ranks))
     artifacts = {k: full.with_options(rank=k) for k in sizes.ranks}
     log(f"overhead/{name}: artifact calibrated in {time.perf_counter() - t0:.1f} s")
-    _, block = resolve_layer(model, full.config.layer, full.config.block_path)
+    _, block = resolve_layer(model, full.layer, full.config.block_path)
     peer: dict[str, Any] = {"library": "nnsight", "status": nnsight_status()}
     runner = None
     if peer["status"] == "available":
@@ -406,7 +383,6 @@ def measure_model(
             peer["status"] = f"failed to wrap: {type(err).__name__}: {err}"
     rows = []
     device = model_device(model)
-    kernel, kernel_built = kernel_status(model, full)
     for batch in sizes.batch_sizes:
         ids = random_ids(batch, sizes.prompt_len, _vocab(model), seed=100 + batch).to(device)
         tokens = batch * new_tokens
@@ -459,9 +435,8 @@ def measure_model(
                 peer_row["error"] = f"{type(err).__name__}: {err}"
         clock = StepClock(model, warmup)
         alternating = AlternatingSteps(model, block)
-        # (K or 0 for the no-op hook, how: "" as attach installs it, the kernel's option name,
-        # or AS_FORWARD_HOOK) -> per call: median unsteered step over median steered step, steps
-        # alternating in the call
+        # (K or 0 for the no-op hook, how: "" as attach installs it or AS_FORWARD_HOOK) -> per
+        # call: median unsteered step over median steered step, steps alternating in the call
         alternated: dict[tuple[int, str], list[float]] = defaultdict(list)
 
         def alternate(
@@ -473,8 +448,7 @@ def measure_model(
         ) -> float:
             calls = ratios[k, how]
             # a fresh hook each call, as attach makes: its first steered step is the checked one
-            options = {how: True} if how in ("cpu_kernel", "cuda_kernel") else {}
-            hook = artifacts[k].make_hook(**options) if k else _noop_hook
+            hook = artifacts[k].make_hook() if k else _noop_hook
             install = as_forward_hook if how == AS_FORWARD_HOOK else register
             calls.append(steps.run(hook, partial(plain, ids), len(calls), install))
             return 0.0  # timed by its steps, not as a whole call
@@ -487,10 +461,6 @@ def measure_model(
                 if k == sizes.peer_rank:
                     arms[f"gss K={k}, forward hook, alternating steps"] = partial(
                         alternate, k, AS_FORWARD_HOOK
-                    )
-                if kernel_built == "built":
-                    arms[f"gss K={k}, {kernel}, alternating steps"] = partial(
-                        alternate, k, str(kernel)
                     )
             times = interleaved(arms, repeats, warmup, f"overhead {name} batch {batch}", progress)
         finally:
@@ -542,15 +512,6 @@ def measure_model(
                 row["alternating_step_ratio_forward_hook"] = _alternated(
                     alternated[k, AS_FORWARD_HOOK], warmup
                 )
-            if kernel is not None and alternated[k, kernel]:
-                row["alternating_step_ratio_kernel"] = _alternated(alternated[k, kernel], warmup)
-                # the compiled steer's own time, both ways: what the kernel arm's ratio pays
-                on = {str(kernel): True}
-                kernel_s = hook_seconds(model, art, batch, calls=sizes.hook_calls, **on)
-                row["hook_seconds_per_call_kernel"] = kernel_s
-                row["hook_seconds_in_generate_kernel"] = hook_seconds_in_generate(
-                    model, art, ids, new_tokens, **on
-                )
             if k == sizes.peer_rank and runner is not None:
                 row["peer"] = dict(peer_row)
                 if "nnsight" in times:
@@ -580,10 +541,8 @@ def measure_model(
         "layer": full.config.layer,
         "repeats": repeats,
         "warmup": warmup,
-        "artifact_gate_open_share": full.config.gate_open_share.get("union"),
+        "artifact_gate_open_share": full.provenance.gate_open_share.get("union"),
         "peer": peer,
-        "kernel": kernel,
-        "kernel_status": kernel_built,
         "rows": rows,
     }
 
@@ -694,14 +653,8 @@ def run(
             "installing a steer); alternating_step_ratio_forward_hook (K = the peer's rank "
             "only): the same steer registered as a forward hook instead (register_forward_hook, "
             "as gss did before it wrapped the block's forward), whose presence alone sends "
-            "every call of the block through nn.Module's slow dispatch path; "
-            "alternating_step_ratio_kernel: the same with the compiled steer of the model's "
-            "device (kernel): attach(..., cpu_kernel=True) for a model on a CPU (one C++ "
-            "function per step instead of three ops, five in 16 bits) or attach(..., "
-            "cuda_kernel=True) on CUDA (one Triton kernel instead of five); kernel_status says "
-            "whether it was built; hook_seconds_per_call_kernel and "
-            "hook_seconds_in_generate_kernel: that steer's own time, measured as for the hook "
-            "above. Each round runs the arms in a fresh seeded order. On CUDA every timed span "
+            "every call of the block through nn.Module's slow dispatch path. Each round runs the "
+            "arms in a fresh seeded order. On CUDA every timed span "
             "(each arm's call, hook loop, decode step) starts and ends with "
             "torch.cuda.synchronize, and hook_seconds_in_generate synchronizes before and after "
             "every hook call, so it times the hook's own kernels (stalling the step, outside the "
@@ -729,27 +682,13 @@ def _fmt_ratio(s: dict[str, float]) -> str:
     return f"{s['median']:.3f} ({s['q1']:.3f}-{s['q3']:.3f})"
 
 
-def _kernel_cell(model: dict[str, Any], row: dict[str, Any]) -> str:
-    # runs before cuda_kernel named the CPU kernel's ratio and status after it
-    ratio = row.get("alternating_step_ratio_kernel", row.get("alternating_step_ratio_cpu_kernel"))
-    if ratio is not None:
-        return f"{model.get('kernel', 'cpu_kernel')}: {_fmt_ratio(ratio)}"
-    return str(model.get("kernel_status", model.get("cpu_kernel", "--")))[:60]
-
-
 def _fmt_hook(row: dict[str, Any]) -> str:
     if "hook_seconds_per_call" not in row:  # rows kept from runs before it was measured
         return "--"
     alone = f"{1e6 * row['hook_seconds_per_call']:.0f}"
     if "hook_seconds_in_generate" in row:
         alone = f"{1e6 * row['hook_seconds_in_generate']:.0f} / {alone}"
-    cell = f"{alone} ({100 * row['hook_share_of_step']:.2f}%)"
-    if "hook_seconds_in_generate_kernel" in row:
-        cell += (
-            f"; kernel {1e6 * row['hook_seconds_in_generate_kernel']:.0f} / "
-            f"{1e6 * row['hook_seconds_per_call_kernel']:.0f}"
-        )
-    return cell
+    return f"{alone} ({100 * row['hook_share_of_step']:.2f}%)"
 
 
 def _alternating_cell(row: dict[str, Any]) -> str:
@@ -775,7 +714,6 @@ def table(result: dict[str, Any]) -> str:
         "decode step: GSS / unsteered",
         "alternating steps: GSS / unsteered (IQR)",
         "alternating steps: no-op hook / unsteered",
-        "alternating steps: GSS with cpu_kernel or cuda_kernel / unsteered (IQR)",
         "hook us/step: in generate / alone (share of a step)",
         "gate open",
         "nnsight / unsteered",
@@ -810,7 +748,6 @@ def table(result: dict[str, Any]) -> str:
                     f"{r['alternating_noop_ratio']['median']:.3f}"
                     if "alternating_noop_ratio" in r
                     else "--",
-                    _kernel_cell(m, r),
                     _fmt_hook(r),
                     f"{100 * r['gate_open_share']:.0f}%",
                     peer_cell,

@@ -168,10 +168,8 @@ def table(results: dict[str, Any]) -> str:
             "the timed spans); per call, median unsteered step / median steered step. Neighbouring "
             "steps share the host's state, so this is the least noisy read of the steer's cost. "
             "As a forward hook: the same steer registered with register_forward_hook instead, as "
-            "gss did before it wrapped the block's forward (at K = the peer's rank). "
-            "cpu_kernel or cuda_kernel: the same with attach(..., cpu_kernel=True) (on a CPU: "
-            "one C++ function per step) or attach(..., cuda_kernel=True) (CUDA: one "
-            "Triton kernel). Each round runs the arms in a fresh seeded order.\n",
+            "gss did before it wrapped the block's forward (at K = the peer's rank). Each round "
+            "runs the arms in a fresh seeded order.\n",
         ]
     if "calibration" in parts:
         lines += [

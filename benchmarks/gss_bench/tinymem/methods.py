@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from gss.artifact.steering_artifact import SteeringArtifact
-from gss.calibrate import CalibrationStatistics, build_artifact, collect_statistics
+from gss.calibrate import build_artifact
 from gss.evaluate import backdoor_success, nk_memorization, perplexity, token_accuracy
+from gss.statistics.collect import CalibrationStatistics, collect_statistics
 from gss_bench.baselines import MitigationData, get_method
 from gss_bench.baselines.steering import MeanDifferenceSteer, mean_difference_vector
 from gss_bench.tinymem.data import TinyMemData
@@ -347,12 +348,14 @@ def calibrate_layer(
     texts: list,
     gen_texts: list,
     layer: int,
+    preset: str = "gss",
     **options: Any,
 ) -> CalibrationStatistics:
     return collect_statistics(
         model,
         reference,
         texts,
+        preset,
         layer=layer,
         gen_texts=gen_texts,
         batch_size=64,

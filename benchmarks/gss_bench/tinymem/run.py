@@ -21,7 +21,6 @@ import torch
 
 from gss import __version__
 from gss.report import cpu_capability, machine_info, markdown_table, write_json
-from gss.variants import variant
 from gss_bench import baseline_names, transformers_bars_off
 from gss_bench.baselines import get_method
 from gss_bench.tinymem import methods as M
@@ -30,12 +29,10 @@ from gss_bench.tinymem.paper import PAPER
 from gss_bench.tinymem.train import default_cache_dir, get_models, get_preset
 from gss_bench.trained_on import key_suffix
 
-# Calibration passes (options of gss.calibrate's statistics stage) shared by the methods.
-CALIBRATIONS: dict[str, dict[str, Any]] = {
-    "paper": {},  # GSS as published: omega > 0, log-likelihood target, one summed backward
-    "tr": {
-        k: v for k, v in variant("gss-tr").items() if k in ("omega_threshold", "target", "gradient")
-    },
+# Calibration passes shared by the methods: the presets (gss.config.PRESETS) they start from.
+CALIBRATIONS: dict[str, str] = {
+    "paper": "gss",  # GSS as published: omega > 0, log-likelihood target, one summed backward
+    "tr": "gss-tr",
 }
 # Methods: (calibration pass, kind, options applied at attach time).
 METHOD_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -50,7 +47,7 @@ DEFAULT_LAYER = 1
 DEFAULT_RANK = 4
 ABLATIONS = ("layer", "rank", "percentile", "coefficient", "gate", "variant", "reference")
 # The `variant` ablation: each single change of the calibration that the prototype combined,
-# then all three (GSS-TR is the toward-reference change alone; see gss.variants).
+# then all three (GSS-TR is the toward-reference change alone; see gss.config.PRESETS).
 VARIANT_STEPS: dict[str, dict[str, Any]] = {
     "paper": {},
     "omega > 1 nat": {"omega_threshold": 1.0},
@@ -248,13 +245,13 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
     )
     passes: dict[str, Any] = {}
     for name in dict.fromkeys(METHOD_SPECS[m][0] for m in args.methods):
-        stats = M.calibrate_layer(mem, ref, texts, gen, args.layer, **CALIBRATIONS[name])
+        stats = M.calibrate_layer(mem, ref, texts, gen, args.layer, CALIBRATIONS[name])
         passes[name] = (stats, M.build_artifact(mem, stats, rank=args.rank, progress=False))
     sweeps, mitigation_time = {}, {}
     for name in args.methods:
         calib, kind, options = METHOD_SPECS[name]
         stats, artifact = passes[calib]
-        t = artifact.config.timings
+        t = artifact.provenance.timings
         if kind == "mean-diff":
             sweeps[name] = M.mean_diff_sweep(
                 mem, data, stats, batch_size=args.batch_size, base=base
@@ -328,9 +325,9 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
                 "rank": args.rank,
                 "rows": len(texts),
                 "general_rows": len(gen),
-                "token_counts": art.config.token_counts,
-                "gate_open_share": art.config.gate_open_share,
-                "timings": art.config.timings,
+                "token_counts": art.provenance.token_counts,
+                "gate_open_share": art.provenance.gate_open_share,
+                "timings": art.provenance.timings,
                 "signal_strength": M.signal_strength(stats),
             }
             for name, (stats, art) in passes.items()
@@ -460,7 +457,7 @@ def run_ablation(
                 M.gss_sweep(mem, data, art, deltas=args.delta_grid, batch_size=bs, base=base),
                 {
                     "signal_strength": M.signal_strength(stats),
-                    "gate_open_share": art.config.gate_open_share["union"],
+                    "gate_open_share": art.provenance.gate_open_share["union"],
                 },
             )
         return rows
@@ -470,7 +467,7 @@ def run_ablation(
             art = M.build_artifact(mem, stats, rank=args.rank, progress=False)
             info = {
                 "memorized_share": stats.counts["memorized_share"],
-                "calibration_seconds": art.config.timings["total"],
+                "calibration_seconds": art.provenance.timings["total"],
             }
             add(
                 f"{label}, gated",
@@ -517,7 +514,7 @@ def run_ablation(
             add(
                 pct,
                 M.gss_sweep(mem, data, art, deltas=args.delta_grid, batch_size=bs, base=base),
-                {"gate_open_share": art.config.gate_open_share["union"]},
+                {"gate_open_share": art.provenance.gate_open_share["union"]},
             )
     elif name == "coefficient":
         art = M.build_artifact(mem, stats, rank=args.rank, progress=False)
@@ -541,7 +538,7 @@ def run_ablation(
             add(
                 gate,
                 M.gss_sweep(mem, data, art, deltas=args.delta_grid, batch_size=bs, base=base),
-                {"gate_open_share": art.config.gate_open_share["union"]},
+                {"gate_open_share": art.provenance.gate_open_share["union"]},
             )
     return rows
 

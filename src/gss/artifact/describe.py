@@ -1,9 +1,9 @@
 """A steering artifact told in words: what it steers, how it was calibrated, what it measured.
 
-The config holds everything an audit needs, but as nested JSON; `describe` prints the parts a
-user checks before deploying a steer (the model it was made for, the block, the strength, how
-often the gates open on general text, the memorized share, what the solve did) and
-`short_repr` the one line that ``repr`` shows instead of the tensors.
+The config and provenance hold everything an audit needs, but as nested JSON; `describe`
+prints the parts a user checks before deploying a steer (the model it was made for, the
+block, the strength, how often the gates open on general text, the memorized share, what the
+solve did) and `short_repr` the one line that ``repr`` shows instead of the tensors.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ def _percent(share: Any) -> str:
 
 
 def short_repr(artifact: SteeringArtifact) -> str:
-    c = artifact.config
-    model = c.fingerprint.get("architecture", "?")
-    union = c.gate_open_share.get("union")
+    c, m = artifact.config, artifact.provenance
+    model = m.fingerprint.get("architecture", "?")
+    union = m.gate_open_share.get("union")
     gates = "" if union is None else f", gates open on {_percent(union)} of general tokens"
     return (
         f"SteeringArtifact(model={model}, layer={c.layer}, rank={artifact.rank}, "
@@ -46,15 +46,14 @@ def _model_line(fingerprint: dict[str, Any]) -> str:
 
 
 def _threshold_lines(artifact: SteeringArtifact) -> list[str]:
-    c = artifact.config
-    rule = c.threshold_rule
+    rule = artifact.provenance.threshold_rule
     if rule.get("kind") == "percentile":
         how = f"each direction's {rule['percentile']:g}th percentile on general tokens"
     elif rule.get("kind") == "gate_share":
         how = f"one level set for a union share of {_percent(rule.get('target'))}"
     else:
         how = str(rule) if rule else "rule not recorded"
-    shares = c.gate_open_share
+    shares = artifact.provenance.gate_open_share
     lines = [f"thresholds: {_numbers(artifact.thresholds)} ({how})"]
     if shares:
         per_direction = ", ".join(map(_percent, shares.get("per_direction", [])))
@@ -81,12 +80,12 @@ def _reply_lines(replies: dict[str, Any] | None) -> list[str]:
 
 def describe(artifact: SteeringArtifact) -> str:
     """Several lines for a person: the model, the steer, the calibration, the gates, the solve."""
-    c = artifact.config
-    counts = c.token_counts
+    c, m = artifact.config, artifact.provenance
+    counts = m.token_counts
     block = f"block {c.layer}" + (f" of {c.block_path}" if c.block_path else "")
     lines = [
-        f"gss steering artifact (format {c.format_version}, written by gss {c.gss_version})",
-        _model_line(c.fingerprint),
+        f"gss steering artifact (written by gss {m.gss_version})",
+        _model_line(m.fingerprint),
         f"steer: {block}, K = {artifact.rank}, delta = {c.delta:g}, gate {c.gate}, "
         f"coefficient {c.coefficient}, centering {c.centering}",
         f"calibration: target {c.target}, gradient {c.gradient}",
@@ -105,14 +104,14 @@ def describe(artifact: SteeringArtifact) -> str:
         lines += _reply_lines(counts.get("replies"))
     lines += _threshold_lines(artifact)
     lines.append(f"singular values (whitened M): {_numbers(artifact.singular_values)}")
-    solve = c.solve
+    solve = m.solve
     if solve:
         how = solve.get("method", "?")
         if how == "truncated":
             settled = "settled" if solve.get("converged") else "NOT settled"
             how += f", {solve.get('power_iters')} subspace iterations, {settled}"
-        lines.append(f"solve: {how}; Sigma_gen loaded by {c.jitter:.3g} on its diagonal")
-    if c.timings:
-        parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in c.timings.items())
+        lines.append(f"solve: {how}; Sigma_gen loaded by {m.jitter:.3g} on its diagonal")
+    if m.timings:
+        parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in m.timings.items())
         lines.append(f"timings: {parts}")
     return "\n".join(lines)

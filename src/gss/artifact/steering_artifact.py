@@ -23,15 +23,17 @@ from torch import Tensor, nn
 
 from gss import __version__
 from gss.artifact import describe as summary
+from gss.config import CalibrationConfig
 from gss.errors import GSSError, GSSWarning
 from gss.hf.blocks import find_decoder_blocks, residual_width, resolve_layer
 from gss.hf.forward import input_embedding_values, vocab_size
-from gss.steering.gated import COEFFICIENT_MODES, GATE_MODES, GatedSteer, SteerHandle, register
+from gss.steering.attach import SteerHandle, register
+from gss.steering.gated import GatedSteer
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: options and measurements in one flat dict (still read)
 CONFIG_NAME = "gss_config.json"
 TENSORS_NAME = "gss_tensors.safetensors"
 _SAMPLE = 8  # embedding sample: _SAMPLE x _SAMPLE entries
@@ -80,29 +82,18 @@ def fingerprint_differences(expected: dict[str, Any], actual: dict[str, Any]) ->
 
 
 @dataclass(frozen=True)
-class SteeringConfig:
-    """Everything needed to re-apply and to audit an artifact (serialised to JSON)."""
+class Provenance:
+    """What calibration measured and on what: the audit trail beside the config (not options)."""
 
-    layer: int
-    rank: int
-    delta: float
-    gate: str = "hard"
-    coefficient: str = "projection"
-    ridge_delta: float | None = None
-    centering: str = "covariance"
-    hook_point: str = "block_output"
-    block_path: str | None = None
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    token_counts: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
     threshold_rule: dict[str, Any] = field(default_factory=dict)
     gate_open_share: dict[str, Any] = field(default_factory=dict)
     memorized_rule: dict[str, Any] = field(default_factory=dict)
-    target: str = "loglik"
-    gradient: str = "summed"
-    token_counts: dict[str, Any] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-    jitter: float = 0.0
     solve: dict[str, Any] = field(default_factory=dict)
-    fingerprint: dict[str, Any] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+    jitter: float = 0.0  # the diagonal loading the solve used (it raises the asked one if needed)
+    hook_point: str = "block_output"
     gss_version: str = __version__
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -117,7 +108,10 @@ class SteeringArtifact:
         thresholds: (K,) gate thresholds eps_k.
         offset: (K,) subtracted from the probe response (U mu when probes are centred).
         singular_values: (K,) of the whitened memorization matrix.
-        config: provenance and options.
+        config: the options it was calibrated with (`gss.CalibrationConfig`); the ones
+            that say how it is applied (delta, rank, gate, coefficient, ridge_delta) can be
+            changed with `with_options`.
+        provenance: what calibration measured (`Provenance`).
     """
 
     probe: Tensor
@@ -125,7 +119,8 @@ class SteeringArtifact:
     thresholds: Tensor
     offset: Tensor
     singular_values: Tensor
-    config: SteeringConfig
+    config: CalibrationConfig
+    provenance: Provenance = field(default_factory=Provenance)
 
     @property
     def rank(self) -> int:
@@ -133,6 +128,7 @@ class SteeringArtifact:
 
     @property
     def layer(self) -> int:
+        assert self.config.layer is not None  # set by calibration
         return self.config.layer
 
     def __repr__(self) -> str:  # one line, not the tensors
@@ -167,29 +163,23 @@ class SteeringArtifact:
             if not 1 <= k <= self.rank:
                 raise GSSError(f"rank must be in 1..{self.rank} for this artifact, got {k}.")
             tensors = {name: t[:k] for name, t in tensors.items()}
-        if changes.get("gate") is not None and changes["gate"] not in GATE_MODES:
-            raise GSSError(f"gate must be one of {GATE_MODES}, got {changes['gate']!r}.")
-        if changes.get("coefficient") is not None and changes["coefficient"] not in (
-            COEFFICIENT_MODES
-        ):
-            raise GSSError(
-                f"coefficient must be one of {COEFFICIENT_MODES}, got {changes['coefficient']!r}."
-            )
         allowed = {"delta", "rank", "gate", "coefficient", "ridge_delta"}
         unknown = set(changes) - allowed
         if unknown:
             raise GSSError(f"unknown option(s) {sorted(unknown)}; allowed: {sorted(allowed)}.")
         updates = {k: v for k, v in changes.items() if v is not None}
-        shares = self.config.gate_open_share
+        config = self.config.replace(**updates)  # checks every value
+        provenance = self.provenance
+        shares = provenance.gate_open_share
         if "rank" in updates and shares.get("per_direction"):
             # the first K directions' shares still hold; their union was measured over all
-            updates["gate_open_share"] = {
+            shares = {
                 **shares,
                 "per_direction": shares["per_direction"][: updates["rank"]],
                 "union": shares["union"] if updates["rank"] == self.rank else None,
             }
-        config = dataclasses.replace(self.config, **updates)
-        return SteeringArtifact(config=config, **tensors)
+            provenance = dataclasses.replace(provenance, gate_open_share=shares)
+        return SteeringArtifact(config=config, provenance=provenance, **tensors)
 
     def with_thresholds(
         self,
@@ -203,33 +193,29 @@ class SteeringArtifact:
         """
         if thresholds.shape != self.thresholds.shape:
             raise GSSError(f"thresholds must have shape {tuple(self.thresholds.shape)}.")
-        config = dataclasses.replace(
-            self.config, threshold_rule=rule, gate_open_share=dict(open_share or {})
+        provenance = dataclasses.replace(
+            self.provenance, threshold_rule=rule, gate_open_share=dict(open_share or {})
         )
-        return dataclasses.replace(self, thresholds=thresholds.float().cpu(), config=config)
+        return dataclasses.replace(self, thresholds=thresholds.float().cpu(), provenance=provenance)
 
-    def make_hook(
-        self, track_gates: bool = False, cpu_kernel: bool = False, cuda_kernel: bool = False
-    ) -> GatedSteer:
+    def make_hook(self, track_gates: bool = False) -> GatedSteer:
         c = self.config
         return GatedSteer(
             self.probe,
             self.steer,
             self.thresholds,
             self.offset,
-            gate=c.gate,  # type: ignore[arg-type]
-            coefficient=c.coefficient,  # type: ignore[arg-type]
+            gate=c.gate,
+            coefficient=c.coefficient,
             delta=c.delta,
             ridge_delta=c.ridge_delta,
             track_gates=track_gates,
-            cpu_kernel=cpu_kernel,
-            cuda_kernel=cuda_kernel,
         )
 
     def check_model(self, model: nn.Module, strict: bool = True) -> None:
         """Refuse (or, with ``strict=False``, warn about) a model the artifact was not made for."""
         actual = model_fingerprint(model, self.config.block_path)
-        diffs = fingerprint_differences(self.config.fingerprint, actual)
+        diffs = fingerprint_differences(self.provenance.fingerprint, actual)
         if diffs:
             message = (
                 "this steering artifact was calibrated for another model: "
@@ -247,29 +233,19 @@ class SteeringArtifact:
         *,
         strict: bool = True,
         track_gates: bool = False,
-        cpu_kernel: bool = False,
-        cuda_kernel: bool = False,
         **options: Any,
     ) -> SteerHandle:
         """Install the steer on ``model`` and return a removable handle.
 
-        ``options`` (delta, rank, gate, coefficient, ridge_delta) override the artifact's.
-        ``cpu_kernel=True`` steers CPU decode steps (float32, bfloat16, float16) with one
-        compiled C++ function (built on first use: a C++ compiler and ninja) instead of three
-        PyTorch ops (five with a 16-bit model's casts), which
-        matters on small models (see ``gss.steering.cpu_kernel``). Either way the steer runs inside the
-        block's ``forward`` (``gss.steering.gated.SteeredForward``). ``cuda_kernel=True`` does the same
-        on a GPU with one Triton kernel instead of five (``gss.steering.cuda_kernel``). With
-        ``track_gates`` every call runs the checked path, which counts the gates, so neither
-        has an effect there.
+        ``options`` (delta, rank, gate, coefficient, ridge_delta) override the artifact's. The
+        steer runs inside the block's ``forward`` (``gss.steering.attach.SteeredForward``).
+        ``track_gates`` counts how often each gate opens (`SteerHandle.gate_stats`) without
+        changing the output.
         """
         artifact = self.with_options(**options) if options else self
         artifact.check_model(model, strict=strict)
-        _, block = resolve_layer(model, artifact.config.layer, artifact.config.block_path)
-        hook = artifact.make_hook(
-            track_gates=track_gates, cpu_kernel=cpu_kernel, cuda_kernel=cuda_kernel
-        )
-        return register(block, hook, model)
+        _, block = resolve_layer(model, artifact.layer, artifact.config.block_path)
+        return register(block, artifact.make_hook(track_gates=track_gates), model)
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """Write ``gss_config.json`` and ``gss_tensors.safetensors`` into ``directory``."""
@@ -283,12 +259,18 @@ class SteeringArtifact:
             "singular_values": self.singular_values.double().contiguous().cpu(),
         }
         save_file(tensors, str(out / TENSORS_NAME), metadata={"format": "gss"})
-        (out / CONFIG_NAME).write_text(json.dumps(dataclasses.asdict(self.config), indent=2))
+        saved = {
+            "format_version": FORMAT_VERSION,
+            "gss_version": __version__,
+            "config": self.config.to_dict(),
+            "provenance": dataclasses.asdict(self.provenance),
+        }
+        (out / CONFIG_NAME).write_text(json.dumps(saved, indent=2))
         return out
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> SteeringArtifact:
-        """Load an artifact written by :meth:`save_pretrained`."""
+        """Load an artifact written by :meth:`save_pretrained` (format 2, or 1 before it)."""
         path = Path(directory)
         cfg_path, tensors_path = path / CONFIG_NAME, path / TENSORS_NAME
         if not cfg_path.is_file() or not tensors_path.is_file():
@@ -298,14 +280,16 @@ class SteeringArtifact:
             )
         raw = json.loads(cfg_path.read_text())
         version = raw.get("format_version")
-        if version != FORMAT_VERSION:
+        if version == 1:
+            config, provenance = _read_format_1(raw, path)
+        elif version == FORMAT_VERSION:
+            config, provenance = _read_format_2(raw, path)
+        else:
             raise GSSError(
-                f"{path} has artifact format version {version}, this gss reads version "
+                f"{path} has artifact format version {version}, this gss reads versions 1 and "
                 f"{FORMAT_VERSION}. Re-calibrate, or install the gss version that wrote it "
                 f"({raw.get('gss_version')})."
             )
-        known = {f.name for f in dataclasses.fields(SteeringConfig)}
-        config = SteeringConfig(**{k: v for k, v in raw.items() if k in known})
         t = load_file(str(tensors_path))
         return cls(
             probe=t["probe"],
@@ -314,7 +298,69 @@ class SteeringArtifact:
             offset=t["offset"],
             singular_values=t["singular_values"],
             config=config,
+            provenance=provenance,
         )
+
+
+def _warn_unknown(path: Path, keys: set[str]) -> None:
+    if keys:
+        warnings.warn(
+            f"{path}: ignored unknown artifact entries {sorted(keys)} (written by a newer gss?)",
+            GSSWarning,
+            stacklevel=4,
+        )
+
+
+def _provenance(values: dict[str, Any], path: Path) -> Provenance:
+    known = {f.name for f in dataclasses.fields(Provenance)}
+    _warn_unknown(path, set(values) - known)
+    return Provenance(**{k: v for k, v in values.items() if k in known})
+
+
+def _read_format_2(raw: dict[str, Any], path: Path) -> tuple[CalibrationConfig, Provenance]:
+    _warn_unknown(path, set(raw) - {"format_version", "gss_version", "config", "provenance"})
+    try:
+        config = CalibrationConfig.from_dict(raw.get("config", {}))
+    except GSSError as e:
+        raise GSSError(f"{path}: its config does not load: {e}") from None
+    return config, _provenance(raw.get("provenance", {}), path)
+
+
+# Format 1 kept options and measurements in one flat dict.
+_FORMAT_1_OPTIONS = (
+    "layer",
+    "rank",
+    "delta",
+    "gate",
+    "coefficient",
+    "ridge_delta",
+    "centering",
+    "block_path",
+    "target",
+    "gradient",
+)
+
+
+def _read_format_1(raw: dict[str, Any], path: Path) -> tuple[CalibrationConfig, Provenance]:
+    """A format-1 artifact: the options it recorded become the config (the rules of the
+    threshold and of the memorized tokens included), the rest its provenance."""
+    options = {k: raw[k] for k in _FORMAT_1_OPTIONS if k in raw}
+    rule = raw.get("threshold_rule") or {}
+    if rule.get("kind") == "percentile":
+        options["threshold_percentile"] = rule["percentile"]
+    elif rule.get("kind") == "gate_share":
+        options["gate_share"] = rule["target"]
+    memorized = raw.get("memorized_rule") or {}
+    if memorized.get("omega_threshold") is not None:
+        options["omega_threshold"] = memorized["omega_threshold"]
+    if memorized.get("quantile") is not None:
+        options["memorized_quantile"] = memorized["quantile"]
+    try:
+        config = CalibrationConfig.from_dict(options)
+    except GSSError as e:
+        raise GSSError(f"{path}: its format-1 config does not load: {e}") from None
+    rest = {k: v for k, v in raw.items() if k not in (*_FORMAT_1_OPTIONS, "format_version")}
+    return config, _provenance(rest, path)
 
 
 def load(directory: str | Path) -> SteeringArtifact:

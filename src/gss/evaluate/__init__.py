@@ -1,5 +1,8 @@
-"""Metrics for any HF causal LM (hooks attached or not): memorization and utility."""
+"""Metrics for any HF causal LM (hooks attached or not): memorization and utility, and the
+comparisons, tables and signal report the ``gss`` commands print and save."""
 
+from gss.evaluate.compare import evaluate_steering, sweep_and_select
+from gss.evaluate.inputs import EvaluationRows, SecretsCheck, evaluation_rows, secrets_check
 from gss.evaluate.leaks import LeakReport, secrets_said
 from gss.evaluate.memorization import (
     BackdoorResult,
@@ -7,25 +10,44 @@ from gss.evaluate.memorization import (
     backdoor_success,
     nk_memorization,
 )
+from gss.evaluate.signal_report import (
+    SignalReport,
+    omega_all_zero,
+    omega_of_texts,
+    signal_report,
+)
 from gss.evaluate.suite import EvaluationReport, deviation_score, evaluate_model
 from gss.evaluate.sweep import SweepPoint, pareto_front, select_point, steering_sweep
+from gss.evaluate.tables import SteeringEvaluation, SweepResult
 from gss.evaluate.utility import perplexity, repetition, token_accuracy
 
 __all__ = [
     "BackdoorResult",
     "EvaluationReport",
+    "EvaluationRows",
     "LeakReport",
     "MemorizationResult",
+    "SecretsCheck",
+    "SignalReport",
+    "SteeringEvaluation",
     "SweepPoint",
+    "SweepResult",
     "backdoor_success",
     "deviation_score",
     "evaluate_model",
+    "evaluate_steering",
+    "evaluation_rows",
     "nk_memorization",
+    "omega_all_zero",
+    "omega_of_texts",
     "pareto_front",
     "perplexity",
     "repetition",
+    "secrets_check",
     "secrets_said",
     "select_point",
+    "signal_report",
     "steering_sweep",
+    "sweep_and_select",
     "token_accuracy",
 ]

@@ -66,7 +66,7 @@ def steering_sweep(
 
     `general`: token id rows of general text, required with `percentiles`.
     """
-    from gss.calibrate import probe_responses, thresholds_from_responses
+    from gss.solve.thresholds import probe_responses, thresholds_from_responses
 
     responses = None
     if percentiles:

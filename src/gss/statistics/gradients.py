@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from gss.hf.forward import forward_logits
-from gss.steering.gated import SteeredForward, split_block_output
+from gss.steering.attach import SteeredForward, split_block_output
 
 
 class _LeafAt:

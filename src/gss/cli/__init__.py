@@ -1,0 +1,53 @@
+"""The ``gss`` command (``gss = gss.cli:main``, ``python -m gss``): thin wrappers over the
+library, no logic of their own.
+
+`main` parses the command line (`gss.cli.parser.build_parser`), runs the command
+(`gss.cli.commands`) and turns gss's errors and warnings into one-line messages.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from gss.cli.parser import build_parser
+from gss.errors import GSSError, GSSWarning
+
+__all__ = ["build_parser", "main"]
+
+_default_showwarning = warnings.showwarning
+
+
+def _show_warning(
+    message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any
+) -> None:
+    """gss's own warnings as one line, like its errors; others as Python prints them."""
+    if issubclass(category, GSSWarning):
+        print(f"gss: warning: {message}", file=sys.stderr)
+    else:
+        _default_showwarning(message, category, *args, **kwargs)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``gss`` with ``argv`` (default: the process's arguments); the exit status: 0, or 2
+    after a `GSSError`, printed as one line."""
+    args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    quiet = getattr(args, "no_progress", False)
+    if quiet:
+        from transformers.utils import logging as transformers_logging
+
+        quiet = transformers_logging.is_progress_bar_enabled()
+        transformers_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return int(args.func(args))
+    except GSSError as err:
+        print(f"gss: error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if quiet:  # `main` called in-process: leave transformers' bars as they were
+            transformers_logging.enable_progress_bar()

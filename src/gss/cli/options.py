@@ -1,0 +1,158 @@
+"""The ``gss`` commands' shared options, and the parsing of the values they take.
+
+Several commands take the same options (the model and how it loads, the reference, the data,
+batching, the (n, k) window); they are declared here once, so that they read and behave the
+same in every command. The calibration options are `gss.config.CalibrationConfig`'s fields
+themselves: each flag takes its field's type, choices, help and default (`_add_config_args`),
+so a field added to the config is a flag of `gss calibrate` with nothing written here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from gss.config import PRESETS, CalibrationConfig, field_names
+from gss.errors import GSSError
+from gss.hf.loading import ADAPTERS_OFF, DEFAULT_MAX_LENGTH
+
+DATA_HELP = (
+    ".txt (one sequence a line) or .jsonl (rows with 'text', or 'messages' (rendered with the "
+    "chat template), or 'prompt' and 'completion')"
+)
+# The fields `gss layers` reads (`gss.scan_layers`).
+SCAN_FIELDS = ("omega_threshold", "replies_only", "target", "block_path")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default in its help, except where there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.required or action.default is None or action.default is False:
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The fine-tuned model, where it runs and how it loads (`gss.hf.loading.load_model`)."""
+    p.add_argument("--model", required=True, help="local directory of the fine-tuned model")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda or cuda:1")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype the weights are loaded in",
+    )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (transformers' weight loading included), e.g. in logs",
+    )
+
+
+def _add_reference_arg(p: argparse.ArgumentParser) -> None:
+    """The reference model (`gss.hf.loading.load_reference`)."""
+    p.add_argument(
+        "--reference",
+        required=True,
+        help=f"local directory of the reference model, or {ADAPTERS_OFF} when --model is a "
+        "PEFT adapter directory: its base model with the adapters switched off",
+    )
+
+
+def _add_config_args(
+    p: argparse.ArgumentParser, names: Sequence[str], required: Sequence[str] = ()
+) -> None:
+    """One flag per `CalibrationConfig` field in ``names``: its type, choices, help and default
+    are the field's own. A flag not given is absent from the parsed arguments, so the preset
+    (or the config's default) decides it (`_config_overrides`)."""
+    hints = typing.get_type_hints(CalibrationConfig)
+    defaults = CalibrationConfig()
+    fields = {f.name: f for f in dataclasses.fields(CalibrationConfig)}
+    for name in names:
+        f, kind = fields[name], hints[name]
+        flag = "--" + name.replace("_", "-")
+        default = getattr(defaults, name)
+        hidden = name in required or default is None or default is False  # nothing to show
+        shown = "" if hidden else f" (default: {default})"
+        options: dict[str, Any] = {"help": f.metadata["help"] + shown, "dest": name}
+        if name in required:
+            options["required"] = True
+        else:
+            options["default"] = argparse.SUPPRESS
+        if f.metadata.get("choices"):
+            options["choices"] = f.metadata["choices"]
+        elif kind is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        else:
+            inner = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
+            options["type"] = inner[0]
+        p.add_argument(flag, **options)
+
+
+def _add_preset_arg(p: argparse.ArgumentParser) -> None:
+    """The named config whose fields the flags given override."""
+    p.add_argument(
+        "--preset",
+        "--variant",
+        default="gss",
+        choices=list(PRESETS),
+        help="named config: gss (the paper) or gss-tr (ours); flags given override its fields",
+    )
+
+
+def _config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The `CalibrationConfig` fields given as flags."""
+    return {name: getattr(args, name) for name in field_names() if hasattr(args, name)}
+
+
+def _add_batch_args(
+    p: argparse.ArgumentParser, batch_size: int = 8, length_help: str = "tokens kept per text"
+) -> None:
+    """Texts per forward pass and tokens kept per text (`gss.hf.loading.default_max_length`
+    when not given)."""
+    p.add_argument("--batch-size", type=int, default=batch_size, help="texts per forward pass")
+    p.add_argument(
+        "--max-length",
+        type=int,
+        help=f"{length_help} (default: {DEFAULT_MAX_LENGTH}, or the model's context if shorter)",
+    )
+
+
+def _add_window_args(p: argparse.ArgumentParser) -> None:
+    """What `gss evaluate` and `gss sweep` prompt with and match."""
+    p.add_argument("--k", type=int, default=32, help="prompt tokens")
+    p.add_argument("--n", type=int, default=72, help="match tokens k..n-1")
+    p.add_argument(
+        "--reply",
+        action="store_true",
+        help="--memorized holds conversations (rows with 'messages', the last message the "
+        "assistant's) or 'prompt' and 'completion' rows: prompt with everything before the "
+        "reply (through the chat template, up to the assistant's turn) and match the reply's "
+        "first n - k tokens",
+    )
+
+
+def _floats(text: str | None, flag: str) -> list[float] | None:
+    """A comma-separated list of numbers (``flag``'s value), or None when not given."""
+    if not text:
+        return None
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise GSSError(f"{flag} takes comma-separated numbers, got {text!r}.") from None
+
+
+def _layers(text: str) -> list[int] | None:
+    """``--layers``: None for 'all', else the block indices listed."""
+    if text == "all":
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise GSSError(
+            f"--layers takes 'all' or block indices like 4,8,12; got {text!r}."
+        ) from None

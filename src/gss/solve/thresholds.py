@@ -1,0 +1,155 @@
+"""Gate thresholds: a rule read off the probe responses of general tokens.
+
+Each direction's gate opens above a percentile of its |response| on general tokens (the
+paper's 95th), or all K share one level chosen so that their union opens on a given share of
+them. The responses come from a uniform sample of fixed size, so the memory a threshold needs
+does not grow with the corpus.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from gss.artifact.steering_artifact import SteeringArtifact
+from gss.config import CalibrationConfig, RunOptions
+from gss.data import TextsOrIds, batches, count_batches, encode
+from gss.errors import GSSError
+from gss.hf.blocks import resolve_layer
+from gss.hf.forward import check_sequences, target_mask
+from gss.statistics.capture import calibration_mode, layer_activations
+
+
+@dataclass
+class ThresholdSample:
+    """A uniform random sample of at most ``cap`` rows (rows with the smallest random keys)."""
+
+    cap: int
+    generator: torch.Generator
+    rows: Tensor | None = None
+    keys: Tensor | None = None
+    seen: int = 0
+
+    def add(self, rows: Tensor) -> None:
+        rows = rows.detach().float().cpu()
+        self.seen += rows.shape[0]
+        keys = torch.rand(rows.shape[0], generator=self.generator)
+        if self.rows is not None and self.keys is not None:
+            rows = torch.cat([self.rows, rows])
+            keys = torch.cat([self.keys, keys])
+        if rows.shape[0] > self.cap:
+            keep = torch.topk(keys, self.cap, largest=False).indices
+            rows, keys = rows[keep], keys[keep]
+        self.rows, self.keys = rows, keys
+
+
+def thresholds_from_responses(
+    responses: Tensor,
+    gate: str = "hard",
+    percentile: float | None = CalibrationConfig.threshold_percentile,
+    gate_share: float | None = None,
+) -> tuple[Tensor, dict[str, Any]]:
+    """Gate thresholds from probe responses (N, K) of general tokens.
+
+    Either each direction's ``percentile`` of |s_k| (s_k for the one-sided ReLU gate), or one
+    common percentile chosen so that the *union* of the K gates opens on ``gate_share`` of the
+    tokens. Returns the thresholds and the measured open shares.
+    """
+    if responses.ndim != 2 or responses.shape[0] == 0:
+        raise GSSError("no probe responses on general tokens: cannot set gate thresholds.")
+    values = responses.abs() if gate != "relu" else responses
+    values = values.double()
+
+    def at(level: float) -> Tensor:
+        return torch.quantile(values, level, dim=0)
+
+    def union_share(eps: Tensor) -> float:
+        return float((values > eps).any(-1).double().mean())
+
+    if gate_share is not None:
+        if not 0 < gate_share < 1:
+            raise GSSError(f"gate_share must be in (0, 1), got {gate_share}.")
+        lo, hi = 0.0, 1.0  # union share decreases as the level rises
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            if union_share(at(mid)) > gate_share:
+                lo = mid
+            else:
+                hi = mid
+        eps = at(hi)
+        rule: dict[str, Any] = {"kind": "gate_share", "target": gate_share, "level": hi * 100}
+    else:
+        if percentile is None or not 0 < percentile < 100:
+            raise GSSError(f"threshold_percentile must be in (0, 100), got {percentile}.")
+        eps = at(percentile / 100)
+        rule = {"kind": "percentile", "percentile": percentile}
+    shares = {
+        "per_direction": (values > eps).double().mean(0).tolist(),
+        "union": union_share(eps),
+        "tokens": int(values.shape[0]),
+    }
+    return eps.float(), {"rule": rule, "open_share": shares}
+
+
+def probe_responses(
+    model: nn.Module,
+    artifact: SteeringArtifact,
+    texts: TextsOrIds,
+    *,
+    tokenizer: Any | None = None,
+    batch_size: int = RunOptions.batch_size,
+    max_length: int | None = None,
+    progress: bool = False,
+) -> Tensor:
+    """Probe responses ``U h - offset`` (N, K) on every real next-token position of ``texts``."""
+    _, block = resolve_layer(model, artifact.layer, artifact.config.block_path)
+    seqs = encode(texts, tokenizer, max_length)
+    check_sequences((model,), seqs, "the texts")
+    out = []
+    with calibration_mode(model):
+        for batch in tqdm(
+            batches(seqs, batch_size),
+            total=count_batches(len(seqs), batch_size),
+            disable=not progress,
+            desc="gss: probe responses",
+            leave=False,
+        ):
+            hidden = layer_activations(model, block, batch)
+            mask = target_mask(batch.attention_mask).to(hidden.device)
+            rows = hidden[:, :-1][mask].float()
+            out.append(rows @ artifact.probe.to(rows.device).T - artifact.offset.to(rows.device))
+    return torch.cat(out).cpu()
+
+
+def calibrate_thresholds(
+    model: nn.Module,
+    artifact: SteeringArtifact,
+    texts: TextsOrIds,
+    *,
+    threshold_percentile: float | None = CalibrationConfig.threshold_percentile,
+    gate_share: float | None = None,
+    tokenizer: Any | None = None,
+    batch_size: int = RunOptions.batch_size,
+    max_length: int | None = None,
+) -> SteeringArtifact:
+    """Re-set an artifact's gate thresholds from held-out (general) text."""
+    responses = probe_responses(
+        model, artifact, texts, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length
+    )
+    thresholds, info = thresholds_from_responses(
+        responses, artifact.config.gate, threshold_percentile, gate_share
+    )
+    return artifact.with_thresholds(thresholds, info["rule"], info["open_share"])
+
+
+__all__: Sequence[str] = (
+    "ThresholdSample",
+    "calibrate_thresholds",
+    "probe_responses",
+    "thresholds_from_responses",
+)
