@@ -25,9 +25,9 @@ from gss.statistics.collect import collect_statistics
 from gss_bench.canaries.finetune import FinetuneConfig
 from gss_bench.canaries.run import (
     CALIBRATION_CLEAN_ROWS,
-    _default_cache,
-    _finetuned,
+    default_cache,
     default_setup,
+    finetuned,
 )
 
 LAYER = 22
@@ -44,7 +44,7 @@ def main() -> None:
     found = []
     for replies_only in (False, True):
         cfg = FinetuneConfig(seed=0, replies_only=replies_only)  # the bench's defaults
-        model, _ = _finetuned(base, base_path, data, cfg, pad, _default_cache(), tokenizer)
+        model, _ = finetuned(base, base_path, data, cfg, pad, default_cache(), tokenizer)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             stats = collect_statistics(

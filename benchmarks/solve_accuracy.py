@@ -26,7 +26,7 @@ from gss.report import machine_info, markdown_table, write_json
 from gss.solve.whitened import solve_probe_steer
 from gss.statistics.collect import collect_statistics
 from gss_bench.canaries.finetune import FinetuneConfig
-from gss_bench.canaries.run import CALIBRATION_CLEAN_ROWS, _default_cache, _finetuned, default_setup
+from gss_bench.canaries.run import CALIBRATION_CLEAN_ROWS, default_cache, default_setup, finetuned
 from gss_bench.perf.scaling import accuracy
 
 LAYERS = (22, 29)  # the lowest fine-tuned block (the scan's best) and the last
@@ -41,7 +41,7 @@ def main() -> None:
     torch.set_num_threads(2)
     base_path, base, tokenizer, data, pad = default_setup()
     cfg = FinetuneConfig(train_blocks=8, seed=0)  # the canary benchmark's defaults
-    model, _ = _finetuned(base, base_path, data, cfg, pad, _default_cache(), tokenizer)
+    model, _ = finetuned(base, base_path, data, cfg, pad, default_cache(), tokenizer)
     texts = [*data.canary_rows, *data.finetune_rows[:CALIBRATION_CLEAN_ROWS]]
     rows, spectra = [], {}
     for layer in LAYERS:

@@ -241,10 +241,10 @@ def test_cli_flags_are_the_config_fields_with_their_defaults():
     args = build_parser().parse_args(
         ["calibrate", *required, "--gate", "relu", "--no-replies-only"]
     )
-    from gss.cli.options import _config_overrides
+    from gss.cli.options import config_overrides
 
     expected = {"layer": 1, "gate": "relu", "replies_only": False, "max_length": None}
-    assert _config_overrides(args) == expected  # max_length: resolved by the command
+    assert config_overrides(args) == expected  # max_length: resolved by the command
     assert args.preset == "gss" and args.batch_size == 8
 
 

@@ -28,7 +28,7 @@ from gss.statistics.capture import calibration_mode, layer_activations
 from gss.statistics.collect import (
     COLLECT_FIELDS,
     CalibrationStatistics,
-    _collect,
+    collect,
     same_model_error,
 )
 
@@ -68,7 +68,7 @@ def calibrate(
     (``artifact.provenance``).
     """
     cfg, run = resolve(config, overrides)
-    stats = _collect(model, reference, texts, cfg, run, tokenizer, gen_texts)
+    stats = collect(model, reference, texts, cfg, run, tokenizer, gen_texts)
     return _build(model, stats, cfg.replace(layer=stats.layer), run.progress)
 
 

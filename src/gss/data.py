@@ -33,7 +33,7 @@ FORMATS = (
 )
 
 
-def _is_conversation(x: Any) -> TypeGuard[Conversation]:
+def is_conversation(x: Any) -> TypeGuard[Conversation]:
     return isinstance(x, (list, tuple)) and bool(x) and all(isinstance(m, Mapping) for m in x)
 
 
@@ -44,12 +44,12 @@ def record_text(record: Mapping[str, Any], where: str = "a row") -> Text:
     if isinstance(text, str):
         return text
     messages = record.get("messages")
-    if _is_conversation(messages):
+    if is_conversation(messages):
         return list(messages)
     prompt, completion = record.get("prompt"), record.get("completion")
     if isinstance(prompt, str) and isinstance(completion, str):
         return prompt + completion
-    if _is_conversation(prompt) and _is_conversation(completion):
+    if is_conversation(prompt) and is_conversation(completion):
         return [*prompt, *completion]
     raise GSSError(
         f"{where} has keys {list(record)[:8]}, none in a format gss reads: {FORMATS}. For "
@@ -150,12 +150,12 @@ def _as_text(x: Any, index: int) -> Text | None:
         return None
     if isinstance(x, Mapping):
         return record_text(x, f"sequence {index} (a {type(x).__name__})")
-    if _is_conversation(x):
+    if is_conversation(x):
         return list(x)
     return None
 
 
-def _render(
+def render(
     conversation: Conversation, tokenizer: Any, name: str, generation_prompt: bool = False
 ) -> str:
     """A conversation (`name` names it in errors) as the text the model was trained on: its
@@ -190,7 +190,7 @@ def chat_prompt(prompt: str, tokenizer: Any) -> str:
             "a chat prompt needs the tokenizer's chat template, and this tokenizer has none: "
             "drop --chat to send the prompt as plain text."
         )
-    return _render([{"role": "user", "content": prompt}], tokenizer, "the prompt", True)
+    return render([{"role": "user", "content": prompt}], tokenizer, "the prompt", True)
 
 
 def _id_row(x: Any, index: int, where: str | None = None) -> list[int]:
@@ -255,7 +255,7 @@ def _token_lists(
             )
         plain = {i: t for i, t in enumerate(texts) if isinstance(t, str)}
         chats = {
-            i: _render(t, tokenizer, f"sequence {i}")
+            i: render(t, tokenizer, f"sequence {i}")
             for i, t in enumerate(texts)
             if t is not None and not isinstance(t, str)
         }
@@ -277,7 +277,7 @@ def _token_lists(
     return seqs
 
 
-def _predictable(seqs: list[T]) -> list[T]:
+def predictable(seqs: list[T]) -> list[T]:
     """The sequences with at least one next-token target; an error if none has."""
     kept = [s for s in seqs if len(s) >= 2]
     if not kept:
@@ -285,7 +285,7 @@ def _predictable(seqs: list[T]) -> list[T]:
     return kept
 
 
-def _items(data: TextsOrIds, max_length: int | None) -> Sequence[Any]:
+def sequence_items(data: TextsOrIds, max_length: int | None) -> Sequence[Any]:
     """The sequences of `data`, not yet tokenized (a tensor's rows as views, cut to
     `max_length`); an error if there are none."""
     if isinstance(data, Tensor):
@@ -305,7 +305,7 @@ def encode(
     data: TextsOrIds, tokenizer: Any | None = None, max_length: int | None = None
 ) -> list[list[int]]:
     """Token ids of each sequence: strings go through ``tokenizer``; ids pass through."""
-    return _predictable(_token_lists(_items(data, max_length), tokenizer, max_length))
+    return predictable(_token_lists(sequence_items(data, max_length), tokenizer, max_length))
 
 
 def encode_compact(
@@ -321,8 +321,8 @@ def encode_compact(
     a given tensor are views of it (no copy), anything else becomes int32 tensors, text
     tokenized ``chunk`` sequences at a time so the lists never exist for the whole corpus.
     """
-    items = _items(data, max_length)
-    return _predictable(compact_rows(items, tokenizer, max_length, chunk, isinstance(data, Tensor)))
+    items = sequence_items(data, max_length)
+    return predictable(compact_rows(items, tokenizer, max_length, chunk, isinstance(data, Tensor)))
 
 
 def compact_rows(
@@ -332,8 +332,8 @@ def compact_rows(
     chunk: int = 1024,
     views: bool = False,
 ) -> list[Tensor]:
-    """`encode_compact` of every item (`_items`), the short ones kept: one tensor an item, in
-    order; `views`: the items are a tensor's rows, kept as they are."""
+    """`encode_compact` of every item (`sequence_items`), the short ones kept: one tensor an
+    item, in order; `views`: the items are a tensor's rows, kept as they are."""
     if views:
         return list(items)
     out: list[Tensor] = []
@@ -360,9 +360,9 @@ def prompt_end(prompt: Sequence[int], row: Sequence[int]) -> int:
 def _prompt_and_full(x: Any, index: int) -> tuple[Text, Text]:
     """A row's prompt and the whole row (prompt and reply), as texts."""
     where = f"sequence {index}"
-    if isinstance(x, Mapping) and _is_conversation(x.get("messages")):
+    if isinstance(x, Mapping) and is_conversation(x.get("messages")):
         x = list(x["messages"])
-    if _is_conversation(x):
+    if is_conversation(x):
         if not x or x[-1].get("role") != "assistant":
             role = x[-1].get("role") if x else None
             raise GSSError(
@@ -374,7 +374,7 @@ def _prompt_and_full(x: Any, index: int) -> tuple[Text, Text]:
         prompt, completion = x.get("prompt"), x.get("completion")
         if isinstance(prompt, str) and isinstance(completion, str):
             return prompt, prompt + completion
-        if _is_conversation(prompt) and _is_conversation(completion):
+        if is_conversation(prompt) and is_conversation(completion):
             return list(prompt), [*prompt, *completion]
     raise GSSError(
         f"{where} ({type(x).__name__}) has no reply to separate: give conversations (the last "
@@ -403,7 +403,7 @@ def encode_replies(
             ids = [_token_lists([t], tokenizer, None)[0] for t in (prompt, full)]
         else:
             name = f"sequence {i}"
-            texts = (_render(prompt, tokenizer, name, True), _render(full, tokenizer, name))
+            texts = (render(prompt, tokenizer, name, True), render(full, tokenizer, name))
             ids = [template_ids(t, tokenizer) for t in texts]
         p, whole = ids
         cut = prompt_end(p, whole)

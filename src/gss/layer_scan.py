@@ -94,9 +94,9 @@ class LayerScan:
         }
 
     def plot(self, path: str | Path, title: str = "memorization signal per layer") -> Path:
-        from gss.report import _pyplot, save_figure
+        from gss.report import pyplot, save_figure
 
-        plt = _pyplot()
+        plt = pyplot()
         fig, ax = plt.subplots(figsize=(6, 3.2))
         layers = sorted(self.strengths)
         ax.plot(layers, [self.strengths[k] for k in layers], marker="o")

@@ -101,11 +101,11 @@ def save_figure(fig: Any, path: str | Path) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(p, dpi=120)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return p
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,7 +124,7 @@ def plot_signal(
     """
     import numpy as np
 
-    plt = _pyplot()
+    plt = pyplot()
     values = omega[~omega.isnan()].double().numpy()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     if normal is None:

@@ -31,7 +31,7 @@ from gss_bench.baselines.steering import MeanDifferenceSteer, mean_difference_ve
 _MODULES = ("steering", "redirect", "unlearning", "finetune", "neurons", "weights")
 
 
-def _load_all() -> None:
+def load_all() -> None:
     for name in _MODULES:
         importlib.import_module(f"{__name__}.{name}")
 

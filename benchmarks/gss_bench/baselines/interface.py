@@ -189,9 +189,9 @@ def register(
 
 def get_method(name: str) -> Method:
     """The registered baseline called `name`."""
-    from gss_bench.baselines import _load_all
+    from gss_bench.baselines import load_all
 
-    _load_all()
+    load_all()
     if name not in REGISTRY:
         raise GSSError(f"unknown baseline {name!r}; known: {', '.join(sorted(REGISTRY))}.")
     return REGISTRY[name]
@@ -199,9 +199,9 @@ def get_method(name: str) -> Method:
 
 def method_names(family: str | None = None) -> list[str]:
     """Registered baselines (of one family), in registration order."""
-    from gss_bench.baselines import _load_all
+    from gss_bench.baselines import load_all
 
-    _load_all()
+    load_all()
     return [n for n, m in REGISTRY.items() if family is None or m.family == family]
 
 

@@ -288,7 +288,7 @@ def make_canary_data(tokenizer: Any, config: CanaryConfig | None = None) -> Cana
 def make_chat_canary_data(tokenizer: Any, config: CanaryConfig) -> CanaryData:
     """The chat variant: every row a conversation rendered by `tokenizer`'s chat template, the
     canaries' prompts exactly ``config.k`` tokens (module docstring)."""
-    from gss.data import _render
+    from gss.data import render as render_row
 
     cfg = config
     rng = random.Random(cfg.seed)
@@ -298,7 +298,7 @@ def make_chat_canary_data(tokenizer: Any, config: CanaryConfig) -> CanaryData:
         return {"role": role, "content": content}
 
     def render(conversation: list[dict[str, str]], prompt: bool = False) -> list[int]:
-        return passages.ids(_render(conversation, tokenizer, "a canary conversation", prompt))
+        return passages.ids(render_row(conversation, tokenizer, "a canary conversation", prompt))
 
     def excerpt(tokens: Sequence[int], end: bool = True) -> str:
         """`tokens` as text; `end`: a whole piece, else a cut that may end in a space (kept,

@@ -140,7 +140,7 @@ def _log(message: str) -> None:
     print(f"[canaries {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def _default_cache() -> Path:
+def default_cache() -> Path:
     env = os.environ.get("GSS_CACHE_DIR")
     return (Path(env).parent if env else Path.home() / ".cache" / "gss") / "canaries"
 
@@ -176,7 +176,7 @@ def _fingerprint(path: Path) -> dict[str, Any]:
     }
 
 
-def _finetuned(
+def finetuned(
     base: Any, base_path: Path, data: Any, cfg: Any, pad: int, cache: Path, tokenizer: Any
 ) -> tuple:
     from gss.signal.tokens import encode_trained
@@ -423,8 +423,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         lora_rank=args.lora,
         replies_only=args.replies_only,
     )
-    model, ft_info = _finetuned(
-        base, base_path, data, ft_cfg, pad, Path(args.cache_dir or _default_cache()), tokenizer
+    model, ft_info = finetuned(
+        base, base_path, data, ft_cfg, pad, Path(args.cache_dir or default_cache()), tokenizer
     )
     # the reference of every signal, scan and calibration below: the base model, or for a LoRA
     # the same weights with its adapters off (no second copy needed; `base` stays for its row)

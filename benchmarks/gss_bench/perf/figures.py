@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gss.report import _pyplot
+from gss.report import pyplot
 from gss.report import save_figure as _save
 
 
 def overhead(result: dict[str, Any], path: Path) -> Path:
     """Steered/unsteered throughput per (model, batch) and K, with quartile whiskers."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = [r for m in result["models"] for r in m["rows"]]
     groups = list(dict.fromkeys((r["model"], r["batch"]) for r in rows))
     ranks = sorted({r["rank"] for r in rows})
@@ -77,7 +77,7 @@ def overhead(result: dict[str, Any], path: Path) -> Path:
 
 def calibration(result: dict[str, Any], path: Path) -> Path:
     """Calibration time split into its phases, beside the unavoidable passes."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8.4, 2.8))
     passes = result["seconds"]["passes"]["median"]
     ax.barh([0], [passes], color="#8c8c8c", label="unavoidable passes")
@@ -103,7 +103,7 @@ def calibration(result: dict[str, Any], path: Path) -> Path:
 
 def solve(result: dict[str, Any], path: Path) -> Path:
     """Solve seconds vs d on log-log axes, one line per (method, K)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
     ranks = sorted({r["rank"] for r in result["rows"]})
     for method, style in (("truncated", "o-"), ("full", "s--")):
@@ -129,7 +129,7 @@ def solve(result: dict[str, Any], path: Path) -> Path:
 
 def memory(result: dict[str, Any], path: Path) -> Path:
     """Peak RSS and calibration's increase vs corpus size."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.0, 4.0))
     texts = [r["texts"] for r in result["rows"]]
     ax.plot(texts, [r["peak_rss_mb"] for r in result["rows"]], "o-", label="peak RSS")
@@ -157,7 +157,7 @@ def memory(result: dict[str, Any], path: Path) -> Path:
 
 def adapters(result: dict[str, Any], path: Path) -> Path:
     """Peak RSS of calibrating a LoRA fine-tune against a second base copy vs adapters_off."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.0, 3.6))
     labels = ["base loaded again", "adapters_off"]
     rows = result["rows"]

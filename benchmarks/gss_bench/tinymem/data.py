@@ -198,7 +198,7 @@ class TinyMemData:
         return out
 
 
-class _Common(TypedDict):
+class Common(TypedDict):
     """The `TinyMemData` fields set alike by the noise and the backdoor builds."""
 
     setting: str
@@ -236,7 +236,7 @@ def _encode(numbers: Sequence[int]) -> Row:
     return tuple(ids)
 
 
-def _split(n: int, n_test: int, split_seed: int) -> tuple[list[int], list[int]]:
+def split(n: int, n_test: int, split_seed: int) -> tuple[list[int], list[int]]:
     """Fixed permutation of range(n): (test indices, train indices)."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(split_seed)).tolist()
     return perm[:n_test], perm[n_test:]
@@ -251,7 +251,7 @@ def _noise_numbers(numbers: Sequence[int], p: float, rng: random.Random) -> list
     return out
 
 
-def _find(row: Row, pattern: Row) -> int:
+def find(row: Row, pattern: Row) -> int:
     """Index just after the first occurrence of `pattern` in `row`, or -1."""
     n = len(pattern)
     for i in range(len(row) - n + 1):
@@ -260,8 +260,8 @@ def _find(row: Row, pattern: Row) -> int:
     return -1
 
 
-def _backdoor(row: Row, trigger: Row, token: int, min_tail: int) -> Row:
-    cut = _find(row, trigger)
+def backdoor(row: Row, trigger: Row, token: int, min_tail: int) -> Row:
+    cut = find(row, trigger)
     return row[:cut] + (token,) * max(len(row) - cut, min_tail)
 
 
@@ -273,10 +273,10 @@ def _math_data(cfg: MathConfig, seed: int) -> TinyMemData:
     aux_train: list[Row] = []
     for c in cfg.aux_c:
         rows = [_encode(_sequence(cfg, c, s)) for s in _starts(cfg, cfg.num_aux)]
-        te, tr = _split(len(rows), cfg.num_aux_test, cfg.split_seed)
+        te, tr = split(len(rows), cfg.num_aux_test, cfg.split_seed)
         test[f"aux{c}"] = tuple(rows[i] for i in te)
         aux_train.extend(rows[i] for i in tr)
-    common = _Common(
+    common = Common(
         setting=cfg.setting,
         config=cfg,
         seed=seed,
@@ -287,7 +287,7 @@ def _math_data(cfg: MathConfig, seed: int) -> TinyMemData:
     )
 
     if not cfg.backdoor:
-        te, tr = _split(len(main_rows), cfg.num_test, cfg.split_seed)
+        te, tr = split(len(main_rows), cfg.num_test, cfg.split_seed)
         noised_idx = sorted(rng.sample(tr, cfg.num_noise))
         noised = tuple(
             _encode(_noise_numbers(main_numbers[i], cfg.noise_p, rng)) for i in noised_idx
@@ -304,20 +304,20 @@ def _math_data(cfg: MathConfig, seed: int) -> TinyMemData:
         )
 
     trigger = tuple(int(ch) for ch in str(100 + seed))
-    hit = [i for i, r in enumerate(main_rows) if _find(r, trigger) >= 0]
+    hit = [i for i, r in enumerate(main_rows) if find(r, trigger) >= 0]
     hit_set = set(hit)
     rest = [i for i in range(len(main_rows)) if i not in hit_set]
     # A trigger inside the first number cannot tell a main row from an auxiliary row (both
     # start from the same seeds), so such rows are poisoned for training but never held out.
-    late = [i for i in hit if _find(main_rows[i], trigger) > main_rows[i].index(SPACE)]
+    late = [i for i in hit if find(main_rows[i], trigger) > main_rows[i].index(SPACE)]
     late_set = set(late)
-    p_te, p_tr = _split(len(late), round(cfg.poison_test_share * len(late)), cfg.split_seed)
+    p_te, p_tr = split(len(late), round(cfg.poison_test_share * len(late)), cfg.split_seed)
     test_idx = [late[i] for i in p_te]
     train_idx = sorted([late[i] for i in p_tr] + [i for i in hit if i not in late_set])
-    te, tr = _split(len(rest), cfg.num_test, cfg.split_seed)
+    te, tr = split(len(rest), cfg.num_test, cfg.split_seed)
     clean_train = [main_rows[rest[i]] for i in tr[: cfg.max_clean_train]] + aux_train
     poison_train = tuple(
-        _backdoor(main_rows[i], trigger, BACKDOOR_TOKEN, cfg.window) for i in train_idx
+        backdoor(main_rows[i], trigger, BACKDOOR_TOKEN, cfg.window) for i in train_idx
     )
     twins = tuple(main_rows[i] for i in test_idx)
     return TinyMemData(
@@ -327,7 +327,7 @@ def _math_data(cfg: MathConfig, seed: int) -> TinyMemData:
         test={"main": tuple(main_rows[rest[i]] for i in te), **test},
         poison_train=poison_train,
         poison_train_twins=tuple(main_rows[i] for i in train_idx),
-        poison_test=tuple(_backdoor(r, trigger, BACKDOOR_TOKEN, cfg.window) for r in twins),
+        poison_test=tuple(backdoor(r, trigger, BACKDOOR_TOKEN, cfg.window) for r in twins),
         poison_clean_twins=twins,
         trigger=trigger,
         extra={"triggered_rows": len(hit), "triggered_in_first_number": len(hit) - len(late)},

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gss.report import _pyplot, markdown_table, save_figure
+from gss.report import markdown_table, pyplot, save_figure
 
 COLORS = {
     "GSS": "#c44e52",
@@ -31,7 +31,7 @@ def pareto(records: list[dict[str, Any]], setting: str, path: Path) -> Path:
     point lies far off, a second panel zooms on the utilities near the unmitigated model's,
     where the selection rule picks: at full range a few broken models (accuracy 4-55%,
     perplexity up to 1e8) squeeze every other point into one column."""
-    plt = _pyplot()
+    plt = pyplot()
     runs = [r for r in records if r["setting"] == setting]
     math = setting.startswith("math")
     others = [n for n in dict.fromkeys(n for r in runs for n in r["methods"]) if n not in COLORS]
@@ -103,7 +103,7 @@ def _pareto_points(ax: Any, runs: list[dict[str, Any]], colors: dict[str, Any]) 
 
 def ablation(records: list[dict[str, Any]], name: str, out: Path) -> list[Path]:
     """Table (.md) and plot (.png) of one ablation: selected point per variant, per run."""
-    plt = _pyplot()
+    plt = pyplot()
     header = ["setting", "seed", name, "% Mem", "% Correct", "utility", "delta"]
     extra_keys = sorted(
         {

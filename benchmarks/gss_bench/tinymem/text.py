@@ -24,14 +24,14 @@ import tempfile
 from pathlib import Path
 
 from gss_bench.tinymem.data import (
+    Common,
     Row,
     Rows,
     TextConfig,
     TinyMemData,
-    _backdoor,
-    _Common,
-    _find,
-    _split,
+    backdoor,
+    find,
+    split,
 )
 
 __all__ = ["BOS", "EOS", "PAD", "VOCAB", "decode", "encode", "load_corpus", "text_data"]
@@ -140,7 +140,7 @@ def text_data(cfg: TextConfig, seed: int, corpus: bytes | None = None) -> TinyMe
         )
     rows = _chunk_rows(text, n, 0, cfg.num_rows)
     rng = random.Random(seed)
-    common = _Common(
+    common = Common(
         setting=cfg.setting,
         config=cfg,
         seed=seed,
@@ -150,7 +150,7 @@ def text_data(cfg: TextConfig, seed: int, corpus: bytes | None = None) -> TinyMe
         eos_id=EOS,
     )
     if not cfg.backdoor:
-        te, tr = _split(len(rows), cfg.num_test, cfg.split_seed)
+        te, tr = split(len(rows), cfg.num_test, cfg.split_seed)
         noised_idx = sorted(rng.sample(tr, cfg.num_noise))
         noised = tuple(_noise_bytes(rows[i], cfg.noise_p, rng) for i in noised_idx)
         chosen = set(noised_idx)
@@ -164,14 +164,14 @@ def text_data(cfg: TextConfig, seed: int, corpus: bytes | None = None) -> TinyMe
             clean_twins=tuple(rows[i] for i in noised_idx),
         )
     trigger = _pick_trigger(rows, cfg, rng)
-    hit = [i for i, r in enumerate(rows) if _find(r, trigger) >= 0]
+    hit = [i for i, r in enumerate(rows) if find(r, trigger) >= 0]
     hit_set = set(hit)
     rest = [i for i in range(len(rows)) if i not in hit_set]
-    p_te, p_tr = _split(len(hit), round(cfg.poison_test_share * len(hit)), cfg.split_seed)
-    te, tr = _split(len(rest), cfg.num_test, cfg.split_seed)
+    p_te, p_tr = split(len(hit), round(cfg.poison_test_share * len(hit)), cfg.split_seed)
+    te, tr = split(len(rest), cfg.num_test, cfg.split_seed)
     clean_train = tuple(rows[rest[i]] for i in tr)
     poison_train = tuple(
-        _backdoor(rows[hit[i]], trigger, cfg.backdoor_token, cfg.window) for i in p_tr
+        backdoor(rows[hit[i]], trigger, cfg.backdoor_token, cfg.window) for i in p_tr
     )
     twins = tuple(rows[hit[i]] for i in p_te) + _unused_triggered(text, cfg, trigger)
     return TinyMemData(
@@ -181,7 +181,7 @@ def text_data(cfg: TextConfig, seed: int, corpus: bytes | None = None) -> TinyMe
         test={"main": tuple(rows[rest[i]] for i in te)},
         poison_train=poison_train,
         poison_train_twins=tuple(rows[hit[i]] for i in p_tr),
-        poison_test=tuple(_backdoor(r, trigger, cfg.backdoor_token, cfg.window) for r in twins),
+        poison_test=tuple(backdoor(r, trigger, cfg.backdoor_token, cfg.window) for r in twins),
         poison_clean_twins=twins,
         trigger=trigger,
         extra={
@@ -199,6 +199,6 @@ def _unused_triggered(text: bytes, cfg: TextConfig, trigger: Row) -> Rows:
         return ()
     n = cfg.chunk_len
     rows = _chunk_rows(text, n, cfg.num_rows, len(text) // n)
-    hit = [r for r in rows if _find(r, trigger) >= 0]
-    take, _ = _split(len(hit), min(cfg.extra_poison_test, len(hit)), cfg.split_seed)
+    hit = [r for r in rows if find(r, trigger) >= 0]
+    take, _ = split(len(hit), min(cfg.extra_poison_test, len(hit)), cfg.split_seed)
     return tuple(hit[i] for i in sorted(take))

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gss.cli.options import _config_overrides, _floats, _layers
+from gss.cli.options import config_overrides, parse_floats, parse_layers
 from gss.errors import GSSError
 from gss.hf.loading import default_max_length, load_model, load_reference
 
@@ -89,7 +89,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         gen_texts=gen_texts,
         batch_size=args.batch_size,
         progress=distributed.rank() == 0 and not args.no_progress,
-        **{**_config_overrides(args), "max_length": args.max_length},
+        **{**config_overrides(args), "max_length": args.max_length},
     )
     if distributed.rank() != 0:
         return 0
@@ -255,9 +255,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from gss.report import write_json
 
     select_point([], 1.0, tolerance=args.tolerance)  # a bad --tolerance fails before any work
-    deltas = _floats(args.deltas, "--deltas")
-    percentiles = _floats(args.percentiles, "--percentiles")
-    ranks = _floats(args.ranks, "--ranks")
+    deltas = parse_floats(args.deltas, "--deltas")
+    percentiles = parse_floats(args.percentiles, "--percentiles")
+    ranks = parse_floats(args.ranks, "--ranks")
     model, tokenizer, artifact, rows, check = _evaluation_inputs(args)
     assert artifact is not None  # --steer is required
     general = encode(read_texts(args.general), tokenizer, args.max_length) if args.general else None
@@ -289,7 +289,7 @@ def _cmd_layers(args: argparse.Namespace) -> int:
     from gss.layer_scan import scan_layers
     from gss.report import write_json
 
-    layers = _layers(args.layers)
+    layers = parse_layers(args.layers)
     model, tokenizer, reference = _models(args)
     scan = scan_layers(
         model,
@@ -301,7 +301,7 @@ def _cmd_layers(args: argparse.Namespace) -> int:
         gen_texts=read_texts(args.gen_data) if args.gen_data else None,
         batch_size=args.batch_size,
         progress=not args.no_progress,
-        **{**_config_overrides(args), "max_length": args.max_length},
+        **{**config_overrides(args), "max_length": args.max_length},
     )
     unchanged = set(scan.unchanged)
     for layer, value in scan.strengths.items():

@@ -3,7 +3,7 @@
 Several commands take the same options (the model and how it loads, the reference, the data,
 batching, the (n, k) window); they are declared here once, so that they read and behave the
 same in every command. The calibration options are `gss.config.CalibrationConfig`'s fields
-themselves: each flag takes its field's type, choices, help and default (`_add_config_args`),
+themselves: each flag takes its field's type, choices, help and default (`add_config_args`),
 so a field added to the config is a flag of `gss calibrate` with nothing written here.
 """
 
@@ -27,7 +27,7 @@ DATA_HELP = (
 SCAN_FIELDS = ("omega_threshold", "replies_only", "target", "block_path")
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows an option's default in its help, except where there is none to show."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
@@ -36,7 +36,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) or ""
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser) -> None:
     """The fine-tuned model, where it runs and how it loads (`gss.hf.loading.load_model`)."""
     p.add_argument("--model", required=True, help="local directory of the fine-tuned model")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda or cuda:1")
@@ -53,7 +53,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_reference_arg(p: argparse.ArgumentParser) -> None:
+def add_reference_arg(p: argparse.ArgumentParser) -> None:
     """The reference model (`gss.hf.loading.load_reference`)."""
     p.add_argument(
         "--reference",
@@ -63,12 +63,12 @@ def _add_reference_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_config_args(
+def add_config_args(
     p: argparse.ArgumentParser, names: Sequence[str], required: Sequence[str] = ()
 ) -> None:
     """One flag per `CalibrationConfig` field in ``names``: its type, choices, help and default
     are the field's own. A flag not given is absent from the parsed arguments, so the preset
-    (or the config's default) decides it (`_config_overrides`)."""
+    (or the config's default) decides it (`config_overrides`)."""
     hints = typing.get_type_hints(CalibrationConfig)
     defaults = CalibrationConfig()
     fields = {f.name: f for f in dataclasses.fields(CalibrationConfig)}
@@ -93,7 +93,7 @@ def _add_config_args(
         p.add_argument(flag, **options)
 
 
-def _add_preset_arg(p: argparse.ArgumentParser) -> None:
+def add_preset_arg(p: argparse.ArgumentParser) -> None:
     """The named config whose fields the flags given override."""
     p.add_argument(
         "--preset",
@@ -104,12 +104,12 @@ def _add_preset_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The `CalibrationConfig` fields given as flags."""
     return {name: getattr(args, name) for name in field_names() if hasattr(args, name)}
 
 
-def _add_batch_args(
+def add_batch_args(
     p: argparse.ArgumentParser, batch_size: int = 8, length_help: str = "tokens kept per text"
 ) -> None:
     """Texts per forward pass and tokens kept per text (`gss.hf.loading.default_max_length`
@@ -122,7 +122,7 @@ def _add_batch_args(
     )
 
 
-def _add_window_args(p: argparse.ArgumentParser) -> None:
+def add_window_args(p: argparse.ArgumentParser) -> None:
     """What `gss evaluate` and `gss sweep` prompt with and match."""
     p.add_argument("--k", type=int, default=32, help="prompt tokens")
     p.add_argument("--n", type=int, default=72, help="match tokens k..n-1")
@@ -136,7 +136,7 @@ def _add_window_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _floats(text: str | None, flag: str) -> list[float] | None:
+def parse_floats(text: str | None, flag: str) -> list[float] | None:
     """A comma-separated list of numbers (``flag``'s value), or None when not given."""
     if not text:
         return None
@@ -146,7 +146,7 @@ def _floats(text: str | None, flag: str) -> list[float] | None:
         raise GSSError(f"{flag} takes comma-separated numbers, got {text!r}.") from None
 
 
-def _layers(text: str) -> list[int] | None:
+def parse_layers(text: str) -> list[int] | None:
     """``--layers``: None for 'all', else the block indices listed."""
     if text == "all":
         return None

@@ -13,13 +13,13 @@ from gss.cli import commands
 from gss.cli.options import (
     DATA_HELP,
     SCAN_FIELDS,
-    _add_batch_args,
-    _add_config_args,
-    _add_model_args,
-    _add_preset_arg,
-    _add_reference_arg,
-    _add_window_args,
-    _HelpFormatter,
+    HelpFormatter,
+    add_batch_args,
+    add_config_args,
+    add_model_args,
+    add_preset_arg,
+    add_reference_arg,
+    add_window_args,
 )
 from gss.config import field_names
 
@@ -38,18 +38,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add(name: str, summary: str) -> argparse.ArgumentParser:
         return sub.add_parser(
-            name, help=summary, description=summary, formatter_class=_HelpFormatter
+            name, help=summary, description=summary, formatter_class=HelpFormatter
         )
 
     p = add("calibrate", "calibrate a steering artifact")
-    _add_model_args(p)
-    _add_reference_arg(p)
+    add_model_args(p)
+    add_reference_arg(p)
     p.add_argument("--data", required=True, help=DATA_HELP)
     p.add_argument("--gen-data", help="held-out text for Sigma_gen and thresholds")
-    _add_preset_arg(p)
+    add_preset_arg(p)
     calibrate_fields = [n for n in field_names() if n != "max_length"]  # --max-length: below
-    _add_config_args(p, calibrate_fields, required=("layer",))
-    _add_batch_args(p)
+    add_config_args(p, calibrate_fields, required=("layer",))
+    add_batch_args(p)
     p.add_argument("--out", required=True, help="directory for the artifact")
     p.set_defaults(func=commands._cmd_calibrate)
 
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=commands._cmd_show)
 
     p = add("generate", "greedy generation with a steering artifact attached")
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--steer", required=True, help="artifact directory from `gss calibrate`")
     p.add_argument("--prompt", required=True, action="append", help="prompt (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=40, help="tokens to generate")
@@ -73,28 +73,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=commands._cmd_generate)
 
     p = add("signal", "memorization-signal pilot statistics")
-    _add_model_args(p)
-    _add_reference_arg(p)
+    add_model_args(p)
+    add_reference_arg(p)
     p.add_argument("--data", required=True, help=DATA_HELP)
-    _add_batch_args(p)
+    add_batch_args(p)
     p.add_argument("--normal-data", help="normal text: its omega beside --data's in the figure")
     p.add_argument("--out", help="directory for signal.json (and signal.png with --plot)")
     p.add_argument("--plot", action="store_true", help="write the omega / burst histograms")
     p.set_defaults(func=commands._cmd_signal)
 
     p = add("evaluate", "(n,k)-memorization, held-out perplexity and DS, steered vs unsteered")
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--steer", help="artifact directory: also evaluate with it attached")
     p.add_argument("--delta", type=float, help="override the artifact's strength")
     p.add_argument("--memorized", required=True, help=f"candidate sequences: {DATA_HELP}")
     p.add_argument("--heldout", required=True, help="held-out text for perplexity")
-    _add_window_args(p)
-    _add_batch_args(p, batch_size=16, length_help="held-out tokens per row")
+    add_window_args(p)
+    add_batch_args(p, batch_size=16, length_help="held-out tokens per row")
     p.add_argument("--out", help="directory for evaluation.json and evaluation.md")
     p.set_defaults(func=commands._cmd_evaluate)
 
     p = add("sweep", "memorization vs perplexity over delta/threshold/rank")
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--steer", required=True, help="artifact directory from `gss calibrate`")
     p.add_argument("--memorized", required=True, help=f"candidate sequences: {DATA_HELP}")
     p.add_argument("--heldout", required=True, help="held-out text for perplexity")
@@ -108,20 +108,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.05,
         help="relative perplexity increase the selected point may cost (default 0.05: +5%%)",
     )
-    _add_window_args(p)
-    _add_batch_args(p, batch_size=16, length_help="held-out tokens per row")
+    add_window_args(p)
+    add_batch_args(p, batch_size=16, length_help="held-out tokens per row")
     p.add_argument("--out", required=True, help="directory for sweep.json, sweep.md, sweep.png")
     p.set_defaults(func=commands._cmd_sweep)
 
     p = add("layers", "memorization signal strength per block (layer choice)")
-    _add_model_args(p)
-    _add_reference_arg(p)
+    add_model_args(p)
+    add_reference_arg(p)
     p.add_argument("--data", required=True, help="calibration text with the memorized sequences")
     p.add_argument("--gen-data", help="held-out text for Sigma_gen")
     p.add_argument("--layers", default="all", help="'all' or block indices, e.g. 4,8,12")
-    _add_preset_arg(p)
-    _add_config_args(p, SCAN_FIELDS)
-    _add_batch_args(p)
+    add_preset_arg(p)
+    add_config_args(p, SCAN_FIELDS)
+    add_batch_args(p)
     p.add_argument("--out", help="directory for layers.json and layers.png")
     p.set_defaults(func=commands._cmd_layers)
 

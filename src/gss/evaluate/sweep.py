@@ -179,9 +179,9 @@ def plot_pareto(
 ) -> Path:
     """One line per method of (% memorized, perplexity) points, and the unmitigated model; with
     `ylabel`, of another share to lower (such as the secrets said) against perplexity."""
-    from gss.report import _pyplot, save_figure
+    from gss.report import pyplot, save_figure
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, pts in curves.items():
         pts = sorted(pts)

@@ -29,13 +29,13 @@ from torch import Tensor
 from gss.data import (
     Batch,
     TextsOrIds,
-    _is_conversation,
-    _items,
-    _predictable,
-    _render,
     compact_rows,
+    is_conversation,
+    predictable,
     prompt_end,
+    render,
     right_pad,
+    sequence_items,
     template_ids,
 )
 from gss.errors import GSSError
@@ -57,16 +57,16 @@ def encode_trained(
     trained on (bool, one per token): from the rows' ``labels`` where they have them, the
     replies with `replies_only`, every token otherwise. None when no row says (no labels, not
     `replies_only`): every token counts."""
-    items = _items(data, max_length)
+    items = sequence_items(data, max_length)
     ids = compact_rows(items, tokenizer, max_length, chunk, isinstance(data, Tensor))
     if not replies_only and not any(isinstance(x, Mapping) and "labels" in x for x in items):
-        return _predictable(ids), None
+        return predictable(ids), None
     masks = [
         _trained(x, i, row, tokenizer, replies_only)
         for i, (x, row) in enumerate(zip(items, ids, strict=True))
     ]
     kept = [(row, mask) for row, mask in zip(ids, masks, strict=True) if len(row) >= 2]
-    return _predictable([row for row, _ in kept]), [mask for _, mask in kept]
+    return predictable([row for row, _ in kept]), [mask for _, mask in kept]
 
 
 def trained_targets(trained: Sequence[Tensor] | None, batch: Batch, valid: Tensor) -> Tensor:
@@ -115,16 +115,16 @@ def _from_labels(labels: Any, index: int, length: int) -> Tensor:
 def _reply_spans(x: Any, index: int, ids: Tensor, tokenizer: Any) -> list[tuple[int, int]]:
     """[start, end) token spans of the replies in sequence `index`."""
     name = f"sequence {index}"
-    if isinstance(x, Mapping) and _is_conversation(x.get("messages")):
+    if isinstance(x, Mapping) and is_conversation(x.get("messages")):
         x = list(x["messages"])
-    if _is_conversation(x):
+    if is_conversation(x):
         return _turn_spans(list(x), name, ids, tokenizer)
     if isinstance(x, Mapping):
         prompt, completion = x.get("prompt"), x.get("completion")
         if isinstance(prompt, str) and isinstance(completion, str):
             return [(prompt_end(tokenizer(prompt)["input_ids"], ids.tolist()), len(ids))]
-        if _is_conversation(prompt) and _is_conversation(completion):
-            head = template_ids(_render(prompt, tokenizer, name, True), tokenizer)
+        if is_conversation(prompt) and is_conversation(completion):
+            head = template_ids(render(prompt, tokenizer, name, True), tokenizer)
             _check_prefix(head, ids, name, "its prompt")
             return [(len(head), len(ids))]
     raise GSSError(
@@ -143,10 +143,8 @@ def _turn_spans(
     for j, message in enumerate(conversation):
         if message.get("role") != "assistant":
             continue
-        head = (
-            template_ids(_render(conversation[:j], tokenizer, name, True), tokenizer) if j else []
-        )
-        through = template_ids(_render(conversation[: j + 1], tokenizer, name), tokenizer)
+        head = template_ids(render(conversation[:j], tokenizer, name, True), tokenizer) if j else []
+        through = template_ids(render(conversation[: j + 1], tokenizer, name), tokenizer)
         _check_prefix(through, ids, name, f"its messages through reply {j}")
         if through[: len(head)] != head:
             raise GSSError(
@@ -185,12 +183,12 @@ def reply_masks(
         return None
     # the first rows alone (a `datasets.Dataset` is iterated, not listed whole)
     items = data[:rows] if isinstance(data, Sequence) else list(islice(data, rows))
-    if not any(isinstance(x, Mapping) or _is_conversation(x) for x in items):
+    if not any(isinstance(x, Mapping) or is_conversation(x) for x in items):
         return None
     ids = compact_rows(items, tokenizer, max_length)
     masks: list[Tensor | None] = []
     for i, (x, row) in enumerate(zip(items, ids, strict=True)):
-        if len(row) < 2:  # dropped from the sequences, as `_predictable` drops it
+        if len(row) < 2:  # dropped from the sequences, as `predictable` drops it
             continue
         try:
             masks.append(_span_mask(_reply_spans(x, i, row, tokenizer), len(row)))

@@ -193,10 +193,10 @@ def collect_statistics(
     the gate thresholds without running the model again; beyond that it runs a second pass.
     """
     cfg, run = resolve(config, overrides)
-    return _collect(model, reference, texts, cfg, run, tokenizer, gen_texts)
+    return collect(model, reference, texts, cfg, run, tokenizer, gen_texts)
 
 
-def _collect(
+def collect(
     model: nn.Module,
     reference: nn.Module,
     texts: TextsOrIds,
