@@ -36,7 +36,8 @@ test-min:
 
 # The committed TinyMem tables were trained where torch's CPU kernels use AVX2. A CPU with
 # AVX-512 rounds float sums in another order and trains other weights from the same seed;
-# pinning AVX2 where the CPU has it reproduces the tables number for number (docs/benchmarks.md).
+# pinning AVX2 where the CPU has it reproduces the tables number for number on the CPUs where
+# that was checked, not on every one (an Intel Xeon with AMX trains others: docs/benchmarks.md).
 BENCH_ENV := $(shell grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo ATEN_CPU_CAPABILITY=avx2)
 
 bench: $(STAMP)

@@ -151,3 +151,125 @@ def test_fewer_directions_keep_their_gate_shares_but_not_the_union(calibrated):
     assert shares["union"] is None  # measured over both directions: not this steer's
     assert "gates open" not in repr(one) and "any open" not in one.describe()
     assert art.with_options(rank=2).provenance.gate_open_share == art.provenance.gate_open_share
+
+
+def test_saving_never_replaces_or_writes_into_what_it_should_not(tmp_path, calibrated):
+    _, _, art = calibrated
+    first = art.with_options(delta=4.0)
+    first.save_pretrained(tmp_path / "a")
+    with pytest.raises(GSSError, match="already holds a gss artifact: pass overwrite=True"):
+        art.save_pretrained(tmp_path / "a")
+    assert gss.load(tmp_path / "a").config.delta == 4.0  # untouched
+    art.save_pretrained(tmp_path / "a", overwrite=True)
+    assert gss.load(tmp_path / "a").config.delta == art.config.delta
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    for overwrite in (False, True):  # a model's own folder: never, even with overwrite
+        with pytest.raises(GSSError, match=r"holds files that are not a gss artifact's"):
+            art.save_pretrained(model_dir, overwrite=overwrite)
+    assert sorted(p.name for p in model_dir.iterdir()) == ["config.json"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(GSSError, match="is a file, not a directory"):
+        art.save_pretrained(tmp_path / "file")
+    (tmp_path / "empty").mkdir()
+    art.save_pretrained(tmp_path / "empty")  # an empty directory is fine
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries left
+
+
+def test_an_interrupted_save_leaves_the_old_artifact(tmp_path, calibrated, monkeypatch):
+    from gss.artifact import steering_artifact
+
+    _, _, art = calibrated
+    art.save_pretrained(tmp_path / "a")
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(
+        steering_artifact.json, "dumps", crash
+    )  # after the tensors, before the config
+    with pytest.raises(KeyboardInterrupt):
+        art.with_options(delta=9.0).save_pretrained(tmp_path / "a", overwrite=True)
+    monkeypatch.undo()
+    assert gss.load(tmp_path / "a").config.delta == art.config.delta
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
+def test_the_two_files_must_come_from_one_save(tmp_path, calibrated):
+    _, _, art = calibrated
+    art.save_pretrained(tmp_path / "a")
+    art.with_options(delta=9.0).save_pretrained(tmp_path / "b")
+    (tmp_path / "a" / "gss_tensors.safetensors").write_bytes(
+        (tmp_path / "b" / "gss_tensors.safetensors").read_bytes()
+    )
+    with pytest.raises(GSSError, match=r"not the file gss_config\.json was saved with"):
+        gss.load(tmp_path / "a")
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "b").iterdir()}
+    assert len(set(modes.values())) == 1, modes  # both files written alike
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda d: (d / "gss_config.json").write_text("{not json"), "is not valid JSON"),
+        (lambda d: (d / "gss_config.json").write_text("[1, 2]"), "does not hold a JSON object"),
+        (lambda d: (d / "gss_config.json").write_bytes(b"\xff\xfe"), "is not valid JSON"),
+        (lambda d: (d / "gss_tensors.safetensors").unlink(), "is not a gss artifact directory"),
+    ],
+)
+def test_a_damaged_artifact_is_refused_in_one_line(tmp_path, calibrated, damage, message):
+    _, _, art = calibrated
+    art.save_pretrained(tmp_path / "a")
+    damage(tmp_path / "a")
+    with pytest.raises(GSSError, match=message):
+        gss.load(tmp_path / "a")
+
+
+def test_damaged_tensors_are_refused(tmp_path, calibrated):
+    from safetensors.torch import save_file
+
+    _, _, art = calibrated
+    cases = {
+        "NaN": {"probe": torch.full_like(art.probe, float("nan"))},
+        "shape": {"thresholds": torch.ones(art.rank + 1)},
+        "unit vectors": {"steer": art.steer * 2},
+        "lacks the tensors": {"offset": None},
+    }
+    messages = {
+        "NaN": "probe holds NaN or infinite",
+        "shape": "thresholds has shape",
+        "unit vectors": "must be unit vectors",
+        "lacks the tensors": r"lacks the tensors \['offset'\]",
+    }
+    for name, change in cases.items():
+        folder = tmp_path / name.replace(" ", "-")
+        art.save_pretrained(folder)
+        path = folder / "gss_tensors.safetensors"
+        tensors = {
+            key: getattr(art, key).float()
+            for key in ("probe", "steer", "thresholds", "offset", "singular_values")
+        }
+        tensors.update(change)
+        save_file({k: v for k, v in tensors.items() if v is not None}, str(path))
+        config = json.loads((folder / "gss_config.json").read_text())
+        del config["tensors_sha256"]  # as a format without the checksum would have it
+        (folder / "gss_config.json").write_text(json.dumps(config))
+        with pytest.raises(GSSError, match=messages[name]):
+            gss.load(folder)
+
+
+def test_nesting_the_same_artifact_warns(calibrated):
+    model, _, art = calibrated
+    with gss.steer(model, art):
+        with pytest.warns(gss.GSSWarning, match="already steers this block"), gss.steer(model, art):
+            pass
+        other = art.with_options(delta=2.0)  # another steer on the same block: no warning
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", gss.GSSWarning)
+            other.attach(model).remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gss.GSSWarning)
+        art.attach(model).remove()  # removed before: attaching again is fine

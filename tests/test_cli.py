@@ -316,7 +316,7 @@ def test_evaluate_looks_for_the_secrets_rows_carry(workdir, steer, capsys):
     assert len(leaks) == 3 and leaks[0]["said"] == unsteered["said"]
     assert leaks[1]["said"] == unsteered["said"]  # delta 1e-6: nothing changes
     path.write_text(json.dumps({"text": "w1 w2", "secrets": ["w3"]}) + "\n")
-    assert main(args) == 2
+    assert main([*args, "--overwrite"]) == 2
     assert "has at most k=4 tokens" in capsys.readouterr().err
 
 
@@ -359,7 +359,7 @@ def test_block_path_names_the_blocks_for_calibrate_and_layers(workdir, capsys):
     assert saved["config"]["block_path"] == "model.layers"
     for command in (calibrate, ["layers", *common]):
         capsys.readouterr()
-        assert main([*command, "--block-path", "model.nothing"]) == 2
+        assert main([*command, "--block-path", "model.nothing", "--overwrite"]) == 2
         assert "'model.nothing' does not name" in capsys.readouterr().err
 
 
@@ -385,9 +385,9 @@ def test_sweep_writes_grid_front_and_plot(workdir, steer, capsys):
     key = lambda i: (sweep["points"][i]["memorized"], sweep["points"][i]["perplexity"])  # noqa: E731
     assert sweep["selected"] == min(within, key=key, default=None)
     assert "selected: perplexity within +5%" in capsys.readouterr().out
-    assert main([*args, "--tolerance", "-1"]) == 2
+    assert main([*args, "--tolerance", "-1", "--overwrite"]) == 2
     assert "tolerance must be >= 0" in capsys.readouterr().err
-    assert main([*args, "--percentiles", "90"]) == 2
+    assert main([*args, "--percentiles", "90", "--overwrite"]) == 2
     assert "need general text" in capsys.readouterr().err
 
 
@@ -482,3 +482,42 @@ def test_the_library_gives_what_gss_evaluate_writes(workdir, steer, capsys):
         del record[run]["seconds"], written[run]["seconds"]
     assert record == written
     assert result.headline() in capsys.readouterr().out
+
+
+def test_out_is_never_replaced_without_overwrite(workdir, capsys):
+    """An existing artifact or result files in --out are refused before the models load (the
+    model path here does not exist: the --out error comes first); --overwrite replaces them; a
+    model's own folder is never written into."""
+    common = ["--model", str(workdir / "nowhere"), "--reference", str(workdir / "nowhere")]
+    calibrate = ["calibrate", *common, "--data", str(workdir / "data.txt"), "--layer", "1"]
+    artifact = workdir / "artifact-kept"
+    assert main([*calibrate, "--out", str(workdir / "model")]) == 2
+    assert "holds files that are not a gss artifact's" in capsys.readouterr().err
+    real = ["--model", str(workdir / "model"), "--reference", str(workdir / "reference")]
+    real_calibrate = ["calibrate", *real, "--data", str(workdir / "data.txt"), "--layer", "1"]
+    assert main([*real_calibrate, "--rank", "2", "--out", str(artifact)]) == 0
+    before = (artifact / "gss_config.json").read_bytes()
+    capsys.readouterr()
+    assert main([*calibrate, "--out", str(artifact)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a gss artifact" in err and "--overwrite" in err
+    assert (artifact / "gss_config.json").read_bytes() == before
+    args = [*real_calibrate, "--rank", "1", "--out", str(artifact), "--overwrite"]
+    assert main(args) == 0
+    assert gss.load(artifact).config.rank == 1
+    results = workdir / "results-kept"
+    results.mkdir()
+    (results / "layers.json").write_text("{}")
+    layers = ["layers", *common, "--data", str(workdir / "data.txt"), "--out", str(results)]
+    capsys.readouterr()
+    assert main(layers) == 2
+    assert "already holds layers.json: pass --overwrite" in capsys.readouterr().err
+    assert (results / "layers.json").read_text() == "{}"
+
+
+def test_abbreviated_flags_are_refused(workdir, capsys):
+    args = ["calibrate", "--model", "m", "--reference", "r", "--data", "d", "--layer", "1"]
+    with pytest.raises(SystemExit) as exit_code:
+        main([*args, "--out", "o", "--targ", "loglik"])
+    assert exit_code.value.code == 2
+    assert "unrecognized arguments: --targ loglik" in capsys.readouterr().err

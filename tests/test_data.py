@@ -231,7 +231,7 @@ def test_the_command_line_calibrates_on_conversations_and_prompts_through_the_te
     record = json.loads((tmp_path / "sw" / "sweep.json").read_text())
     assert record["reply"] and record["points"][0]["rows"] == 16
     evaluate[evaluate.index("--memorized") + 1] = str(long)
-    assert main(evaluate) == 2
+    assert main([*evaluate, "--overwrite"]) == 2
     assert "has no reply to separate" in capsys.readouterr().err
 
 

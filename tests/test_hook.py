@@ -115,6 +115,7 @@ def test_context_manager_cleans_up_on_exceptions(make_model):
     assert "forward" not in block.__dict__ and not block._forward_hooks
 
 
+@pytest.mark.filterwarnings("ignore:this artifact already steers")  # stacked on purpose
 def test_the_next_steer_reuses_the_removed_wrapper_and_nothing_stays_alive(make_model):
     """A removed steer's wrapper stays with its block, holding nothing, and the next attach
     puts it back (compiled code knows it: test_compile.py); a steer on top of an attached one

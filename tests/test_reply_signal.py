@@ -135,7 +135,7 @@ def test_cli_layers_and_signal_say_it_in_one_line(tmp_path, capsys, chat_tokeniz
     assert cli_main([*args, "--device", "cpu"]) == 0
     err = capsys.readouterr().err
     assert "gss: warning: omega averages" in err and "(--replies-only)" in err
-    assert cli_main([*args, "--device", "cpu", "--replies-only"]) == 0
+    assert cli_main([*args, "--device", "cpu", "--replies-only", "--overwrite"]) == 0
     assert "gss: warning" not in capsys.readouterr().err
     # `gss signal` reports omega on the replies and on the rest, and warns the same way
     signal = ["signal", *args[1:7], "--out", str(tmp_path / "signal"), "--no-progress"]

