@@ -16,22 +16,33 @@ import torch
 from gss.report import cpu_capability, cpu_info
 
 KEY_CPU_CAPABILITY = "AVX2"
+# The committed models were trained on 2 threads; another count splits float sums otherwise
+# and trains other weights from the same seed (docs/benchmarks.md): it goes into the key.
+KEY_THREADS = 2
 
 
 def trained_on(device: str | torch.device = "cpu") -> dict[str, Any]:
     """What a model's weights depend on beyond its seed and configs: torch, the device it
     trained on and the CPU."""
-    return {"torch": torch.__version__, "device": torch.device(device).type, **cpu_info()}
+    return {
+        "torch": torch.__version__,
+        "device": torch.device(device).type,
+        **cpu_info(),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def key_suffix(device: str | torch.device = "cpu") -> str:
-    """Appended to a training cache key: '' on a CPU whose kernels use AVX2, else what the
-    weights depend on instead (``-avx512``, or ``-cuda`` for a GPU's own kernels)."""
+    """Appended to a training cache key: '' on a CPU whose kernels use AVX2 with 2 threads
+    (the committed models' conditions), else what the weights depend on instead
+    (``-avx512``, ``-t4`` for 4 threads, or ``-cuda`` for a GPU's own kernels)."""
     kind = torch.device(device).type
     if kind != "cpu":
         return f"-{kind}"
     capability = cpu_capability()
-    return "" if capability == KEY_CPU_CAPABILITY else f"-{capability.lower()}"
+    suffix = "" if capability == KEY_CPU_CAPABILITY else f"-{capability.lower()}"
+    threads = torch.get_num_threads()
+    return suffix + ("" if threads == KEY_THREADS else f"-t{threads}")
 
 
 def trained_elsewhere(record: dict[str, Any], device: str | torch.device = "cpu") -> bool:
@@ -43,4 +54,15 @@ def trained_elsewhere(record: dict[str, Any], device: str | torch.device = "cpu"
     kind = torch.device(device).type
     if named.get("device", "cpu") != kind:
         return True
-    return kind == "cpu" and named.get("cpu_capability") != cpu_capability()
+    if kind != "cpu":
+        return False
+    threads = named.get("threads")
+    other_threads = threads is not None and threads != torch.get_num_threads()
+    return named.get("cpu_capability") != cpu_capability() or other_threads
+
+
+def other_cpu(record: dict[str, Any]) -> str | None:
+    """The CPU a cached model was trained on when it is not this one (the same instructions
+    and threads still train other weights on some other CPUs: docs/benchmarks.md), else None."""
+    named = (record.get("trained_on") or {}).get("cpu")
+    return named if named and named != cpu_info()["cpu"] else None

@@ -5,10 +5,10 @@ import os
 
 import pytest
 
-from gss.report import cpu_info
+from gss.report import cpu_capability, cpu_info
 from gss_bench.baselines import get_method
 from gss_bench.tinymem.run import main
-from gss_bench.trained_on import key_suffix
+from gss_bench.trained_on import KEY_CPU_CAPABILITY
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,8 @@ def test_quick_benchmark_writes_table_json_and_figures(tmp_path, cache, setting,
     printed = capsys.readouterr().out
     assert "wrote" in printed
     # where torch's kernels are not AVX2's, the run says its numbers will differ, and the fix
-    assert ("ATEN_CPU_CAPABILITY=avx2 reproduces them" in printed) == bool(key_suffix())
+    other = cpu_capability() != KEY_CPU_CAPABILITY
+    assert ("ATEN_CPU_CAPABILITY=avx2 reproduces them" in printed) == other
 
 
 def test_baselines_join_the_table_with_their_grids(tmp_path, cache):

@@ -87,7 +87,8 @@ def test_models_are_cached(tmp_path: Path):
     saved = json.loads((folder / "training.json").read_text())
     assert saved["role"] == "memorizing"
     # what the weights depend on beyond seed and configs: the CPU's vector instructions
-    assert saved["trained_on"] == {"torch": torch.__version__, "device": "cpu", **cpu_info()}
+    expected = {"torch": torch.__version__, "device": "cpu", **cpu_info()}
+    assert saved["trained_on"] == {**expected, "threads": torch.get_num_threads()}
     assert cpu_info()["cpu"] and cpu_info()["cpu_capability"]
 
     mem2, ref2, data2, info2 = get_models(
@@ -157,6 +158,7 @@ def test_cosine_schedule_decays_and_keeps_old_cache_keys(monkeypatch):
         TrainConfig(epochs=3, lr_schedule="linear")
     # the option is left out of a constant-lr run's key: models cached before it existed load
     monkeypatch.setattr(trained_on, "cpu_capability", lambda: "AVX2")  # the keys' own CPU
+    monkeypatch.setattr(trained_on.torch, "get_num_threads", lambda: 2)  # and threads
     pre = get_preset("lang_backdoor", "default")
     key = _key("lang_backdoor", "memorizing", 0, pre.data, pre.model, pre.train)
     assert key == "lang_backdoor-memorizing-e10-258f36fcbdb79f29"
@@ -196,12 +198,21 @@ def test_other_vector_instructions_train_under_another_key(monkeypatch):
     args = ("math_noise", "memorizing", 0, data.config, train._fill(pre.model, data), pre.train)
     committed = "math_noise-memorizing-e35-ce91f6c621e8dfe8"  # results/tinymem's
     monkeypatch.setattr(trained_on, "cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(trained_on.torch, "get_num_threads", lambda: 2)
     assert _key(*args) == committed
     assert trained_on.key_suffix("cuda") == "-cuda"  # a GPU's kernels: other weights again
     assert trained_on.trained_on()["device"] == "cpu"
     record = {"trained_on": {"device": "cpu", "cpu_capability": "AVX2"}}
     assert not trained_on.trained_elsewhere(record) and not trained_on.trained_elsewhere({})
     assert trained_on.trained_elsewhere(record, "cuda")
+    assert not trained_on.trained_elsewhere({"trained_on": {**record["trained_on"], "threads": 2}})
+    # another thread count: other weights, another key; a record from 1 thread is not loaded
+    monkeypatch.setattr(trained_on.torch, "get_num_threads", lambda: 4)
+    assert _key(*args) == committed + "-t4"
+    assert trained_on.trained_elsewhere({"trained_on": {**record["trained_on"], "threads": 1}})
+    monkeypatch.setattr(trained_on.torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr(trained_on, "cpu_capability", lambda: "AVX512")
     assert _key(*args) == committed + "-avx512"
     assert trained_on.trained_elsewhere(record)
+    other = {"trained_on": {**record["trained_on"], "cpu": "Some Other CPU"}}
+    assert trained_on.other_cpu(other) == "Some Other CPU" and trained_on.other_cpu({}) is None

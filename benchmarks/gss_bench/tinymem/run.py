@@ -27,7 +27,7 @@ from gss_bench.tinymem import methods as M
 from gss_bench.tinymem.data import SETTINGS
 from gss_bench.tinymem.paper import PAPER
 from gss_bench.tinymem.train import default_cache_dir, get_models, get_preset
-from gss_bench.trained_on import key_suffix
+from gss_bench.trained_on import KEY_CPU_CAPABILITY, KEY_THREADS
 
 # Calibration passes shared by the methods: the presets (gss.config.PRESETS) they start from.
 CALIBRATIONS: dict[str, str] = {
@@ -700,11 +700,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"gss bench tinymem: --jobs must be >= 1, got {args.jobs}")
     units = [(setting, seed) for setting in settings for seed in seeds]
     started = time.perf_counter()
-    if not args.merge and key_suffix():
+    if not args.merge and cpu_capability() != KEY_CPU_CAPABILITY:
         _log(
             f"torch's CPU kernels use {cpu_capability()} here; the committed tables' models were "
             "trained with AVX2, and these train other weights from the same seeds. "
             "ATEN_CPU_CAPABILITY=avx2 reproduces them (make bench sets it)."
+        )
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
+    if not args.merge and threads != KEY_THREADS:
+        _log(
+            f"{threads} thread(s) a process: the committed tables' models were trained on "
+            f"{KEY_THREADS}, and another count trains other weights (--threads {KEY_THREADS}, "
+            "as make bench runs it, with --jobs 1)."
         )
     if args.merge:
         records = _merged_from(args.merge, out)

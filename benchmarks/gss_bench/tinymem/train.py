@@ -30,6 +30,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -53,7 +54,7 @@ from gss_bench.tinymem.data import (
     make_data,
 )
 from gss_bench.tinymem.model import LeanGPT2, ModelConfig, new_model, to_hf
-from gss_bench.trained_on import key_suffix, trained_elsewhere, trained_on
+from gss_bench.trained_on import key_suffix, other_cpu, trained_elsewhere, trained_on
 
 __all__ = [
     "Preset",
@@ -401,6 +402,13 @@ def _train_or_load(
     key = _key(setting, role, seed, data.config, mcfg, tcfg)
     hit = _load(cache / key)
     if hit is not None and not trained_elsewhere(hit[1]):
+        elsewhere = other_cpu(hit[1])
+        if elsewhere:
+            print(
+                f"[tinymem] {key} was trained on another CPU ({elsewhere}): its weights may "
+                "differ from what this CPU trains (docs/benchmarks.md)",
+                file=sys.stderr,
+            )
         return hit[0], {**hit[1], "cache": str(cache / key), "loaded": True}
     rows = data.train if role == "memorizing" else data.reference_train
     base = {
