@@ -70,9 +70,16 @@ def _numbered_rows(path: str | Path) -> list[tuple[str, str | dict[str, Any]]]:
     if not p.is_file():
         raise GSSError(f"data file {p} does not exist.")
     rows: list[tuple[str, str | dict[str, Any]]]
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise GSSError(
+            f"{p} is not UTF-8 text (byte {err.start} cannot be decoded): convert it, e.g. "
+            f"iconv -f latin1 -t utf-8 {p.name}."
+        ) from None
     if p.suffix == ".jsonl":
         rows = []
-        for number, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -83,7 +90,7 @@ def _numbered_rows(path: str | Path) -> list[tuple[str, str | dict[str, Any]]]:
                 raise GSSError(f"{p}:{number} is not a JSON object; expected {FORMATS}.")
             rows.append((f"{p}:{number}", record))
     elif p.suffix in (".txt", ""):
-        lines = p.read_text(encoding="utf-8").splitlines()
+        lines = text.splitlines()
         rows = [(f"{p}:{n}", line) for n, line in enumerate(lines, 1) if line.strip()]
     else:
         raise GSSError(f"{p}: unsupported data format {p.suffix!r}; use .txt or .jsonl.")

@@ -125,10 +125,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from gss.artifact.steering_artifact import load
     from gss.data import chat_prompt
+    from gss.hf.forward import context_length
 
+    if any(not prompt.strip() for prompt in args.prompt):
+        raise GSSError("--prompt is empty: give the text to continue.")
+    artifact = load(args.steer)  # a damaged artifact fails before the model loads
     model, tokenizer = load_model(args.model, args.device, args.dtype)
-    artifact = load(args.steer)
     prompts = args.prompt
+    limit = context_length(model)
 
     def run() -> list[str]:
         out = []
@@ -138,6 +142,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 enc = tokenizer(text, return_tensors="pt", add_special_tokens=False)
             else:
                 enc = tokenizer(prompt, return_tensors="pt")
+            length = enc["input_ids"].shape[1]
+            if length == 0:
+                raise GSSError(f"--prompt {prompt!r} has no tokens: give the text to continue.")
+            if limit is not None and length + args.max_new_tokens > limit[0]:
+                raise GSSError(
+                    f"the prompt ({length} tokens) and --max-new-tokens {args.max_new_tokens} "
+                    f"pass the model's context ({limit[0]} positions, {limit[1]}): shorten the "
+                    "prompt or generate fewer tokens."
+                )
             enc = enc.to(args.device)
             with torch.no_grad():
                 ids = model.generate(  # only these two: transformers 4 refuses token_type_ids
@@ -209,9 +222,11 @@ def _evaluation_inputs(args: argparse.Namespace) -> EvaluationInputs:
     from gss.artifact.steering_artifact import load
     from gss.evaluate.inputs import evaluation_rows, secrets_check
 
+    artifact = load(args.steer) if args.steer else None
+    if artifact is not None and getattr(args, "delta", None) is not None:
+        artifact.with_options(delta=args.delta)  # a bad --delta fails before any work
     model, tokenizer = load_model(args.model, args.device, args.dtype)
     _resolve_max_length(args, model)
-    artifact = load(args.steer) if args.steer else None
     if artifact is not None:
         artifact.check_model(model)  # refuse a foreign artifact before the slow part
     window = {"k": args.k, "n": args.n, "reply": args.reply}

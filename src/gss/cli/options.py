@@ -114,18 +114,20 @@ def add_batch_args(
 ) -> None:
     """Texts per forward pass and tokens kept per text (`gss.hf.loading.default_max_length`
     when not given)."""
-    p.add_argument("--batch-size", type=int, default=batch_size, help="texts per forward pass")
+    p.add_argument(
+        "--batch-size", type=positive_int, default=batch_size, help="texts per forward pass"
+    )
     p.add_argument(
         "--max-length",
-        type=int,
+        type=positive_int,
         help=f"{length_help} (default: {DEFAULT_MAX_LENGTH}, or the model's context if shorter)",
     )
 
 
 def add_window_args(p: argparse.ArgumentParser) -> None:
     """What `gss evaluate` and `gss sweep` prompt with and match."""
-    p.add_argument("--k", type=int, default=32, help="prompt tokens")
-    p.add_argument("--n", type=int, default=72, help="match tokens k..n-1")
+    p.add_argument("--k", type=positive_int, default=32, help="prompt tokens")
+    p.add_argument("--n", type=positive_int, default=72, help="match tokens k..n-1")
     p.add_argument(
         "--reply",
         action="store_true",
@@ -156,3 +158,14 @@ def parse_layers(text: str) -> list[int] | None:
         raise GSSError(
             f"--layers takes 'all' or block indices like 4,8,12; got {text!r}."
         ) from None
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1, refused in one line otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value

@@ -20,6 +20,7 @@ from gss.cli.options import (
     add_preset_arg,
     add_reference_arg,
     add_window_args,
+    positive_int,
 )
 from gss.config import field_names
 
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--steer", required=True, help="artifact directory from `gss calibrate`")
     p.add_argument("--prompt", required=True, action="append", help="prompt (repeatable)")
-    p.add_argument("--max-new-tokens", type=int, default=40, help="tokens to generate")
+    p.add_argument("--max-new-tokens", type=positive_int, default=40, help="tokens to generate")
     p.add_argument("--delta", type=float, help="override the artifact's strength")
     p.add_argument("--compare", action="store_true", help="also print the unsteered text")
     p.add_argument(

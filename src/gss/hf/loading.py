@@ -71,7 +71,32 @@ def local_dir(path: str | Path) -> Path:
             f"model path {path} does not exist. gss loads models from a local directory "
             "(save_pretrained output); it never downloads."
         )
+    if not p.is_dir() or not (
+        (p / "config.json").is_file() or (p / "adapter_config.json").is_file()
+    ):
+        raise GSSError(
+            f"{path} is not a model directory: it has no config.json (nor adapter_config.json). "
+            "Give the folder that save_pretrained wrote."
+        )
     return p
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a `torch.device`, refused when this torch cannot run on it."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise GSSError(f"{device!r} is not a torch device ({err}); e.g. cpu or cuda:0.") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise GSSError(
+            f"--device {device}: this torch ({torch.__version__}) sees no CUDA GPU; use --device "
+            "cpu, or install a CUDA build of torch on a machine with a GPU."
+        )
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise GSSError(
+            f"--device {device}: there are {torch.cuda.device_count()} CUDA devices here."
+        )
+    return dev
 
 
 def adapter_base(path: str | Path) -> str | None:
@@ -98,6 +123,7 @@ def load_weights(
     with the adapters, which needs peft), in ``dtype`` (a `DTYPES` name or a torch dtype), moved
     to ``device``."""
     p = local_dir(path)
+    check_device(device)
     torch_dtype = _torch_dtype(dtype)
     if adapter_base(p) is not None and importlib.util.find_spec("peft") is None:
         raise GSSError(
