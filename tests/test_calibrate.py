@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import torch
 
@@ -188,3 +190,33 @@ def test_calibrate_thresholds_resets_the_gates_and_records_their_new_open_shares
     assert (
         art.with_thresholds(again.thresholds, {"kind": "manual"}).provenance.gate_open_share == {}
     )
+
+
+def test_unsound_statistics_are_said_and_recorded(make_model):
+    """Too few general tokens for the width, too few memorized ones for the rank: each is one
+    GSSWarning with its remedy, recorded in the artifact and printed by describe()."""
+    model, ref = make_model("llama", seed=0), make_model("llama", seed=1)
+    ids = random_ids(12, 12)
+    sound = gss.calibrate(model, ref, ids, layer=1, rank=2, progress=False)
+    assert sound.provenance.soundness["warnings"] == []
+    facts = sound.provenance.soundness
+    assert facts["dimension"] == 32 and facts["general_tokens"] >= 32
+    with pytest.warns(gss.GSSWarning, match="general tokens for 32 dimensions") as seen:
+        art = gss.calibrate(
+            model, ref, ids, layer=1, rank=2, gen_texts=random_ids(2, 8, seed=3), progress=False
+        )
+    assert len([w for w in seen if "calibration:" in str(w.message)]) == 1
+    assert any("rests on 14 general tokens" in p for p in art.provenance.soundness["warnings"])
+    assert "WARNING: Sigma_gen rests on 14 general tokens" in art.describe()
+    with pytest.warns(gss.GSSWarning, match="memorized tokens for 4 directions"):
+        gss.calibrate(model, ref, random_ids(3, 6), layer=1, rank=4, progress=False)
+    share = r"9\d\.\d% of the calibration tokens were marked memorized and the rest"
+    with pytest.warns(gss.GSSWarning, match=share):
+        gss.calibrate(model, ref, ids, layer=1, rank=2, memorized_quantile=0.95, progress=False)
+    # with held-out general text, an all-memorized calibration set is the usual set-up
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gss.GSSWarning)
+        gen = random_ids(12, 12, seed=5)
+        gss.calibrate(
+            model, ref, ids, layer=1, rank=2, omega_threshold=-1e9, gen_texts=gen, progress=False
+        )

@@ -22,6 +22,7 @@ from gss.config import CalibrationConfig, resolve
 from gss.data import TextsOrIds
 from gss.errors import GSSError
 from gss.hf.blocks import resolve_layer
+from gss.solve import soundness
 from gss.solve.thresholds import ThresholdSample, thresholds_from_responses
 from gss.solve.whitened import solve_probe_steer
 from gss.statistics.capture import calibration_mode, layer_activations
@@ -121,6 +122,16 @@ def _build(
     probe, steer, singular_values = distributed.broadcast_tensors(
         solution.probe.float(), solution.steer.float(), solution.singular_values
     )
+    facts = soundness.evidence(
+        stats.counts,
+        sigma_acc.count,
+        stats.memorization.count,
+        sigma.shape[0],
+        singular_values.tolist(),
+        solution.jitter,
+        general_from_calibration=stats.gen_seqs is None,
+    )
+    facts["warnings"] = soundness.warn_about(facts, rank, stacklevel=3)
     device = sigma.device
     mean = sigma_acc.mean.float()
     offset = probe.to(device) @ mean if centering == "full" else torch.zeros(rank, device=device)
@@ -168,6 +179,7 @@ def _build(
             "converged": solution.converged,
         },
         jitter=solution.jitter,
+        soundness=facts,
     )
     return SteeringArtifact(
         probe=probe.cpu(),

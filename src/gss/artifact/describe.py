@@ -111,6 +111,14 @@ def describe(artifact: SteeringArtifact) -> str:
             settled = "settled" if solve.get("converged") else "NOT settled"
             how += f", {solve.get('power_iters')} subspace iterations, {settled}"
         lines.append(f"solve: {how}; Sigma_gen loaded by {m.jitter:.3g} on its diagonal")
+    facts = m.soundness
+    if facts:
+        lines.append(
+            f"statistics: {facts.get('general_tokens')} general tokens for d = "
+            f"{facts.get('dimension')}, {facts.get('memorized_tokens')} memorized; last/first "
+            f"singular value {facts.get('spectrum_ratio', 0.0):.2g}"
+        )
+        lines += [f"WARNING: {problem}" for problem in facts.get("warnings", [])]
     if m.timings:
         parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in m.timings.items())
         lines.append(f"timings: {parts}")

@@ -92,6 +92,8 @@ class Provenance:
     memorized_rule: dict[str, Any] = field(default_factory=dict)
     solve: dict[str, Any] = field(default_factory=dict)
     jitter: float = 0.0  # the diagonal loading the solve used (it raises the asked one if needed)
+    # what the statistics rest on, and what that says (gss.solve.soundness)
+    soundness: dict[str, Any] = field(default_factory=dict)
     hook_point: str = "block_output"
     gss_version: str = __version__
     extra: dict[str, Any] = field(default_factory=dict)
