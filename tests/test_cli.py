@@ -521,3 +521,17 @@ def test_abbreviated_flags_are_refused(workdir, capsys):
         main([*args, "--out", "o", "--targ", "loglik"])
     assert exit_code.value.code == 2
     assert "unrecognized arguments: --targ loglik" in capsys.readouterr().err
+
+
+def test_a_secret_inside_the_prompt_is_said_to_be_uncountable(workdir, capsys):
+    """A row whose secret sits inside its first k tokens can never leak it after the prompt:
+    gss evaluate says so instead of counting it as kept."""
+    lines = (workdir / "data.txt").read_text().splitlines()[:3]
+    rows = [{"text": t, "secrets": [t.split()[1]]} for t in lines]  # the 2nd word: in the prompt
+    path = workdir / "secrets-in-prompt.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    args = ["evaluate", "--model", str(workdir / "model"), "--memorized", str(path)]
+    args += ["--heldout", str(workdir / "data.jsonl"), "--k", "4", "--n", "8", "--no-progress"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "gss: warning: 3 of 3 rows with secrets have a secret inside their first k=4" in err

@@ -8,6 +8,7 @@ those files into token rows and that check, once, for both.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from gss.data import encode, encode_replies, read_rows, read_texts
-from gss.errors import GSSError
+from gss.errors import GSSError, GSSWarning
 from gss.evaluate.leaks import EXTRA_TOKENS, LeakReport, secrets_said
 
 __all__ = ["EvaluationRows", "SecretsCheck", "evaluation_rows", "secrets_check"]
@@ -127,6 +128,7 @@ def secrets_check(
                 "left to say after its prompt; give longer rows or a smaller --k."
             )
         prompts = [r[:k] for r in ids]
+        _warn_if_secrets_in_prompts(tokenizer, prompts, secrets, k)
     return SecretsCheck(
         tokenizer,
         prompts,
@@ -135,3 +137,23 @@ def secrets_check(
         batch_size=batch_size,
         progress=progress,
     )
+
+
+def _warn_if_secrets_in_prompts(
+    tokenizer: Any, prompts: Sequence[Sequence[int]], secrets: Sequence[Any], k: int
+) -> None:
+    """A secret already inside its row's first k tokens is in the prompt, not in what the
+    model says: the check cannot count it, and says so."""
+    inside = 0
+    for prompt, row_secrets in zip(prompts, secrets, strict=True):
+        text = tokenizer.decode(list(prompt), skip_special_tokens=True)
+        if any(str(secret) and str(secret) in text for secret in row_secrets):
+            inside += 1
+    if inside:
+        warnings.warn(
+            f"{inside} of {len(prompts)} rows with secrets have a secret inside their first "
+            f"k={k} tokens, the prompt: it cannot be said after it, so those rows cannot count "
+            "as leaks. Lower --k, or give prompt/completion rows with --reply.",
+            GSSWarning,
+            stacklevel=3,
+        )
