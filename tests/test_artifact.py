@@ -273,3 +273,20 @@ def test_nesting_the_same_artifact_warns(calibrated):
     with warnings.catch_warnings():
         warnings.simplefilter("error", gss.GSSWarning)
         art.attach(model).remove()  # removed before: attaching again is fine
+
+
+def test_a_fine_tune_of_the_same_base_is_refused(calibrated):
+    """Another fine-tune of the same base has the base's embeddings, which the embedding check
+    alone let through: the sample of every block's weights tells it apart, in any dtype."""
+    import copy
+
+    model, _, art = calibrated
+    other = copy.deepcopy(model)
+    block = gss.find_decoder_blocks(other)[1]
+    with torch.no_grad():
+        for weight in block.parameters():
+            weight.add_(0.05 * torch.randn_like(weight))  # a fine-tune of the top block
+    with pytest.raises(GSSError, match=r"weights of decoder block\(s\) \[1\] differ"):
+        art.attach(other)
+    for dtype in (torch.bfloat16, torch.float16):
+        art.attach(copy.deepcopy(model).to(dtype)).remove()  # the same weights: accepted

@@ -62,7 +62,32 @@ def model_fingerprint(model: nn.Module, block_path: str | None = None) -> dict[s
         "vocab_size": vocab_size(model),
         "embedding_sample": [round(v, 6) for v in sample.flatten().tolist()],
         "embedding_hash": digest.hexdigest()[:16],
+        "blocks_sample": blocks_sample(model, block_path),
     }
+
+
+_BLOCK_SAMPLE = 16  # weights read from each of a block's first two weight tensors
+
+
+def blocks_sample(model: nn.Module, block_path: str | None = None) -> list[dict[str, Any]]:
+    """A few weights of every decoder block, as bfloat16 bit patterns: a fine-tune of the same
+    base changes some block (its embeddings may stay as they were), while the same weights in
+    float32, bfloat16 or float16 round to the same bfloat16 values. Blocks whose weights are
+    not in memory (offloaded to the meta device) record nothing."""
+    out: list[dict[str, Any]] = []
+    for block in find_decoder_blocks(model, block_path):
+        named = [(n, w) for n, w in block.named_parameters() if w.numel() >= _BLOCK_SAMPLE][:2]
+        entry: dict[str, Any] = {"names": [n for n, _ in named], "bits": []}
+        for _, weight in named:
+            if weight.device.type == "meta":
+                entry = {"names": [], "bits": []}
+                break
+            flat = weight.detach().reshape(-1)
+            index = torch.linspace(0, flat.numel() - 1, _BLOCK_SAMPLE).long().to(flat.device)
+            bits = flat[index].to(torch.bfloat16).view(torch.int16).cpu().tolist()
+            entry["bits"].extend(int(b) for b in bits)
+        out.append(entry)
+    return out
 
 
 def fingerprint_differences(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
@@ -77,6 +102,22 @@ def fingerprint_differences(expected: dict[str, Any], actual: dict[str, Any]) ->
         rel = float((a - b).norm() / a.norm().clamp_min(1e-12))
         if rel > 2e-2:
             diffs.append(f"input embeddings differ (relative difference {rel:.3f} on a sample)")
+    changed = []
+    for i, (ours, theirs) in enumerate(
+        zip(expected.get("blocks_sample", []), actual.get("blocks_sample", []), strict=False)
+    ):
+        # compared where both read the same tensors (not across an adapter wrapper)
+        if ours.get("names") != theirs.get("names") or not ours.get("bits"):
+            continue
+        pairs = list(zip(ours["bits"], theirs.get("bits", []), strict=False))
+        equal = sum(a == b for a, b in pairs) / max(len(pairs), 1)
+        if equal < 0.9:
+            changed.append(i)
+    if changed:
+        diffs.append(
+            f"the weights of decoder block(s) {changed} differ from the model the artifact was "
+            "calibrated on (a sample of each): another fine-tune of the same base?"
+        )
     return diffs
 
 
