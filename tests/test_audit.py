@@ -1,0 +1,92 @@
+"""gss audit: which rows a fine-tune reproduces, exact against greedy generation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import gss
+from gss.cli import main
+from gss.data import read_texts
+from gss.evaluate._decode import greedy_generate
+
+
+def _longest_greedy_run(model, row: list[int]) -> int:
+    """The longest stretch greedy decoding reproduces from some prefix of ``row``, by
+    decoding from every prefix (what the audit reads off one teacher-forced pass)."""
+    best = 0
+    for start in range(1, len(row)):
+        (out,) = greedy_generate(model, [row[:start]], len(row) - start, pad_id=0)
+        run = 0
+        for got, want in zip(out, row[start:], strict=True):
+            if got != want:
+                break
+            run += 1
+        best = max(best, run)
+    return best
+
+
+def test_audit_agrees_with_greedy_generation(memorizer):
+    model, reference, planted, general = memorizer
+    rows = torch.cat([planted, general[:10]]).tolist()
+    k, n = 4, 16
+    report = gss.audit(model, reference, rows, k=k, n=n, batch_size=5, progress=False)
+    assert [r.index for r in report.rows] == list(range(len(rows)))
+    greedy = greedy_generate(model, [r[:k] for r in rows], n - k, pad_id=0)
+    for row, found, decoded in zip(rows, report.rows, greedy, strict=True):
+        assert found.extractable == (decoded == row[k:n])  # exact, no generation needed
+        assert (
+            found.matched
+            == pytest.approx(sum(a == b for a, b in zip(decoded, row[k:n], strict=True)) / (n - k))
+            or not found.extractable
+        )  # matched is teacher-forced: equal where all match
+    for row, found in list(zip(rows, report.rows, strict=True))[:3]:
+        assert found.longest_run == _longest_greedy_run(model, row)
+    planted_rows = report.rows[: len(planted)]
+    assert all(r.extractable for r in planted_rows)  # the memorizer learned them by heart
+    general_omega = [r.omega_mean for r in report.rows[len(planted) :]]
+    assert min(r.omega_mean for r in planted_rows) > max(general_omega)  # the risk score
+    assert report.summary()["extractable"] == len(report.extractable)
+    assert report.ranked()[0].extractable
+
+
+def test_audit_writes_what_evaluate_reads(memorizer, tmp_path):
+    model, reference, planted, _ = memorizer
+    report = gss.audit(model, reference, planted.tolist(), k=4, n=16, progress=False)
+    written = report.write(tmp_path / "audit")
+    assert [p.name for p in written] == ["audit.jsonl", "audit.md", "extractable.jsonl"]
+    lines = (tmp_path / "audit" / "audit.jsonl").read_text().splitlines()
+    assert len(lines) == len(planted) and json.loads(lines[0])["extractable"] is True
+    kept = read_texts(tmp_path / "audit" / "extractable.jsonl", keep_rows=True)
+    assert [row["input_ids"] for row in kept] == planted.tolist()
+    assert "rows extractable" in (tmp_path / "audit" / "audit.md").read_text()
+
+
+def test_audit_refuses_a_window_it_cannot_read(memorizer):
+    model, reference, planted, _ = memorizer
+    with pytest.raises(gss.GSSError, match="n must be an integer > k"):
+        gss.audit(model, reference, planted.tolist(), k=8, n=8)
+    with pytest.raises(gss.GSSError, match="k must be an integer >= 1"):
+        gss.audit(model, reference, planted.tolist(), k=0)
+
+
+def test_audit_command(tmp_path, capsys):
+    from .helpers import tiny_model
+    from .test_cli import _tokenizer
+
+    for name, seed in (("model", 0), ("ref", 1)):
+        tiny_model("llama", seed=seed).save_pretrained(tmp_path / name)
+        _tokenizer().save_pretrained(tmp_path / name)
+    lines = [" ".join(f"w{(i * 7 + j * 3) % 44}" for j in range(12)) for i in range(6)]
+    (tmp_path / "data.txt").write_text("\n".join(lines) + "\n")
+    args = ["audit", "--model", str(tmp_path / "model"), "--reference", str(tmp_path / "ref")]
+    args += ["--data", str(tmp_path / "data.txt"), "--k", "4", "--n", "12"]
+    args += ["--out", str(tmp_path / "out"), "--no-progress"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "rows extractable ((12,4)-extraction, 6 rows" in printed
+    assert (tmp_path / "out" / "extractable.jsonl").is_file()
+    assert main(args) == 2  # results there: not replaced without --overwrite
+    assert "pass --overwrite" in capsys.readouterr().err
