@@ -46,7 +46,7 @@ def test_nan_activations(make_model):
     model, ref = make_model("gpt2"), make_model("gpt2", seed=1)
     with torch.no_grad():
         model.transformer.h[0].mlp.c_proj.bias.fill_(float("nan"))
-    with pytest.raises(GSSError, match="NaN or Inf"):
+    with pytest.raises(GSSError, match="the model gives NaN or infinite log-probabilities"):
         gss.calibrate(model, ref, random_ids(4, 8), layer=0, progress=False)
 
 
@@ -95,3 +95,30 @@ def test_bad_options(make_model, kwargs, message):
     model, ref = make_model("gpt2"), make_model("gpt2", seed=1)
     with pytest.raises(GSSError, match=message):
         gss.calibrate(model, ref, random_ids(6, 8), layer=0, progress=False, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("texts", "message"),
+    [
+        ("w1 w2 w3", "the texts are one str"),
+        (b"w1 w2", "the texts are one bytes"),
+        ({"text": "w1 w2"}, "the texts are one dict"),
+        ([], "no sequences given"),
+    ],
+)
+def test_texts_that_are_not_a_list_of_rows(make_model, texts, message):
+    model, ref = make_model("gpt2"), make_model("gpt2", seed=1)
+    with pytest.raises(GSSError, match=message):
+        gss.calibrate(model, ref, texts, layer=0, progress=False)
+
+
+def test_a_reference_that_gives_nan_is_named(make_model):
+    """NaN log-probabilities made every comparison false, which read as 'no token passed the
+    memorized-token rule': the cause is named instead."""
+    import torch
+
+    model, ref = make_model("gpt2"), make_model("gpt2", seed=1)
+    with torch.no_grad():
+        ref.lm_head.weight[5].fill_(float("nan"))
+    with pytest.raises(GSSError, match="the reference gives NaN or infinite log-probabilities"):
+        gss.calibrate(model, ref, random_ids(6, 8), layer=0, progress=False)

@@ -295,6 +295,17 @@ def predictable(seqs: list[T]) -> list[T]:
 def sequence_items(data: TextsOrIds, max_length: int | None) -> Sequence[Any]:
     """The sequences of `data`, not yet tokenized (a tensor's rows as views, cut to
     `max_length`); an error if there are none."""
+    if isinstance(data, (str, bytes, Path)):
+        raise GSSError(
+            f"the texts are one {type(data).__name__}, which would be read item by item (a "
+            "character a sequence): pass a list of texts, e.g. [text] or "
+            "gss.data.read_texts(path)."
+        )
+    if isinstance(data, dict):
+        raise GSSError(
+            "the texts are one dict: pass a list of rows (dicts with 'text', 'messages', "
+            "'prompt' and 'completion', or 'input_ids')."
+        )
     if isinstance(data, Tensor):
         if data.ndim != 2:
             raise GSSError(f"a tensor of token ids must be (N, T), got {tuple(data.shape)}.")

@@ -368,6 +368,13 @@ def run_pass(
             lp_model = token_logprobs(logits, batch.input_ids)
             valid = target_mask(batch.attention_mask).to(lp_model.device)
             omega = lp_model.detach() - lp_ref.to(lp_model.device)
+            if not bool(torch.isfinite(omega[valid]).all()):
+                bad = "model" if not bool(torch.isfinite(lp_model[valid]).all()) else "reference"
+                raise GSSError(
+                    f"the {bad} gives NaN or infinite log-probabilities on the calibration text, "
+                    "so omega is undefined: check its weights and dtype (float16 can overflow; "
+                    "try float32 or bfloat16)."
+                )
             eligible = trained_targets(trained, batch, valid)
             replies.update(batch, omega, valid)
             mem = eligible & (omega > cut)
