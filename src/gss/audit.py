@@ -128,6 +128,14 @@ class AuditReport:
         return [out / "audit.jsonl", out / "audit.md", out / "extractable.jsonl"]
 
 
+def check_window(k: int, n: int) -> None:
+    """Refuse a window no row can be audited in: k prompt tokens, rows read up to n."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise GSSError(f"k must be an integer >= 1, got {k!r}.")
+    if isinstance(n, bool) or not isinstance(n, int) or n <= k:
+        raise GSSError(f"n must be an integer > k = {k}, got {n!r}.")
+
+
 def _risk(row: AuditRow) -> tuple[bool, int, float]:
     return bool(row.extractable), row.longest_run, row.omega_mean
 
@@ -154,10 +162,7 @@ def audit(
 ) -> AuditReport:
     """Which of ``texts`` (the fine-tuning data, in any form `gss.calibrate` takes) the model
     reproduces verbatim, and how much; see the module docstring. Rows are cut to ``n`` tokens."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise GSSError(f"k must be an integer >= 1, got {k!r}.")
-    if isinstance(n, bool) or not isinstance(n, int) or n <= k:
-        raise GSSError(f"n must be an integer > k = {k}, got {n!r}.")
+    check_window(k, n)
     check_same_vocab(model, reference)
     seqs = encode(texts, tokenizer, n)
     check_sequences((model, reference), seqs, "the texts")

@@ -145,10 +145,8 @@ def scan_layers(
     cfg, run = resolve(config, overrides)
     started = time.perf_counter()
     wanted = range(len(find_decoder_blocks(model, cfg.block_path))) if layers is None else layers
-    scan_cfg = cfg.replace(gradient="summed", memorized_quantile=None)  # one backward for all
-    done = run_pass(
-        model, reference, texts, scan_cfg, run, tokenizer, gen_texts, list(wanted), True, 4
-    )
+    # run_pass refuses gradient="per-position" for several blocks rather than change it
+    done = run_pass(model, reference, texts, cfg, run, tokenizer, gen_texts, list(wanted), True, 4)
     if done.memorization[0].count == 0 and done.counts["omega_nonzero"] == 0:
         raise same_model_error(done.counts["tokens"])
     strengths = {

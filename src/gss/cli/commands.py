@@ -343,11 +343,10 @@ def _cmd_layers(args: argparse.Namespace) -> int:
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
-    from gss.audit import audit
+    from gss.audit import audit, check_window
     from gss.data import read_texts
 
-    if args.n <= args.k:
-        raise GSSError(f"--n {args.n} must be greater than --k {args.k}.")
+    check_window(args.k, args.n)  # before the models load
     check_outputs(args.out, ["audit.jsonl", "audit.md", "extractable.jsonl"], args.overwrite)
     texts = read_texts(args.data)
     args.max_length = args.n  # rows are read up to n tokens
