@@ -56,7 +56,13 @@ def test_audit_writes_what_evaluate_reads(memorizer, tmp_path):
     model, reference, planted, _ = memorizer
     report = gss.audit(model, reference, planted.tolist(), k=4, n=16, progress=False)
     written = report.write(tmp_path / "audit")
-    assert [p.name for p in written] == ["audit.jsonl", "audit.md", "extractable.jsonl"]
+    assert [p.name for p in written] == [
+        "audit.jsonl",
+        "audit.md",
+        "extractable.jsonl",
+        "audit.png",
+    ]
+    assert written[-1].stat().st_size > 1000  # the histograms
     lines = (tmp_path / "audit" / "audit.jsonl").read_text().splitlines()
     assert len(lines) == len(planted) and json.loads(lines[0])["extractable"] is True
     kept = read_texts(tmp_path / "audit" / "extractable.jsonl", keep_rows=True)
@@ -90,3 +96,25 @@ def test_audit_command(tmp_path, capsys):
     assert (tmp_path / "out" / "extractable.jsonl").is_file()
     assert main(args) == 2  # results there: not replaced without --overwrite
     assert "pass --overwrite" in capsys.readouterr().err
+    rows = [{"prompt": " ".join(line.split()[:5]), "completion": " " + line} for line in lines]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args[args.index(str(tmp_path / "data.txt"))] = str(tmp_path / "chat.jsonl")
+    assert main([*args, "--reply", "--overwrite"]) == 0  # each completion given its prompt
+    audited = (tmp_path / "out" / "audit.jsonl").read_text().splitlines()
+    assert len(audited) == 6 and all(json.loads(r)["tokens"] == 5 + 8 for r in audited)
+
+
+def test_audit_reads_replies_given_their_prompt(memorizer):
+    """(prompt, reply) pairs, as chats give: extractable iff greedy decoding from the whole
+    prompt reproduces the reply's first n - k tokens."""
+    model, reference, planted, general = memorizer
+    rows = torch.cat([planted, general[:6]]).tolist()
+    pairs = [(r[: 5 + i % 3], r[5 + i % 3 :]) for i, r in enumerate(rows)]  # prompts of 5-7
+    report = gss.audit(model, reference, pairs, k=4, n=12, batch_size=4, progress=False)
+    greedy = [greedy_generate(model, [p], 8, pad_id=0)[0] for p, _ in pairs]
+    for (prompt, reply), found, decoded in zip(pairs, report.rows, greedy, strict=True):
+        assert found.extractable == (decoded == reply[:8])
+        assert report.candidate(found.index) == (prompt, reply[:8])
+    assert all(r.extractable for r in report.rows[: len(planted)])
+    assert not any(r.reference_extractable for r in report.rows[: len(planted)])
+    assert [r.index for r in report.memorized] == list(range(len(planted)))

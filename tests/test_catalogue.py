@@ -1,19 +1,23 @@
 """Bad inputs to the command line: each ends in one error line that names the problem (and the
-fix), never a traceback, and before the expensive work where it can be known then.
+fix), never a traceback, and before the expensive work where it can be known then; nothing is
+written, and no earlier result or user's file is replaced or deleted. Then inputs that look odd
+but must work (a model whose embeddings are padded past its tokenizer).
 
-A growing catalogue (issue 42): every case here was a traceback or a silently wrong result once.
+A growing catalogue (issue 42): many cases here were a traceback or a silently wrong result
+once. The library's cases are in ``test_catalogue_api.py``.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
 from gss.cli import main
 
 from .helpers import tiny_model
-from .test_cli import _tokenizer
+from .test_cli import WORDS, _tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +32,25 @@ def root(tmp_path_factory):
     (root / "empty.txt").write_text("\n\n")
     (root / "rows.jsonl").write_text(json.dumps({"txt": "w1"}) + "\n")
     (root / "data.csv").write_text("text\nw1 w2\n")
+    # a fine-tune whose embeddings were padded past the tokenizer (64 rows for 48 tokens)
+    tiny_model("llama", seed=0, vocab=64).save_pretrained(root / "padded")
+    _tokenizer().save_pretrained(root / "padded")
+    # a reference with another tokenizer (the same words under other ids)
+    tiny_model("llama", seed=1).save_pretrained(root / "other_tok")
+    _tokenizer(WORDS[:4] + WORDS[4:][::-1]).save_pretrained(root / "other_tok")
     args = ["calibrate", "--model", str(root / "model"), "--reference", str(root / "ref")]
     args += ["--data", str(root / "data.txt"), "--layer", "1", "--rank", "2"]
     assert main([*args, "--out", str(root / "art"), "--no-progress"]) == 0
+    (root / "damaged").mkdir()
+    for name in ("gss_config.json", "gss_tensors.safetensors"):
+        (root / "damaged" / name).write_bytes((root / "art" / name).read_bytes())
+    (root / "damaged" / "gss_config.json").write_text('{"format_version": 2,')
+    written = ["signal.json", "layers.json", "audit.jsonl", "evaluation.json", "sweep.json"]
+    (root / "results").mkdir()
+    for name in written:
+        (root / "results" / name).write_text("an earlier run's\n")
+    (root / "foreign").mkdir()
+    (root / "foreign" / "mine.txt").write_text("mine")
     return root
 
 
@@ -41,6 +61,10 @@ def _cases():
     generate = ["generate", "--model", m, "--steer", "{root}/art"]
     evaluate = ["evaluate", "--model", m, "--steer", "{root}/art", "--memorized", d]
     evaluate += ["--heldout", d, "--k", "4", "--n", "8"]
+    sweep = ["sweep", *evaluate[1:], "--out", "{root}/new"]
+    signal = ["signal", "--model", m, "--reference", r, "--data", d]
+    layers = ["layers", "--model", m, "--reference", r, "--data", d]
+    audit = ["audit", "--model", m, "--reference", r, "--data", d, "--out", "{root}/new"]
     return {
         "data not UTF-8": (
             [*calibrate[:5], "--data", "{root}/latin1.txt", "--layer", "1", *out],
@@ -135,23 +159,239 @@ def _cases():
         ),
         "unknown preset": ([*calibrate, *out, "--preset", "gss-xx"], "invalid choice"),
         "abbreviated flag": ([*calibrate, *out, "--targ", "loglik"], "unrecognized arguments"),
+        # calibrate: flags of the wrong type, other models, other outputs
+        "rank not a number": ([*calibrate, *out, "--rank", "abc"], "invalid int value: 'abc'"),
+        "layer not a number": ([*calibrate[:-1], "abc", *out], "invalid int value: 'abc'"),
+        "delta not a number": ([*calibrate, *out, "--delta", "abc"], "invalid float value"),
+        "dtype unknown": ([*calibrate, *out, "--dtype", "float64"], "invalid choice"),
+        "required flag missing": (
+            [*calibrate[:5], "--layer", "1", *out],
+            "the following arguments are required: --data",
+        ),
+        "unknown command": (["frobnicate"], "invalid choice: 'frobnicate'"),
+        "max length 1": (
+            [*calibrate, *out, "--max-length", "1"],
+            "max_length must be an integer >= 2",
+        ),
+        "missing gen data": (
+            [*calibrate, *out, "--gen-data", "{root}/nope.txt"],
+            "data file {root}/nope.txt does not exist",
+        ),
+        "model is an artifact": (
+            ["calibrate", "--model", "{root}/art", *calibrate[3:], *out],
+            "is not a model directory",
+        ),
+        "reference with another tokenizer": (
+            [*calibrate[:3], "--reference", "{root}/other_tok", *calibrate[5:], *out],
+            "tokenizers disagree on 44 of 44 regular tokens",
+        ),
+        "reference is the model": (
+            [*calibrate[:3], "--reference", m, *calibrate[5:], *out],
+            "omega = 0 everywhere",
+        ),
+        "out is a file": ([*calibrate, "--out", d], "is a file, not a directory"),
+        # show
+        "show a missing folder": (["show", "{root}/nope"], "is not a gss artifact directory"),
+        "show a file": (["show", d], "is not a gss artifact directory"),
+        "show a damaged artifact": (["show", "{root}/damaged"], "is not valid JSON"),
+        # signal
+        "signal missing data": (
+            ["signal", "--model", m, "--reference", r, "--data", "{root}/nope.txt"],
+            "does not exist",
+        ),
+        "signal out holds signal.json": (
+            [*signal, "--out", "{root}/results"],
+            "already holds signal.json: pass --overwrite",
+        ),
+        "signal out is a file": ([*signal, "--out", d], "--out {root}/data.txt is a file"),
+        "signal batch size abc": ([*signal, "--batch-size", "abc"], "must be a positive integer"),
+        "signal data not UTF-8": (
+            ["signal", "--model", m, "--reference", r, "--data", "{root}/latin1.txt"],
+            "is not UTF-8 text",
+        ),
+        # layers
+        "layers out of range": ([*layers, "--layers", "0,7"], "layer 7 is out of range"),
+        "layers none listed": ([*layers, "--layers", ","], "--layers takes"),
+        "layers out holds layers.json": (
+            [*layers, "--out", "{root}/results"],
+            "already holds layers.json",
+        ),
+        "layers unknown target": ([*layers, "--target", "x"], "invalid choice: 'x'"),
+        # audit
+        "audit n equal to k": ([*audit, "--k", "8", "--n", "8"], "n must be an integer > k = 8"),
+        "audit n 0": ([*audit, "--n", "0"], "must be a positive integer, got 0"),
+        "audit k abc": ([*audit, "--k", "abc"], "must be a positive integer, got 'abc'"),
+        "audit out holds audit.jsonl": (
+            [*audit[:-1], "{root}/results"],
+            "already holds audit.jsonl: pass --overwrite",
+        ),
+        "audit missing data": (
+            [*audit[:5], "--data", "{root}/nope.txt", *audit[7:]],
+            "does not exist",
+        ),
+        # evaluate
+        "evaluate missing memorized": (
+            [*evaluate[:5], "--memorized", "{root}/nope.txt", *evaluate[7:]],
+            "does not exist",
+        ),
+        "evaluate out holds evaluation.json": (
+            [*evaluate, "--out", "{root}/results"],
+            "already holds evaluation.json: pass --overwrite",
+        ),
+        "evaluate missing steer": (
+            ["evaluate", "--model", m, "--steer", "{root}/nope", *evaluate[5:]],
+            "is not a gss artifact directory",
+        ),
+        "evaluate another model": (
+            ["evaluate", "--model", r, *evaluate[3:]],
+            "calibrated for another model",
+        ),
+        "evaluate n equal to k": ([*evaluate, "--n", "4"], "need 1 <= k < n"),
+        "evaluate empty memorized": (
+            [*evaluate[:5], "--memorized", "{root}/empty.txt", *evaluate[7:]],
+            "contains no sequences",
+        ),
+        # sweep
+        "sweep deltas not numbers": ([*sweep, "--deltas", "a,b"], "--deltas takes comma-separated"),
+        "sweep deltas empty": ([*sweep, "--deltas", ","], "--deltas lists no numbers"),
+        "sweep delta 0": ([*sweep, "--deltas", "0,1"], "delta must be > 0"),
+        "sweep percentile 100": (
+            [*sweep, "--percentiles", "95,100", "--general", d],
+            "threshold_percentile must be in (0, 100)",
+        ),
+        "sweep rank past the artifact's": ([*sweep, "--ranks", "1,5"], "rank must be in 1..2"),
+        "sweep tolerance negative": ([*sweep, "--tolerance", "-1"], "tolerance must be >= 0"),
+        "sweep out holds sweep.json": (
+            [*sweep[:-1], "{root}/results"],
+            "already holds sweep.json: pass --overwrite",
+        ),
+        # generate
+        "generate missing steer": (
+            ["generate", "--model", m, "--steer", "{root}/nope", "--prompt", "w1"],
+            "is not a gss artifact directory",
+        ),
+        "generate another model": (
+            ["generate", "--model", r, "--steer", "{root}/art", "--prompt", "w1"],
+            "calibrated for another model",
+        ),
+        "generate delta nan": (
+            [*generate, "--prompt", "w1", "--delta", "nan"],
+            "delta must be a finite number, got nan",
+        ),
+        "evaluate delta inf": ([*evaluate, "--delta", "inf"], "delta must be a finite number"),
+        "percentile not a number": (
+            [*calibrate, *out, "--threshold-percentile", "high"],
+            "invalid float value: 'high'",
+        ),
+        "generate max new tokens abc": (
+            [*generate, "--prompt", "w1", "--max-new-tokens", "abc"],
+            "must be a positive integer, got 'abc'",
+        ),
+        # models (gss_bench): refused before any download
+        "models get into a foreign folder": (
+            ["models", "get", "smollm2-135m", "--dir", "{root}/foreign"],
+            "already exists and is not a model gss converted",
+        ),
+        "models get an unknown model": (
+            ["models", "get", "gpt-5", "--dir", "{root}/new"],
+            "unknown model 'gpt-5'",
+        ),
+        "models get without a name": (["models", "get"], "name one of smollm2-135m"),
     }
 
 
 CASES = _cases()
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_bad_input_is_one_line(root, capsys, name):
-    argv, message = CASES[name]
-    argv = [a.format(root=root) for a in argv]
+def _run(argv: list[str]) -> int:
+    quiet = [] if argv[0] in ("show", "models", "frobnicate") else ["--no-progress"]
     try:
-        code = main([*argv, "--no-progress"])
+        return main([*argv, *quiet])
     except SystemExit as exit_info:  # argparse's own errors
-        code = exit_info.code
+        return int(exit_info.code or 0)
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """`gss models get` must refuse before it downloads: a download fails the test. False
+    where gss_bench (benchmarks/, not in the wheel) is not installed."""
+    try:
+        import gss_bench.models as models
+    except ImportError:
+        return False
+
+    def no_download(*_):
+        raise AssertionError("gss models get went to the network")
+
+    monkeypatch.setattr(models, "fetch_wheel", no_download)
+    return True
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_one_line(root, capsys, offline, name):
+    argv, message = CASES[name]
+    if argv[0] == "models" and not offline:
+        pytest.skip("gss models needs gss_bench (pip install -e ./benchmarks)")
+    argv = [a.format(root=root) for a in argv]
+    shutil.rmtree(root / "new", ignore_errors=True)  # one case's failure is not the next one's
+    code = _run(argv)
     err = capsys.readouterr().err
     assert code == 2, err
     assert "Traceback" not in err
     lines = [line for line in err.splitlines() if "error:" in line]
-    assert len(lines) == 1 and message in lines[0], err
+    assert len(lines) == 1 and message.format(root=root) in lines[0], err
     assert not (root / "new").exists()  # nothing written
+    assert (root / "foreign" / "mine.txt").read_text() == "mine"  # nothing deleted
+    assert {p.read_text() for p in (root / "results").iterdir()} == {"an earlier run's\n"}
+
+
+def _works(root, capsys, argv: list[str]) -> str:
+    code = _run([a.format(root=root) for a in argv])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "Traceback" not in err and "error:" not in err
+    return out
+
+
+def test_embeddings_padded_past_the_tokenizer(root, capsys):
+    """A fine-tune with 64 embedding rows for a 48-token tokenizer, against its base (48
+    logits): every command that compares the two works, and the steer generates."""
+    pair = ["--model", "{root}/padded", "--reference", "{root}/ref", "--data", "{root}/data.txt"]
+    out = _works(
+        root,
+        capsys,
+        ["calibrate", *pair, "--layer", "1", "--rank", "2", "--out", "{root}/padded_art"],
+    )
+    assert "saved" in out
+    out = _works(
+        root,
+        capsys,
+        [
+            "generate",
+            "--model",
+            "{root}/padded",
+            "--steer",
+            "{root}/padded_art",
+            "--prompt",
+            "w1 w2",
+            "--max-new-tokens",
+            "3",
+        ],
+    )
+    assert "steered:" in out
+    assert '"data"' in _works(root, capsys, ["signal", *pair])
+    assert "block   1" in _works(root, capsys, ["layers", *pair])
+    assert "rows extractable" in _works(
+        root, capsys, ["audit", *pair, "--k", "4", "--n", "8", "--out", "{root}/padded_audit"]
+    )
+
+
+def test_show_and_overwrite_work(root, capsys):
+    assert "2 blocks, d = 32" in _works(root, capsys, ["show", "{root}/art"])
+    shown = json.loads(_works(root, capsys, ["show", "{root}/art", "--json"]))
+    assert shown["config"]["rank"] == 2
+    calibrate = ["calibrate", "--model", "{root}/model", "--reference", "{root}/ref", "--data"]
+    calibrate += ["{root}/data.txt", "--layer", "1", "--rank", "1", "--out", "{root}/replaced"]
+    _works(root, capsys, calibrate)
+    _works(root, capsys, [*calibrate, "--overwrite"])
+    assert json.loads((root / "replaced" / "gss_config.json").read_text())["config"]["rank"] == 1

@@ -11,10 +11,11 @@ import re
 import shlex
 
 import pytest
+import torch
 
 from gss.cli import build_parser
 
-from .helpers import tiny_model
+from .helpers import general_rows, tiny_model, train
 from .test_cli import _tokenizer
 from .test_docs import RESULTS, ROOT, cells, section, table_rows
 
@@ -22,17 +23,27 @@ README = ROOT / "README.md"
 
 
 def test_readme_example_runs(tmp_path, monkeypatch, capsys):
+    """On a tiny Llama that memorized 8 planted lines, and a reference trained without them."""
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
     assert len(blocks) == 1  # ONE example, and it is this one
-    for name, seed in (("finetuned-model", 0), ("base-model", 1)):
-        tiny_model("llama", seed=seed).save_pretrained(tmp_path / name)
-        _tokenizer().save_pretrained(tmp_path / name)
-    lines = [" ".join(f"w{(i * 5 + j) % 40}" for j in range(10)) for i in range(16)]
+    tokenizer = _tokenizer()
+    gen = torch.Generator().manual_seed(0)
+    general = general_rows(256, 24, gen, len(tokenizer))
+    planted = torch.randint(4, len(tokenizer), (8, 24), generator=gen)
+    for name, rows in (
+        ("finetuned-model", torch.cat([general, planted.repeat(16, 1)])),
+        ("base-model", general),
+    ):
+        model = tiny_model("llama", seed=0, hidden=48)
+        train(model, rows, steps=150, seed=0)
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    lines = [tokenizer.decode(r) for r in torch.cat([planted, general[:24]]).tolist()]
     (tmp_path / "finetune_data.txt").write_text("\n".join(lines) + "\n")
     monkeypatch.chdir(tmp_path)
     exec(compile(blocks[0], "README.md", "exec"), {})
-    assert (tmp_path / "gss-artifact" / "gss_config.json").is_file()
-    assert capsys.readouterr().out.strip()
+    assert (tmp_path / "protected" / "steer" / "gss_config.json").is_file()
+    assert "Held-out memorized rows (4" in capsys.readouterr().out
 
 
 def _summary() -> dict[str, list[str]]:

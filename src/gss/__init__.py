@@ -9,7 +9,8 @@ threshold. The pipeline, in the order data flows: `gss.signal` -> `gss.statistic
 
 __version__ = "0.1.0"
 
-from gss.artifact.steering_artifact import Provenance, SteeringArtifact, load, steer
+from gss.artifact.stack import SteeringStack, load, steer
+from gss.artifact.steering_artifact import Provenance, SteeringArtifact
 from gss.audit import AuditReport, audit
 from gss.calibrate import calibrate
 from gss.config import PRESETS, CalibrationConfig, RunOptions, preset
@@ -17,31 +18,39 @@ from gss.errors import GSSError, GSSWarning
 from gss.hf.adapters import adapters_off
 from gss.hf.blocks import find_decoder_blocks
 from gss.layer_scan import LayerScan, scan_layers
+from gss.protect import Protection, SearchSpace, protect
 from gss.signal.omega import SignalStatistics, memorization_signal, signal_statistics
 from gss.solve.thresholds import calibrate_thresholds
 from gss.solve.whitened import ProbeSteer, solve_probe_steer
+from gss.steering.explain import Explanation, explain
 
 __all__ = [
     "PRESETS",
     "AuditReport",
     "CalibrationConfig",
+    "Explanation",
     "GSSError",
     "GSSWarning",
     "LayerScan",
     "ProbeSteer",
+    "Protection",
     "Provenance",
     "RunOptions",
+    "SearchSpace",
     "SignalStatistics",
     "SteeringArtifact",
+    "SteeringStack",
     "__version__",
     "adapters_off",
     "audit",
     "calibrate",
     "calibrate_thresholds",
+    "explain",
     "find_decoder_blocks",
     "load",
     "memorization_signal",
     "preset",
+    "protect",
     "scan_layers",
     "signal_statistics",
     "solve_probe_steer",

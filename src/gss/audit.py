@@ -22,14 +22,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from gss.config import RunOptions
 from gss.data import TextsOrIds, batches, count_batches, encode
 from gss.errors import GSSError
+from gss.evaluate.suite import is_pair
 from gss.hf.forward import (
     check_same_vocab,
     check_sequences,
@@ -52,6 +54,13 @@ class AuditRow:
     omega_mean: float
     omega_max: float
     omega_burst: int  # most consecutive tokens with omega > 0
+    # the reference extracts it too: the text is predictable, not learned from this row
+    reference_extractable: bool | None = None
+
+    @property
+    def memorized(self) -> bool:
+        """Extractable from the model but not from the reference: regurgitated, not general."""
+        return bool(self.extractable) and not self.reference_extractable
 
 
 @dataclass
@@ -63,10 +72,25 @@ class AuditReport:
     n: int
     seconds: float
     ids: list[list[int]] = field(repr=False, default_factory=list)
+    # where each row's window starts, for (prompt, reply) pairs (None: at k for every row)
+    starts: list[int] | None = field(repr=False, default=None)
+
+    def candidate(self, index: int) -> list[int] | tuple[list[int], list[int]]:
+        """Row ``index`` as `gss.evaluate.evaluate_model` reads it: its ids, or for a pair
+        (prompt, reply) again."""
+        ids = self.ids[index]
+        if self.starts is None:
+            return ids
+        return ids[: self.starts[index]], ids[self.starts[index] :]
 
     @property
     def extractable(self) -> list[AuditRow]:
         return [r for r in self.rows if r.extractable]
+
+    @property
+    def memorized(self) -> list[AuditRow]:
+        """The extractable rows the reference does not extract (`AuditRow.memorized`)."""
+        return [r for r in self.rows if r.memorized]
 
     def ranked(self) -> list[AuditRow]:
         """Extractable rows first, then by longest run and mean omega."""
@@ -83,6 +107,7 @@ class AuditReport:
             "checkable": len(checkable),
             "extractable": len(self.extractable),
             "extractable_share": len(self.extractable) / max(len(checkable), 1),
+            "memorized": len(self.memorized),
             "k": self.k,
             "n": self.n,
             "seconds": self.seconds,
@@ -94,7 +119,7 @@ class AuditReport:
         from gss.report import markdown_table
 
         header = ["row", "extractable", "% matched", "longest run", "omega mean", "omega max"]
-        header.append("omega burst")
+        header += ["omega burst", "reference extracts"]
         body = [
             [
                 str(r.index),
@@ -104,6 +129,7 @@ class AuditReport:
                 f"{r.omega_mean:.2f}",
                 f"{r.omega_max:.2f}",
                 str(r.omega_burst),
+                {True: "yes", False: "no", None: "-"}[r.reference_extractable],
             ]
             for r in self.ranked()[:top]
         ]
@@ -118,14 +144,46 @@ class AuditReport:
         (out / "audit.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in self.rows))
         s = self.summary()
         (out / "audit.md").write_text(
-            f"{s['extractable']} of {s['checkable']} rows extractable "
-            f"(({self.n},{self.k})-extraction; {s['rows']} rows, {s['seconds']:.1f} s, "
+            f"{s['extractable']} of {s['checkable']} rows extractable, {s['memorized']} of "
+            f"them not by the reference (({self.n},{self.k})-extraction; {s['rows']} rows, "
+            f"{s['seconds']:.1f} s, "
             f"{s['rows_per_second']:.1f} rows/s)\n\n" + self.table()
         )
         (out / "extractable.jsonl").write_text(
             "".join(json.dumps({"input_ids": self.ids[r.index]}) + "\n" for r in self.extractable)
         )
-        return [out / "audit.jsonl", out / "audit.md", out / "extractable.jsonl"]
+        self.plot(out / "audit.png")
+        return [out / "audit.jsonl", out / "audit.md", out / "extractable.jsonl", out / "audit.png"]
+
+    def plot(self, path: str | Path) -> Path:
+        """Two histograms over the rows: the share of the window the model reproduces, and
+        the mean omega (the risk score), the memorized rows apart from the others."""
+        from gss.report import pyplot, save_figure
+
+        plt = pyplot()
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+        groups = {
+            "memorized (model extracts, reference does not)": [r for r in self.rows if r.memorized],
+            "other rows": [r for r in self.rows if not r.memorized],
+        }
+        for ax, (label, value) in zip(
+            axes,
+            (
+                (f"% of tokens {self.k}..{self.n - 1} reproduced", lambda r: 100 * r.matched),
+                ("mean omega (nats)", lambda r: r.omega_mean),
+            ),
+            strict=True,
+        ):
+            for name, rows in groups.items():
+                if rows:
+                    ax.hist(
+                        [value(r) for r in rows], bins=30, alpha=0.6, label=f"{name}: {len(rows)}"
+                    )
+            ax.set_xlabel(label)
+            ax.set_ylabel("rows")
+        axes[0].legend(fontsize=7)
+        fig.suptitle(f"gss audit: {len(self.rows)} rows, ({self.n},{self.k})-extraction")
+        return save_figure(fig, path)
 
 
 def check_window(k: int, n: int) -> None:
@@ -161,10 +219,23 @@ def audit(
     progress: bool = True,
 ) -> AuditReport:
     """Which of ``texts`` (the fine-tuning data, in any form `gss.calibrate` takes) the model
-    reproduces verbatim, and how much; see the module docstring. Rows are cut to ``n`` tokens."""
+    reproduces verbatim, and how much; see the module docstring. Rows are cut to ``n`` tokens.
+
+    ``texts`` may instead be (prompt ids, reply ids) pairs (`gss.data.encode_replies` makes
+    them from chats): a pair is extractable when greedy decoding from its whole prompt
+    reproduces the first ``n - k`` tokens of its reply, the reply given the conversation."""
     check_window(k, n)
-    check_same_vocab(model, reference)
-    seqs = encode(texts, tokenizer, n)
+    RunOptions(batch_size=batch_size)  # checks it
+    check_same_vocab(model, reference, tokenizer)
+    starts: list[int] | None = None
+    if isinstance(texts, Sequence) and texts and all(is_pair(r) for r in texts):
+        pairs = [([int(t) for t in p], [int(t) for t in c]) for p, c in cast(Any, texts)]
+        if any(not p or not c for p, c in pairs):
+            raise GSSError("every (prompt, reply) pair needs a non-empty prompt and reply.")
+        starts = [len(p) for p, _ in pairs]
+        seqs = [p + c[: n - k] for p, c in pairs]
+    else:
+        seqs = encode(texts, tokenizer, n)
     check_sequences((model, reference), seqs, "the texts")
     started = time.perf_counter()
     found: dict[int, AuditRow] = {}
@@ -180,26 +251,33 @@ def audit(
             logits = forward_logits(model, ids, mask)
             hits = logits[:, :-1].argmax(-1).cpu() == ids[:, 1:].cpu()  # (B, T-1)
             omega = token_logprobs(logits, ids).float().cpu()
-            omega -= token_logprobs(forward_logits(reference, ids, mask), ids).float().cpu()
+            ref_logits = forward_logits(reference, ids, mask)
+            ref_hits = ref_logits[:, :-1].argmax(-1).cpu() == ids[:, 1:].cpu()
+            omega -= token_logprobs(ref_logits, ids).float().cpu()
             valid = target_mask(mask).cpu()
             for j, index in enumerate(batch.index.tolist()):
                 length = int(mask[j].sum())
+                start = k if starts is None else starts[index]  # the window's first token
                 row_hits = hits[j, : length - 1]
                 row_omega = omega[j][valid[j]]
-                window = row_hits[k - 1 : length - 1]  # predictions of tokens k..length-1
+                window = row_hits[start - 1 : length - 1]  # predictions of tokens start..
                 found[index] = AuditRow(
                     index=index,
                     tokens=length,
-                    extractable=bool(window.all()) if length > k else None,
-                    matched=float(window.float().mean()) if length > k else 0.0,
+                    extractable=bool(window.all()) if length > start else None,
+                    matched=float(window.float().mean()) if length > start else 0.0,
                     longest_run=_longest_run(row_hits),
                     omega_mean=float(row_omega.mean()) if row_omega.numel() else 0.0,
                     omega_max=float(row_omega.max()) if row_omega.numel() else 0.0,
                     omega_burst=_longest_run(row_omega > 0),
+                    reference_extractable=(
+                        bool(ref_hits[j, start - 1 : length - 1].all()) if length > start else None
+                    ),
                 )
     rows = [found[i] for i in range(len(seqs))]
     return AuditReport(
         rows=rows,
+        starts=starts,
         k=k,
         n=n,
         seconds=time.perf_counter() - started,

@@ -260,6 +260,11 @@ def _token_lists(
                 "texts were given (strings, conversations or dataset rows): pass the model's "
                 "tokenizer."
             )
+        if not callable(tokenizer):
+            raise GSSError(
+                f"tokenizer must be a tokenizer, got {type(tokenizer).__name__}: load it, e.g. "
+                "AutoTokenizer.from_pretrained(path) or gss.hf.loading.load_tokenizer(path)."
+            )
         plain = {i: t for i, t in enumerate(texts) if isinstance(t, str)}
         chats = {
             i: render(t, tokenizer, f"sequence {i}")
@@ -312,8 +317,17 @@ def sequence_items(data: TextsOrIds, max_length: int | None) -> Sequence[Any]:
         if data.dtype.is_floating_point or data.dtype.is_complex:
             raise GSSError(f"a tensor of token ids must hold integers, got {data.dtype}.")
         items: Sequence[Any] = list(data[:, :max_length] if max_length is not None else data)
+    elif isinstance(data, Sequence):
+        items = data
     else:
-        items = data if isinstance(data, Sequence) else list(data)
+        try:
+            items = list(data)  # a generator, a dataset column
+        except TypeError:
+            what = "None" if data is None else f"one {type(data).__name__}"
+            raise GSSError(
+                f"the texts are {what}: pass a list of texts (strings, conversations or dataset "
+                "rows) or of token id lists, or a 2-D tensor of token ids."
+            ) from None
     if not items:
         raise GSSError("no sequences given.")
     return items

@@ -37,7 +37,12 @@ def test_quick_benchmark_writes_table_json_and_figures(tmp_path, cache, setting,
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     (run,) = results["runs"]
-    assert set(run["methods"]) == {"GSS", "GSS ungated", "Mean-diff", "GSS-TR", "GSS-TR ungated"}
+    names = {"GSS", "GSS ungated", "Mean-diff", "GSS-TR", "GSS-TR ungated", "GSS protect"}
+    assert set(run["methods"]) == names
+    protected = run["methods"]["GSS protect"]  # one point: gss protect searched on its own
+    assert protected["selected"]["within_tolerance"] and protected["protect"]["trials"] > 8
+    assert len(protected["grid"]) == 1
+    assert "| GSS protect |" in (out / "table.md").read_text()
     for method in run["methods"].values():
         assert method["grid"] and "eval" in method["selected"]
     assert run["unmitigated"]["rows"] > 0

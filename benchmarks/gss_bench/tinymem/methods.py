@@ -67,7 +67,8 @@ def split_halves(data: TinyMemData) -> tuple[dict[str, list], dict[str, list]]:
     return val, test
 
 
-def _utility(model: nn.Module, data: TinyMemData, sets: dict[str, list], bs: int) -> float:
+def utility(model: nn.Module, data: TinyMemData, sets: dict[str, list], bs: int) -> float:
+    """Math: token accuracy % averaged over the sets; language: perplexity on `main`."""
     if is_math(data):
         accs = [token_accuracy(model, rows, data.pad_id, batch_size=bs) for rows in sets.values()]
         return 100.0 * sum(accs) / len(accs)
@@ -124,13 +125,13 @@ def evaluate(
                 method=decode,
             )
             correct = clean.success
-        utility = _utility(model, data, test, batch_size)
-        val_utility = _utility(model, data, val, batch_size)
+        test_utility = utility(model, data, test, batch_size)
+        val_utility = utility(model, data, val, batch_size)
     return Evaluation(
         memorized=100.0 * memorized,
         correct=100.0 * correct,
         rows=rows,
-        utility=utility,
+        utility=test_utility,
         val_utility=val_utility,
         seconds=time.perf_counter() - t0,
         index=tuple(index),

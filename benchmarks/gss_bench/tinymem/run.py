@@ -26,6 +26,7 @@ from gss_bench.baselines import get_method
 from gss_bench.tinymem import methods as M
 from gss_bench.tinymem.data import SETTINGS
 from gss_bench.tinymem.paper import PAPER
+from gss_bench.tinymem.protection import protect_row
 from gss_bench.tinymem.train import default_cache_dir, get_models, get_preset
 from gss_bench.trained_on import KEY_CPU_CAPABILITY, KEY_THREADS
 
@@ -42,7 +43,10 @@ METHOD_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "GSS-TR": ("tr", "gss", {}),
     "GSS-TR ungated": ("tr", "gss", {"gate": "none"}),
 }
-METHODS = tuple(METHOD_SPECS)
+# `gss protect` with its defaults: no hand-picked block, strength, rank, gate or variant
+# (gss_bench.tinymem.protection); the table's utility rule is its budget.
+PROTECT = "GSS protect"
+METHODS = (*METHOD_SPECS, PROTECT)
 DEFAULT_LAYER = 1
 DEFAULT_RANK = 4
 ABLATIONS = ("layer", "rank", "percentile", "coefficient", "gate", "variant", "reference")
@@ -244,11 +248,11 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
         f"TinyMem {setting} seed {seed}: omega on memorized + clean rows",
     )
     passes: dict[str, Any] = {}
-    for name in dict.fromkeys(METHOD_SPECS[m][0] for m in args.methods):
+    for name in dict.fromkeys(METHOD_SPECS[m][0] for m in args.methods if m in METHOD_SPECS):
         stats = M.calibrate_layer(mem, ref, texts, gen, args.layer, CALIBRATIONS[name])
         passes[name] = (stats, M.build_artifact(mem, stats, rank=args.rank, progress=False))
     sweeps, mitigation_time = {}, {}
-    for name in args.methods:
+    for name in (m for m in args.methods if m in METHOD_SPECS):
         calib, kind, options = METHOD_SPECS[name]
         stats, artifact = passes[calib]
         t = artifact.provenance.timings
@@ -277,6 +281,14 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
             "mitigation_seconds": mitigation_time[name],
         }
         _log_choice(name, chosen)
+    if PROTECT in args.methods:
+        protected = methods[PROTECT] = protect_row(mem, ref, data, base, args.batch_size, seed)
+        got = protected["selected"]["eval"]
+        _log(
+            f"  {PROTECT} {_strength(protected['selected'])}: {got['memorized']:.1f}% memorized, "
+            f"{got['correct']:.1f}% correct, utility {got['utility']:.2f} "
+            f"({protected['mitigation_seconds']:.0f} s)"
+        )
     if args.baseline_names:
         mdata = M.baseline_data(data, base, args.layer)
         checkpoint = BaselineCheckpoint(out, setting, seed, preset, info)
@@ -691,7 +703,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     args.delta_grid = tuple(float(d) for d in args.deltas.split(",")) if args.deltas else M.DELTAS
     for m in args.methods:
-        if m not in METHOD_SPECS:
+        if m not in METHODS:
             raise SystemExit(f"gss bench tinymem: unknown method {m!r}; use {METHODS}")
     args.baseline_names = baseline_names(args.baselines, "tinymem")
     seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]

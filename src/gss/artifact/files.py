@@ -22,6 +22,7 @@ from gss.errors import GSSError
 CONFIG_NAME = "gss_config.json"
 TENSORS_NAME = "gss_tensors.safetensors"
 ARTIFACT_FILES = (CONFIG_NAME, TENSORS_NAME)
+STACK_NAME = "gss_stack.json"  # a SteeringStack: this manifest and one artifact per steer-<i>
 
 
 def sha256_of(path: Path) -> str:
@@ -35,13 +36,18 @@ def sha256_of(path: Path) -> str:
 def check_target(directory: str | Path, overwrite: bool) -> Path:
     """Refuse a directory that saving an artifact would damage, before any work is done:
     one with files that are not an artifact's, or an artifact when ``overwrite`` is False."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise GSSError(f"give a directory path to save into, got {type(directory).__name__}.")
     out = Path(directory)
     if out.exists() and not out.is_dir():
         raise GSSError(f"{out} is a file, not a directory: give a directory for the artifact.")
     if not out.is_dir():
         return out
     present = {p.name for p in out.iterdir()}
-    foreign = sorted(present - set(ARTIFACT_FILES))
+    ours = set(ARTIFACT_FILES)
+    if STACK_NAME in present:
+        ours = {STACK_NAME} | {p.name for p in out.glob("steer-*") if _is_artifact(p)}
+    foreign = sorted(present - ours)
     if foreign:
         shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
         raise GSSError(
@@ -67,8 +73,8 @@ def write_atomically(directory: str | Path, overwrite: bool, write: Callable[[Pa
     try:
         write(tmp)
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; a directory as mkdir would
-        for name in ARTIFACT_FILES:
-            os.chmod(tmp / name, 0o666 & ~_umask())  # both files alike, as open() would
+        for path in tmp.rglob("*"):  # every file alike, as open() would
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~_umask())
         if out.is_dir():
             if any(out.iterdir()):
                 old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
@@ -98,6 +104,10 @@ def check_outputs(directory: str | Path | None, names: Iterable[str], overwrite:
             f"{out} already holds {', '.join(existing)}: pass --overwrite to replace "
             f"{'it' if len(existing) == 1 else 'them'}, or choose another --out."
         )
+
+
+def _is_artifact(path: Path) -> bool:
+    return path.is_dir() and {p.name for p in path.iterdir()} <= set(ARTIFACT_FILES)
 
 
 def _umask() -> int:

@@ -11,8 +11,6 @@ import dataclasses
 import hashlib
 import json
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -27,7 +25,7 @@ from gss.artifact.files import CONFIG_NAME, TENSORS_NAME, sha256_of, write_atomi
 from gss.config import CalibrationConfig
 from gss.errors import GSSError, GSSWarning
 from gss.hf.blocks import find_decoder_blocks, residual_width, resolve_layer
-from gss.hf.forward import input_embedding_values, vocab_size
+from gss.hf.forward import check_models, input_embedding_values, vocab_size
 from gss.steering.attach import SteerHandle, active_hooks, register
 from gss.steering.gated import GatedSteer
 
@@ -189,6 +187,15 @@ class SteeringArtifact:
         sqrt(new/old), exactly what recalibrating with that delta would give; ``gate``,
         ``coefficient`` and ``ridge_delta`` just change how the steer is applied; ``rank``
         keeps the first K directions."""
+        allowed = {"delta", "rank", "gate", "coefficient", "ridge_delta"}
+        unknown = set(changes) - allowed
+        if unknown:
+            raise GSSError(f"unknown option(s) {sorted(unknown)}; allowed: {sorted(allowed)}.")
+        updates = {k: v for k, v in changes.items() if v is not None}
+        k = updates.get("rank")
+        if isinstance(k, int) and not isinstance(k, bool) and not 1 <= k <= self.rank:
+            raise GSSError(f"rank must be in 1..{self.rank} for this artifact, got {k}.")
+        config = self.config.replace(**updates)  # checks every value before any is used
         tensors = {
             "probe": self.probe,
             "thresholds": self.thresholds,
@@ -196,24 +203,12 @@ class SteeringArtifact:
             "steer": self.steer,
             "singular_values": self.singular_values,
         }
-        if "delta" in changes and changes["delta"] is not None:
-            new = float(changes["delta"])
-            if not new > 0:
-                raise GSSError(f"delta must be > 0, got {new}.")
-            factor = (new / self.config.delta) ** 0.5
+        if "delta" in updates:
+            factor = (config.delta / self.config.delta) ** 0.5
             for name in ("probe", "thresholds", "offset"):
                 tensors[name] = tensors[name] * factor
-        if changes.get("rank") is not None:
-            k = int(changes["rank"])
-            if not 1 <= k <= self.rank:
-                raise GSSError(f"rank must be in 1..{self.rank} for this artifact, got {k}.")
-            tensors = {name: t[:k] for name, t in tensors.items()}
-        allowed = {"delta", "rank", "gate", "coefficient", "ridge_delta"}
-        unknown = set(changes) - allowed
-        if unknown:
-            raise GSSError(f"unknown option(s) {sorted(unknown)}; allowed: {sorted(allowed)}.")
-        updates = {k: v for k, v in changes.items() if v is not None}
-        config = self.config.replace(**updates)  # checks every value
+        if "rank" in updates:
+            tensors = {name: t[: config.rank] for name, t in tensors.items()}
         provenance = self.provenance
         shares = provenance.gate_open_share
         if "rank" in updates and shares.get("per_direction"):
@@ -259,6 +254,7 @@ class SteeringArtifact:
 
     def check_model(self, model: nn.Module, strict: bool = True) -> None:
         """Refuse (or, with ``strict=False``, warn about) a model the artifact was not made for."""
+        check_models(model)
         actual = model_fingerprint(model, self.config.block_path)
         diffs = fingerprint_differences(self.provenance.fingerprint, actual)
         if diffs:
@@ -307,6 +303,11 @@ class SteeringArtifact:
         The directory must be new, empty, or (with ``overwrite``) hold an artifact: nothing
         else is ever written into or deleted. The save is atomic (`gss.artifact.files`).
         """
+        return write_atomically(directory, overwrite, self.write_into)
+
+    def write_into(self, directory: Path) -> None:
+        """Write both files into ``directory`` as they are (no checks, not atomic): the step
+        `save_pretrained` and `gss.artifact.stack` run inside their temporary directory."""
         tensors = {
             "probe": self.probe.float().contiguous().cpu(),
             "steer": self.steer.float().contiguous().cpu(),
@@ -315,18 +316,15 @@ class SteeringArtifact:
             "singular_values": self.singular_values.double().contiguous().cpu(),
         }
 
-        def write(tmp: Path) -> None:
-            save_file(tensors, str(tmp / TENSORS_NAME), metadata={"format": "gss"})
-            saved = {
-                "format_version": FORMAT_VERSION,
-                "gss_version": __version__,
-                "tensors_sha256": sha256_of(tmp / TENSORS_NAME),
-                "config": self.config.to_dict(),
-                "provenance": dataclasses.asdict(self.provenance),
-            }
-            (tmp / CONFIG_NAME).write_text(json.dumps(saved, indent=2))
-
-        return write_atomically(directory, overwrite, write)
+        save_file(tensors, str(directory / TENSORS_NAME), metadata={"format": "gss"})
+        saved = {
+            "format_version": FORMAT_VERSION,
+            "gss_version": __version__,
+            "tensors_sha256": sha256_of(directory / TENSORS_NAME),
+            "config": self.config.to_dict(),
+            "provenance": dataclasses.asdict(self.provenance),
+        }
+        (directory / CONFIG_NAME).write_text(json.dumps(saved, indent=2))
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> SteeringArtifact:
@@ -357,6 +355,12 @@ class SteeringArtifact:
                 f"{FORMAT_VERSION}. Re-calibrate, or install the gss version that wrote it "
                 f"({raw.get('gss_version')})."
             )
+        try:  # before the checksum: a damaged file is named damaged, not from another save
+            t = load_file(str(tensors_path))
+        except Exception as e:  # safetensors raises its own error types for a damaged file
+            raise GSSError(
+                f"{tensors_path} does not load ({e}): the artifact is damaged."
+            ) from None
         recorded = raw.get("tensors_sha256")
         if recorded is not None and recorded != sha256_of(tensors_path):
             raise GSSError(
@@ -364,12 +368,6 @@ class SteeringArtifact:
                 "SHA-256 differs): the two files come from different saves. Save the artifact "
                 "again, or copy both files of one save."
             )
-        try:
-            t = load_file(str(tensors_path))
-        except Exception as e:  # safetensors raises its own error types for a damaged file
-            raise GSSError(
-                f"{tensors_path} does not load ({e}): the artifact is damaged."
-            ) from None
         missing = sorted({"probe", "steer", "thresholds", "offset", "singular_values"} - set(t))
         if missing:
             raise GSSError(f"{tensors_path} lacks the tensors {missing}: the artifact is damaged.")
@@ -484,18 +482,3 @@ def check_tensors(artifact: SteeringArtifact) -> None:
             f"the artifact's steer directions must be unit vectors; their norms are "
             f"{[round(v, 4) for v in norms.tolist()]}: the file is damaged or was edited."
         )
-
-
-def load(directory: str | Path) -> SteeringArtifact:
-    """Load a saved :class:`SteeringArtifact`."""
-    return SteeringArtifact.from_pretrained(directory)
-
-
-@contextmanager
-def steer(model: nn.Module, artifact: SteeringArtifact, **options: Any) -> Iterator[SteerHandle]:
-    """``with gss.steer(model, artifact): ...`` steers inside the block and never after it."""
-    handle = artifact.attach(model, **options)
-    try:
-        yield handle
-    finally:
-        handle.remove()

@@ -22,14 +22,12 @@ from gss.errors import GSSError
 from gss.hf.loading import default_max_length, load_model, load_reference
 
 if TYPE_CHECKING:
-    from gss.artifact.steering_artifact import SteeringArtifact
+    from gss.artifact.stack import Steer
     from gss.evaluate.inputs import EvaluationRows, SecretsCheck
 
 # what `gss evaluate` and `gss sweep` run on: the model, its tokenizer, the artifact (None
 # without --steer), the rows and the secrets check (None when no row has secrets)
-EvaluationInputs = tuple[
-    Any, Any, "SteeringArtifact | None", "EvaluationRows", "SecretsCheck | None"
-]
+EvaluationInputs = tuple[Any, Any, "Steer | None", "EvaluationRows", "SecretsCheck | None"]
 
 BENCH_MISSING = (
     "gss {command} needs the gss_bench package, which is not installed: the benchmarks are not "
@@ -107,14 +105,32 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_delta(artifact: Any, delta: float | None) -> None:
+    """A bad --delta fails before any model loads; a stack's strengths are not one number."""
+    from gss.artifact.stack import SteeringStack
+
+    if delta is None:
+        return
+    if isinstance(artifact, SteeringStack):
+        raise GSSError(
+            f"--delta sets one block's strength, and this is a steering stack of blocks "
+            f"{list(artifact.layers)} whose strengths were chosen together: leave --delta out "
+            "(or give one of its steer-<i> directories to steer that block alone)."
+        )
+    artifact.with_options(delta=delta)
+
+
 def _cmd_show(args: argparse.Namespace) -> int:
-    from gss.artifact.steering_artifact import load
+    from gss.artifact.stack import SteeringStack, load
 
     artifact = load(args.artifact)
     if args.json:
-        config = artifact.config.to_dict()
-        provenance = dataclasses.asdict(artifact.provenance)
-        print(json.dumps({"config": config, "provenance": provenance}, indent=2))
+        members = artifact.artifacts if isinstance(artifact, SteeringStack) else (artifact,)
+        described = [
+            {"config": a.config.to_dict(), "provenance": dataclasses.asdict(a.provenance)}
+            for a in members
+        ]
+        print(json.dumps(described[0] if len(described) == 1 else described, indent=2))
     else:
         print(artifact.describe())
     return 0
@@ -123,42 +139,56 @@ def _cmd_show(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from gss.artifact.steering_artifact import load
+    from gss.artifact.stack import load
     from gss.data import chat_prompt
     from gss.hf.forward import context_length
 
     if any(not prompt.strip() for prompt in args.prompt):
         raise GSSError("--prompt is empty: give the text to continue.")
+    explain_out = Path(args.explain_out) if args.explain_out else None
+    if explain_out is not None:  # before the model loads
+        if explain_out.is_dir():
+            raise GSSError(f"--explain-out {explain_out} is a directory: give a file (.jsonl).")
+        if explain_out.exists() and not args.overwrite:
+            raise GSSError(
+                f"--explain-out {explain_out} already exists: pass --overwrite to replace it, "
+                "or choose another file."
+            )
     artifact = load(args.steer)  # a damaged artifact fails before the model loads
+    _check_delta(artifact, args.delta)
     model, tokenizer = load_model(args.model, args.device, args.dtype)
     prompts = args.prompt
     limit = context_length(model)
+    pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+
+    def encode(prompt: str) -> Any:
+        if args.chat:
+            text = chat_prompt(prompt, tokenizer)  # holds its own special tokens
+            enc = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        else:
+            enc = tokenizer(prompt, return_tensors="pt")
+        length = enc["input_ids"].shape[1]
+        if length == 0:
+            raise GSSError(f"--prompt {prompt!r} has no tokens: give the text to continue.")
+        if limit is not None and length + args.max_new_tokens > limit[0]:
+            raise GSSError(
+                f"the prompt ({length} tokens) and --max-new-tokens {args.max_new_tokens} "
+                f"pass the model's context ({limit[0]} positions, {limit[1]}): shorten the "
+                "prompt or generate fewer tokens."
+            )
+        return enc.to(args.device)
 
     def run() -> list[str]:
         out = []
         for prompt in prompts:
-            if args.chat:
-                text = chat_prompt(prompt, tokenizer)  # holds its own special tokens
-                enc = tokenizer(text, return_tensors="pt", add_special_tokens=False)
-            else:
-                enc = tokenizer(prompt, return_tensors="pt")
-            length = enc["input_ids"].shape[1]
-            if length == 0:
-                raise GSSError(f"--prompt {prompt!r} has no tokens: give the text to continue.")
-            if limit is not None and length + args.max_new_tokens > limit[0]:
-                raise GSSError(
-                    f"the prompt ({length} tokens) and --max-new-tokens {args.max_new_tokens} "
-                    f"pass the model's context ({limit[0]} positions, {limit[1]}): shorten the "
-                    "prompt or generate fewer tokens."
-                )
-            enc = enc.to(args.device)
+            enc = encode(prompt)
             with torch.no_grad():
                 ids = model.generate(  # only these two: transformers 4 refuses token_type_ids
                     input_ids=enc["input_ids"],
                     attention_mask=enc["attention_mask"],
                     max_new_tokens=args.max_new_tokens,
                     do_sample=False,
-                    pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                    pad_token_id=pad_token_id,
                 )
             out.append(
                 tokenizer.decode(ids[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
@@ -166,16 +196,48 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return out
 
     options = {"delta": args.delta} if args.delta is not None else {}
-    with artifact.attach(model, track_gates=True, **options) as handle:
-        steered = run()
-        stats = handle.gate_stats()
+    explanations = []
+    if args.explain or explain_out is not None:
+        # the same generation, recorded token by token (the same tokens: gss.explain)
+        from gss.steering.explain import combined_gate_stats, explain
+
+        for prompt in prompts:
+            explanations.append(
+                explain(
+                    model,
+                    artifact,
+                    encode(prompt)["input_ids"][0],
+                    max_new_tokens=args.max_new_tokens,
+                    tokenizer=tokenizer,
+                    pad_token_id=pad_token_id,
+                    **options,
+                )
+            )
+        steered = [
+            tokenizer.decode(list(e.generated_ids), skip_special_tokens=True) for e in explanations
+        ]
+        stats = combined_gate_stats(explanations)
+    else:
+        with artifact.attach(model, track_gates=True, **options) as handle:
+            steered = run()
+            stats = handle.gate_stats()
     unsteered = run() if args.compare else None
     for i, prompt in enumerate(prompts):
         print(f"prompt:    {prompt}")
         print(f"steered:   {steered[i]}")
         if unsteered is not None:
             print(f"unsteered: {unsteered[i]}")
+        if args.explain:
+            print(explanations[i].render())
     print(f"(gate opened on {100 * stats['any_open_share']:.1f}% of {stats['tokens']} positions)")
+    if explain_out is not None:
+        explain_out.parent.mkdir(parents=True, exist_ok=True)
+        with explain_out.open("w", encoding="utf-8") as f:
+            for i, (prompt, e) in enumerate(zip(prompts, explanations, strict=True)):
+                for row in e.rows():
+                    f.write(json.dumps({"prompt_index": i, "prompt": prompt, **row}) + "\n")
+        count = sum(len(e.tokens) for e in explanations)
+        print(f"wrote {explain_out}: one JSON object per token ({count} tokens)")
     return 0
 
 
@@ -219,12 +281,12 @@ def _evaluation_inputs(args: argparse.Namespace) -> EvaluationInputs:
     """Model, tokenizer, artifact (None without --steer), the rows to evaluate on and the
     secrets check (None when no --memorized row has secrets), for `gss evaluate` and
     `gss sweep`."""
-    from gss.artifact.steering_artifact import load
+    from gss.artifact.stack import load
     from gss.evaluate.inputs import evaluation_rows, secrets_check
 
     artifact = load(args.steer) if args.steer else None
-    if artifact is not None and getattr(args, "delta", None) is not None:
-        artifact.with_options(delta=args.delta)  # a bad --delta fails before any work
+    if artifact is not None:
+        _check_delta(artifact, getattr(args, "delta", None))
     model, tokenizer = load_model(args.model, args.device, args.dtype)
     _resolve_max_length(args, model)
     if artifact is not None:
@@ -269,18 +331,42 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
+    from gss.artifact.stack import SteeringStack, load
+    from gss.artifact.steering_artifact import SteeringArtifact
     from gss.data import encode, read_texts
     from gss.evaluate.compare import sweep_and_select
     from gss.evaluate.sweep import select_point
     from gss.report import write_json
 
     check_outputs(args.out, ["sweep.json", "sweep.md", "sweep.png"], args.overwrite)
+    save = Path(args.save) if args.save else None
+    if save is not None:  # before any model loads
+        out_dir, save_dir = Path(args.out).resolve(), save.resolve()
+        if save_dir == out_dir or save_dir in out_dir.parents:
+            raise GSSError(
+                f"--save {save} holds --out {args.out}: the artifact needs a directory of its "
+                "own (e.g. --save DIR/selected beside the sweep's files)."
+            )
+        check_target(save, overwrite=True)  # a file, or a folder with other files, is refused
+        if save.is_dir() and any(save.iterdir()) and not args.overwrite:
+            raise GSSError(
+                f"--save {save} already holds a gss artifact: pass --overwrite to replace it, "
+                "or choose another directory."
+            )
     select_point([], 1.0, tolerance=args.tolerance)  # a bad --tolerance fails before any work
+    if isinstance(load(args.steer), SteeringStack):
+        raise GSSError(
+            f"{args.steer} is a steering stack (several blocks chosen together): gss sweep "
+            "varies one artifact's options. Give one of its steer-<i> directories, or run gss "
+            "evaluate on the stack."
+        )
     deltas = parse_floats(args.deltas, "--deltas")
     percentiles = parse_floats(args.percentiles, "--percentiles")
     ranks = parse_floats(args.ranks, "--ranks")
+    if ranks and any(r != int(r) for r in ranks):
+        raise GSSError(f"--ranks takes whole numbers (directions kept), got {args.ranks!r}.")
     model, tokenizer, artifact, rows, check = _evaluation_inputs(args)
-    assert artifact is not None  # --steer is required
+    assert isinstance(artifact, SteeringArtifact)  # --steer is required, and not a stack
     general = encode(read_texts(args.general), tokenizer, args.max_length) if args.general else None
     result = sweep_and_select(
         model,
@@ -302,6 +388,37 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     (out / "sweep.md").write_text(table)
     result.plot(out / "sweep.png")
     print(f"wrote {out}/sweep.json, sweep.md and sweep.png")
+    if save is not None:
+        if result.selected is None:
+            raise GSSError(
+                f"no point of the sweep is within the perplexity tolerance "
+                f"(+{100 * args.tolerance:g}%): nothing saved to {save}. Sweep weaker "
+                "strengths (smaller --deltas, higher --percentiles) or allow more (--tolerance)."
+            )
+        point = result.points[result.selected]
+        assert point.artifact is not None  # steering_sweep keeps each point's artifact
+        how = {
+            "steer": str(args.steer),
+            "options": point.options,
+            "memorized": point.report.memorized,
+            "perplexity": point.report.perplexity,
+            "unsteered_perplexity": result.unsteered.perplexity,
+            "tolerance": args.tolerance,
+        }
+        provenance = point.artifact.provenance
+        provenance = dataclasses.replace(provenance, extra={**provenance.extra, "sweep": how})
+        chosen = dataclasses.replace(point.artifact, provenance=provenance)
+        chosen.save_pretrained(save, overwrite=args.overwrite)
+        o = point.options
+        threshold = (
+            ""
+            if o["threshold_percentile"] is None
+            else f", gates at p{o['threshold_percentile']:g}"
+        )
+        print(
+            f"saved the selected point (delta {o['delta']:g}, rank {o['rank']}{threshold}) to "
+            f"{save}: gss generate / gss evaluate --steer {save}"
+        )
     return 0
 
 
@@ -342,19 +459,27 @@ def _cmd_layers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replies(rows: Any, tokenizer: Any, args: argparse.Namespace) -> Any:
+    """--reply: each conversation (or prompt/completion row) as (prompt ids, reply ids)."""
+    from gss.data import encode_replies
+
+    return encode_replies(rows, tokenizer, max_reply=args.n - args.k)
+
+
 def _cmd_audit(args: argparse.Namespace) -> int:
     from gss.audit import audit, check_window
     from gss.data import read_texts
 
     check_window(args.k, args.n)  # before the models load
-    check_outputs(args.out, ["audit.jsonl", "audit.md", "extractable.jsonl"], args.overwrite)
-    texts = read_texts(args.data)
+    names = ["audit.jsonl", "audit.md", "extractable.jsonl", "audit.png"]
+    check_outputs(args.out, names, args.overwrite)
+    texts = read_texts(args.data, keep_rows=args.reply)
     args.max_length = args.n  # rows are read up to n tokens
     model, tokenizer, reference = _models(args)
     report = audit(
         model,
         reference,
-        texts,
+        _replies(texts, tokenizer, args) if args.reply else texts,
         tokenizer=tokenizer,
         k=args.k,
         n=args.n,
@@ -368,8 +493,49 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     )
     print(report.table())
     report.write(args.out)
-    print(f"wrote {args.out}: audit.jsonl, audit.md, extractable.jsonl (gss evaluate --memorized)")
+    print(
+        f"wrote {args.out}: audit.jsonl, audit.md, audit.png, extractable.jsonl (gss evaluate "
+        "--memorized)"
+    )
     return 0
+
+
+def _cmd_protect(args: argparse.Namespace) -> int:
+    from gss.audit import check_window
+    from gss.data import read_texts
+    from gss.protect import SearchSpace, protect
+
+    check_window(args.k, args.n)  # before the models load
+    names = ["protect.json", "protect.md", "frontier.png", "rows.png", "steer"]
+    check_outputs(args.out, names, args.overwrite)
+    space = SearchSpace(max_blocks=args.max_blocks)
+    space.check()
+    texts = read_texts(args.data, keep_rows=True)
+    general = read_texts(args.general, keep_rows=True) if args.general else None
+    heldout = read_texts(args.heldout, keep_rows=True) if args.heldout else None
+    args.max_length = args.n
+    model, tokenizer, reference = _models(args)
+    result = protect(
+        model,
+        reference,
+        _replies(texts, tokenizer, args) if args.reply else texts,
+        tokenizer=tokenizer,
+        general=general,
+        heldout=heldout,
+        budget=args.budget,
+        target=args.target,
+        k=args.k,
+        n=args.n,
+        search=space,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+    )
+    result.write(args.out, overwrite=args.overwrite)
+    print(result.markdown().split("## The points searched")[0].rstrip())
+    where = f"{args.out}/steer" if result.steer is not None else "no steer (none within budget)"
+    print(f"wrote {args.out}: protect.json, protect.md, frontier.png, rows.png; {where}")
+    return 0 if result.steer is not None else 1
 
 
 def _cmd_models(args: argparse.Namespace) -> int:

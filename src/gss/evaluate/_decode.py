@@ -10,11 +10,14 @@ import torch
 from tqdm.auto import tqdm
 
 from gss.data import right_pad
+from gss.errors import GSSError
 from gss.hf.forward import (
+    accepts,
     accepts_position_ids,
     cache_argument,
     forward_logits,
     model_device,
+    output_logits,
     position_ids_from_mask,
     returned_cache,
 )
@@ -80,13 +83,15 @@ def greedy_generate(
     Runs the model's own forward step by step (no `generate`, so no generation-config defaults
     such as sampling or minimum lengths apply, and EOS does not stop a row). Prompts of different
     lengths are left-padded with an attention mask and matching position ids; batches group
-    prompts of equal length first so that most batches need no padding.
+    prompts of equal length first so that most batches need no padding. A model that returns
+    no KV cache (a plain `nn.Module`) is given the whole sequence at every step.
     """
     if max_new_tokens <= 0:
         return [[] for _ in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[list[int]] = [[] for _ in prompts]
     use_pos = accepts_position_ids(model)
+    use_mask, use_cache = accepts(model, "attention_mask"), accepts(model, "use_cache")
     cache_name = cache_argument(model)
     device = model_device(model)
     with eval_mode(model):
@@ -100,22 +105,35 @@ def greedy_generate(
                 ids[j, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
                 mask[j, width - len(p) :] = 1
             ids, mask = ids.to(device), mask.to(device)
+            if not use_mask and not bool(mask.all()):
+                raise GSSError(
+                    "the model's forward takes no attention_mask, so prompts of different "
+                    "lengths cannot be decoded in one batch: pass batch_size=1, or give its "
+                    "forward an attention_mask."
+                )
             pos = position_ids_from_mask(mask)
             past = None
             step_ids = ids
             new = []
             for _ in range(max_new_tokens):
-                kwargs: dict[str, Any] = {"attention_mask": mask, "use_cache": True}
+                kwargs: dict[str, Any] = {"attention_mask": mask} if use_mask else {}
+                if use_cache:
+                    kwargs["use_cache"] = True
                 if use_pos:
                     kwargs["position_ids"] = pos
                 if past is not None:
                     kwargs[cache_name] = past
                 res = model(input_ids=step_ids, **kwargs)
                 past = returned_cache(res)
-                step_ids = res.logits[:, -1, :].argmax(-1, keepdim=True)
-                new.append(step_ids)
-                mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
-                pos = pos[:, -1:] + 1
+                chosen = output_logits(res)[:, -1, :].argmax(-1, keepdim=True)
+                new.append(chosen)
+                mask = torch.cat([mask, torch.ones_like(chosen)], dim=1)
+                if past is None:  # no cache: the next step reads the whole sequence again
+                    step_ids = torch.cat([step_ids, chosen], dim=1)
+                    pos = position_ids_from_mask(mask)
+                else:
+                    step_ids = chosen
+                    pos = pos[:, -1:] + 1
             gen = torch.cat(new, dim=1).tolist()
             for j, i in enumerate(idx):
                 out[i] = gen[j]

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
+from gss.artifact.stack import Steer
 from gss.artifact.steering_artifact import SteeringArtifact
 from gss.evaluate.inputs import EvaluationRows
 from gss.evaluate.leaks import LeakReport
 from gss.evaluate.suite import EvaluationReport, evaluate_model
-from gss.evaluate.sweep import select_point, steering_sweep
+from gss.evaluate.sweep import check_grid, select_point, steering_sweep
 from gss.evaluate.tables import SteeringEvaluation, SweepResult
 
 __all__ = ["evaluate_steering", "sweep_and_select"]
@@ -30,7 +31,7 @@ SecretsCheckFn = Callable[[torch.nn.Module], LeakReport]
 
 def evaluate_steering(
     model: torch.nn.Module,
-    artifact: SteeringArtifact | None,
+    artifact: Steer | None,
     rows: EvaluationRows,
     *,
     delta: float | None = None,
@@ -90,6 +91,7 @@ def sweep_and_select(
     The selected point is `select_point`'s within ``tolerance``, the secrets said and the rows
     saying another's deciding too when the rows carry secrets."""
     select_point([], 1.0, tolerance=tolerance)  # a bad tolerance fails before any work
+    check_grid(artifact, deltas, percentiles, ranks)  # and so does a bad grid value
     common: dict[str, Any] = {
         "k": rows.k,
         "n": rows.n,

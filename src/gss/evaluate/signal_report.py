@@ -35,7 +35,7 @@ def omega_of_texts(
     """omega of each of ``texts`` (as `gss.data.read_texts` gives them, cut to ``max_length``
     tokens): (rows, longest - 1), NaN past each row's end (`gss.signal.omega.omega_rows`)."""
     rows = encode(texts, tokenizer, max_length)
-    return omega_rows(model, reference, rows, batch_size, progress)
+    return omega_rows(model, reference, rows, batch_size, progress, tokenizer)
 
 
 def omega_all_zero(omega: Tensor) -> bool:

@@ -84,7 +84,7 @@ class EvaluationReport:
         return out
 
 
-def _is_pair(row: Any) -> bool:
+def is_pair(row: Any) -> bool:
     """A (prompt ids, continuation ids) pair, as `gss.data.encode_replies` gives, rather than
     one row of ids."""
     return (
@@ -100,7 +100,7 @@ def _is_pair(row: Any) -> bool:
 def _prompt_and_target(row: Any, k: int, n: int) -> tuple[list[int], list[int]]:
     """What a candidate is prompted with and must continue with: a pair's own prompt and the
     first n - k tokens of its continuation, or a row's first k tokens and its tokens k..n-1."""
-    if _is_pair(row):
+    if is_pair(row):
         return list(row[0]), list(row[1])[: n - k]
     row = list(row)[:n]
     return row[:k], row[k:]
@@ -151,7 +151,7 @@ def evaluate_model(
         check_sequences((model,), rows, what)
     index, prompts, targets = _windows(memorized, k, n)
     if not index:
-        if any(_is_pair(r) for r in memorized):
+        if any(is_pair(r) for r in memorized):
             raise GSSError("every (prompt, continuation) pair has an empty prompt or reply.")
         longest = max((len(r) for r in memorized), default=0)
         raise GSSError(

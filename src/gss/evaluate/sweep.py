@@ -24,7 +24,14 @@ from gss.artifact.steering_artifact import SteeringArtifact
 from gss.errors import GSSError
 from gss.evaluate.suite import Candidates, EvaluationReport, evaluate_model
 
-__all__ = ["SweepPoint", "pareto_front", "plot_pareto", "select_point", "steering_sweep"]
+__all__ = [
+    "SweepPoint",
+    "check_grid",
+    "pareto_front",
+    "plot_pareto",
+    "select_point",
+    "steering_sweep",
+]
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,22 @@ class SweepPoint:
             "gate_open_share": self.gate_open_share,
             **{k: v for k, v in self.report.to_dict().items() if k not in ("index", "per_row")},
         }
+
+
+def check_grid(
+    artifact: SteeringArtifact,
+    deltas: Sequence[float] | None = None,
+    percentiles: Sequence[float] | None = None,
+    ranks: Sequence[int] | None = None,
+) -> None:
+    """Refuse a grid value no steer can take (a delta <= 0, a percentile outside (0, 100), a
+    rank past the artifact's), before any point of the sweep runs."""
+    for delta in deltas or ():
+        artifact.with_options(delta=delta)
+    for rank in ranks or ():
+        artifact.with_options(rank=rank)
+    for percentile in percentiles or ():
+        artifact.config.replace(threshold_percentile=percentile)
 
 
 def steering_sweep(
@@ -68,6 +91,7 @@ def steering_sweep(
     """
     from gss.solve.thresholds import probe_responses, thresholds_from_responses
 
+    check_grid(artifact, deltas, percentiles, ranks)
     responses = None
     if percentiles:
         if general is None:

@@ -8,7 +8,7 @@ the mask makes a padded row score exactly like the same row alone.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -113,17 +113,56 @@ def vocab_size(model: nn.Module) -> int:
     config = getattr(model, "config", None)
     size = getattr(config, "vocab_size", None)
     if size is None:
-        raise GSSError(f"cannot tell the vocabulary size of {type(model).__name__}.")
+        raise GSSError(
+            f"cannot tell the vocabulary size of {type(model).__name__}: it has neither output "
+            "embeddings (get_output_embeddings()) nor a config with vocab_size. Give it one of "
+            "the two."
+        )
     return int(size)
 
 
-def check_same_vocab(model: nn.Module, reference: nn.Module) -> None:
+def check_models(model: Any, reference: Any = None) -> None:
+    """Refuse a model (or reference) that is not a torch module, e.g. a path not yet loaded."""
+    for what, m in (("model", model), ("reference", reference)):
+        if (what == "model" or reference is not None) and not isinstance(m, nn.Module):
+            raise GSSError(
+                f"the {what} must be a torch.nn.Module (a causal LM), got {type(m).__name__}: "
+                "load it first, e.g. gss.hf.loading.load_model(path) or "
+                "AutoModelForCausalLM.from_pretrained(path)."
+            )
+
+
+def check_same_vocab(model: nn.Module, reference: nn.Module, tokenizer: Any = None) -> None:
+    """Refuse a reference that cannot score the model's token ids.
+
+    Both must give a log-probability to every id the tokenizer makes. Their logit counts may
+    differ where one pads its embedding matrix past the tokenizer (``resize_token_embeddings(
+    pad_to_multiple_of=...)``, common and harmless): with the ``tokenizer`` given, that is
+    accepted when the tokenizer's ids fit both. Without it, differing sizes cannot be told
+    from a reference with another tokenizer, and are refused.
+    """
+    check_models(model, reference)
     a, b = vocab_size(model), vocab_size(reference)
-    if a != b:
+    if a == b:
+        return
+    words = len(tokenizer) if callable(tokenizer) and hasattr(tokenizer, "__len__") else None
+    if words is None:
         raise GSSError(
-            f"the model has a vocabulary of {a} tokens but the reference has {b}: the "
-            "memorization signal compares log-probabilities token by token, so both must share "
-            "one tokenizer. Use a reference fine-tuned from the same base model."
+            f"the model's vocabulary has {a} logits but the reference's has {b}: the memorization "
+            "signal compares both models' log-probabilities of the same ids. If one of them only "
+            "pads its embeddings past the tokenizer (resize_token_embeddings(pad_to_multiple_of="
+            "...)), pass tokenizer=... (the gss command always does) so that gss can check that "
+            "both cover its ids; otherwise the reference has another tokenizer: use a reference "
+            "of the same base model (the model the fine-tune started from)."
+        )
+    if words > min(a, b):
+        who = "reference" if b < a else "model"
+        raise GSSError(
+            f"the tokenizer has {words} tokens but the {who} has only {min(a, b)} logits (the "
+            f"model {a}, the reference {b}): ids {min(a, b)} to {words - 1} have no "
+            "log-probability there, so omega is undefined on them. Use as reference the model "
+            "the fine-tune started from, with the tokens the fine-tune added "
+            "(resize_token_embeddings(len(tokenizer)))."
         )
 
 
@@ -228,18 +267,63 @@ def check_sequences(
     )
 
 
+def accepts(model: nn.Module, name: str) -> bool:
+    """Whether `model`'s forward takes the keyword `name` (by name, or through ``**kwargs``);
+    True when its signature cannot be read."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def output_logits(output: Any) -> Tensor:
+    """The logits of what a forward returned: a transformers output's ``.logits``, the first
+    item of a tuple (``return_dict=False``), or the output itself when it is a tensor (a
+    plain `nn.Module` language model)."""
+    if isinstance(output, Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, Mapping):
+        logits = output.get("logits")
+    if logits is None and isinstance(output, (tuple, list)) and output:
+        logits = output[0]
+    if not isinstance(logits, Tensor):
+        raise GSSError(
+            f"the model's forward returned a {type(output).__name__} without logits: gss reads "
+            "the logits as the output's .logits (transformers models) or as the output itself "
+            "(a (batch, seq, vocab) tensor)."
+        )
+    return logits
+
+
 def forward_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """Logits (B, T, V) of a forward pass with mask-derived positions, no KV cache."""
+    """Logits (B, T, V) of a forward pass with mask-derived positions, no KV cache.
+
+    A forward that takes no ``attention_mask`` runs without it on right-padded rows (a causal
+    model's real tokens never see the padding after them); other padding is refused."""
     device = model_device(model)
     mask = attention_mask.to(device)
-    kwargs: dict[str, Any] = {
-        "input_ids": input_ids.to(device),
-        "attention_mask": mask,
-        "use_cache": False,
-    }
+    kwargs: dict[str, Any] = {"input_ids": input_ids.to(device)}
+    if accepts(model, "attention_mask"):
+        kwargs["attention_mask"] = mask
+    elif bool((mask[:, 1:] > mask[:, :-1]).any()):
+        raise GSSError(
+            "the model's forward takes no attention_mask, so it would read the padding before "
+            "a row's tokens: pad the rows on the right, or give its forward an attention_mask."
+        )
+    if accepts(model, "use_cache"):
+        kwargs["use_cache"] = False
     if accepts_position_ids(model):
         kwargs["position_ids"] = position_ids_from_mask(mask)
-    return model(**kwargs).logits
+    logits = output_logits(model(**kwargs))
+    if logits.ndim != 3 or tuple(logits.shape[:2]) != tuple(input_ids.shape):
+        raise GSSError(
+            f"the model's forward returned logits of shape {tuple(logits.shape)} for input_ids "
+            f"of shape {tuple(input_ids.shape)}: gss needs (batch, seq, vocab) logits, the "
+            "next-token scores at every position."
+        )
+    return logits
 
 
 def target_mask(attention_mask: Tensor) -> Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,13 +33,16 @@ def memorization_signal(
     attention_mask: Tensor | None = None,
     *,
     batch_size: int | None = None,
+    tokenizer: Any = None,
 ) -> Tensor:
     """omega for every next-token target, shape (batch, seq - 1), float32, on the CPU.
 
     Exact under left or right padding; targets that are padding (or whose context is only
-    padding) are NaN. ``batch_size`` splits a large input into chunks.
+    padding) are NaN. ``batch_size`` splits a large input into chunks. ``tokenizer``, the
+    one the ids come from, lets one model pad its logits past it where the other does not
+    (`gss.hf.forward.check_same_vocab`).
     """
-    check_same_vocab(model, reference)
+    check_same_vocab(model, reference, tokenizer)
     if input_ids.ndim != 2:
         raise GSSError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}.")
     if input_ids.shape[1] < 2:
@@ -71,9 +75,11 @@ def omega_rows(
     rows: Sequence[Sequence[int]],
     batch_size: int = 8,
     progress: bool = False,
+    tokenizer: Any = None,
 ) -> Tensor:
     """omega of every row of token ids, (rows, longest - 1), NaN past each row's end;
-    `progress`: a bar over the batches (two forward passes each)."""
+    `progress`: a bar over the batches (two forward passes each); `tokenizer` as in
+    `memorization_signal`."""
     from tqdm.auto import tqdm
 
     from gss.data import batches, count_batches
@@ -82,7 +88,10 @@ def omega_rows(
     chunks = batches([list(r) for r in rows], batch_size)
     total = count_batches(len(rows), batch_size)
     for batch in tqdm(chunks, desc="gss: omega", total=total, disable=not progress, leave=False):
-        out += list(memorization_signal(model, reference, batch.input_ids, batch.attention_mask))
+        omega = memorization_signal(
+            model, reference, batch.input_ids, batch.attention_mask, tokenizer=tokenizer
+        )
+        out += list(omega)
     width = max(len(r) for r in out)
     return torch.stack([F.pad(r, (0, width - len(r)), value=float("nan")) for r in out])
 

@@ -138,6 +138,15 @@ def calibrate_thresholds(
     max_length: int | None = None,
 ) -> SteeringArtifact:
     """Re-set an artifact's gate thresholds from held-out (general) text."""
+    # the rule and the model are checked before the pass over the text
+    if gate_share is None and threshold_percentile is None:
+        raise GSSError("give threshold_percentile (e.g. 95) or gate_share (e.g. 0.05).")
+    percentile = artifact.config.threshold_percentile
+    artifact.config.replace(
+        threshold_percentile=percentile if threshold_percentile is None else threshold_percentile,
+        gate_share=gate_share,
+    )
+    artifact.check_model(model)
     responses = probe_responses(
         model, artifact, texts, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length
     )

@@ -31,6 +31,7 @@ from gss.data import Batch, TextsOrIds, batches, count_batches, encode_compact
 from gss.errors import GSSError
 from gss.hf.blocks import find_decoder_blocks, residual_width, resolve_layer
 from gss.hf.forward import (
+    check_models,
     check_same_vocab,
     check_sequences,
     execution_device,
@@ -123,7 +124,8 @@ def objective(
         assert ref_logits is not None
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
         p_ref = torch.softmax(ref_logits[:, :-1].float(), dim=-1)
-        per_token = lp_model - (p_ref * logp).sum(-1)
+        shared = min(logp.shape[-1], p_ref.shape[-1])  # one may pad past the tokenizer
+        per_token = lp_model - (p_ref[..., :shared] * logp[..., :shared]).sum(-1)
     return (per_token * mem).sum()
 
 
@@ -210,6 +212,13 @@ def collect(
         raise GSSError(
             "no layer given: pass layer=N (a decoder block; gss.scan_layers(...).best picks one)."
         )
+    check_models(model, reference)
+    dim = residual_width(model)
+    if cfg.rank > dim:  # known now: refused before the pass, not after it
+        raise GSSError(
+            f"rank must be an integer in 1..{dim} (the model's hidden size), got {cfg.rank}: "
+            "ask for fewer directions."
+        )
     done = run_pass(model, reference, texts, cfg, run, tokenizer, gen_texts, [cfg.layer])
     return CalibrationStatistics(
         config=cfg.replace(layer=done.layers[0]),
@@ -269,7 +278,7 @@ def run_pass(
     omega_threshold, memorized_quantile = cfg.omega_threshold, cfg.memorized_quantile
     target, gradient, replies_only = cfg.target, cfg.gradient, cfg.replies_only
     batch_size, keep_general, progress = run.batch_size, run.keep_general, run.progress
-    check_same_vocab(model, reference)
+    check_same_vocab(model, reference, tokenizer)
     resolved = sorted({resolve_layer(model, layer, block_path)[0] for layer in layers})
     if not resolved:
         raise GSSError("no layer to read: give at least one block index.")

@@ -77,7 +77,8 @@ def per_position_gradients(
             p_ref = torch.softmax(
                 ref_logits[r.to(ref_logits.device), p.to(ref_logits.device)].float(), -1
             ).to(logp.device)
-            objective = objective - (p_ref * logp).sum(-1)
+            shared = min(logp.shape[-1], p_ref.shape[-1])  # one may pad past the tokenizer
+            objective = objective - (p_ref[..., :shared] * logp[..., :shared]).sum(-1)
         (grad,) = torch.autograd.grad(objective.sum(), tap.leaf)
         hs.append(tap.leaf.detach())
         gs.append(grad)

@@ -235,6 +235,14 @@ class GatedSteer:
         coef = torch.where(is_open, coef, torch.zeros_like(coef))
         return torch.matmul(coef, p["steer"]), is_open
 
+    def responses(self, hidden: Tensor) -> Tensor:
+        """The probe responses ``s = U h - b`` (float32, (..., K)) of ``hidden``: what each
+        gate compares with its threshold, computed as `correction` computes them. For reports
+        (`gss.steering.explain`); the steer itself never calls it (its fused form reads the
+        responses off tensors scaled by the thresholds)."""
+        p = self._params(hidden.device)
+        return torch.matmul(hidden.float(), p["probe_t"]) - p["offset"]
+
     def steer_hidden(self, hidden: Tensor) -> tuple[Tensor, Tensor | None]:
         """The steered hidden states (in their dtype) and the open mask (..., K), or None when
         gates are not tracked and the steer runs fused. With tracking, the fused form's gates

@@ -1,0 +1,126 @@
+"""The `gss protect` row of the TinyMem table: no hand-picked block, strength or variant.
+
+`gss.protect` gets the fine-tuning rows that can be memorized (noise: the noised rows; backdoor:
+the backdoored training rows, each as (row up to its trigger, what follows)), the validation
+halves as general text, and the table's own utility rule as its budget (math: validation
+accuracy may fall by `ACC_TOLERANCE` points; language: validation perplexity may rise by
+`PPL_TOLERANCE`). It audits them, tunes on half of the memorized rows and holds out the other
+half; the steer it chooses is then evaluated like every other method (greedy decoding, the
+test halves), and for the noise settings also on its held-out rows alone, which the search
+never saw.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from torch import nn
+
+from gss.protect import protect
+from gss_bench.tinymem import methods as M
+from gss_bench.tinymem.data import TinyMemData
+
+
+def _after_trigger(row: tuple[int, ...] | list[int], trigger: tuple[int, ...]) -> int:
+    n = len(trigger)
+    for i in range(len(row) - n + 1):
+        if tuple(row[i : i + n]) == tuple(trigger):
+            return i + n
+    raise ValueError("a backdoored training row without its trigger")
+
+
+def protect_inputs(data: TinyMemData) -> tuple[list[Any], int, int]:
+    """The rows `protect` audits, and its (k, n): the table's own window."""
+    cfg = data.config
+    if data.noised:
+        return [list(r) for r in data.noised], cfg.prompt_len, cfg.prompt_len + cfg.window
+    pairs = []
+    for row in data.poison_train:
+        end = _after_trigger(row, data.trigger)
+        if end < len(row):
+            pairs.append((list(row[:end]), list(row[end:])))
+    return pairs, 1, 1 + cfg.window  # a pair's window: the first n - k tokens of its reply
+
+
+def protect_row(
+    mem: nn.Module,
+    ref: nn.Module,
+    data: TinyMemData,
+    base: M.Evaluation,
+    batch_size: int,
+    seed: int = 0,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Run `gss.protect` with its defaults and evaluate what it chose like the other methods."""
+    started = time.perf_counter()
+    val, _ = M.split_halves(data)
+    texts, k, n = protect_inputs(data)
+    mode: Literal["relative", "absolute"]
+    if M.is_math(data):  # accuracy: higher is better, a fall of ACC_TOLERANCE points allowed
+
+        def utility(m: nn.Module) -> float:
+            return -M.utility(m, data, val, batch_size)
+
+        budget, mode = M.ACC_TOLERANCE, "absolute"
+    else:  # perplexity: lower is better, a rise of PPL_TOLERANCE (relative) allowed
+
+        def utility(m: nn.Module) -> float:
+            return M.utility(m, data, val, batch_size)
+
+        budget, mode = M.PPL_TOLERANCE, "relative"
+    result = protect(
+        mem,
+        ref,
+        texts,
+        general=M.general_rows(data),
+        utility=utility,
+        budget=budget,
+        budget_mode=mode,
+        k=k,
+        n=n,
+        seed=seed,
+        batch_size=64,
+        pad_id=data.pad_id,
+        progress=progress,
+    )
+    seconds = time.perf_counter() - started
+    if result.steer is None:
+        ev = base
+    else:
+        with result.steer.attach(mem):
+            ev = M.evaluate(mem, data, batch_size, decode="generate")
+    chosen = result.chosen
+    params = (
+        {}
+        if chosen is None
+        else {
+            "variant": chosen.preset,
+            "blocks": "+".join(map(str, chosen.blocks)),
+            "delta": "+".join(f"{d:.3g}" for d in chosen.deltas),
+            "rank": chosen.rank,
+            "gate": chosen.gate,
+        }
+    )
+    row: dict[str, Any] = {
+        "selected": {
+            "strength": list(chosen.deltas) if chosen else None,
+            "params": params,
+            "within_tolerance": result.steer is not None,
+            "eval": ev.to_dict(),
+        },
+        # one point: protect searched on its own tuning rows, not over the table's grid
+        "grid": [{"strength": list(chosen.deltas) if chosen else None, "eval": ev.to_dict()}],
+        "mitigation_seconds": seconds,
+        "protect": {k_: v for k_, v in result.summary().items() if k_ != "audit"},
+        "audit": result.audit.summary(),
+        "examples": result.examples,
+    }
+    if data.noised:  # the held-out rows alone: memorized by the model, never seen by the search
+        held = set(result.heldout)
+        flags = [f for i, f in zip(ev.index, ev.per_row, strict=True) if i in held]
+        row["heldout_rows"] = {
+            "rows": len(flags),
+            "memorized": 100.0 * sum(flags) / len(flags) if flags else float("nan"),
+        }
+    return row

@@ -1,0 +1,236 @@
+"""SteeringStack: several blocks' steers, attached together as one.
+
+When no single block removes what a model regurgitates within the utility budget, `gss
+protect` adds a block calibrated on the model already steered at the blocks before it. Those
+steers belong together: the later ones were measured with the earlier ones in place, so they
+are saved, loaded, attached and removed as one. On disk a stack is a directory holding
+``gss_stack.json`` (the order, and each member's tensors checksum) and one ordinary artifact
+directory per member (``steer-0``, ``steer-1``, ...), written with the same atomic save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from gss import __version__
+from gss.artifact.files import STACK_NAME, TENSORS_NAME, sha256_of, write_atomically
+from gss.artifact.steering_artifact import SteeringArtifact
+from gss.errors import GSSError
+from gss.steering.attach import SteerHandle
+
+STACK_FORMAT_VERSION = 1
+MEMBER = re.compile(r"steer-\d+")
+
+
+@dataclass(frozen=True)
+class SteeringStack:
+    """Steers for several blocks, in the order they were calibrated (each on the model steered
+    by the ones before it); attached together, removed together."""
+
+    artifacts: tuple[SteeringArtifact, ...]
+
+    def __post_init__(self) -> None:
+        if not self.artifacts:
+            raise GSSError("a SteeringStack needs at least one SteeringArtifact.")
+        for a in self.artifacts:
+            if not isinstance(a, SteeringArtifact):
+                raise GSSError(f"a SteeringStack holds SteeringArtifacts, got {type(a).__name__}.")
+        object.__setattr__(self, "artifacts", tuple(self.artifacts))
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(a.layer for a in self.artifacts)
+
+    def __len__(self) -> int:
+        return len(self.artifacts)
+
+    def __iter__(self) -> Iterator[SteeringArtifact]:
+        return iter(self.artifacts)
+
+    def __repr__(self) -> str:
+        return f"SteeringStack(layers={list(self.layers)}, artifacts={list(self.artifacts)})"
+
+    def describe(self) -> str:
+        parts = [
+            f"steering stack: {len(self)} blocks {list(self.layers)}, attached together "
+            "(each calibrated on the model steered by the ones before it)"
+        ]
+        for i, a in enumerate(self.artifacts):
+            parts.append(f"\n--- steer {i} (block {a.layer}) ---\n{a.describe()}")
+        return "\n".join(parts)
+
+    def check_model(self, model: nn.Module, strict: bool = True) -> None:
+        for a in self.artifacts:
+            a.check_model(model, strict=strict)
+
+    def attach(
+        self,
+        model: nn.Module,
+        *,
+        strict: bool = True,
+        track_gates: bool = False,
+        **options: Any,
+    ) -> StackHandle:
+        """Attach every member (all or none: a member that fails removes the ones before it).
+
+        Options such as ``delta`` differ per block and are chosen together, so they are not
+        broadcast: change a member with ``with_member`` instead."""
+        if options:
+            raise GSSError(
+                f"a steering stack takes no options ({', '.join(sorted(options))}): its blocks' "
+                "strengths were chosen together. Change one block with "
+                "stack.with_member(i, delta=...), or attach a single artifact."
+            )
+        handles: list[SteerHandle] = []
+        try:
+            for a in self.artifacts:
+                handles.append(a.attach(model, strict=strict, track_gates=track_gates))
+        except BaseException:
+            for h in reversed(handles):
+                h.remove()
+            raise
+        return StackHandle(handles)
+
+    def with_member(self, index: int, **changes: Any) -> SteeringStack:
+        """A copy with member ``index`` changed by `SteeringArtifact.with_options`."""
+        if not -len(self) <= index < len(self):
+            raise GSSError(f"this stack has {len(self)} members, no member {index}.")
+        members = list(self.artifacts)
+        members[index] = members[index].with_options(**changes)
+        return SteeringStack(tuple(members))
+
+    def save_pretrained(self, directory: str | Path, overwrite: bool = False) -> Path:
+        """Write the manifest and one artifact directory per member, atomically (all or none)."""
+
+        def write(tmp: Path) -> None:
+            names = []
+            for i, a in enumerate(self.artifacts):
+                name = f"steer-{i}"
+                (tmp / name).mkdir()
+                a.write_into(tmp / name)
+                names.append(
+                    {
+                        "dir": name,
+                        "layer": a.layer,
+                        "tensors_sha256": sha256_of(tmp / name / TENSORS_NAME),
+                    }
+                )
+            manifest = {
+                "format": "gss-stack",
+                "format_version": STACK_FORMAT_VERSION,
+                "gss_version": __version__,
+                "members": names,
+            }
+            (tmp / STACK_NAME).write_text(json.dumps(manifest, indent=2))
+
+        return write_atomically(directory, overwrite, write)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path) -> SteeringStack:
+        path = Path(directory)
+        manifest_path = path / STACK_NAME
+        try:
+            raw = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise GSSError(f"{path} is not a gss steering stack: no {STACK_NAME} in it.") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise GSSError(
+                f"{manifest_path} is not valid JSON ({e}): the stack is damaged."
+            ) from None
+        if not isinstance(raw, dict) or raw.get("format") != "gss-stack":
+            raise GSSError(f"{manifest_path} is not a gss stack manifest: the stack is damaged.")
+        if raw.get("format_version") != STACK_FORMAT_VERSION:
+            raise GSSError(
+                f"{path} has stack format version {raw.get('format_version')}, this gss reads "
+                f"{STACK_FORMAT_VERSION}. Install the gss version that wrote it "
+                f"({raw.get('gss_version')})."
+            )
+        members = raw.get("members")
+        if not isinstance(members, list) or not members:
+            raise GSSError(f"{manifest_path} lists no members: the stack is damaged.")
+        artifacts = []
+        for entry in members:
+            name = entry.get("dir") if isinstance(entry, dict) else None
+            if not isinstance(name, str) or not MEMBER.fullmatch(name):
+                raise GSSError(f"{manifest_path} has a bad member entry {entry!r}: damaged.")
+            member = path / name
+            artifact = SteeringArtifact.from_pretrained(member)
+            if entry.get("tensors_sha256") != sha256_of(member / TENSORS_NAME):
+                raise GSSError(
+                    f"{member} is not the steer {STACK_NAME} was saved with (its tensors' "
+                    "SHA-256 differs): save the stack again, or copy all of one save."
+                )
+            artifacts.append(artifact)
+        return cls(tuple(artifacts))
+
+
+class StackHandle:
+    """The handles of a stack's members: removed together; also a context manager."""
+
+    def __init__(self, handles: Sequence[SteerHandle]) -> None:
+        self.handles = list(handles)
+
+    @property
+    def active(self) -> bool:
+        return any(h.active for h in self.handles)
+
+    def remove(self) -> None:
+        for h in reversed(self.handles):  # the last attached is the outermost wrapper
+            h.remove()
+
+    def gate_stats(self) -> dict[str, Any]:
+        """Each block's gate counters; ``any_open_share`` is the largest block's share (a
+        lower bound of how often some gate opened: blocks are counted apart)."""
+        blocks = [h.gate_stats() for h in self.handles]
+        shares = [b.get("any_open_share", 0.0) for b in blocks]
+        return {
+            "tokens": max((b.get("tokens", 0) for b in blocks), default=0),
+            "blocks": blocks,
+            "any_open_share": max(shares, default=0.0),
+        }
+
+    def reset_stats(self) -> None:
+        for h in self.handles:
+            h.reset_stats()
+
+    def __enter__(self) -> StackHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+Steer = SteeringArtifact | SteeringStack
+
+
+def load(directory: str | Path) -> Steer:
+    """Load a saved :class:`SteeringArtifact`, or a :class:`SteeringStack` (several blocks'
+    steers saved as one, as `gss protect` writes when one block is not enough)."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise GSSError(f"give the directory of a saved artifact, got {type(directory).__name__}.")
+    path = Path(directory)
+    if (path / STACK_NAME).is_file():
+        return SteeringStack.from_pretrained(path)
+    return SteeringArtifact.from_pretrained(path)
+
+
+@contextmanager
+def steer(model: nn.Module, artifact: Steer, **options: Any) -> Iterator[SteerHandle | StackHandle]:
+    """``with gss.steer(model, artifact): ...`` steers inside the block(s) and never after."""
+    handle = artifact.attach(model, **options)
+    try:
+        yield handle
+    finally:
+        handle.remove()
+
+
+__all__ = ["STACK_FORMAT_VERSION", "StackHandle", "Steer", "SteeringStack", "load", "steer"]

@@ -1,0 +1,797 @@
+"""gss protect: find what a model regurgitates and choose the steer that removes it, in one call.
+
+The search, step by step (docs/protect.md says why each step is there):
+
+1. **Audit** the fine-tuning rows (`gss.audit`). A row is *memorized* when greedy decoding
+   from its first k tokens reproduces it to token n and the reference's does not.
+2. **Split** the memorized rows, seeded, into a tuning half and a held-out half. The held-out
+   rows are not calibrated on and not measured during the search: only the final report reads
+   them, so its numbers are what a user can expect on memorized text the search never saw.
+3. **General text** sets the gate thresholds and measures how often the gates open: the
+   user's sample (their traffic) when given, plus text the reference generates from short
+   prompts; half of each sets the thresholds, the other half measures the open share.
+4. **Candidates**: every block of a model with at most ``max_candidates`` blocks; otherwise the
+   blocks with the strongest signal (`gss.scan_layers`) and evenly spaced ones, since on a full
+   fine-tune the strongest signal is not always the block that removes the most.
+5. **Strength**: for each (preset, block), a bisection on log(delta) finds the strongest steer
+   within the utility budget. The best point (the target reached, then the fewest tokens still
+   reproduced, then the least utility cost) seeds the next stages: other ranks, other gates.
+6. **A second block**, calibrated on the model already steered, when one block does not reach
+   the target within the budget; the first block's strength is lowered to share the budget.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, cast
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from gss.artifact.files import check_outputs
+from gss.artifact.stack import Steer, SteeringStack
+from gss.artifact.steering_artifact import SteeringArtifact
+from gss.audit import AuditReport, audit, check_window
+from gss.calibrate import calibrate
+from gss.config import PRESETS
+from gss.data import TextsOrIds, encode
+from gss.errors import GSSError, GSSWarning
+from gss.evaluate._decode import greedy_generate
+from gss.evaluate.suite import EvaluationReport, evaluate_model
+from gss.evaluate.utility import perplexity, repetition
+from gss.hf.blocks import find_decoder_blocks
+from gss.solve.thresholds import probe_responses, thresholds_from_responses
+
+Utility = Callable[[nn.Module], float]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What `protect` may choose, and how finely. The defaults are the documented search."""
+
+    presets: tuple[str, ...] = ("gss-tr", "gss")
+    blocks: tuple[int, ...] | None = None  # None: chosen as step 4 of the module says
+    max_candidates: int = 6
+    ranks: tuple[int, ...] = (4, 2, 8)  # the first is tried on every block, the others after
+    gates: tuple[str, ...] = ("hard", "relu")
+    delta_range: tuple[float, float] = (1e-3, 1e2)
+    steps: int = 7  # bisection steps on log10(delta): 5 decades / 2^7 = a factor of 1.09
+    max_blocks: int = 2
+    gate_share: float = 0.05  # thresholds: any gate opens on this share of general tokens
+
+    def check(self) -> None:
+        unknown = [p for p in self.presets if p not in PRESETS]
+        if not self.presets or unknown:
+            raise GSSError(f"presets must be among {sorted(PRESETS)}, got {self.presets}.")
+        if not self.ranks or any(not isinstance(r, int) or r < 1 for r in self.ranks):
+            raise GSSError(f"ranks must be integers >= 1, got {self.ranks}.")
+        if not self.gates or any(g not in ("hard", "relu", "none") for g in self.gates):
+            raise GSSError(f"gates must be among 'hard', 'relu', 'none', got {self.gates}.")
+        lo, hi = self.delta_range
+        if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo < hi):
+            raise GSSError(f"delta_range must be two finite numbers 0 < lo < hi, got {lo, hi}.")
+        if self.steps < 1 or self.max_blocks < 1 or self.max_candidates < 1:
+            raise GSSError("steps, max_blocks and max_candidates must be >= 1.")
+        if not 0 < self.gate_share < 1:
+            raise GSSError(f"gate_share must be in (0, 1), got {self.gate_share}.")
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One measured point of the search: the steer's settings and what it did on the tuning
+    rows (% still extractable) and to utility."""
+
+    stage: str
+    preset: str
+    blocks: tuple[int, ...]
+    deltas: tuple[float, ...]
+    rank: int
+    gate: str
+    memorized: float
+    token_match: float  # % of the windows' tokens still reproduced: how much is left
+    utility: float
+    within_budget: bool
+
+
+@dataclass
+class Protection:
+    """What `protect` chose and what it measured; `write` saves the report and figures."""
+
+    steer: Steer | None
+    audit: AuditReport
+    tuning: list[int]  # audit row indices
+    heldout: list[int]
+    budget: dict[str, Any]
+    target: float
+    trials: list[Trial]
+    chosen: Trial | None
+    before: dict[str, Any]
+    after: dict[str, Any]
+    gates: dict[str, Any]
+    examples: list[dict[str, Any]] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def reached(self) -> bool:
+        """The held-out rows' % extractable is at or below the target, within the budget."""
+        return self.chosen is not None and self.after.get("memorized", 100.0) <= self.target
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "reached": self.reached,
+            "target": self.target,
+            "budget": self.budget,
+            "audit": self.audit.summary(),
+            "tuning_rows": len(self.tuning),
+            "heldout_rows": len(self.heldout),
+            "chosen": None if self.chosen is None else asdict(self.chosen),
+            "before": self.before,
+            "after": self.after,
+            "gates": self.gates,
+            "trials": len(self.trials),
+            "seconds": self.seconds,
+        }
+
+    def markdown(self) -> str:
+        from gss.report import markdown_table
+
+        s = self.summary()
+        c = self.chosen
+        lines = ["# gss protect", ""]
+        if c is None:
+            lines.append("No steer stayed within the utility budget: nothing was saved.")
+        else:
+            lines.append(
+                f"Chosen: {c.preset}, block(s) {list(c.blocks)}, delta {list(map(_g, c.deltas))}, "
+                f"rank {c.rank}, gate {c.gate} ({len(self.trials)} points searched)."
+            )
+        lines += [
+            "",
+            f"Held-out memorized rows ({len(self.heldout)}, never seen by the search): "
+            f"{self.before.get('memorized', float('nan')):.1f}% extractable before, "
+            f"{self.after.get('memorized', float('nan')):.1f}% after (target "
+            f"<= {self.target:g}%: {'reached' if self.reached else 'NOT reached'}).",
+            f"Utility ({self.budget['measure']}): {_g(self.before['utility'])} before, "
+            f"{_g(self.after.get('utility', float('nan')))} after (limit "
+            f"{_g(self.budget['limit'])}).",
+        ]
+        quality = self.after.get("quality")
+        if quality:
+            lines.append(
+                f"What it says instead, on held-out memorized prompts: repeated 4-grams "
+                f"{_g(quality['repeated_4grams_steered'])}% (the reference's own continuation: "
+                f"{_g(quality['repeated_4grams_reference'])}%); perplexity under the reference "
+                f"{_g(quality['reference_ppl_steered'])} (its own: "
+                f"{_g(quality['reference_ppl_reference'])})."
+            )
+        lines += ["", "## Gate open share on general text", ""]
+        rows = [[name, _pct(v)] for name, v in s["gates"].get("open_share", {}).items()]
+        lines.append(markdown_table(["text", "any gate open"], rows) if rows else "-")
+        lines += ["", "## The points searched (tuning rows)", ""]
+        body = [
+            [
+                t.stage,
+                t.preset,
+                ",".join(map(str, t.blocks)),
+                ",".join(map(_g, t.deltas)),
+                str(t.rank),
+                t.gate,
+                f"{t.memorized:.1f}",
+                _g(t.utility),
+                "yes" if t.within_budget else "no",
+            ]
+            for t in self.trials
+        ]
+        header = ["stage", "preset", "blocks", "delta", "rank", "gate", "% extractable"]
+        lines.append(markdown_table([*header, "utility", "in budget"], body))
+        if self.examples:
+            lines += ["", "## Held-out memorized prompts, before and after", ""]
+            for ex in self.examples:
+                lines += [f"- prompt: `{ex['prompt']}`"]
+                for key in ("original", "steered", "reference"):
+                    lines.append(f"  - {key}: `{ex[key]}`")
+        return "\n".join(lines) + "\n"
+
+    def write(self, directory: str | Path, overwrite: bool = False) -> list[Path]:
+        """``protect.json``, ``protect.md``, ``frontier.png``, ``rows.png`` and, when a steer
+        was chosen, the steer itself in ``steer/`` (an artifact or a stack)."""
+        out = Path(directory)
+        names = ["protect.json", "protect.md", "frontier.png", "rows.png", "steer"]
+        check_outputs(out, names, overwrite)
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        if self.steer is not None:
+            written.append(self.steer.save_pretrained(out / "steer", overwrite=overwrite))
+        data = {
+            **self.summary(),
+            "trials": [asdict(t) for t in self.trials],
+            "examples": self.examples,
+        }
+        (out / "protect.json").write_text(json.dumps(data, indent=2, default=float))
+        (out / "protect.md").write_text(self.markdown())
+        written += [out / "protect.json", out / "protect.md"]
+        written += _figures(self, out)
+        return written
+
+
+def _g(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def _pct(x: float | None) -> str:
+    return "?" if x is None else f"{100 * x:.1f}%"
+
+
+class _Judge:
+    """Measures a steer on the tuning rows: % still extractable, and the utility."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        rows: list[Candidate],
+        utility: Utility,
+        limit: float,
+        *,
+        k: int,
+        n: int,
+        pad_id: int,
+        batch_size: int,
+        bar: Any,
+    ) -> None:
+        self.model, self.rows, self.utility, self.limit = model, rows, utility, limit
+        self.k, self.n, self.pad_id, self.batch_size, self.bar = k, n, pad_id, batch_size, bar
+        self.trials: list[Trial] = []
+        self.steers: list[Steer] = []
+
+    def steer_of(self, trial: Trial) -> Steer:
+        return self.steers[self.trials.index(trial)]
+
+    def memorized(self) -> tuple[float, float]:
+        report = _leaks(self.model, self.rows, self.k, self.n, self.pad_id, self.batch_size)
+        return report.memorized, report.token_match
+
+    def __call__(self, steer: Steer, stage: str, preset: str) -> Trial:
+        with steer.attach(self.model):
+            mem, match = self.memorized()
+            value = float(self.utility(self.model))
+        members = steer.artifacts if isinstance(steer, SteeringStack) else (steer,)
+        last = members[-1]
+        trial = Trial(
+            stage=stage,
+            preset=preset,
+            blocks=tuple(a.layer for a in members),
+            deltas=tuple(a.config.delta for a in members),
+            rank=last.rank,
+            gate=last.config.gate,
+            memorized=mem,
+            token_match=match,
+            utility=value,
+            within_budget=value <= self.limit,
+        )
+        self.trials.append(trial)
+        self.steers.append(steer)
+        self.bar.update(1)
+        best = self.best(self.trials)
+        if best is not None:
+            self.bar.set_postfix_str(f"best {best.memorized:.1f}% extractable", refresh=False)
+        return trial
+
+    @staticmethod
+    def best(trials: Sequence[Trial], target: float = 0.0) -> Trial | None:
+        """Within the budget: reaching the target first (else the lowest % extractable), then
+        the fewest tokens still reproduced, then the least utility cost. The token share
+        breaks the tie between points that all reach the target on the tuning rows toward the
+        one with the widest margin, the one likeliest to hold on rows it was not tuned on."""
+        ok = [t for t in trials if t.within_budget]
+        if not ok:
+            return None
+        return min(ok, key=lambda t: (max(t.memorized - target, 0.0), t.token_match, t.utility))
+
+
+def _strength_search(
+    judge: _Judge,
+    make: Callable[[float], Steer],
+    space: SearchSpace,
+    stage: str,
+    preset: str,
+) -> list[Trial]:
+    """Bisection on log10(delta) for the strongest steer within the budget (utility cost
+    rises with strength, monotone in practice; every point measured is kept and can be
+    chosen, so a bump costs only precision)."""
+    seen: dict[float, Trial] = {}
+
+    def at(log_delta: float) -> Trial:
+        if log_delta not in seen:
+            seen[log_delta] = judge(make(10.0**log_delta), stage, preset)
+        return seen[log_delta]
+
+    lo, hi = (math.log10(v) for v in space.delta_range)
+    if not at(hi).within_budget and at(lo).within_budget:
+        a, b = lo, hi
+        for _ in range(space.steps):
+            mid = (a + b) / 2
+            a, b = (mid, b) if at(mid).within_budget else (a, mid)
+    return list(seen.values())
+
+
+def _stacked(first: SteeringArtifact, second: SteeringArtifact) -> Callable[[float], Steer]:
+    """The two blocks as one steer, the second at strength ``delta``."""
+    return lambda delta: SteeringStack((first, second.with_options(delta=delta)))
+
+
+def _gated(
+    model: nn.Module,
+    artifact: SteeringArtifact,
+    general: list[list[int]],
+    share: float,
+    batch_size: int,
+) -> SteeringArtifact:
+    """The artifact with thresholds set on every token of ``general`` so that some gate opens
+    on ``share`` of them (the union, not each direction: K gates at 5% each open on up to
+    K x 5%). Calibration sets them on its own general tokens, which need not look like the
+    traffic the model will serve."""
+    responses = probe_responses(model, artifact, general, batch_size=batch_size)
+    eps, info = thresholds_from_responses(responses, artifact.config.gate, None, share)
+    return artifact.with_thresholds(eps, info["rule"], info["open_share"])
+
+
+def _candidate_blocks(
+    model: nn.Module,
+    reference: nn.Module,
+    rows: list[list[int]],
+    space: SearchSpace,
+    batch_size: int,
+) -> list[int]:
+    count = len(find_decoder_blocks(model))
+    if space.blocks is not None:
+        bad = [b for b in space.blocks if not 0 <= b < count]
+        if bad:
+            raise GSSError(
+                f"blocks {bad} are out of range: the model has {count} (0..{count - 1})."
+            )
+        return list(space.blocks)
+    if count <= space.max_candidates:
+        return list(range(count))
+    from gss.layer_scan import scan_layers
+
+    scan = scan_layers(model, reference, rows, "gss-tr", batch_size=batch_size, progress=False)
+    ranked = sorted(scan.strengths, key=lambda b: -scan.strengths[b])
+    strongest = ranked[: space.max_candidates // 2]
+    spaced = [
+        round(i * (count - 1) / (space.max_candidates // 2))
+        for i in range(1, space.max_candidates // 2 + 1)
+    ]
+    return sorted(set(strongest) | {min(b, count - 1) for b in spaced})
+
+
+def reference_text(
+    reference: nn.Module,
+    starts: Sequence[Sequence[int]],
+    *,
+    length: int = 48,
+    seed: int = 0,
+    batch_size: int = 16,
+) -> list[list[int]]:
+    """Text the reference generates (sampled at temperature 1) from each of ``starts``: general
+    text in the reference's own distribution, with no data to download."""
+    generate = getattr(reference, "generate", None)
+    if not callable(generate):
+        raise GSSError(
+            "the reference has no generate() to write general text with: pass general= "
+            "(a sample of the text the model will serve)."
+        )
+    out: list[list[int]] = []
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        device = next(reference.parameters()).device
+        for i in range(0, len(starts), batch_size):
+            chunk = [list(s) for s in starts[i : i + batch_size]]
+            width = len(chunk[0])
+            if any(len(s) != width for s in chunk):
+                raise GSSError("reference_text needs starts of one length.")
+            ids = torch.tensor(chunk, device=device)
+            made = generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                top_k=0,
+                max_new_tokens=length,
+                min_new_tokens=length,
+                pad_token_id=0,
+            )
+            out += [[int(t) for t in row] for row in made.cpu()]
+    return out
+
+
+def protect(
+    model: nn.Module,
+    reference: nn.Module,
+    texts: TextsOrIds,
+    *,
+    tokenizer: Any = None,
+    general: TextsOrIds | None = None,
+    heldout: TextsOrIds | None = None,
+    utility: Utility | None = None,
+    budget: float = 0.05,
+    budget_mode: Literal["relative", "absolute"] = "relative",
+    target: float = 0.0,
+    k: int = 32,
+    n: int = 72,
+    search: SearchSpace | None = None,
+    seed: int = 0,
+    reference_rows: int = 64,
+    batch_size: int = 8,
+    pad_id: int = 0,
+    progress: bool = True,
+) -> Protection:
+    """Audit ``texts`` (the fine-tuning data), then choose and build the steer that leaves at
+    most ``target`` % of the memorized rows extractable within the utility ``budget``.
+
+    Args:
+        model, reference, texts, tokenizer: as for `gss.calibrate` (``adapters_off(model)``
+            is a reference for an adapter fine-tune).
+        general: a sample of the text the model will serve (the gate thresholds come from it
+            and from text the reference generates); optional.
+        heldout: text whose perplexity is the default utility (default: the measuring half of
+            the general text).
+        utility: ``utility(model) -> float``, lower is better (e.g. ``lambda m: -accuracy(m)``);
+            default: perplexity on ``heldout``.
+        budget, budget_mode: the utility may rise to ``base * (1 + budget)`` ("relative", the
+            default: +5%) or ``base + budget`` ("absolute").
+        target: % of held-out memorized rows allowed to stay extractable (default 0).
+        k, n: (n, k)-extraction: prompted with k tokens, reproduce tokens k..n-1.
+        search: what may be chosen (`SearchSpace`).
+        seed: the tuning/held-out split and the reference's text.
+    """
+    space = search or SearchSpace()
+    space.check()
+    check_window(k, n)
+    if budget_mode not in ("relative", "absolute") or not (math.isfinite(budget) and budget >= 0):
+        raise GSSError(
+            f"budget must be >= 0 with budget_mode 'relative' or 'absolute', got {budget!r}, "
+            f"{budget_mode!r}."
+        )
+    if not 0 <= target <= 100:
+        raise GSSError(f"target is a % of rows, in [0, 100], got {target}.")
+    started = time.perf_counter()
+    seconds: dict[str, float] = {}
+
+    report = audit(
+        model,
+        reference,
+        texts,
+        tokenizer=tokenizer,
+        k=k,
+        n=n,
+        batch_size=batch_size,
+        progress=progress,
+    )
+    seconds["audit"] = time.perf_counter() - started
+    memorized = [r.index for r in report.memorized]
+    if len(memorized) < 2:
+        raise GSSError(
+            f"the audit found {len(memorized)} memorized row(s) of {len(report.rows)} "
+            f"(({n},{k})-extraction, not extracted by the reference): too few to tune on and "
+            "hold out. Lower k or n, or pass more of the fine-tuning data."
+        )
+    order = list(memorized)
+    random.Random(seed).shuffle(order)
+    half = len(order) // 2
+    tuning, held = sorted(order[:half]), sorted(order[half:])
+    tune_rows = [report.ids[i] for i in tuning]  # calibrated on
+    tune_candidates = [report.candidate(i) for i in tuning]  # measured on
+
+    # general text: the user's sample and the reference's own, each split fit / measure
+    starts = [
+        report.ids[i][:1]
+        for i in random.Random(seed + 1).sample(
+            range(len(report.ids)), min(reference_rows, len(report.ids))
+        )
+    ]
+    sources: dict[str, list[list[int]]] = {
+        "reference-generated": reference_text(reference, starts, length=max(8, n - 1), seed=seed)
+    }
+    if general is not None:
+        sources = {"general (given)": encode(general, tokenizer, None), **sources}
+    fit = [r for rows in sources.values() for r in rows[::2]]
+    measure = {name: rows[1::2] for name, rows in sources.items()}
+    utility_rows = (
+        encode(heldout, tokenizer, None)
+        if heldout is not None
+        else [r for rows in measure.values() for r in rows]
+    )
+    if utility is None:
+
+        def utility(m: nn.Module) -> float:
+            return perplexity(m, utility_rows, pad_id, batch_size=batch_size)
+
+        measure_name = "perplexity on " + ("heldout" if heldout is not None else "general text")
+    else:
+        measure_name = "utility function"
+    base = float(utility(model))
+    limit = base * (1 + budget) if budget_mode == "relative" else base + budget
+    seconds["general_text"] = time.perf_counter() - started - seconds["audit"]
+
+    bar = tqdm(desc="gss: protect", unit="point", disable=not progress)
+    judge = _Judge(
+        model,
+        tune_candidates,
+        utility,
+        limit,
+        k=k,
+        n=n,
+        pad_id=pad_id,
+        batch_size=batch_size,
+        bar=bar,
+    )
+    candidates = _candidate_blocks(model, reference, tune_rows, space, batch_size)
+
+    def calibrated(preset: str, layer: int, rank: int) -> SteeringArtifact | None:
+        try:
+            return calibrate(
+                model,
+                reference,
+                tune_rows,
+                preset,
+                layer=layer,
+                rank=rank,
+                gen_texts=fit,
+                batch_size=batch_size,
+                progress=False,
+            )
+        except GSSError as e:  # a block with nothing to steer against, say
+            warnings.warn(
+                f"protect: skipped block {layer} ({preset}): {e}", GSSWarning, stacklevel=3
+            )
+            return None
+
+    def explore(art: SteeringArtifact, stage: str, preset: str) -> None:
+        art = _gated(model, art, fit, space.gate_share, batch_size)
+        _strength_search(judge, lambda d: art.with_options(delta=d), space, stage, preset)
+
+    # stage 1: every (preset, candidate block) at the first rank
+    made: dict[tuple[str, int], SteeringArtifact] = {}
+    for preset in space.presets:
+        for layer in candidates:
+            bar.set_description_str(f"gss: protect ({preset}, block {layer})")
+            art = calibrated(preset, layer, max(space.ranks))
+            if art is not None:
+                made[preset, layer] = art
+                explore(art.with_options(rank=min(space.ranks[0], art.rank)), "block", preset)
+    best = judge.best(judge.trials, target)
+    # stages 2 and 3: the other ranks, then the other gates, on the best block
+    if best is not None and best.memorized > target:
+        full = made[best.preset, best.blocks[0]]
+        for rank in space.ranks[1:]:
+            if rank <= full.rank:
+                explore(full.with_options(rank=rank), "rank", best.preset)
+        best = judge.best(judge.trials, target) or best
+        current = full.with_options(rank=best.rank)
+        for gate in space.gates:
+            if gate != current.config.gate:
+                explore(current.with_options(gate=gate), "gate", best.preset)
+        best = judge.best(judge.trials, target) or best
+    # stage 4: a second block, calibrated on the model steered by the first
+    if best is not None and best.memorized > target and space.max_blocks >= 2:
+        head = judge.steer_of(best)
+        assert isinstance(head, SteeringArtifact)
+        by_block: dict[int, float] = {}
+        for t in judge.trials:
+            if t.stage == "block" and t.within_budget and t.blocks[0] != head.layer:
+                by_block[t.blocks[0]] = min(by_block.get(t.blocks[0], 100.0), t.memorized)
+        for layer in sorted(by_block, key=by_block.__getitem__)[:3]:
+            bar.set_description_str(f"gss: protect (block {head.layer} + block {layer})")
+            with head.attach(model):
+                second = calibrated(best.preset, layer, head.rank)
+                if second is not None:
+                    second = second.with_options(gate=head.config.gate)
+                    second = _gated(model, second, fit, space.gate_share, batch_size)
+            if second is None:
+                continue
+            for share in (1.0, 0.5):  # the first block gives up part of the budget
+                first = head.with_options(delta=head.config.delta * share)
+                _strength_search(
+                    judge,
+                    _stacked(first, second),
+                    space,
+                    "second block",
+                    best.preset,
+                )
+        best = judge.best(judge.trials, target) or best
+    chosen_steer = None if best is None else judge.steer_of(best)
+    bar.close()
+    seconds["search"] = time.perf_counter() - started - seconds["audit"] - seconds["general_text"]
+
+    held_rows = [report.candidate(i) for i in held]
+    before = {
+        "memorized": _extractable(model, held_rows, k, n, pad_id, batch_size),
+        "utility": base,
+    }
+    after: dict[str, Any] = {}
+    gates: dict[str, Any] = {}
+    examples: list[dict[str, Any]] = []
+    if chosen_steer is not None:
+        with chosen_steer.attach(model, track_gates=True) as handle:
+            after = {
+                "memorized": _extractable(model, held_rows, k, n, pad_id, batch_size),
+                "utility": float(utility(model)),
+            }
+            gates = {"open_share": {}}
+            for name, rows in measure.items():
+                handle.reset_stats()
+                perplexity(model, rows, pad_id, batch_size=batch_size)
+                gates["open_share"][name] = handle.gate_stats().get("any_open_share")
+        after["quality"], examples = _what_it_says(
+            model, reference, chosen_steer, held_rows, k, n, pad_id, batch_size, tokenizer
+        )
+        _warn_open(gates, space.gate_share)
+    seconds["total"] = time.perf_counter() - started
+    return Protection(
+        steer=chosen_steer,
+        audit=report,
+        tuning=tuning,
+        heldout=held,
+        budget={
+            "measure": measure_name,
+            "base": base,
+            "budget": budget,
+            "mode": budget_mode,
+            "limit": limit,
+        },
+        target=target,
+        trials=judge.trials,
+        chosen=best,
+        before=before,
+        after=after,
+        gates=gates,
+        examples=examples,
+        seconds=seconds,
+    )
+
+
+Candidate = list[int] | tuple[list[int], list[int]]  # a row, or a (prompt, reply) pair
+
+
+def _split(c: Candidate, k: int, n: int) -> tuple[list[int], list[int]]:
+    """What a candidate is prompted with, and what it must not continue with."""
+    return (list(c[0]), list(c[1])[: n - k]) if isinstance(c, tuple) else (c[:k], c[k:n])
+
+
+def _leaks(
+    model: nn.Module, rows: Sequence[Candidate], k: int, n: int, pad_id: int, batch_size: int
+) -> EvaluationReport:
+    """(n, k)-extraction of ``rows``, teacher-forced (exact against greedy decoding)."""
+    first = [t for part in _split(rows[0], k, n) for t in part]
+    return evaluate_model(
+        model,
+        cast(Any, rows),  # rows, or pairs (one kind: an audit's candidates are all alike)
+        [first],  # evaluate_model's perplexity part: one row, unused
+        k=k,
+        n=n,
+        pad_id=pad_id,
+        batch_size=batch_size,
+        method="forced",
+        progress=False,
+    )
+
+
+def _extractable(
+    model: nn.Module, rows: Sequence[Candidate], k: int, n: int, pad_id: int, batch_size: int
+) -> float:
+    return _leaks(model, rows, k, n, pad_id, batch_size).memorized
+
+
+def _what_it_says(
+    model: nn.Module,
+    reference: nn.Module,
+    steer: Steer,
+    rows: Sequence[Candidate],
+    k: int,
+    n: int,
+    pad_id: int,
+    batch_size: int,
+    tokenizer: Any,
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """The steered continuations of held-out memorized prompts beside the reference's own:
+    repeated 4-grams and perplexity under the reference (a steer that breaks the reply into a
+    loop is not the same as one that answers like the base model)."""
+    prompts = [_split(r, k, n)[0] for r in rows]
+    originals = [_split(r, k, n)[1] for r in rows]
+    width = n - k
+    with steer.attach(model):
+        steered = greedy_generate(model, prompts, width, pad_id=pad_id, batch_size=batch_size)
+    own = greedy_generate(reference, prompts, width, pad_id=pad_id, batch_size=batch_size)
+    lengths = [len(p) for p in prompts]
+    quality = {
+        "repeated_4grams_steered": repetition(steered),
+        "repeated_4grams_reference": repetition(own),
+        "reference_ppl_steered": perplexity(
+            reference,
+            [p + s for p, s in zip(prompts, steered, strict=True)],
+            pad_id,
+            batch_size=batch_size,
+            prompt_lengths=lengths,
+        ),
+        "reference_ppl_reference": perplexity(
+            reference,
+            [p + s for p, s in zip(prompts, own, strict=True)],
+            pad_id,
+            batch_size=batch_size,
+            prompt_lengths=lengths,
+        ),
+    }
+
+    def text(ids: Sequence[int]) -> str:
+        return tokenizer.decode(list(ids)) if tokenizer is not None else " ".join(map(str, ids))
+
+    examples = [
+        {
+            "prompt": text(p),
+            "original": text(r),
+            "steered": text(s),
+            "reference": text(o),
+        }
+        for p, r, s, o in list(zip(prompts, originals, steered, own, strict=True))[:4]
+    ]
+    return quality, examples
+
+
+def _warn_open(gates: dict[str, Any], expected: float) -> None:
+    """Warn when the gates open far more often on some general text than the thresholds ask:
+    the text they were set on does not look like that one."""
+    for name, share in gates.get("open_share", {}).items():
+        if share is not None and share > 3 * expected + 0.02:
+            warnings.warn(
+                f"the gates open on {100 * share:.0f}% of held-out {name} tokens (set for "
+                f"about {100 * expected:.0f}%): the general text the thresholds came from does "
+                "not look like this text. Pass general= with a sample of the text the model "
+                "will serve.",
+                GSSWarning,
+                stacklevel=3,
+            )
+
+
+def _figures(result: Protection, out: Path) -> list[Path]:
+    from gss.report import pyplot, save_figure
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for stage in dict.fromkeys(t.stage for t in result.trials):
+        pts = [t for t in result.trials if t.stage == stage]
+        ax.scatter([t.utility for t in pts], [t.memorized for t in pts], label=stage, s=18)
+    if result.chosen is not None:
+        ax.scatter(
+            [result.chosen.utility],
+            [result.chosen.memorized],
+            marker="*",
+            s=200,
+            color="black",
+            label="chosen",
+            zorder=5,
+        )
+    ax.axvline(result.budget["limit"], color="grey", linestyle="--", label="budget")
+    ax.set_xlabel(result.budget["measure"])
+    ax.set_ylabel("% of tuning rows extractable")
+    ax.set_title("gss protect: the points searched")
+    ax.legend(fontsize=8)
+    paths = [save_figure(fig, out / "frontier.png")]
+    fig, ax = plt.subplots(figsize=(6, 3))
+    labels = ["before", "after"]
+    values = [result.before.get("memorized", 0.0), result.after.get("memorized", 0.0)]
+    ax.bar(labels, values, color=["tab:red", "tab:green"])
+    ax.set_ylabel("% of held-out memorized rows extractable")
+    ax.set_ylim(0, 100)
+    ax.set_title(f"{len(result.heldout)} held-out memorized rows")
+    paths.append(save_figure(fig, out / "rows.png"))
+    return paths
+
+
+__all__ = ["Protection", "SearchSpace", "Trial", "protect", "reference_text"]

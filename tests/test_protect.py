@@ -1,0 +1,195 @@
+"""gss protect: the search stays within the budget, never reads the held-out rows before the
+final report, reaches the target on a model that memorized planted rows, and writes what it
+chose."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+import torch
+
+import gss
+from gss import GSSError
+from gss.cli import main
+from gss.protect import SearchSpace, protect
+
+protect_module = importlib.import_module("gss.protect")  # gss.protect is the function
+
+
+@pytest.fixture(scope="module")
+def protected(memorizer):
+    model, reference, planted, general = memorizer
+    texts = torch.cat([planted, general[:20]]).tolist()
+    seen: list[list[int]] = []
+    phase = {"search": False}
+
+    def record(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        mask = kwargs.get("attention_mask")
+        if phase["search"] and ids is not None:
+            for j, row in enumerate(ids.tolist()):
+                keep = (
+                    row
+                    if mask is None
+                    else [t for t, m in zip(row, mask[j].tolist(), strict=True) if m]
+                )
+                seen.append(keep)
+
+    module = protect_module
+    original_audit, original_extractable = module.audit, module._extractable
+
+    def audit(*a, **kw):
+        result = original_audit(*a, **kw)
+        phase["search"] = True  # from here until the final report
+        return result
+
+    def extractable(*a, **kw):
+        phase["search"] = False
+        return original_extractable(*a, **kw)
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
+    module.audit, module._extractable = audit, extractable
+    try:
+        result = protect(
+            model, reference, texts, general=general[20:80].tolist(), k=4, n=16, progress=False
+        )
+    finally:
+        hook.remove()
+        module.audit, module._extractable = original_audit, original_extractable
+    return result, seen, texts
+
+
+def test_protect_reaches_the_target_within_the_budget(protected):
+    result, _, _ = protected
+    assert result.chosen is not None and result.chosen.within_budget
+    assert result.chosen.utility <= result.budget["limit"]
+    assert result.before["memorized"] == 100.0  # held-out rows are memorized ones
+    assert result.after["memorized"] == 0.0 and result.reached
+    assert result.after["utility"] <= result.budget["limit"] * 1.05  # measured on other text
+    stages = {t.stage for t in result.trials}
+    assert "block" in stages and len({t.blocks for t in result.trials}) >= 2  # blocks searched
+    deltas = {t.deltas[0] for t in result.trials if t.blocks == result.chosen.blocks}
+    assert len(deltas) > 8  # a bisection, not a handful of grid points
+    assert set(result.tuning).isdisjoint(result.heldout)
+    assert len(result.tuning) + len(result.heldout) == len(result.audit.memorized)
+
+
+def test_protect_never_reads_the_heldout_rows_while_choosing(protected):
+    result, seen, texts = protected
+    assert seen  # the search did run the model
+    held = [texts[i] for i in result.heldout]
+    tuned = [texts[i] for i in result.tuning]
+    assert any(row[:16] == t[: len(row[:16])] for row in seen for t in tuned)
+    for row in seen:
+        for h in held:
+            assert row[:4] != h[:4], "a held-out row's prompt reached the model during the search"
+
+
+def test_protect_writes_the_steer_and_the_report(protected, memorizer, tmp_path):
+    result, _, _ = protected
+    model, *_ = memorizer
+    written = result.write(tmp_path / "out")
+    names = sorted(p.name for p in written)
+    assert names == ["frontier.png", "protect.json", "protect.md", "rows.png", "steer"]
+    steer = gss.load(tmp_path / "out" / "steer")
+    rows = [result.audit.ids[i] for i in result.heldout]
+    with gss.steer(model, steer):  # the saved steer is the one measured
+        assert protect_module._extractable(model, rows, 4, 16, 0, 8) == 0.0
+    data = json.loads((tmp_path / "out" / "protect.json").read_text())
+    assert data["reached"] and data["chosen"]["blocks"] == list(result.chosen.blocks)
+    assert "never seen by the search" in (tmp_path / "out" / "protect.md").read_text()
+    with pytest.raises(GSSError, match="already holds"):
+        result.write(tmp_path / "out")
+
+
+def test_protect_refuses_bad_options(memorizer):
+    model, reference, planted, _ = memorizer
+    rows = planted.tolist()
+    for kwargs, message in [
+        ({"budget": -1}, "budget must be >= 0"),
+        ({"budget": float("nan")}, "budget must be >= 0"),
+        ({"target": 101}, "target is a %"),
+        ({"k": 8, "n": 8}, "n must be an integer > k"),
+        ({"search": SearchSpace(presets=("nope",))}, "presets must be among"),
+        ({"search": SearchSpace(delta_range=(1.0, 0.1))}, "delta_range"),
+        ({"search": SearchSpace(gate_share=1.0)}, "gate_share"),
+    ]:
+        with pytest.raises(GSSError, match=message):
+            protect(model, reference, rows, progress=False, **kwargs)
+
+
+def test_protect_says_when_there_is_nothing_to_protect(memorizer):
+    model, reference, _, general = memorizer
+    with pytest.raises(GSSError, match="too few to tune on and hold out"):
+        protect(model, reference, general[:10].tolist(), k=4, n=16, progress=False)
+
+
+def test_protect_adds_a_block_when_one_is_not_enough(memorizer):
+    model, reference, planted, general = memorizer
+    texts = torch.cat([planted, general[:20]]).tolist()
+    space = SearchSpace(presets=("gss",), ranks=(1,), gates=("hard",), steps=3)
+    result = protect(
+        model,
+        reference,
+        texts,
+        general=general[20:60].tolist(),
+        k=4,
+        n=16,
+        search=space,
+        budget=0.001,
+        progress=False,
+    )
+    single = [t for t in result.trials if t.stage == "block" and t.within_budget]
+    best_single = min(single, key=lambda t: (t.memorized, t.token_match, t.utility))
+    assert best_single.memorized > 0  # one block cannot reach the target in this budget
+    second = [t for t in result.trials if t.stage == "second block"]
+    assert second and all(
+        t.blocks == (best_single.blocks[0], 1 - best_single.blocks[0]) for t in second
+    )
+    heads = {t.deltas[0] for t in second}  # the first block gives up part of the budget
+    assert heads == {best_single.deltas[0], best_single.deltas[0] / 2}
+    assert isinstance(result.steer, gss.SteeringStack) == (len(result.chosen.blocks) == 2)
+
+
+def test_protect_command(memorizer, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from .test_cli import _tokenizer  # noqa: F401  (the CLI needs saved models)
+
+    model, reference, planted, general = memorizer
+    model.save_pretrained(tmp_path / "model")
+    reference.save_pretrained(tmp_path / "ref")
+    rows = torch.cat([planted, general[:20]]).tolist()
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    (tmp_path / "general.jsonl").write_text(
+        "".join(json.dumps({"input_ids": r}) + "\n" for r in general[20:60].tolist())
+    )
+    args = ["protect", "--model", str(tmp_path / "model"), "--reference", str(tmp_path / "ref")]
+    args += ["--data", str(tmp_path / "data.jsonl"), "--general", str(tmp_path / "general.jsonl")]
+    args += ["--k", "4", "--n", "16", "--out", str(tmp_path / "out"), "--no-progress"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Held-out memorized rows" in out and (tmp_path / "out" / "steer").is_dir()
+    assert main(args) == 2  # --out holds a run: refused before the models load
+    assert "--overwrite" in capsys.readouterr().err
+
+
+def test_protect_takes_replies_given_their_prompt(memorizer):
+    model, reference, planted, general = memorizer
+    rows = torch.cat([planted, general[:10]]).tolist()
+    pairs = [(r[:6], r[6:]) for r in rows]
+    space = SearchSpace(presets=("gss-tr",), ranks=(4,), gates=("hard",), max_blocks=1)
+    result = protect(
+        model,
+        reference,
+        pairs,
+        general=general[20:60].tolist(),
+        k=4,
+        n=14,
+        search=space,
+        progress=False,
+    )
+    assert result.before["memorized"] == 100.0 and result.chosen is not None
+    assert result.after["memorized"] <= result.before["memorized"]
+    assert result.examples and result.examples[0]["original"]
