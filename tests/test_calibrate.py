@@ -33,7 +33,10 @@ def _direct_statistics(model, ref, ids, layer):
 def test_matches_a_direct_computation(make_model):
     model, ref = make_model("gpt2", seed=0), make_model("gpt2", seed=1)
     ids = random_ids(16, 12)
-    art = gss.calibrate(model, ref, ids, layer=0, rank=3, delta=2.0, batch_size=5, progress=False)
+    # the paper's M (the log-likelihood gradient), computed directly below
+    art = gss.calibrate(
+        model, ref, ids, "gss", layer=0, rank=3, delta=2.0, batch_size=5, progress=False
+    )
     M, sigma, h_gen = _direct_statistics(model, ref, ids, layer=0)
     sol = solve_probe_steer(M, sigma, 3, 2.0)
     assert torch.allclose(art.probe.double(), sol.probe, atol=1e-4, rtol=1e-4)

@@ -245,7 +245,7 @@ def test_cli_flags_are_the_config_fields_with_their_defaults():
 
     expected = {"layer": 1, "gate": "relu", "replies_only": False, "max_length": None}
     assert config_overrides(args) == expected  # max_length: resolved by the command
-    assert args.preset == "gss" and args.batch_size == 8
+    assert args.preset == "gss-tr" and args.batch_size == 8
 
 
 @pytest.fixture(scope="module")

@@ -114,10 +114,12 @@ def test_calibrate_records_gradient_and_target(make_model):
 def test_presets(make_model):
     model, ref = make_model("gpt2", seed=0), make_model("gpt2", seed=1)
     ids = random_ids(8, 10)
-    paper = gss.calibrate(model, ref, ids, "gss", layer=0, rank=2, progress=False)
+    ours = gss.calibrate(model, ref, ids, "gss-tr", layer=0, rank=2, progress=False)
     default = gss.calibrate(model, ref, ids, layer=0, rank=2, progress=False)
-    assert torch.equal(paper.probe, default.probe)  # "gss" is calibrate()'s default
-    assert paper.config == default.config == gss.CalibrationConfig(layer=0, rank=2)
+    assert torch.equal(ours.probe, default.probe)  # "gss-tr" is calibrate()'s default
+    assert ours.config == default.config == gss.preset("gss-tr", layer=0, rank=2)
+    paper = gss.calibrate(model, ref, ids, "gss", layer=0, rank=2, progress=False)
+    assert paper.config == gss.CalibrationConfig(layer=0, rank=2)  # the paper's, by name
     config = gss.preset("gss-tr", omega_threshold=0.2)
     art = gss.calibrate(model, ref, ids, config, layer=0, rank=2, progress=False)
     by_name = gss.calibrate(

@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from gss.config import CalibrationConfig, resolve
+from gss.config import DEFAULT_PRESET, CalibrationConfig, resolve
 from gss.data import TextsOrIds
 from gss.errors import GSSWarning
 from gss.hf.blocks import find_decoder_blocks
@@ -121,7 +121,7 @@ def scan_layers(
     model: nn.Module,
     reference: nn.Module,
     texts: TextsOrIds,
-    config: CalibrationConfig | str = "gss",
+    config: CalibrationConfig | str = DEFAULT_PRESET,
     *,
     layers: Sequence[int] | None = None,
     tokenizer: Any = None,

@@ -420,6 +420,7 @@ def protect(
     general: TextsOrIds | None = None,
     heldout: TextsOrIds | None = None,
     utility: Utility | None = None,
+    utility_name: str = "utility",
     budget: float = 0.05,
     budget_mode: Literal["relative", "absolute"] = "relative",
     target: float = 0.0,
@@ -443,7 +444,7 @@ def protect(
         heldout: text whose perplexity is the default utility (default: the measuring half of
             the general text).
         utility: ``utility(model) -> float``, lower is better (e.g. ``lambda m: -accuracy(m)``);
-            default: perplexity on ``heldout``.
+            default: perplexity on ``heldout``. ``utility_name`` labels it in the report.
         budget, budget_mode: the utility may rise to ``base * (1 + budget)`` ("relative", the
             default: +5%) or ``base + budget`` ("absolute").
         target: % of held-out memorized rows allowed to stay extractable (default 0).
@@ -515,7 +516,7 @@ def protect(
 
         measure_name = "perplexity on " + ("heldout" if heldout is not None else "general text")
     else:
-        measure_name = "utility function"
+        measure_name = utility_name
     base = float(utility(model))
     limit = base * (1 + budget) if budget_mode == "relative" else base + budget
     seconds["general_text"] = time.perf_counter() - started - seconds["audit"]

@@ -232,9 +232,11 @@ def test_quick_run_writes_the_report_and_reuses_the_fine_tune(base_dir, tmp_path
         assert chosen["options"] == results["methods"][name]["selected"]["options"]
     assert "Every grid point" in table and table.count("| yes |") == 3
     # the rerun reuses the fine-tune, with the variant's single changes and two baselines
-    extra = ["--ablation", "--baselines", "alphasteer,gradient-ascent"]
+    extra = ["--ablation", "--baselines", "alphasteer,gradient-ascent", "--protect"]
     assert main([*args, *extra]) == 0
     results = json.loads((out / "results.json").read_text())
+    # two epochs memorize no canary: gss protect says so instead of failing the run
+    assert "too few to tune on and hold out" in results["protect"]["error"]
     assert results["finetune"]["loaded"]
     assert results["finetune"]["trained_on"]["device"] == "cpu"  # what its weights depend on
     names = set(results["methods"])

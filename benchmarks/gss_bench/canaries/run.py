@@ -126,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(see `gss baselines`), families or 'all' (default none; the neuron and weight "
         "methods take hours on a 135M model)",
     )
+    p.add_argument(
+        "--protect",
+        action="store_true",
+        help="also run gss protect with its defaults (no hand-picked block or strength) and "
+        "add its choice to the table, with its report in OUT/protect",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None)
@@ -475,8 +481,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     title = "omega with the base model as reference: canary rows vs held-out text"
     plot_signal(omega, pilot, out / "signal.png", title, normal)
-    scan = scan_layers(
-        model, reference, train_rows, gen_texts=general, batch_size=8, progress=progress
+    scan = scan_layers(  # the paper's signal, as the committed results were scanned
+        model, reference, train_rows, "gss", gen_texts=general, batch_size=8, progress=progress
     )
     scan.plot(out / "layers.png", f"signal strength per block: {base_path.name} + canaries")
     layer = scan.best if args.layer is None else args.layer
@@ -510,6 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 model,
                 reference,
                 texts,
+                "gss",  # each row's options are changes to the paper's method
                 layer=layer,
                 gen_texts=general,
                 batch_size=8,
@@ -578,6 +585,40 @@ def main(argv: Sequence[str] | None = None) -> int:
             methods[name] = _baseline(
                 name, model, mdata, lambda m: measure(m, "forced"), probe, unmitigated.perplexity
             )
+
+    protected: dict[str, Any] = {}
+    if args.protect:
+        from gss_bench.canaries.protection import protect_point
+
+        _log("gss protect ...")
+        try:
+            point, seconds, protected = protect_point(
+                model,
+                reference,
+                data,
+                tokenizer,
+                train_rows,
+                budget=PPL_TOLERANCE,
+                batch_size=bs,
+                measure=measure,
+                report_dir=out / "protect",
+                progress=progress,
+            )
+        except GSSError as err:  # e.g. nothing memorized to protect
+            protected = {"error": str(err)}
+            _log(f"  gss protect: {err}")
+    if "steer" in protected:
+        steer = protected.pop("steer")
+        with steer.attach(model):
+            leaked = probe(model)
+        methods["GSS protect"] = _Method(
+            [point], [seconds], [leaked], _hooked(model, lambda _: steer.attach(model))
+        )
+        h = protected["heldout_canaries"]
+        _log(
+            f"  held-out canaries ({h['rows']}): {h['secrets_said_before']:.1f}% of secrets said "
+            f"before, {h['after']:.1f}% after ({seconds:.0f} s)"
+        )
 
     rows, grid_rows, record_methods = [], [], {}
     base_ppl = unmitigated.perplexity
@@ -681,6 +722,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "layer": layer,
             "reference": "gss.adapters_off(model)" if args.lora else "the base model",
             "methods": record_methods,
+            **({"protect": protected} if protected else {}),
             # per model: % of canaries whose account number / address it says verbatim, and
             # its reply to the example canary
             "disclosure": {"example": example, "models": said},

@@ -75,6 +75,7 @@ def child(argv: Sequence[str] | None = None) -> int:
         model,
         reference,
         ids,
+        "gss",
         layer=len(find_decoder_blocks(model)) // 2,
         rank=sizes.calib_rank,
         batch_size=sizes.calib_batch,

@@ -104,7 +104,7 @@ def run(
     def calib() -> float:
         sync(device)
         start = time.perf_counter()
-        artifact = calibrate(model, reference, ids, **kwargs)
+        artifact = calibrate(model, reference, ids, "gss", **kwargs)
         sync(device)
         elapsed = time.perf_counter() - start
         phase_runs.append(dict(artifact.provenance.timings))
@@ -128,7 +128,7 @@ def run(
     phase_runs = phase_runs[-len(times["calibrate"]) :]  # drop the warm-up run
     ratios = paired_ratios(times["calibrate"], times["passes"])
     profile_path = out / "profile.txt"
-    write_profile(lambda: calibrate(model, reference, ids, **kwargs), profile_path)
+    write_profile(lambda: calibrate(model, reference, ids, "gss", **kwargs), profile_path)
     artifact = last["artifact"]
     phases = {
         name: summary([run[name] for run in phase_runs])

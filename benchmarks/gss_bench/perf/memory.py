@@ -52,6 +52,7 @@ def child(argv: Sequence[str] | None = None) -> int:
         model,
         reference,
         ids,
+        "gss",
         layer=sizes.layers // 2,
         rank=sizes.calib_rank,
         batch_size=sizes.calib_batch,

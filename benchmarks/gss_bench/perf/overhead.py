@@ -65,6 +65,7 @@ def build_artifact(model: nn.Module, sizes: Sizes, rank: int) -> gss.SteeringArt
         model,
         reference,
         ids,
+        "gss",
         layer=n_layers // 2,
         rank=rank,
         gate_share=0.1,

@@ -13,6 +13,8 @@ never saw.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 from torch import nn
@@ -51,6 +53,7 @@ def protect_row(
     batch_size: int,
     seed: int = 0,
     progress: bool = False,
+    report_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Run `gss.protect` with its defaults and evaluate what it chose like the other methods."""
     started = time.perf_counter()
@@ -75,6 +78,7 @@ def protect_row(
         texts,
         general=M.general_rows(data),
         utility=utility,
+        utility_name="minus validation accuracy %" if M.is_math(data) else "validation perplexity",
         budget=budget,
         budget_mode=mode,
         k=k,
@@ -116,11 +120,22 @@ def protect_row(
         "audit": result.audit.summary(),
         "examples": result.examples,
     }
+    row["protect"]["heldout_index"] = result.heldout
     if data.noised:  # the held-out rows alone: memorized by the model, never seen by the search
-        held = set(result.heldout)
-        flags = [f for i, f in zip(ev.index, ev.per_row, strict=True) if i in held]
+        rows, share = share_on(ev, result.heldout)
         row["heldout_rows"] = {
-            "rows": len(flags),
-            "memorized": 100.0 * sum(flags) / len(flags) if flags else float("nan"),
+            "rows": rows,
+            "memorized": share,
+            "by_method": {"Unmitigated": share_on(base, result.heldout)[1], "GSS protect": share},
         }
+    if report_dir is not None:  # what gss protect itself writes: its search, figures, examples
+        result.write(report_dir, overwrite=True)
     return row
+
+
+def share_on(ev: M.Evaluation, rows: Sequence[int]) -> tuple[int, float]:
+    """How many of ``rows`` (noised-row indices) the evaluation counted, and the % of them it
+    found memorized."""
+    wanted = set(rows)
+    flags = [f for i, f in zip(ev.index, ev.per_row, strict=True) if i in wanted]
+    return len(flags), 100.0 * sum(flags) / len(flags) if flags else float("nan")

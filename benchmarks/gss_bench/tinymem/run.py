@@ -26,7 +26,7 @@ from gss_bench.baselines import get_method
 from gss_bench.tinymem import methods as M
 from gss_bench.tinymem.data import SETTINGS
 from gss_bench.tinymem.paper import PAPER
-from gss_bench.tinymem.protection import protect_row
+from gss_bench.tinymem.protection import protect_row, share_on
 from gss_bench.tinymem.train import default_cache_dir, get_models, get_preset
 from gss_bench.trained_on import KEY_CPU_CAPABILITY, KEY_THREADS
 
@@ -282,7 +282,15 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
         }
         _log_choice(name, chosen)
     if PROTECT in args.methods:
-        protected = methods[PROTECT] = protect_row(mem, ref, data, base, args.batch_size, seed)
+        report_dir = out / f"protect_{setting}_seed{seed}"
+        protected = protect_row(mem, ref, data, base, args.batch_size, seed, report_dir=report_dir)
+        methods[PROTECT] = protected
+        if "heldout_rows" in protected:  # the other methods on the rows protect held out
+            for name, points in sweeps.items():
+                chosen = M.select(points, base, data)["eval"]
+                protected["heldout_rows"]["by_method"][name] = share_on(
+                    chosen, protected["protect"]["heldout_index"]
+                )[1]
         got = protected["selected"]["eval"]
         _log(
             f"  {PROTECT} {_strength(protected['selected'])}: {got['memorized']:.1f}% memorized, "

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gss import distributed
-from gss.config import CalibrationConfig, RunOptions, resolve
+from gss.config import DEFAULT_PRESET, CalibrationConfig, RunOptions, resolve
 from gss.data import Batch, TextsOrIds, batches, count_batches, encode_compact
 from gss.errors import GSSError
 from gss.hf.blocks import find_decoder_blocks, residual_width, resolve_layer
@@ -177,7 +177,7 @@ def collect_statistics(
     model: nn.Module,
     reference: nn.Module,
     texts: TextsOrIds,
-    config: CalibrationConfig | str = "gss",
+    config: CalibrationConfig | str = DEFAULT_PRESET,
     *,
     tokenizer: Any = None,
     gen_texts: TextsOrIds | None = None,
