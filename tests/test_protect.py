@@ -66,7 +66,9 @@ def test_protect_reaches_the_target_within_the_budget(protected):
     assert result.chosen is not None and result.chosen.within_budget
     assert result.chosen.utility <= result.budget["limit"]
     assert result.before["memorized"] == 100.0  # held-out rows are memorized ones
-    assert result.after["memorized"] == 0.0 and result.reached
+    assert result.chosen.memorized == 0.0  # the target, reached on the tuning rows
+    assert result.after["memorized"] < 100.0  # and carried, in part at least, to unseen rows
+    assert result.reached == (result.after["memorized"] <= result.target)
     assert result.after["utility"] <= result.budget["limit"] * 1.05  # measured on other text
     stages = {t.stage for t in result.trials}
     assert "block" in stages and len({t.blocks for t in result.trials}) >= 2  # blocks searched
@@ -96,9 +98,10 @@ def test_protect_writes_the_steer_and_the_report(protected, memorizer, tmp_path)
     steer = gss.load(tmp_path / "out" / "steer")
     rows = [result.audit.ids[i] for i in result.heldout]
     with gss.steer(model, steer):  # the saved steer is the one measured
-        assert protect_module._extractable(model, rows, 4, 16, 0, 8) == 0.0
+        assert protect_module._extractable(model, rows, 4, 16, 0, 8) == result.after["memorized"]
     data = json.loads((tmp_path / "out" / "protect.json").read_text())
-    assert data["reached"] and data["chosen"]["blocks"] == list(result.chosen.blocks)
+    assert data["reached"] == result.reached
+    assert data["chosen"]["blocks"] == list(result.chosen.blocks)
     assert "never seen by the search" in (tmp_path / "out" / "protect.md").read_text()
     with pytest.raises(GSSError, match="already holds"):
         result.write(tmp_path / "out")
@@ -193,3 +196,23 @@ def test_protect_takes_replies_given_their_prompt(memorizer):
     assert result.before["memorized"] == 100.0 and result.chosen is not None
     assert result.after["memorized"] <= result.before["memorized"]
     assert result.examples and result.examples[0]["original"]
+
+
+def test_reference_text_is_seeded_and_needs_only_a_forward(memorizer):
+    from gss.protect import reference_text
+
+    _, reference, _, _ = memorizer
+
+    class ForwardOnly(torch.nn.Module):  # as gss.adapters_off(model): no generate()
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask)
+
+    starts = [[3], [5], [7]]
+    a = reference_text(reference, starts, length=6, seed=1, batch_size=2)
+    assert a == reference_text(ForwardOnly(reference), starts, length=6, seed=1, batch_size=2)
+    assert [r[:1] for r in a] == starts and all(len(r) == 7 for r in a)
+    assert a != reference_text(reference, starts, length=6, seed=2, batch_size=2)

@@ -48,7 +48,9 @@ from gss.evaluate._decode import greedy_generate
 from gss.evaluate.suite import EvaluationReport, evaluate_model
 from gss.evaluate.utility import perplexity, repetition
 from gss.hf.blocks import find_decoder_blocks
+from gss.hf.forward import forward_logits
 from gss.solve.thresholds import probe_responses, thresholds_from_responses
+from gss.statistics.capture import calibration_mode
 
 Utility = Callable[[nn.Module], float]
 
@@ -380,34 +382,19 @@ def reference_text(
     seed: int = 0,
     batch_size: int = 16,
 ) -> list[list[int]]:
-    """Text the reference generates (sampled at temperature 1) from each of ``starts``: general
-    text in the reference's own distribution, with no data to download."""
-    generate = getattr(reference, "generate", None)
-    if not callable(generate):
-        raise GSSError(
-            "the reference has no generate() to write general text with: pass general= "
-            "(a sample of the text the model will serve)."
-        )
+    """Text the reference writes (sampled at temperature 1, seeded) after each of ``starts``:
+    general text in the reference's own distribution, with no data to download. Any causal LM
+    forward will do (`gss.adapters_off(model)` included): no ``generate`` is needed."""
+    gen = torch.Generator().manual_seed(seed)
     out: list[list[int]] = []
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
-        device = next(reference.parameters()).device
+    with calibration_mode(reference), torch.no_grad():
         for i in range(0, len(starts), batch_size):
-            chunk = [list(s) for s in starts[i : i + batch_size]]
-            width = len(chunk[0])
-            if any(len(s) != width for s in chunk):
-                raise GSSError("reference_text needs starts of one length.")
-            ids = torch.tensor(chunk, device=device)
-            made = generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                top_k=0,
-                max_new_tokens=length,
-                min_new_tokens=length,
-                pad_token_id=0,
-            )
-            out += [[int(t) for t in row] for row in made.cpu()]
+            rows = torch.tensor([list(s) for s in starts[i : i + batch_size]])
+            for _ in range(length):
+                logits = forward_logits(reference, rows, torch.ones_like(rows))[:, -1]
+                probs = torch.softmax(logits.float().cpu(), -1)
+                rows = torch.cat([rows, torch.multinomial(probs, 1, generator=gen)], 1)
+            out += rows.tolist()
     return out
 
 
@@ -491,11 +478,10 @@ def protect(
     tune_candidates = [report.candidate(i) for i in tuning]  # measured on
 
     # general text: the user's sample and the reference's own, each split fit / measure
+    seen = [i for i in range(len(report.ids)) if i not in set(held)]  # never a held-out row
     starts = [
         report.ids[i][:1]
-        for i in random.Random(seed + 1).sample(
-            range(len(report.ids)), min(reference_rows, len(report.ids))
-        )
+        for i in random.Random(seed + 1).sample(seen, min(reference_rows, len(seen)))
     ]
     sources: dict[str, list[list[int]]] = {
         "reference-generated": reference_text(reference, starts, length=max(8, n - 1), seed=seed)
