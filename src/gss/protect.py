@@ -696,24 +696,18 @@ def _what_it_says(
     with steer.attach(model):
         steered = greedy_generate(model, prompts, width, pad_id=pad_id, batch_size=batch_size)
     own = greedy_generate(reference, prompts, width, pad_id=pad_id, batch_size=batch_size)
-    lengths = [len(p) for p in prompts]
+
+    def judged(replies: list[list[int]]) -> float:
+        """The replies' perplexity under the reference, given their prompts."""
+        rows = [p + r for p, r in zip(prompts, replies, strict=True)]
+        lengths = [len(p) for p in prompts]
+        return perplexity(reference, rows, pad_id, batch_size=batch_size, prompt_lengths=lengths)
+
     quality = {
         "repeated_4grams_steered": repetition(steered),
         "repeated_4grams_reference": repetition(own),
-        "reference_ppl_steered": perplexity(
-            reference,
-            [p + s for p, s in zip(prompts, steered, strict=True)],
-            pad_id,
-            batch_size=batch_size,
-            prompt_lengths=lengths,
-        ),
-        "reference_ppl_reference": perplexity(
-            reference,
-            [p + s for p, s in zip(prompts, own, strict=True)],
-            pad_id,
-            batch_size=batch_size,
-            prompt_lengths=lengths,
-        ),
+        "reference_ppl_steered": judged(steered),
+        "reference_ppl_reference": judged(own),
     }
 
     def text(ids: Sequence[int]) -> str:

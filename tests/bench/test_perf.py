@@ -40,7 +40,17 @@ def test_quick_perf_writes_results_table_and_figures(tmp_path, capsys):
     out = tmp_path / "perf"
     assert main(["--quick", "--out", str(out), "--no-progress"]) == 0
     results = json.loads((out / "results.json").read_text())
-    assert set(results["parts"]) == {"overhead", "calibration", "solve", "memory", "adapters"}
+    assert set(results["parts"]) == {
+        "overhead",
+        "calibration",
+        "solve",
+        "memory",
+        "adapters",
+        "audit",
+    }
+    (timed,) = results["parts"]["audit"]["models"]
+    assert timed["rows_per_second"] > 0 and timed["vs_two_forwards"]["median"] > 0
+    assert (out / "audit.png").stat().st_size > 1000 and "## Audit speed" in capsys.readouterr().out
     for key in ("cpu_count", "threads", "torch", "platform", "cpu", "cpu_capability"):
         assert results["machine"][key]
 

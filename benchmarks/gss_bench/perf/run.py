@@ -2,9 +2,10 @@
 
 Parts (``--only`` picks some): ``overhead`` (generate tokens/s steered vs unsteered),
 ``calibration`` (gss.calibrate vs the passes it cannot avoid, plus a profile), ``solve``
-(solve_probe_steer vs d and K, full vs truncated SVD) and ``memory`` (peak RSS of calibration
-vs corpus size, a fresh process per size). Writes ``results.json``, ``table.md``,
-``profile.txt`` and PNG figures under ``--out``. ``--device cuda --dtype bfloat16`` runs the
+(solve_probe_steer vs d and K, full vs truncated SVD), ``memory`` (peak RSS of calibration
+vs corpus size, a fresh process per size), ``adapters`` and ``audit`` (gss.audit rows/s vs
+the forward passes it reads). Writes ``results.json``, ``table.md``, ``profile.txt`` and PNG
+figures under ``--out``. ``--device cuda --dtype bfloat16`` runs the
 first three parts on a GPU in half precision (every timing synchronizes); memory is then
 skipped, as it measures host RSS of float32 CPU calibration. ``--model`` takes local model
 directories; one holding only a ``config.json`` gives that architecture with random weights.
@@ -23,10 +24,10 @@ import torch
 
 from gss import __version__
 from gss.report import machine_info, write_json
-from gss_bench.perf import adapters, calibration, figures, memory, overhead, scaling
+from gss_bench.perf import adapters, audit, calibration, figures, memory, overhead, scaling
 from gss_bench.perf.common import QUICK, Sizes, log
 
-PARTS = ("overhead", "calibration", "solve", "memory", "adapters")
+PARTS = ("overhead", "calibration", "solve", "memory", "adapters", "audit")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -185,6 +186,14 @@ def table(results: dict[str, Any]) -> str:
         ]
     if "memory" in parts:
         lines += ["## Calibration memory vs corpus size\n", memory.table(parts["memory"])]
+    if "audit" in parts:
+        lines += [
+            "## Audit speed (gss audit, (72, 32)-extraction)\n",
+            audit.table(parts["audit"]),
+            f"Goal: {parts['audit']['goal']}. Arms per round in a fresh seeded order: the audit, "
+            "the model's forward alone, and the model's and the reference's forwards over the "
+            "same rows and batches; ratios are per round (median, range).\n",
+        ]
     if "adapters" in parts:
         lines += [
             "## Calibrating an adapter (LoRA) fine-tune: base loaded again vs adapters_off\n",
@@ -244,6 +253,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sizes, max_full_d=args.max_full_d, progress=progress, device=device
             )
             figure_paths.append(figures.solve(result, out / "solve.png"))
+        elif part == "audit":
+            result = audit.run(
+                sizes,
+                model_paths=args.model,
+                repeats=args.repeats,
+                progress=progress,
+                quick=args.quick,
+            )
+            figure_paths.append(audit.figure(result, out / "audit.png"))
         elif reason := _memory_skip_reason(device, args.dtype):
             log(f"{part}: skipped, {reason}")
             result = {"skipped": reason}

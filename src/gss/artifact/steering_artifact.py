@@ -26,7 +26,7 @@ from gss.config import CalibrationConfig
 from gss.errors import GSSError, GSSWarning
 from gss.hf.blocks import find_decoder_blocks, residual_width, resolve_layer
 from gss.hf.forward import check_models, input_embedding_values, vocab_size
-from gss.steering.attach import SteerHandle, active_hooks, register
+from gss.steering.attach import SteerHandle, register, warn_if_steering
 from gss.steering.gated import GatedSteer
 
 if TYPE_CHECKING:
@@ -286,13 +286,7 @@ class SteeringArtifact:
         artifact = self.with_options(**options) if options else self
         artifact.check_model(model, strict=strict)
         _, block = resolve_layer(model, artifact.layer, artifact.config.block_path)
-        if any(getattr(hook, "origin", None) is self.probe for hook in active_hooks(block)):
-            warnings.warn(
-                "this artifact already steers this block (a gss.steer or attach not yet "
-                "removed): attaching it again applies the steer twice.",
-                GSSWarning,
-                stacklevel=2,
-            )
+        warn_if_steering(block, self.probe, "attaching it again")
         hook = artifact.make_hook(track_gates=track_gates)
         hook.origin = self.probe  # kept alive by the hook, so `is` cannot match another
         return register(block, hook, model)

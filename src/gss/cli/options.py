@@ -53,6 +53,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_out_args(p: argparse.ArgumentParser, what: str, required: bool = False) -> None:
+    """``--out`` (``what`` it holds) and ``--overwrite``: results are never replaced unasked."""
+    p.add_argument("--out", required=required, help=what)
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace what an earlier run wrote in --out"
+    )
+
+
 def add_reference_arg(p: argparse.ArgumentParser) -> None:
     """The reference model (`gss.hf.loading.load_reference`)."""
     p.add_argument(

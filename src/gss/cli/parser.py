@@ -17,6 +17,7 @@ from gss.cli.options import (
     add_batch_args,
     add_config_args,
     add_model_args,
+    add_out_args,
     add_preset_arg,
     add_reference_arg,
     add_window_args,
@@ -56,10 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate_fields = [n for n in field_names() if n != "max_length"]  # --max-length: below
     add_config_args(p, calibrate_fields, required=("layer",))
     add_batch_args(p)
-    p.add_argument("--out", required=True, help="directory for the artifact")
-    p.add_argument(
-        "--overwrite", action="store_true", help="replace what an earlier run wrote in --out"
-    )
+    add_out_args(p, "directory for the artifact", required=True)
     p.set_defaults(func=commands._cmd_calibrate)
 
     p = add("show", "what a steering artifact steers, how it was calibrated, its gates")
@@ -99,10 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help=DATA_HELP)
     add_batch_args(p)
     p.add_argument("--normal-data", help="normal text: its omega beside --data's in the figure")
-    p.add_argument("--out", help="directory for signal.json (and signal.png with --plot)")
-    p.add_argument(
-        "--overwrite", action="store_true", help="replace what an earlier run wrote in --out"
-    )
+    add_out_args(p, "directory for signal.json (and signal.png with --plot)")
     p.add_argument("--plot", action="store_true", help="write the omega / burst histograms")
     p.set_defaults(func=commands._cmd_signal)
 
@@ -114,10 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout", required=True, help="held-out text for perplexity")
     add_window_args(p)
     add_batch_args(p, batch_size=16, length_help="held-out tokens per row")
-    p.add_argument("--out", help="directory for evaluation.json and evaluation.md")
-    p.add_argument(
-        "--overwrite", action="store_true", help="replace what an earlier run wrote in --out"
-    )
+    add_out_args(p, "directory for evaluation.json and evaluation.md")
     p.set_defaults(func=commands._cmd_evaluate)
 
     p = add("sweep", "memorization vs perplexity over delta/threshold/rank")
@@ -160,10 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_preset_arg(p)
     add_config_args(p, SCAN_FIELDS)
     add_batch_args(p)
-    p.add_argument("--out", help="directory for layers.json and layers.png")
-    p.add_argument(
-        "--overwrite", action="store_true", help="replace what an earlier run wrote in --out"
-    )
+    add_out_args(p, "directory for layers.json and layers.png")
     p.set_defaults(func=commands._cmd_layers)
 
     p = add("audit", "which training rows the model reproduces verbatim, ranked")
@@ -172,13 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help=f"the fine-tuning rows: {DATA_HELP}")
     add_window_args(p)
     p.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass")
-    p.add_argument(
-        "--out",
-        required=True,
-        help="directory for audit.jsonl, audit.md and extractable.jsonl (for --memorized)",
-    )
-    p.add_argument(
-        "--overwrite", action="store_true", help="replace what an earlier run wrote in --out"
+    add_out_args(
+        p, "directory for audit.jsonl, audit.md, audit.png and extractable.jsonl", required=True
     )
     p.set_defaults(func=commands._cmd_audit)
 
@@ -211,13 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-blocks", type=positive_int, default=2, help="blocks steered at most")
     p.add_argument("--seed", type=int, default=0, help="the tuning / held-out split")
     p.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass")
-    p.add_argument(
-        "--out",
-        required=True,
-        help="directory for steer/ (the artifact), protect.json, protect.md and figures",
-    )
-    p.add_argument(
-        "--overwrite", action="store_true", help="replace what an earlier run wrote in --out"
+    add_out_args(
+        p, "directory for steer/ (the artifact), protect.json, protect.md and figures", True
     )
     p.set_defaults(func=commands._cmd_protect)
 

@@ -9,12 +9,13 @@ the block returned.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
 
-from gss.errors import GSSError
+from gss.errors import GSSError, GSSWarning
 from gss.steering.compiled import refuse_if_compiled
 
 
@@ -150,6 +151,18 @@ def register(
     if not isinstance(last, SteeredForward) or last.hook is _unchanged:
         block.__dict__[_LAST_WRAPPER] = wrapper  # not nn.Module's setattr: no submodule
     return SteerHandle(hook, wrapper)
+
+
+def warn_if_steering(block: nn.Module, origin: object, doing: str) -> None:
+    """Warn when the steer whose hooks carry ``origin`` already steers ``block``: ``doing``
+    it again would apply the steer twice."""
+    if any(getattr(hook, "origin", None) is origin for hook in active_hooks(block)):
+        warnings.warn(
+            "this artifact already steers this block (a gss.steer or attach not yet removed): "
+            f"{doing} applies the steer twice.",
+            GSSWarning,
+            stacklevel=3,
+        )
 
 
 def active_hooks(block: nn.Module) -> list[Any]:

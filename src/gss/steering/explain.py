@@ -18,7 +18,6 @@ never read by the model, so it has no evidence of its own.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,10 +26,10 @@ import torch
 from torch import Tensor, nn
 
 from gss.artifact.steering_artifact import SteeringArtifact
-from gss.errors import GSSError, GSSWarning
+from gss.errors import GSSError
 from gss.hf.blocks import resolve_layer
 from gss.hf.forward import check_sequences, model_device
-from gss.steering.attach import SteerHandle, active_hooks, register, split_block_output
+from gss.steering.attach import SteerHandle, register, split_block_output, warn_if_steering
 from gss.steering.gated import GatedSteer
 
 __all__ = ["BlockEvidence", "Explanation", "TokenEvidence", "combined_gate_stats", "explain"]
@@ -397,13 +396,7 @@ def explain(
         for original, member in zip(members, configured, strict=True):
             member.check_model(model, strict=strict)
             _, block = resolve_layer(model, member.layer, member.config.block_path)
-            if any(getattr(h, "origin", None) is original.probe for h in active_hooks(block)):
-                warnings.warn(
-                    "this artifact already steers this block (a gss.steer or attach not yet "
-                    "removed): explaining it applies the steer twice.",
-                    GSSWarning,
-                    stacklevel=2,
-                )
+            warn_if_steering(block, original.probe, "explaining it")
             steer = member.make_hook(track_gates=True)
             steer.origin = original.probe
             recorder = _Recorder(steer)
