@@ -349,6 +349,7 @@ def _candidate_blocks(
     model: nn.Module,
     reference: nn.Module,
     rows: list[list[int]],
+    general: list[list[int]],
     space: SearchSpace,
     batch_size: int,
 ) -> list[int]:
@@ -364,8 +365,11 @@ def _candidate_blocks(
         return list(range(count))
     from gss.layer_scan import scan_layers
 
-    scan = scan_layers(model, reference, rows, "gss-tr", batch_size=batch_size, progress=False)
-    ranked = sorted(scan.strengths, key=lambda b: -scan.strengths[b])
+    scan = scan_layers(
+        model, reference, rows, "gss-tr", gen_texts=general, batch_size=batch_size, progress=False
+    )
+    frozen = set(scan.unchanged)  # blocks whose output equals the reference's: not the strongest
+    ranked = sorted(set(scan.strengths) - frozen, key=lambda b: -scan.strengths[b])
     strongest = ranked[: space.max_candidates // 2]
     spaced = [
         round(i * (count - 1) / (space.max_candidates // 2))
@@ -519,7 +523,7 @@ def protect(
         batch_size=batch_size,
         bar=bar,
     )
-    candidates = _candidate_blocks(model, reference, tune_rows, space, batch_size)
+    candidates = _candidate_blocks(model, reference, tune_rows, fit, space, batch_size)
 
     def calibrated(preset: str, layer: int, rank: int) -> SteeringArtifact | None:
         try:
