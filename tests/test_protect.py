@@ -118,6 +118,7 @@ def test_protect_refuses_bad_options(memorizer):
         ({"search": SearchSpace(presets=("nope",))}, "presets must be among"),
         ({"search": SearchSpace(delta_range=(1.0, 0.1))}, "delta_range"),
         ({"search": SearchSpace(gate_share=1.0)}, "gate_share"),
+        ({"search": SearchSpace(prefer="speed")}, "prefer must be"),  # type: ignore[arg-type]
     ]:
         with pytest.raises(GSSError, match=message):
             protect(model, reference, rows, progress=False, **kwargs)

@@ -68,6 +68,8 @@ class SearchSpace:
     steps: int = 7  # bisection steps on log10(delta): 5 decades / 2^7 = a factor of 1.09
     max_blocks: int = 2
     gate_share: float = 0.05  # thresholds: any gate opens on this share of general tokens
+    # among points equal on the target: "margin" (fewest tokens still reproduced) or "utility"
+    prefer: Literal["margin", "utility"] = "margin"
 
     def check(self) -> None:
         unknown = [p for p in self.presets if p not in PRESETS]
@@ -82,6 +84,8 @@ class SearchSpace:
             raise GSSError(f"delta_range must be two finite numbers 0 < lo < hi, got {lo, hi}.")
         if self.steps < 1 or self.max_blocks < 1 or self.max_candidates < 1:
             raise GSSError("steps, max_blocks and max_candidates must be >= 1.")
+        if self.prefer not in ("margin", "utility"):
+            raise GSSError(f"prefer must be 'margin' or 'utility', got {self.prefer!r}.")
         if not 0 < self.gate_share < 1:
             raise GSSError(f"gate_share must be in (0, 1), got {self.gate_share}.")
 
@@ -247,7 +251,9 @@ class _Judge:
         pad_id: int,
         batch_size: int,
         bar: Any,
+        prefer: str = "margin",
     ) -> None:
+        self.prefer = prefer
         self.model, self.rows, self.utility, self.limit = model, rows, utility, limit
         self.k, self.n, self.pad_id, self.batch_size, self.bar = k, n, pad_id, batch_size, bar
         self.trials: list[Trial] = []
@@ -286,15 +292,16 @@ class _Judge:
             self.bar.set_postfix_str(f"best {best.memorized:.1f}% extractable", refresh=False)
         return trial
 
-    @staticmethod
-    def best(trials: Sequence[Trial], target: float = 0.0) -> Trial | None:
+    def best(self, trials: Sequence[Trial], target: float = 0.0) -> Trial | None:
         """Within the budget: reaching the target first (else the lowest % extractable), then
-        the fewest tokens still reproduced, then the least utility cost. The token share
-        breaks the tie between points that all reach the target on the tuning rows toward the
-        one with the widest margin, the one likeliest to hold on rows it was not tuned on."""
+        by `SearchSpace.prefer`: ``"margin"``, the fewest tokens still reproduced, then the
+        least utility cost (the point likeliest to hold on rows it was not tuned on); or
+        ``"utility"``, the least utility cost, then the fewest tokens reproduced."""
         ok = [t for t in trials if t.within_budget]
         if not ok:
             return None
+        if self.prefer == "utility":
+            return min(ok, key=lambda t: (max(t.memorized - target, 0.0), t.utility, t.token_match))
         return min(ok, key=lambda t: (max(t.memorized - target, 0.0), t.token_match, t.utility))
 
 
@@ -522,6 +529,7 @@ def protect(
         pad_id=pad_id,
         batch_size=batch_size,
         bar=bar,
+        prefer=space.prefer,
     )
     candidates = _candidate_blocks(model, reference, tune_rows, fit, space, batch_size)
 
