@@ -95,6 +95,20 @@ def test_readme_prose_quotes_the_committed_results():
     assert f"`gss.calibrate` takes {ratio:.2f}x the forward and backward passes" in text
 
 
+def test_readme_protect_numbers_are_the_committed_results():
+    text = " ".join(README.read_text().split())
+    runs = json.loads((RESULTS / "tinymem-protect" / "results.json").read_text())["runs"]
+    (noise,) = [r for r in runs if r["setting"] == "math_noise" and r["seed"] == 0]
+    held = noise["methods"]["GSS protect"]["heldout_rows"]["by_method"]
+    assert f"{held['GSS protect']:.1f}% of those rows stay memorized" in text
+    assert f"against {held['GSS-TR']:.1f}% for GSS-TR" in text
+    canaries = json.loads((RESULTS / "canaries-protect" / "results.json").read_text())
+    after = canaries["protect"]["heldout_canaries"]["after"]
+    ppl = canaries["methods"]["GSS protect"]["selected"]["perplexity"]
+    change = 100 * (ppl / canaries["unmitigated"]["perplexity"] - 1)
+    assert f"say {after:.1f}% of their secrets at {change:+.1f}% perplexity" in text
+
+
 # Placeholders the README writes for typed values, and a value of that type for the parser.
 PLACEHOLDERS = {"L": "1", "K": "4", "D": "1.0", "N": "2"}
 
