@@ -392,14 +392,16 @@ def reference_text(
     length: int = 48,
     seed: int = 0,
     batch_size: int = 16,
+    progress: bool = False,
 ) -> list[list[int]]:
     """Text the reference writes (sampled at temperature 1, seeded) after each of ``starts``:
     general text in the reference's own distribution, with no data to download. Any causal LM
     forward will do (`gss.adapters_off(model)` included): no ``generate`` is needed."""
     gen = torch.Generator().manual_seed(seed)
     out: list[list[int]] = []
+    chunks = range(0, len(starts), batch_size)
     with calibration_mode(reference), torch.no_grad():
-        for i in range(0, len(starts), batch_size):
+        for i in tqdm(chunks, desc="gss: the reference's text", disable=not progress, leave=False):
             rows = torch.tensor([list(s) for s in starts[i : i + batch_size]])
             for _ in range(length):
                 logits = forward_logits(reference, rows, torch.ones_like(rows))[:, -1]
@@ -495,7 +497,9 @@ def protect(
         for i in random.Random(seed + 1).sample(seen, min(reference_rows, len(seen)))
     ]
     sources: dict[str, list[list[int]]] = {
-        "reference-generated": reference_text(reference, starts, length=max(8, n - 1), seed=seed)
+        "reference-generated": reference_text(
+            reference, starts, length=max(8, n - 1), seed=seed, progress=progress
+        )
     }
     if general is not None:
         sources = {"general (given)": encode(general, tokenizer, None), **sources}
