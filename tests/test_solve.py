@@ -149,3 +149,17 @@ def test_bad_solver_options_get_clear_errors(options, message):
     M, sigma = _problem()
     with pytest.raises(GSSError, match=message):
         solve_probe_steer(M, sigma, 2, **options)
+
+
+def test_relu_thresholds_are_never_negative():
+    """The one-sided gate's percentile of mostly negative responses is floored at 0, not a
+    negative level that would open the gate on negative responses (and fail the artifact's
+    check)."""
+    from gss.solve.thresholds import thresholds_from_responses
+
+    responses = torch.stack([-torch.rand(200) - 1.0, torch.randn(200)], 1)
+    eps, info = thresholds_from_responses(responses, "relu", 95.0)
+    assert eps[0] == 0.0 and eps[1] > 0
+    assert info["open_share"]["per_direction"][0] == 0.0  # no response passes 0
+    eps, _ = thresholds_from_responses(responses, "relu", None, gate_share=0.05)
+    assert bool((eps >= 0).all())

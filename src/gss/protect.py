@@ -557,7 +557,15 @@ def protect(
             return None
 
     def explore(art: SteeringArtifact, stage: str, preset: str) -> None:
-        art = _gated(model, art, fit, space.gate_share, batch_size)
+        try:
+            art = _gated(model, art, fit, space.gate_share, batch_size)
+        except GSSError as e:  # thresholds this gate cannot have here: the others are searched
+            warnings.warn(
+                f"protect: skipped block {art.layer}, {art.config.gate} gate ({preset}): {e}",
+                GSSWarning,
+                stacklevel=3,
+            )
+            return
         _strength_search(judge, lambda d: art.with_options(delta=d), space, stage, preset)
 
     # stage 1: every (preset, candidate block) at the first rank

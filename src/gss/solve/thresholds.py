@@ -66,7 +66,9 @@ def thresholds_from_responses(
     values = values.double()
 
     def at(level: float) -> Tensor:
-        return torch.quantile(values, level, dim=0)
+        # the one-sided gate opens on s > eps: a direction whose responses are mostly negative
+        # would put its percentile below 0 and open on negative responses; 0 is its floor
+        return torch.quantile(values, level, dim=0).clamp(min=0.0)
 
     def union_share(eps: Tensor) -> float:
         return float((values > eps).any(-1).double().mean())
