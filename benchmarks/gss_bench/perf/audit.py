@@ -79,9 +79,10 @@ def measure(
 
 
 def run(
-    sizes: Sizes, model_paths: list[str] | None, repeats: int, progress: bool, quick: bool
+    sizes: Sizes, model_paths: list[str] | None, repeats: int | None, progress: bool, quick: bool
 ) -> dict[str, Any]:
     rows, batch_size = (16, 4) if quick else (256, 8)
+    repeats = repeats or sizes.solve_repeats  # whole passes over the rows: a few rounds do
     results = []
     if model_paths:
         for path in model_paths:
