@@ -159,11 +159,12 @@ def test_protect_adds_a_block_when_one_is_not_enough(memorizer):
 
 def test_protect_command(memorizer, tmp_path, capsys):
     pytest.importorskip("transformers")
-    from .test_cli import _tokenizer  # noqa: F401  (the CLI needs saved models)
+    from .test_cli import WORDS, _tokenizer
 
     model, reference, planted, general = memorizer
-    model.save_pretrained(tmp_path / "model")
-    reference.save_pretrained(tmp_path / "ref")
+    for name, m in (("model", model), ("ref", reference)):
+        m.save_pretrained(tmp_path / name)
+        _tokenizer(WORDS[:24]).save_pretrained(tmp_path / name)  # the memorizer's 24 ids
     rows = torch.cat([planted, general[:20]]).tolist()
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
     (tmp_path / "general.jsonl").write_text(
