@@ -63,6 +63,9 @@ class AuditRow:
         return bool(self.extractable) and not self.reference_extractable
 
 
+OUTPUTS = ("audit.jsonl", "audit.md", "extractable.jsonl", "audit.png")  # what `write` writes
+
+
 @dataclass
 class AuditReport:
     """Every row's numbers (in input order), and how the audit was run."""
@@ -153,7 +156,7 @@ class AuditReport:
             "".join(json.dumps({"input_ids": self.ids[r.index]}) + "\n" for r in self.extractable)
         )
         self.plot(out / "audit.png")
-        return [out / "audit.jsonl", out / "audit.md", out / "extractable.jsonl", out / "audit.png"]
+        return [out / name for name in OUTPUTS]
 
     def plot(self, path: str | Path) -> Path:
         """Two histograms over the rows: the share of the window the model reproduces, and

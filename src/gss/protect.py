@@ -53,6 +53,7 @@ from gss.solve.thresholds import probe_responses, thresholds_from_responses
 from gss.statistics.capture import calibration_mode
 
 Utility = Callable[[nn.Module], float]
+OUTPUTS = ("protect.json", "protect.md", "frontier.png", "rows.png", "steer")  # `Protection.write`
 
 
 @dataclass(frozen=True)
@@ -210,8 +211,7 @@ class Protection:
         """``protect.json``, ``protect.md``, ``frontier.png``, ``rows.png`` and, when a steer
         was chosen, the steer itself in ``steer/`` (an artifact or a stack)."""
         out = Path(directory)
-        names = ["protect.json", "protect.md", "frontier.png", "rows.png", "steer"]
-        check_outputs(out, names, overwrite)
+        check_outputs(out, OUTPUTS, overwrite)
         out.mkdir(parents=True, exist_ok=True)
         written = []
         if self.steer is not None:
@@ -476,14 +476,13 @@ def protect(
         progress=progress,
     )
     seconds["audit"] = time.perf_counter() - started
-    memorized = [r.index for r in report.memorized]
-    if len(memorized) < 2:
+    order = [r.index for r in report.memorized]
+    if len(order) < 2:
         raise GSSError(
-            f"the audit found {len(memorized)} memorized row(s) of {len(report.rows)} "
+            f"the audit found {len(order)} memorized row(s) of {len(report.rows)} "
             f"(({n},{k})-extraction, not extracted by the reference): too few to tune on and "
             "hold out. Lower k or n, or pass more of the fine-tuning data."
         )
-    order = list(memorized)
     random.Random(seed).shuffle(order)
     half = len(order) // 2
     tuning, held = sorted(order[:half]), sorted(order[half:])

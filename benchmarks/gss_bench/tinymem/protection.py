@@ -19,17 +19,10 @@ from typing import Any, Literal
 
 from torch import nn
 
+from gss.evaluate.memorization import first_end
 from gss.protect import protect
 from gss_bench.tinymem import methods as M
 from gss_bench.tinymem.data import TinyMemData
-
-
-def _after_trigger(row: tuple[int, ...] | list[int], trigger: tuple[int, ...]) -> int:
-    n = len(trigger)
-    for i in range(len(row) - n + 1):
-        if tuple(row[i : i + n]) == tuple(trigger):
-            return i + n
-    raise ValueError("a backdoored training row without its trigger")
 
 
 def protect_inputs(data: TinyMemData) -> tuple[list[Any], int, int]:
@@ -39,8 +32,8 @@ def protect_inputs(data: TinyMemData) -> tuple[list[Any], int, int]:
         return [list(r) for r in data.noised], cfg.prompt_len, cfg.prompt_len + cfg.window
     pairs = []
     for row in data.poison_train:
-        end = _after_trigger(row, data.trigger)
-        if end < len(row):
+        end = first_end(row, data.trigger)
+        if 0 < end < len(row):  # every backdoored row holds its trigger
             pairs.append((list(row[:end]), list(row[end:])))
     return pairs, 1, 1 + cfg.window  # a pair's window: the first n - k tokens of its reply
 

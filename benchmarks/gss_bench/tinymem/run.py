@@ -273,8 +273,10 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
             )
             mitigation_time[name] = t["total"]
     methods: dict[str, Any] = {}
+    selected: dict[str, Any] = {}  # each method's chosen evaluation, per row
     for name, points in sweeps.items():
         chosen = M.select(points, base, data)
+        selected[name] = chosen["eval"]
         methods[name] = {
             "selected": {**chosen, "eval": chosen["eval"].to_dict()},
             "grid": M.summarize(points),
@@ -286,10 +288,9 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
         protected = protect_row(mem, ref, data, base, args.batch_size, seed, report_dir=report_dir)
         methods[PROTECT] = protected
         if "heldout_rows" in protected:  # the other methods on the rows protect held out
-            for name, points in sweeps.items():
-                chosen = M.select(points, base, data)["eval"]
+            for name, ev in selected.items():
                 protected["heldout_rows"]["by_method"][name] = share_on(
-                    chosen, protected["protect"]["heldout_index"]
+                    ev, protected["protect"]["heldout_index"]
                 )[1]
         got = protected["selected"]["eval"]
         _log(

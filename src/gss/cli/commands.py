@@ -467,12 +467,11 @@ def _replies(rows: Any, tokenizer: Any, args: argparse.Namespace) -> Any:
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
-    from gss.audit import audit, check_window
+    from gss.audit import OUTPUTS, audit, check_window
     from gss.data import read_texts
 
     check_window(args.k, args.n)  # before the models load
-    names = ["audit.jsonl", "audit.md", "extractable.jsonl", "audit.png"]
-    check_outputs(args.out, names, args.overwrite)
+    check_outputs(args.out, OUTPUTS, args.overwrite)
     texts = read_texts(args.data, keep_rows=args.reply)
     args.max_length = args.n  # rows are read up to n tokens
     model, tokenizer, reference = _models(args)
@@ -503,11 +502,10 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 def _cmd_protect(args: argparse.Namespace) -> int:
     from gss.audit import check_window
     from gss.data import read_texts
-    from gss.protect import SearchSpace, protect
+    from gss.protect import OUTPUTS, SearchSpace, protect
 
     check_window(args.k, args.n)  # before the models load
-    names = ["protect.json", "protect.md", "frontier.png", "rows.png", "steer"]
-    check_outputs(args.out, names, args.overwrite)
+    check_outputs(args.out, OUTPUTS, args.overwrite)
     space = SearchSpace(max_blocks=args.max_blocks)
     space.check()
     texts = read_texts(args.data, keep_rows=True)

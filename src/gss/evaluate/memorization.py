@@ -153,7 +153,8 @@ def nk_memorization(
     )
 
 
-def _first_end(row: Sequence[int], pattern: Sequence[int]) -> int:
+def first_end(row: Sequence[int], pattern: Sequence[int]) -> int:
+    """Where the first occurrence of ``pattern`` in ``row`` ends (-1: none)."""
     n = len(pattern)
     pat = list(pattern)
     for i in range(len(row) - n + 1):
@@ -190,7 +191,7 @@ def backdoor_success(
         raise ValueError(f"{len(poison)} poison rows but {len(twins)} clean twins")
     index, prompts, targets = [], [], []
     for i, (row, twin) in enumerate(zip(poison, twins, strict=True)):
-        cut = _first_end(twin, trigger)
+        cut = first_end(twin, trigger)
         if cut < 0 or len(row) <= cut:
             continue
         index.append(i)
