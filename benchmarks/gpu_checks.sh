@@ -21,7 +21,7 @@ shift
 out=${OUT:-gpu-out}/$stage
 perf_out=${PERF_OUT:-$out/perf-cuda}
 mkdir -p "$out"
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" || true
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" \
     >> "$out/gpu.txt"
@@ -34,7 +34,8 @@ overhead() {  # the overhead part of gss bench perf: the tiny model, the 135M sh
 case $stage in
     tests)
         python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_map.py \
-            tests/test_compile.py tests/test_hook.py tests/test_steer_paths.py 2>&1 | tee "$out/tests.log"
+            tests/test_compile.py tests/test_hook.py tests/test_steer_paths.py \
+            tests/test_stack.py tests/test_protect.py tests/test_explain.py 2>&1 | tee "$out/tests.log"
         ;;
     overhead)
         [ $# -gt 0 ] || set -- --model benchmarks/configs/llama-2-7b --repeats 9

@@ -266,3 +266,30 @@ def test_generate_explain_prints_the_same_text_and_writes_one_row_per_token(cli_
     printed = capsys.readouterr().out
     assert "explained:" not in printed
     assert len(out.read_text().splitlines()) == (3 + 2) + (2 + 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (benchmarks/gpu_checks.sh)")
+def test_explain_on_cuda(steered):
+    """On a GPU, explain records the generation the steer gives there, position by position."""
+    model, art = steered[0], steered[1]
+    gpu = copy.deepcopy(model).cuda()
+    prompt = random_ids(1, 6, seed=4)[0].tolist()
+    got = gss.explain(gpu, art, prompt, max_new_tokens=NEW)
+    want = gss.explain(model, art, prompt, max_new_tokens=NEW)
+    assert list(got.generated_ids) == _plain_on(gpu, art, prompt)
+    assert len(got.tokens) == len(want.tokens)
+    for a, b in zip(got.tokens[: len(prompt)], want.tokens[: len(prompt)], strict=True):
+        assert a.blocks[0].responses == pytest.approx(b.blocks[0].responses, abs=1e-3)
+
+
+def _plain_on(model, art, prompt):
+    ids = torch.tensor([prompt], device="cuda")
+    with art.attach(model), torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, ids.shape[1] :].tolist()

@@ -78,6 +78,16 @@ def test_protect_reaches_the_target_within_the_budget(protected):
     assert len(result.tuning) + len(result.heldout) == len(result.audit.memorized)
 
 
+def test_protect_says_where_the_gates_open_on_memorized_rows(protected):
+    result, _, _ = protected
+    where = result.gates["memorized_rows"]
+    assert len(where["per_row"]) == len(result.heldout)
+    assert where["window"] == pytest.approx(sum(where["per_row"]) / len(where["per_row"]))
+    assert where["window"] > 0  # the steer that removed rows opened on their windows
+    assert 0.0 <= where["prompt"] <= 1.0
+    assert "of the positions that choose the memorized tokens" in result.markdown()
+
+
 def test_protect_never_reads_the_heldout_rows_while_choosing(protected):
     result, seen, texts = protected
     assert seen  # the search did run the model
@@ -218,3 +228,22 @@ def test_reference_text_is_seeded_and_needs_only_a_forward(memorizer):
     assert a == reference_text(ForwardOnly(reference), starts, length=6, seed=1, batch_size=2)
     assert [r[:1] for r in a] == starts and all(len(r) == 7 for r in a)
     assert a != reference_text(reference, starts, length=6, seed=2, batch_size=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (benchmarks/gpu_checks.sh)")
+def test_protect_on_cuda(memorizer, tmp_path):
+    """protect runs where the models are: the search, the report and the saved steer on a GPU."""
+    import copy
+
+    model, reference, planted, general = (copy.deepcopy(m) for m in memorizer)
+    model, reference = model.cuda(), reference.cuda()
+    texts = torch.cat([planted, general[:20]]).tolist()
+    result = protect(
+        model, reference, texts, general=general[20:80].tolist(), k=4, n=16, progress=False
+    )
+    assert result.chosen is not None and result.chosen.within_budget
+    assert result.before["memorized"] == 100.0 and result.after["memorized"] < 100.0
+    result.write(tmp_path / "out")
+    rows = [result.audit.ids[i] for i in result.heldout]
+    with gss.steer(model, gss.load(tmp_path / "out" / "steer")):
+        assert protect_module._extractable(model, rows, 4, 16, 0, 8) == result.after["memorized"]

@@ -121,3 +121,28 @@ def test_a_failing_member_leaves_nothing_attached(stacked):
     with pytest.raises(GSSError, match="calibrated for another model"):
         mixed.attach(model)
     assert torch.equal(_logits(model, ids), plain)  # the first member came off again
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (benchmarks/gpu_checks.sh)")
+def test_stack_on_cuda(stacked):
+    """The stack on a GPU: its members move with the model, come off exactly, and a KV-cached
+    decode gives the logits of the full forward."""
+    import copy
+
+    cpu_model, stack = stacked
+    model = copy.deepcopy(cpu_model).cuda()
+    ids = random_ids(2, 12, seed=9).cuda()
+    plain = _logits(model, ids)
+    with gss.steer(model, stack):
+        full = _logits(model, ids)
+        with torch.no_grad():
+            out = model(input_ids=ids[:, :8], use_cache=True)
+            past, steps = out.past_key_values, [out.logits[:, -1]]
+            for t in range(8, 11):
+                out = model(input_ids=ids[:, t : t + 1], past_key_values=past, use_cache=True)
+                past, steps = out.past_key_values, [*steps, out.logits[:, -1]]
+        assert torch.allclose(torch.stack(steps, 1), full[:, 7:11], atol=1e-4)
+    assert not torch.allclose(full, plain)
+    assert torch.equal(_logits(model, ids), plain)
+    with gss.steer(cpu_model, stack):  # the same steer as on the CPU, to float32 rounding
+        assert torch.allclose(_logits(cpu_model, ids.cpu()), full.cpu(), atol=1e-4)

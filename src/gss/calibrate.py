@@ -23,7 +23,8 @@ from gss.data import TextsOrIds
 from gss.errors import GSSError
 from gss.hf.blocks import resolve_layer
 from gss.solve import soundness
-from gss.solve.thresholds import ThresholdSample, thresholds_from_responses
+from gss.solve.condition import condition_direction
+from gss.solve.thresholds import ThresholdSample, gate_levels
 from gss.solve.whitened import solve_probe_steer
 from gss.statistics.capture import calibration_mode, layer_activations
 from gss.statistics.collect import (
@@ -136,14 +137,21 @@ def _build(
     device = sigma.device
     mean = sigma_acc.mean.float()
     offset = probe.to(device) @ mean if centering == "full" else torch.zeros(rank, device=device)
+    condition = None
+    if cfg.gate == "discriminant":  # read beside the probes: one column more to sample
+        condition = condition_direction(sigma_acc.covariance, stats.memorized_mean.mean, mean)
+        condition = distributed.broadcast_tensors(condition)[0].to(device)
+    readers = (
+        probe.to(device) if condition is None else torch.cat([probe.to(device), condition[None]])
+    )
+    shift = offset if condition is None else torch.cat([offset, offset.new_zeros(1)])
     timings["solve"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     reservoir = ThresholdSample(cfg.max_threshold_samples, torch.Generator().manual_seed(seed))
-    probe_dev = probe.to(device)
     kept = stats.general_sample
     if kept is not None:  # every general token's hidden state: no second pass needed
-        reservoir.add(torch.cat([part.to(device) @ probe_dev.T for part in kept]) - offset)
+        reservoir.add(torch.cat([part.to(device) @ readers.T for part in kept]) - shift)
     with calibration_mode(model):
         for batch, mask in tqdm(
             () if kept is not None else stats.general_batches(),
@@ -154,11 +162,11 @@ def _build(
         ):
             hidden = layer_activations(model, block, batch)
             rows = hidden[:, :-1][mask.to(hidden.device)].float().to(device)
-            reservoir.add(rows @ probe_dev.T - offset)
-    local = reservoir.rows if reservoir.rows is not None else torch.zeros(0, rank)
+            reservoir.add(rows @ readers.T - shift)
+    local = reservoir.rows if reservoir.rows is not None else torch.zeros(0, readers.shape[0])
     samples = distributed.gather_rows(local)
-    thresholds, info = thresholds_from_responses(
-        samples, cfg.gate, cfg.threshold_percentile, cfg.gate_share
+    thresholds, level, info = gate_levels(
+        samples, rank, cfg.gate, condition is not None, cfg.threshold_percentile, cfg.gate_share
     )
     timings["thresholds"] = time.perf_counter() - t0
     timings["total"] = sum(timings[k] for k in ("signal", "statistics", "solve", "thresholds"))
@@ -190,6 +198,8 @@ def _build(
         singular_values=singular_values.cpu(),
         config=cfg,
         provenance=provenance,
+        condition=None if condition is None else condition.float().cpu(),
+        condition_threshold=level,
     )
 
 

@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 
 from gss.errors import GSSError
 
-Gate = Literal["hard", "relu", "none"]
+Gate = Literal["hard", "relu", "none", "discriminant"]
 Coefficient = Literal["projection", "ridge", "paper-constant"]
 Centering = Literal["covariance", "full", "none"]
 Target = Literal["loglik", "toward-reference"]
@@ -86,7 +86,10 @@ class CalibrationConfig:
     gate: Gate = field(
         default="hard",
         metadata=_about(
-            "hard: |s| > eps (main text); relu: one-sided (appendix); none: ungated", GATES
+            "hard: |s| > eps (main text); relu: one-sided (appendix); none: ungated; "
+            "discriminant: every direction opens where one condition direction (memorized vs "
+            "general tokens' discriminant) passes its threshold",
+            GATES,
         ),
     )
     coefficient: Coefficient = field(

@@ -41,7 +41,7 @@ from gss.artifact.stack import Steer, SteeringStack
 from gss.artifact.steering_artifact import SteeringArtifact
 from gss.audit import AuditReport, audit, check_window
 from gss.calibrate import calibrate
-from gss.config import PRESETS
+from gss.config import GATES, PRESETS
 from gss.data import TextsOrIds, encode
 from gss.errors import GSSError, GSSWarning
 from gss.evaluate._decode import greedy_generate
@@ -49,8 +49,9 @@ from gss.evaluate.suite import EvaluationReport, evaluate_model
 from gss.evaluate.utility import perplexity, repetition
 from gss.hf.blocks import find_decoder_blocks
 from gss.hf.forward import forward_logits
-from gss.solve.thresholds import probe_responses, thresholds_from_responses
+from gss.solve.thresholds import probe_responses, with_gates_set
 from gss.statistics.capture import calibration_mode
+from gss.steering.explain import explain
 
 Utility = Callable[[nn.Module], float]
 OUTPUTS = ("protect.json", "protect.md", "frontier.png", "rows.png", "steer")  # `Protection.write`
@@ -78,8 +79,8 @@ class SearchSpace:
             raise GSSError(f"presets must be among {sorted(PRESETS)}, got {self.presets}.")
         if not self.ranks or any(not isinstance(r, int) or r < 1 for r in self.ranks):
             raise GSSError(f"ranks must be integers >= 1, got {self.ranks}.")
-        if not self.gates or any(g not in ("hard", "relu", "none") for g in self.gates):
-            raise GSSError(f"gates must be among 'hard', 'relu', 'none', got {self.gates}.")
+        if not self.gates or any(g not in GATES for g in self.gates):
+            raise GSSError(f"gates must be among {GATES}, got {self.gates}.")
         lo, hi = self.delta_range
         if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo < hi):
             raise GSSError(f"delta_range must be two finite numbers 0 < lo < hi, got {lo, hi}.")
@@ -182,6 +183,14 @@ class Protection:
         lines += ["", "## Gate open share on general text", ""]
         rows = [[name, _pct(v)] for name, v in s["gates"].get("open_share", {}).items()]
         lines.append(markdown_table(["text", "any gate open"], rows) if rows else "-")
+        where = s["gates"].get("memorized_rows")
+        if where and where["window"] is not None:
+            lines += [
+                "",
+                f"On the held-out memorized rows (teacher-forced), some gate opens on "
+                f"{_pct(where['window'])} of the positions that choose the memorized tokens "
+                f"and on {_pct(where['prompt'])} of the prompt's positions before them.",
+            ]
         lines += ["", "## The points searched (tuning rows)", ""]
         body = [
             [
@@ -348,8 +357,7 @@ def _gated(
     K x 5%). Calibration sets them on its own general tokens, which need not look like the
     traffic the model will serve."""
     responses = probe_responses(model, artifact, general, batch_size=batch_size)
-    eps, info = thresholds_from_responses(responses, artifact.config.gate, None, share)
-    return artifact.with_thresholds(eps, info["rule"], info["open_share"])
+    return with_gates_set(artifact, responses, None, share)
 
 
 def _candidate_blocks(
@@ -546,6 +554,8 @@ def protect(
                 layer=layer,
                 rank=rank,
                 gen_texts=fit,
+                # the condition direction too, when some point may use the discriminant gate
+                gate="discriminant" if "discriminant" in space.gates else "hard",
                 batch_size=batch_size,
                 progress=False,
             )
@@ -575,11 +585,13 @@ def protect(
             art = calibrated(preset, layer, max(space.ranks))
             if art is not None:
                 made[preset, layer] = art
-                explore(art.with_options(rank=min(space.ranks[0], art.rank)), "block", preset)
+                first = art.with_options(rank=min(space.ranks[0], art.rank), gate=space.gates[0])
+                explore(first, "block", preset)
     best = judge.best(judge.trials, target)
     # stages 2 and 3: the other ranks, then the other gates, on the best block
     if best is not None and best.memorized > target:
-        full = made[best.preset, best.blocks[0]]
+        # the gate stage 1 used (the artifact's own is "discriminant" when that may be tried)
+        full = made[best.preset, best.blocks[0]].with_options(gate=best.gate)
         for rank in space.ranks[1:]:
             if rank <= full.rank:
                 explore(full.with_options(rank=rank), "rank", best.preset)
@@ -639,6 +651,7 @@ def protect(
                 handle.reset_stats()
                 perplexity(model, rows, pad_id, batch_size=batch_size)
                 gates["open_share"][name] = handle.gate_stats().get("any_open_share")
+        gates["memorized_rows"] = _where_gates_open(model, chosen_steer, held_rows, k, n)
         after["quality"], examples = _what_it_says(
             model, reference, chosen_steer, held_rows, k, n, pad_id, batch_size, tokenizer
         )
@@ -697,6 +710,30 @@ def _extractable(
     model: nn.Module, rows: Sequence[Candidate], k: int, n: int, pad_id: int, batch_size: int
 ) -> float:
     return _leaks(model, rows, k, n, pad_id, batch_size).memorized
+
+
+def _where_gates_open(
+    model: nn.Module, steer: Steer, rows: Sequence[Candidate], k: int, n: int
+) -> dict[str, Any]:
+    """Where the gates open on memorized rows, teacher-forced: on the positions that choose the
+    memorized window's tokens and on the prompt's positions before them, per row. Beside the
+    open share on general text this says whether the gate is selective, so whether a steer
+    that misses some rows is held back by its gate or by its strength."""
+    window, prompt, per_row = [], [], []
+    for row in rows:
+        p, w = _split(row, k, n)
+        if not w:
+            continue
+        tokens = explain(model, steer, p + w, max_new_tokens=1).tokens
+        opened = [t.steered for t in tokens[: len(p) + len(w) - 1]]
+        window += opened[len(p) - 1 :]
+        prompt += opened[: len(p) - 1]
+        per_row.append(sum(opened[len(p) - 1 :]) / len(w))
+    return {"window": _share(window), "prompt": _share(prompt), "per_row": per_row}
+
+
+def _share(flags: Sequence[bool]) -> float | None:
+    return sum(flags) / len(flags) if flags else None
 
 
 def _what_it_says(

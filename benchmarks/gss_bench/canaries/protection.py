@@ -19,7 +19,7 @@ from torch import nn
 
 from gss.evaluate.leaks import EXTRA_TOKENS, secrets_said
 from gss.evaluate.sweep import SweepPoint
-from gss.protect import protect
+from gss.protect import SearchSpace, protect
 from gss_bench.canaries.data import secret_fields
 
 
@@ -35,6 +35,7 @@ def protect_point(
     measure: Any,
     report_dir: Path,
     progress: bool,
+    search: SearchSpace | None = None,
 ) -> tuple[SweepPoint, float, dict[str, Any]]:
     """Run `gss.protect`; its choice as a one-point sweep (for the table), its wall time, and
     what it measured on the canaries it held out."""
@@ -51,6 +52,7 @@ def protect_point(
         k=k,
         n=n,
         batch_size=batch_size,
+        search=search,
         pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         progress=progress,
     )

@@ -132,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run gss protect with its defaults (no hand-picked block or strength) and "
         "add its choice to the table, with its report in OUT/protect",
     )
+    p.add_argument(
+        "--protect-prefer",
+        choices=["margin", "utility"],
+        default="margin",
+        help="with --protect: how points at the target are ranked (gss.SearchSpace.prefer)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None)
@@ -588,6 +594,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     protected: dict[str, Any] = {}
     if args.protect:
+        from gss.protect import SearchSpace
         from gss_bench.canaries.protection import protect_point
 
         _log("gss protect ...")
@@ -603,6 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 measure=measure,
                 report_dir=out / "protect",
                 progress=progress,
+                search=SearchSpace(prefer=args.protect_prefer),
             )
         except GSSError as err:  # e.g. nothing memorized to protect
             protected = {"error": str(err)}

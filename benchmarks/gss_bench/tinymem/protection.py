@@ -20,7 +20,7 @@ from typing import Any, Literal
 from torch import nn
 
 from gss.evaluate.memorization import first_end
-from gss.protect import protect
+from gss.protect import SearchSpace, protect
 from gss_bench.tinymem import methods as M
 from gss_bench.tinymem.data import TinyMemData
 
@@ -47,6 +47,7 @@ def protect_row(
     seed: int = 0,
     progress: bool = False,
     report_dir: Path | None = None,
+    search: SearchSpace | None = None,
 ) -> dict[str, Any]:
     """Run `gss.protect` with its defaults and evaluate what it chose like the other methods."""
     started = time.perf_counter()
@@ -77,6 +78,7 @@ def protect_row(
         k=k,
         n=n,
         seed=seed,
+        search=search,
         batch_size=64,
         pad_id=data.pad_id,
         progress=progress,

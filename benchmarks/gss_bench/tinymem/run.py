@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from gss import __version__
+from gss import GSSError, __version__
+from gss.protect import SearchSpace
 from gss.report import cpu_capability, machine_info, markdown_table, write_json
 from gss_bench import baseline_names, transformers_bars_off
 from gss_bench.baselines import get_method
@@ -118,6 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="run this many (setting, seed) pairs at once, each in its own process with its "
         "share of the cores, and no progress bars (default 1). Times in the table are then "
         "measured on that share",
+    )
+    p.add_argument(
+        "--protect-prefer",
+        choices=["margin", "utility"],
+        default="margin",
+        help=f"{PROTECT}: how points at the target are ranked (gss.SearchSpace.prefer)",
+    )
+    p.add_argument(
+        "--protect-gates",
+        default=",".join(SearchSpace.gates),
+        help=f"{PROTECT}: comma-separated gates it may choose, the first tried on every block "
+        f"(gss.SearchSpace.gates; default {','.join(SearchSpace.gates)})",
     )
     p.add_argument("--batch-size", type=int, default=256, help="evaluation batch size")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -285,7 +298,18 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
         _log_choice(name, chosen)
     if PROTECT in args.methods:
         report_dir = out / f"protect_{setting}_seed{seed}"
-        protected = protect_row(mem, ref, data, base, args.batch_size, seed, report_dir=report_dir)
+        protected = protect_row(
+            mem,
+            ref,
+            data,
+            base,
+            args.batch_size,
+            seed,
+            report_dir=report_dir,
+            search=SearchSpace(
+                prefer=args.protect_prefer, gates=tuple(args.protect_gates.split(","))
+            ),
+        )
         methods[PROTECT] = protected
         if "heldout_rows" in protected:  # the other methods on the rows protect held out
             for name, ev in selected.items():
@@ -554,7 +578,7 @@ def run_ablation(
                 {},
             )
     elif name == "gate":
-        for gate in ("hard", "relu", "none"):
+        for gate in ("hard", "relu", "none", "discriminant"):
             art = M.build_artifact(mem, stats, rank=args.rank, gate=gate, progress=False)
             add(
                 gate,
@@ -714,6 +738,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for m in args.methods:
         if m not in METHODS:
             raise SystemExit(f"gss bench tinymem: unknown method {m!r}; use {METHODS}")
+    try:
+        SearchSpace(gates=tuple(args.protect_gates.split(","))).check()
+    except GSSError as e:
+        raise SystemExit(f"gss bench tinymem: --protect-gates: {e}") from None
     args.baseline_names = baseline_names(args.baselines, "tinymem")
     seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
     out = Path(args.out or ("results/tinymem-quick" if args.quick else "results/tinymem"))

@@ -55,7 +55,17 @@ def _threshold_lines(artifact: SteeringArtifact) -> list[str]:
         how = str(rule) if rule else "rule not recorded"
     shares = artifact.provenance.gate_open_share
     lines = [f"thresholds: {_numbers(artifact.thresholds)} ({how})"]
-    if shares:
+    if artifact.condition_threshold is not None:
+        lines.append(
+            f"condition (the discriminant gate: every direction at once): w . h > "
+            f"{artifact.condition_threshold:.4g}"
+        )
+    if shares.get("condition") is not None:
+        lines.append(
+            f"gates, on {shares.get('tokens')} general tokens: the condition opens on "
+            f"{_percent(shares['condition'])}"
+        )
+    elif shares:
         per_direction = ", ".join(map(_percent, shares.get("per_direction", [])))
         union = shares.get("union")
         lines.append(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,6 +153,8 @@ class SteeringArtifact:
             that say how it is applied (delta, rank, gate, coefficient, ridge_delta) can be
             changed with `with_options`.
         provenance: what calibration measured (`Provenance`).
+        condition: (d,) the discriminant gate's condition direction (`gss.solve.condition`),
+            with ``condition_threshold``; None unless calibrated with ``gate="discriminant"``.
     """
 
     probe: Tensor
@@ -161,6 +164,8 @@ class SteeringArtifact:
     singular_values: Tensor
     config: CalibrationConfig
     provenance: Provenance = field(default_factory=Provenance)
+    condition: Tensor | None = None
+    condition_threshold: float | None = None
 
     def __post_init__(self) -> None:
         check_tensors(self)
@@ -219,24 +224,38 @@ class SteeringArtifact:
                 "union": shares["union"] if updates["rank"] == self.rank else None,
             }
             provenance = dataclasses.replace(provenance, gate_open_share=shares)
-        return SteeringArtifact(config=config, provenance=provenance, **tensors)
+        return SteeringArtifact(
+            config=config,
+            provenance=provenance,
+            condition=self.condition,
+            condition_threshold=self.condition_threshold,
+            **tensors,
+        )
 
     def with_thresholds(
         self,
         thresholds: Tensor,
         rule: dict[str, Any],
         open_share: dict[str, Any] | None = None,
+        condition_threshold: float | None = None,
     ) -> SteeringArtifact:
         """A copy with new gate thresholds (e.g. from :func:`gss.calibrate_thresholds`).
         ``open_share``: how often the new gates open on general tokens, as measured where
         they were set; without it the calibration's shares, which no longer hold, are dropped.
+        ``condition_threshold``: the discriminant gate's new level (default: kept).
         """
         if thresholds.shape != self.thresholds.shape:
             raise GSSError(f"thresholds must have shape {tuple(self.thresholds.shape)}.")
         provenance = dataclasses.replace(
             self.provenance, threshold_rule=rule, gate_open_share=dict(open_share or {})
         )
-        return dataclasses.replace(self, thresholds=thresholds.float().cpu(), provenance=provenance)
+        level = self.condition_threshold if condition_threshold is None else condition_threshold
+        return dataclasses.replace(
+            self,
+            thresholds=thresholds.float().cpu(),
+            provenance=provenance,
+            condition_threshold=level,
+        )
 
     def make_hook(self, track_gates: bool = False) -> GatedSteer:
         c = self.config
@@ -250,6 +269,8 @@ class SteeringArtifact:
             delta=c.delta,
             ridge_delta=c.ridge_delta,
             track_gates=track_gates,
+            condition=self.condition if c.gate == "discriminant" else None,
+            condition_threshold=self.condition_threshold if c.gate == "discriminant" else None,
         )
 
     def check_model(self, model: nn.Module, strict: bool = True) -> None:
@@ -309,6 +330,11 @@ class SteeringArtifact:
             "offset": self.offset.float().contiguous().cpu(),
             "singular_values": self.singular_values.double().contiguous().cpu(),
         }
+        if self.condition is not None and self.condition_threshold is not None:
+            tensors["condition"] = self.condition.float().contiguous().cpu()
+            tensors["condition_threshold"] = torch.tensor(
+                [self.condition_threshold], dtype=torch.float64
+            )
 
         save_file(tensors, str(directory / TENSORS_NAME), metadata={"format": "gss"})
         saved = {
@@ -373,6 +399,12 @@ class SteeringArtifact:
             singular_values=t["singular_values"],
             config=config,
             provenance=provenance,
+            condition=t.get("condition"),
+            condition_threshold=(
+                float(t["condition_threshold"].reshape(-1)[0])
+                if "condition_threshold" in t and t["condition_threshold"].numel() == 1
+                else None
+            ),
         )
 
 
@@ -465,6 +497,7 @@ def check_tensors(artifact: SteeringArtifact) -> None:
                 f"the artifact's {name} holds NaN or infinite values: the calibration that made "
                 "it failed (check the models' outputs for NaN) or the file is damaged."
             )
+    _check_condition(artifact, d)
     if bool((artifact.thresholds < 0).any()):
         raise GSSError(
             f"the artifact has negative gate thresholds ({artifact.thresholds.tolist()}): a "
@@ -475,4 +508,29 @@ def check_tensors(artifact: SteeringArtifact) -> None:
         raise GSSError(
             f"the artifact's steer directions must be unit vectors; their norms are "
             f"{[round(v, 4) for v in norms.tolist()]}: the file is damaged or was edited."
+        )
+
+
+def _check_condition(artifact: SteeringArtifact, d: int) -> None:
+    """The discriminant gate's condition: present exactly when some steer can use it, (d,),
+    finite, with a finite threshold."""
+    w, level = artifact.condition, artifact.condition_threshold
+    if w is None or level is None:
+        if artifact.config.gate == "discriminant":
+            raise GSSError(
+                "gate='discriminant' needs the artifact's condition direction, and this one has "
+                "none: calibrate with gate='discriminant' (it is computed then), or pick "
+                "another gate."
+            )
+        return
+    if not isinstance(w, Tensor) or not w.is_floating_point() or tuple(w.shape) != (d,):
+        shape = tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__
+        raise GSSError(
+            f"the artifact's condition has shape {shape}; expected ({d},): the tensors do not "
+            "belong together."
+        )
+    if not bool(torch.isfinite(w).all()) or not math.isfinite(level):
+        raise GSSError(
+            "the artifact's condition direction or threshold holds NaN or infinite values: the "
+            "calibration that made it failed or the file is damaged."
         )

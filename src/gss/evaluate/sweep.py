@@ -89,7 +89,7 @@ def steering_sweep(
 
     `general`: token id rows of general text, required with `percentiles`.
     """
-    from gss.solve.thresholds import probe_responses, thresholds_from_responses
+    from gss.solve.thresholds import probe_responses, with_gates_set
 
     check_grid(artifact, deltas, percentiles, ranks)
     responses = None
@@ -106,10 +106,7 @@ def steering_sweep(
         current = artifact.with_options(rank=rank)
         if percentile is not None:
             assert responses is not None
-            eps, info = thresholds_from_responses(
-                responses[:, : current.rank], current.config.gate, percentile
-            )
-            current = current.with_thresholds(eps, info["rule"], info["open_share"])
+            current = with_gates_set(current, responses, percentile)
         current = current.with_options(delta=delta)
         with current.attach(model, track_gates=True) as handle:
             report = evaluate_model(

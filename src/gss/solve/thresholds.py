@@ -22,6 +22,7 @@ from gss.data import TextsOrIds, batches, count_batches, encode
 from gss.errors import GSSError
 from gss.hf.blocks import resolve_layer
 from gss.hf.forward import check_sequences, target_mask
+from gss.solve.condition import condition_threshold
 from gss.statistics.capture import calibration_mode, layer_activations
 
 
@@ -98,6 +99,48 @@ def thresholds_from_responses(
     return eps.float(), {"rule": rule, "open_share": shares}
 
 
+def gate_levels(
+    responses: Tensor,
+    rank: int,
+    gate: str,
+    condition: bool,
+    percentile: float | None,
+    gate_share: float | None,
+) -> tuple[Tensor, float | None, dict[str, Any]]:
+    """The K thresholds and, with ``condition`` (its response the last column of
+    ``responses``), the discriminant gate's level, by one rule; and what they open on.
+
+    A discriminant gate keeps the hard gate's thresholds as well, so that the same artifact
+    can be attached with either."""
+    eps, info = thresholds_from_responses(
+        responses[:, :rank], "hard" if gate == "discriminant" else gate, percentile, gate_share
+    )
+    if not condition:
+        return eps, None, info
+    level, shares = condition_threshold(responses[:, -1], percentile, gate_share)
+    if gate == "discriminant":
+        info = {"rule": {**info["rule"], "condition": level}, "open_share": shares}
+    return eps, level, info
+
+
+def with_gates_set(
+    artifact: SteeringArtifact,
+    responses: Tensor,
+    percentile: float | None,
+    gate_share: float | None = None,
+) -> SteeringArtifact:
+    """``artifact`` with its gates set on ``responses`` (`probe_responses` of general text)."""
+    eps, level, info = gate_levels(
+        responses,
+        artifact.rank,
+        artifact.config.gate,
+        artifact.condition is not None,
+        percentile,
+        gate_share,
+    )
+    return artifact.with_thresholds(eps, info["rule"], info["open_share"], level)
+
+
 def probe_responses(
     model: nn.Module,
     artifact: SteeringArtifact,
@@ -108,8 +151,14 @@ def probe_responses(
     max_length: int | None = None,
     progress: bool = False,
 ) -> Tensor:
-    """Probe responses ``U h - offset`` (N, K) on every real next-token position of ``texts``."""
+    """Probe responses ``U h - offset`` (N, K) on every real next-token position of ``texts``;
+    for an artifact with a condition direction w (the discriminant gate's), ``w . h`` as one
+    column more."""
     _, block = resolve_layer(model, artifact.layer, artifact.config.block_path)
+    readers, offset = artifact.probe, artifact.offset
+    if artifact.condition is not None:
+        readers = torch.cat([readers, artifact.condition[None]])
+        offset = torch.cat([offset, offset.new_zeros(1)])
     seqs = encode(texts, tokenizer, max_length)
     check_sequences((model,), seqs, "the texts")
     out = []
@@ -124,7 +173,7 @@ def probe_responses(
             hidden = layer_activations(model, block, batch)
             mask = target_mask(batch.attention_mask).to(hidden.device)
             rows = hidden[:, :-1][mask].float()
-            out.append(rows @ artifact.probe.to(rows.device).T - artifact.offset.to(rows.device))
+            out.append(rows @ readers.to(rows.device).T - offset.to(rows.device))
     return torch.cat(out).cpu()
 
 
@@ -152,10 +201,7 @@ def calibrate_thresholds(
     responses = probe_responses(
         model, artifact, texts, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length
     )
-    thresholds, info = thresholds_from_responses(
-        responses, artifact.config.gate, threshold_percentile, gate_share
-    )
-    return artifact.with_thresholds(thresholds, info["rule"], info["open_share"])
+    return with_gates_set(artifact, responses, threshold_percentile, gate_share)
 
 
 __all__: Sequence[str] = (
@@ -163,4 +209,5 @@ __all__: Sequence[str] = (
     "calibrate_thresholds",
     "probe_responses",
     "thresholds_from_responses",
+    "with_gates_set",
 )

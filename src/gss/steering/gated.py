@@ -92,6 +92,9 @@ class GatedSteer:
         ridge_delta: the ridge regulariser of ``ridge`` (defaults to ``delta``).
         min_alignment: ``ridge`` skips directions whose |<u_k, v_k>| / ||u_k|| is below this,
             where the coefficient would blow up.
+        condition: (d,) the ``discriminant`` gate's condition direction w, with
+            ``condition_threshold``: every gate opens where ``w . h`` passes it
+            (`gss.solve.condition`); the coefficient is then the response s_k itself.
         track_gates: count how often each direction's gate opens (on device, no sync).
     """
 
@@ -108,6 +111,8 @@ class GatedSteer:
         ridge_delta: float | None = None,
         min_alignment: float = 1e-3,
         track_gates: bool = False,
+        condition: Tensor | None = None,
+        condition_threshold: float | None = None,
     ) -> None:
         if gate not in GATES:
             raise GSSError(f"gate must be one of {GATES}, got {gate!r}.")
@@ -119,6 +124,11 @@ class GatedSteer:
                 f"{tuple(steer.shape)}."
             )
         k = probe.shape[0]
+        if (gate == "discriminant") != (condition is not None and condition_threshold is not None):
+            raise GSSError(
+                "the discriminant gate needs a condition direction and its threshold, and only "
+                "it takes them: calibrate with gate='discriminant', or pick another gate."
+            )
         if thresholds.shape != (k,):
             raise GSSError(f"thresholds must have shape ({k},), got {tuple(thresholds.shape)}.")
         self.gate = gate
@@ -144,6 +154,9 @@ class GatedSteer:
             "offset": offset32.clone(),
             "scale": scale.float(),
         }
+        if condition is not None and condition_threshold is not None:
+            self._cpu["condition"] = condition.detach().float().reshape(-1, 1).contiguous()
+            self._cpu["condition_threshold"] = torch.tensor([float(condition_threshold)])
         self._on: dict[torch.device, dict[str, Tensor]] = {}
         # The fused form (`_fused_steer`) takes the projection coefficient with the hard gate
         # (every threshold positive and finite) or none; a threshold that would make its folded
@@ -214,6 +227,9 @@ class GatedSteer:
             is_open = s.abs() > eps
         elif self.gate == "relu":
             is_open = s > eps
+        elif self.gate == "discriminant":
+            passed = torch.matmul(h, p["condition"]) > p["condition_threshold"]
+            is_open = passed.expand_as(s)
         else:
             is_open = torch.ones_like(s, dtype=torch.bool)
         # The response beyond the gate: what the ridge coefficient pulls back to the threshold
