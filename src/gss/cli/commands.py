@@ -536,6 +536,26 @@ def _cmd_protect(args: argparse.Namespace) -> int:
     return 0 if result.steer is not None else 1
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+    import shlex
+
+    from gss.serving import serve
+
+    artifacts = serve.parse_artifacts(args.artifact)
+    extra = list(args.vllm_args)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    argv = serve.server_argv(args.model, artifacts, host=args.host, port=args.port, extra=extra)
+    config = serve.model_config(args.model)
+    serve.check_model(args.model, config, serve.check_artifacts(artifacts))
+    serve.check_vllm()  # last: what is wrong with the inputs is said wherever gss runs
+    print(f"gss serve: {shlex.join(argv)}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os.execv(argv[0], argv)  # the server replaces this process: signals reach vLLM directly
+    return 0  # not reached
+
+
 def _cmd_models(args: argparse.Namespace) -> int:
     _require_gss_bench("models")
     from gss_bench.models import KNOWN_MODELS, get_model

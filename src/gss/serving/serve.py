@@ -1,0 +1,205 @@
+"""``gss serve``: vLLM's OpenAI-compatible server with gss artifacts that requests may ask for.
+
+`server_argv` builds the server's command line (no vLLM needed: unit-tested in any
+environment); `model_config`, `check_artifacts`, `check_model` and `check_vllm` refuse what
+would make the server fail or serve unsteered text, before it starts. The server is vLLM's own
+(``python -m vllm.entrypoints.openai.api_server``); the ``vllm.general_plugins`` entry point
+of gss (`gss.serving.vllm_plugin.register`) puts the artifacts named in its
+``--additional-config '{"gss_artifacts": {...}}'`` into the model, and a request chooses one
+with ``"vllm_xargs": {"gss": NAME}``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+from gss.errors import GSSError
+from gss.serving.vllm_plugin import CONFIG_KEY, PLUGIN_NAME
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+PLUGIN_GROUP = "vllm.general_plugins"
+PLUGIN_TARGET = "gss.serving.vllm_plugin:register"
+INSTALL_HINT = (
+    "install vLLM in this environment: from a clone of gss `make vllm-env` (CPU build, in "
+    ".venv-vllm, then run its gss), or on a GPU machine `pip install vllm` next to gss"
+)
+
+
+def parse_artifacts(specs: Sequence[str]) -> dict[str, str]:
+    """``NAME=DIR`` flags -> {name: absolute directory}; a name given twice is refused."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, directory = spec.partition("=")
+        name, directory = name.strip(), directory.strip()
+        if not sep or not name or not directory:
+            raise GSSError(
+                f"--artifact takes NAME=DIR (the name requests ask for, the artifact's "
+                f"directory), got {spec!r}."
+            )
+        if name in out:
+            raise GSSError(f"--artifact names {name!r} twice: give each artifact its own name.")
+        out[name] = str(Path(directory).expanduser().resolve())
+    if not out:
+        raise GSSError("give at least one --artifact NAME=DIR.")
+    return out
+
+
+def check_artifacts(artifacts: Mapping[str, str]) -> dict[str, Any]:
+    """Each directory loads as a gss artifact (or stack); {name: the loaded steer}."""
+    import gss
+
+    loaded: dict[str, Any] = {}
+    for name, directory in artifacts.items():
+        try:
+            loaded[name] = gss.load(directory)
+        except GSSError as err:
+            raise GSSError(f"--artifact {name}={directory}: {err}") from None
+    return loaded
+
+
+def model_config(model: str) -> Any:
+    """The transformers config of ``model`` where it is a local model directory (None for a
+    Hub id, which vLLM fetches, or an architecture transformers does not know); a local path
+    that is no model directory is refused."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        if model.startswith(("/", ".", "~")) or model.count("/") > 1:
+            raise GSSError(f"--model {model} does not exist: give the model's directory.")
+        return None  # a Hub id (org/name): vLLM fetches it
+    if not (path / "config.json").is_file():
+        raise GSSError(f"--model {model} is not a model directory: it has no config.json.")
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(path))
+    except Exception:  # e.g. remote code: left to the plugin, which checks the loaded model
+        return None
+
+
+def check_model(model: str, config: Any, loaded: Mapping[str, Any]) -> None:
+    """Each artifact was calibrated for a model of ``config``'s type and shape (the plugin
+    compares a sample of the weights too, when the engine has loaded them)."""
+    from gss.artifact.steering_artifact import fingerprint_differences
+
+    if config is None:
+        return
+    text = getattr(config, "get_text_config", lambda: config)()
+    actual = {
+        "model_type": getattr(config, "model_type", None),
+        "hidden_size": getattr(text, "hidden_size", None),
+        "num_layers": getattr(text, "num_hidden_layers", None),
+        "vocab_size": getattr(text, "vocab_size", None),
+    }
+    for name, steer in loaded.items():
+        for art in list(getattr(steer, "artifacts", None) or [steer]):
+            expected = {k: art.provenance.fingerprint.get(k) for k in actual}
+            diffs = fingerprint_differences(expected, actual) if any(expected.values()) else []
+            if diffs:
+                raise GSSError(
+                    f"--artifact {name} was calibrated for another model than --model {model}: "
+                    + "; ".join(diffs)
+                )
+
+
+def check_vllm() -> None:
+    """vLLM is installed here, with gss's plugin registered and allowed."""
+    if importlib.util.find_spec("vllm") is None:
+        raise GSSError(f"gss serve runs vLLM's server, and vLLM is not installed: {INSTALL_HINT}.")
+    registered = [
+        ep
+        for ep in entry_points(group=PLUGIN_GROUP)
+        if ep.name == PLUGIN_NAME and ep.value.replace(" ", "") == PLUGIN_TARGET
+    ]
+    if not registered:
+        raise GSSError(
+            f"gss's vLLM plugin is not registered in this environment (entry point "
+            f"{PLUGIN_GROUP}: {PLUGIN_NAME}), so the server would not steer: reinstall gss "
+            "here (pip install -e . from a clone, or pip install gated-subspace-steering)."
+        )
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and PLUGIN_NAME not in [p.strip() for p in allowed.split(",")]:
+        raise GSSError(
+            f"VLLM_PLUGINS={allowed!r} does not list {PLUGIN_NAME!r}, so vLLM would not load "
+            f"gss's plugin and the server would not steer: add {PLUGIN_NAME} to it or unset it."
+        )
+
+
+def _merge_additional_config(
+    extra: Sequence[str], artifacts: Mapping[str, str]
+) -> tuple[list[str], dict[str, Any]]:
+    """``extra`` without its ``--additional-config`` (if any), and that config with the
+    artifacts added under ``gss_artifacts``."""
+    rest: list[str] = []
+    config: dict[str, Any] = {}
+    i = 0
+    while i < len(extra):
+        arg = extra[i]
+        if arg == "--additional-config" or arg.startswith("--additional-config="):
+            if "=" in arg:
+                raw = arg.split("=", 1)[1]
+            elif i + 1 < len(extra):
+                raw = extra[i + 1]
+                i += 1
+            else:
+                raise GSSError("--additional-config needs a JSON object after it.")
+            try:
+                given = json.loads(raw)
+            except json.JSONDecodeError:
+                given = None
+            if not isinstance(given, dict):
+                raise GSSError(f"--additional-config takes a JSON object, got {raw!r}.")
+            if CONFIG_KEY in given:
+                raise GSSError(
+                    f"--additional-config sets {CONFIG_KEY!r}: name the artifacts with "
+                    "--artifact NAME=DIR instead."
+                )
+            config.update(given)
+        else:
+            rest.append(arg)
+        i += 1
+    config[CONFIG_KEY] = dict(artifacts)
+    return rest, config
+
+
+def server_argv(
+    model: str,
+    artifacts: Mapping[str, str],
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    extra: Sequence[str] = (),
+    python: str | None = None,
+) -> list[str]:
+    """The command line of vLLM's OpenAI server for ``model`` with ``artifacts`` ({name:
+    directory}) configured for gss's plugin; ``extra`` (vLLM's own flags) is passed on, an
+    ``--additional-config`` in it merged with the artifacts'."""
+    if not artifacts:
+        raise GSSError("give at least one --artifact NAME=DIR.")
+    rest, config = _merge_additional_config(list(extra), artifacts)
+    for flag in ("--model", "--host", "--port"):
+        if any(a == flag or a.startswith(flag + "=") for a in rest):
+            raise GSSError(f"give {flag} to gss serve itself, not after --.")
+    argv = [python or sys.executable, "-m", SERVER_MODULE, "--model", model]
+    if host is not None:
+        argv += ["--host", host]
+    if port is not None:
+        argv += ["--port", str(port)]
+    argv += ["--additional-config", json.dumps(config, sort_keys=True)]
+    return argv + rest
+
+
+__all__ = [
+    "check_artifacts",
+    "check_model",
+    "check_vllm",
+    "model_config",
+    "parse_artifacts",
+    "server_argv",
+]

@@ -1,0 +1,469 @@
+"""A vLLM general plugin that applies gss artifacts inside vLLM's model runner, per request.
+
+Setup (every vLLM process, engine and workers, reads the same environment)::
+
+    from gss.serving import vllm_plugin
+    vllm_plugin.configure({"no-leaks": "/path/to/artifact"})   # sets GSS_VLLM_ARTIFACTS
+    llm = vllm.LLM(model_dir, dtype="float32")
+    llm.generate(prompts, SamplingParams(max_tokens=32, extra_args={"gss": "no-leaks"}))
+
+and over the OpenAI server: ``gss serve --model DIR --artifact no-leaks=/path`` (vLLM's
+server with ``--additional-config '{"gss_artifacts": {"no-leaks": "/path"}}'``, see
+`gss.serving.serve` and docs/serving.md) with ``"vllm_xargs": {"gss": "no-leaks"}`` in the
+request body (``extra_body`` in the OpenAI client). A request without the ``gss`` key is not
+steered, bit for bit; one naming an artifact the server does not have is refused (HTTP 400).
+
+How it works (see the notes of issue 40):
+
+* `register` is the ``vllm.general_plugins`` entry point: vLLM calls it in every process. It
+  only arranges for vLLM's model runner classes (and its ``Request`` and ``InputProcessor``) to
+  be patched when (and if) their modules are imported, so process0 imports nothing more; the
+  patched runner steers nothing unless artifacts are configured (``GSS_VLLM_ARTIFACTS``, or
+  ``additional_config={"gss_artifacts": {name: dir}}``, what ``gss serve`` passes).
+* After the runner loads the model (``load_model``), the decoder layer of each artifact's
+  block gets a subclass whose ``forward`` adds the layer's two outputs (vLLM's Llama-family
+  layers return the MLP output and the residual separately; their sum is the block output gss
+  steers), steers the sum in the opaque custom op ``gss::vllm_steer`` and returns
+  ``(steered, zeros)``: the next layer's fused add-RMSNorm (or the final norm) adds the zeros,
+  so a token that is not steered reaches it with the same bits as without the plugin. This is
+  done before vLLM's warm-up, so torch.compile traces the op into its graph, and the steered
+  layers are written into ``additional_config``, which keys vLLM's compile cache.
+* Before every forward (``GPUModelRunner._model_forward``, which the CPU runner inherits) the
+  runner's batch (``input_batch.req_ids`` in order, ``query_start_loc``) is turned into one
+  artifact slot per token in a persistent buffer the op reads; after the forward it is reset.
+  Under continuous batching and chunked prefill every token gets its own request's slot.
+* A request naming an unknown artifact is refused where vLLM validates its parameters
+  (``InputProcessor._validate_params``, in the frontend), before it reaches the engine.
+* The steer itself is `gss.steering.gated.GatedSteer.steer_hidden`, the same arithmetic as
+  ``gss.steer`` on a transformers model; the op keeps it on the tokens whose slot names its
+  artifact (``torch.where``), and the token's block output unchanged elsewhere.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+ENV = "GSS_VLLM_ARTIFACTS"
+"""JSON object {name: artifact directory}, or ``name=dir,name2=dir2``."""
+EXTRA_ARG = "gss"
+"""The key of ``SamplingParams.extra_args`` (``vllm_xargs`` over HTTP) naming the artifact."""
+CONFIG_KEY = "gss_artifacts"
+"""The key of vLLM's ``additional_config`` that may name the artifacts instead of ``ENV``."""
+PLUGIN_NAME = "gss"
+"""The entry point's name (what ``VLLM_PLUGINS`` lists to allow it)."""
+
+_RUNNER_MODULES = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.cpu_model_runner")
+_REQUEST_MODULE = "vllm.v1.request"
+_INPUT_MODULE = "vllm.v1.engine.input_processor"
+_PATCHED_MODULES = (*_RUNNER_MODULES, _REQUEST_MODULE, _INPUT_MODULE)
+_NO_SLOT = -1
+
+
+def configure(artifacts: Mapping[str, str | os.PathLike[str]]) -> None:
+    """Name the artifacts requests may ask for, in this process's environment (which vLLM's
+    engine and worker processes inherit): call it before creating the engine."""
+    os.environ[ENV] = json.dumps({str(k): str(Path(v).resolve()) for k, v in artifacts.items()})
+
+
+def artifact_paths(vllm_config: Any = None) -> dict[str, str]:
+    """The {name: directory} requests may ask for: ``GSS_VLLM_ARTIFACTS``, then the engine's
+    ``additional_config={"gss_artifacts": {...}}`` (``--additional-config`` of ``vllm serve``),
+    which wins for a name in both."""
+    out: dict[str, str] = {}
+    raw = os.environ.get(ENV, "").strip()
+    if raw.startswith("{"):
+        out.update({str(k): str(v) for k, v in json.loads(raw).items()})
+    elif raw:
+        for item in raw.split(","):
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"{ENV} entries are name=directory, got {item!r}")
+            out[name.strip()] = path.strip()
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, dict) and isinstance(extra.get(CONFIG_KEY), dict):
+        out.update({str(k): str(v) for k, v in extra[CONFIG_KEY].items()})
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# state shared by the runner patch and the op (one per worker process)
+
+
+class _State:
+    def __init__(self) -> None:
+        self.names: dict[str, int] = {}  # artifact name -> slot
+        self.by_layer: dict[int, list[tuple[int, Any]]] = {}  # layer -> [(slot, GatedSteer)]
+        self.slots: Tensor | None = None  # (max tokens,) int32: the slot of each token
+        self.loaded = False
+        self.lock = threading.Lock()
+
+    def load(self, paths: Mapping[str, str]) -> None:
+        """Load the artifacts (once a process): their hooks, by layer."""
+        with self.lock:
+            if self.loaded:
+                return
+            import gss
+
+            for slot, (name, path) in enumerate(sorted(paths.items())):
+                loaded = gss.load(path)
+                members: list[Any] = (
+                    list(loaded) if isinstance(loaded, gss.SteeringStack) else [loaded]
+                )
+                self.names[name] = slot
+                for art in members:
+                    hook = art.make_hook()
+                    hook.origin = art
+                    self.by_layer.setdefault(art.layer, []).append((slot, hook))
+            self.loaded = True
+
+    def slot_of(self, params: Any) -> int:
+        name = steer_name(params)
+        if name is None:
+            return _NO_SLOT
+        slot = self.names.get(name)
+        if slot is None:
+            from gss.errors import GSSError
+
+            raise GSSError(unknown_name_message(name, sorted(self.names)))
+        return slot
+
+    def buffer(self, size: int, device: torch.device) -> Tensor:
+        slots = self.slots
+        if slots is None or slots.shape[0] < size or slots.device != device:
+            slots = torch.full((max(size, 1),), _NO_SLOT, dtype=torch.int32, device=device)
+            self.slots = slots
+        return slots
+
+    def steer(self, layer: int, h: Tensor) -> Tensor:
+        entries = self.by_layer.get(layer, ())
+        slots = self.slots
+        if not entries or slots is None:
+            return h
+        n = h.shape[0]
+        token_slot = slots[:n]
+        out = h
+        for slot, hook in entries:
+            steered, _ = hook.steer_hidden(out)
+            out = torch.where((token_slot == slot).unsqueeze(-1), steered, out)
+        return out
+
+
+_STATE = _State()
+
+
+# --------------------------------------------------------------------------------------------
+# the op: opaque to dynamo / inductor, so its body runs as written under vLLM's compilation
+
+
+@torch.library.custom_op("gss::vllm_steer", mutates_args=())
+def vllm_steer(hidden: Tensor, residual: Tensor | None, layer: int) -> Tensor:
+    """The steered block output ``hidden + residual`` (or ``hidden``) of ``layer``: each
+    token steered by the artifact of its request's slot (none: unchanged)."""
+    h = hidden if residual is None else hidden + residual
+    out = _STATE.steer(layer, h)
+    return out.clone() if out is hidden else out  # a custom op may not return its input
+
+
+@vllm_steer.register_fake
+def _(hidden: Tensor, residual: Tensor | None, layer: int) -> Tensor:
+    return torch.empty_like(hidden)
+
+
+def _steered_class(cls: type[nn.Module]) -> type[nn.Module]:
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        output = cls.forward(self, *args, **kwargs)
+        layer = self._gss_layer
+        if isinstance(output, tuple) and len(output) == 2 and output[1] is not None:
+            hidden, residual = output
+            steered = torch.ops.gss.vllm_steer(hidden, residual, layer)
+            return steered, torch.zeros_like(steered)
+        if isinstance(output, Tensor):
+            return torch.ops.gss.vllm_steer(output, None, layer)
+        raise TypeError(
+            f"gss cannot steer {cls.__name__}: it returns {type(output).__name__}, not a "
+            "tensor or (hidden_states, residual)"
+        )
+
+    return type(f"GSSSteered{cls.__name__}", (cls,), {"forward": forward})
+
+
+def _decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) == num_layers:
+        return layers
+    for _, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
+            return module
+    raise RuntimeError(f"gss found no list of {num_layers} decoder layers in the vLLM model")
+
+
+def _check_artifact(art: Any, model: nn.Module, hf_config: Any) -> None:
+    """The artifact's model fingerprint against the vLLM model, where it can be read."""
+    from gss.artifact.steering_artifact import _SAMPLE, fingerprint_differences
+    from gss.errors import GSSError
+
+    expected = art.provenance.fingerprint
+    text = getattr(hf_config, "get_text_config", lambda: hf_config)()
+    actual: dict[str, Any] = {
+        "model_type": getattr(hf_config, "model_type", None),
+        "hidden_size": getattr(text, "hidden_size", None),
+        "num_layers": getattr(text, "num_hidden_layers", None),
+        "vocab_size": getattr(text, "vocab_size", None),
+        "embedding_sample": [],
+    }
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    weight = getattr(embed, "weight", None)
+    vocab = actual["vocab_size"]
+    if isinstance(weight, Tensor) and vocab and weight.shape[0] >= vocab:  # not sharded
+        emb = weight[:vocab].detach()
+        rows = torch.linspace(0, emb.shape[0] - 1, _SAMPLE).long().to(emb.device)
+        cols = torch.linspace(0, emb.shape[1] - 1, _SAMPLE).long().to(emb.device)
+        sample = emb[rows][:, cols].float().cpu()
+        actual["embedding_sample"] = [round(v, 6) for v in sample.flatten().tolist()]
+    diffs = fingerprint_differences(expected, actual) if expected else []
+    if diffs:
+        raise GSSError(
+            "a gss artifact was calibrated for another model than the one vLLM serves: "
+            + "; ".join(diffs)
+        )
+
+
+def install(runner: Any) -> bool:
+    """Put the configured artifacts' steers on ``runner.model`` (once); False when none is
+    configured (the model is left as it is)."""
+    model = runner.model
+    if getattr(model, "_gss_installed", False):
+        return True
+    paths = artifact_paths(runner.vllm_config)
+    if not paths:
+        return False
+    _STATE.load(paths)
+    hf_config = runner.model_config.hf_config
+    text = getattr(hf_config, "get_text_config", lambda: hf_config)()
+    layers = _decoder_layers(model, int(text.num_hidden_layers))
+    for layer, entries in _STATE.by_layer.items():
+        for _, hook in entries:
+            _check_artifact(hook.origin, model, hf_config)
+        block = layers[layer]
+        if type(block).__name__ == "PPMissingLayer":  # another pipeline rank holds it
+            continue
+        if not hasattr(block, "_gss_layer"):
+            block.__class__ = _steered_class(type(block))
+            block._gss_layer = layer  # type: ignore[assignment]
+    _mark_compile_key(runner.vllm_config)
+    _STATE.buffer(int(getattr(runner, "max_num_tokens", 1)), runner.device)
+    model._gss_installed = True
+    from vllm.logger import init_logger
+
+    init_logger("vllm.gss").info(
+        "gss steers decoder layer(s) %s for the artifact(s) %s (SamplingParams.extra_args / "
+        "vllm_xargs {%r: name})",
+        sorted(_STATE.by_layer),
+        {name: paths[name] for name in sorted(_STATE.names)},
+        EXTRA_ARG,
+    )
+    return True
+
+
+def _mark_compile_key(vllm_config: Any) -> None:
+    """Put the steered layers in ``additional_config``, which vLLM hashes into the key of its
+    torch.compile cache (``VllmConfig.compute_hash``): without it an engine with the plugin and
+    one without share a key, and one could load the other's compiled graph (with no steer in
+    it, or a steer at other layers). Done in the worker before the first compiled call."""
+    from gss import __version__
+
+    mark = {
+        "version": __version__,
+        "layers": sorted(_STATE.by_layer),
+        "names": sorted(_STATE.names),
+    }
+    extra = vllm_config.additional_config
+    if isinstance(extra, dict):
+        extra["gss_vllm_plugin"] = mark
+    else:  # a config object of another plugin: no place to put it; no cache then
+        os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+
+
+def _fill_slots(runner: Any) -> None:
+    import numpy as np
+
+    batch = runner.input_batch
+    num_reqs = int(batch.num_reqs)
+    starts = runner.query_start_loc.np[: num_reqs + 1]
+    per_req = np.fromiter(
+        (_STATE.slot_of(runner.requests[r].sampling_params) for r in batch.req_ids[:num_reqs]),
+        dtype=np.int32,
+        count=num_reqs,
+    )
+    per_token = np.repeat(per_req, np.diff(starts))
+    n = per_token.shape[0]
+    slots = _STATE.buffer(max(n, int(getattr(runner, "max_num_tokens", 1))), runner.device)
+    slots[:n].copy_(torch.from_numpy(per_token), non_blocking=True)
+    slots[n:].fill_(_NO_SLOT)  # padding tokens (CUDA graphs) and stale rows
+
+
+def _patch_runner_class(cls: type) -> None:
+    if cls.__dict__.get("_gss_patched"):
+        return
+    if "load_model" in cls.__dict__:
+        load_model = cls.__dict__["load_model"]
+
+        def patched_load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = load_model(self, *args, **kwargs)
+            install(self)
+            return result
+
+        setattr(cls, "load_model", patched_load_model)  # noqa: B010
+    if "_model_forward" in cls.__dict__:
+        model_forward = cls.__dict__["_model_forward"]
+
+        def patched_model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(self.model, "_gss_installed", False):
+                _fill_slots(self)
+            try:
+                return model_forward(self, *args, **kwargs)
+            finally:
+                if _STATE.slots is not None:
+                    _STATE.slots.fill_(_NO_SLOT)
+
+        setattr(cls, "_model_forward", patched_model_forward)  # noqa: B010
+    setattr(cls, "_gss_patched", True)  # noqa: B010
+
+
+def steer_name(params: Any) -> str | None:
+    """The artifact name a request's SamplingParams ask for (None: not steered)."""
+    extra = getattr(params, "extra_args", None) or {}
+    name = extra.get(EXTRA_ARG)
+    return None if name is None else str(name)
+
+
+def _patch_request_class(cls: type) -> None:
+    """Salt the prefix cache of steered requests: a block's KV past the steered layer depends
+    on the steer, so a steered request must not reuse an unsteered request's cached prefix
+    (nor one steered by another artifact). vLLM keys cached blocks by token hash plus extra
+    keys, ``cache_salt`` among them (vllm/v1/core/kv_cache_utils.py
+    ``generate_block_hash_extra_keys``); the engine core builds its ``Request`` with
+    ``Request.from_engine_core_request``, before any block is hashed."""
+    if cls.__dict__.get("_gss_patched"):
+        return
+    original = cls.__dict__["from_engine_core_request"].__func__
+
+    def from_engine_core_request(klass: type, request: Any, *args: Any, **kwargs: Any) -> Any:
+        name = steer_name(getattr(request, "sampling_params", None))
+        if name is not None:
+            salt = getattr(request, "cache_salt", None)
+            request.cache_salt = f"gss:{name}" + (f"|{salt}" if salt else "")
+        return original(klass, request, *args, **kwargs)
+
+    setattr(cls, "from_engine_core_request", classmethod(from_engine_core_request))  # noqa: B010
+    setattr(cls, "_gss_patched", True)  # noqa: B010
+
+
+def unknown_name_message(name: str, names: Sequence[str]) -> str:
+    """Why a request asking for the artifact ``name`` is refused, where ``names`` are served."""
+    served = f"the engine serves {sorted(names)}" if names else "the engine serves none"
+    return (
+        f"the request asks for the gss artifact {name!r} (extra_args / vllm_xargs "
+        f"{{{EXTRA_ARG!r}: ...}}), but {served}: ask for one of those, or leave it out "
+        "(not steered)."
+    )
+
+
+def _patch_input_processor_class(cls: type) -> None:
+    """Refuse a request naming an artifact the engine does not serve where vLLM validates a
+    request's parameters (``InputProcessor._validate_params``, in the frontend process, before
+    the request reaches the engine): a 400 over HTTP, a ValueError from ``LLM.generate``. The
+    worker would otherwise find the unknown name at its next forward and stop the engine."""
+    if cls.__dict__.get("_gss_patched") or "_validate_params" not in cls.__dict__:
+        return
+    validate = cls.__dict__["_validate_params"]
+
+    def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        result = validate(self, params, *args, **kwargs)
+        name = steer_name(params)
+        if name is not None:
+            names = getattr(self, "_gss_names", None)
+            if names is None:
+                names = frozenset(artifact_paths(getattr(self, "vllm_config", None)))
+                self._gss_names = names
+            if name not in names:
+                from vllm.exceptions import VLLMValidationError
+
+                raise VLLMValidationError(
+                    unknown_name_message(name, sorted(names)), parameter="vllm_xargs", value=name
+                )
+        return result
+
+    setattr(cls, "_validate_params", _validate_params)  # noqa: B010
+    setattr(cls, "_gss_patched", True)  # noqa: B010
+
+
+def _patch_module(module: ModuleType) -> None:
+    if module.__name__ == _INPUT_MODULE:
+        processor_cls = getattr(module, "InputProcessor", None)
+        if isinstance(processor_cls, type):
+            _patch_input_processor_class(processor_cls)
+        return
+    if module.__name__ == _REQUEST_MODULE:
+        request_cls = getattr(module, "Request", None)
+        if isinstance(request_cls, type) and "from_engine_core_request" in request_cls.__dict__:
+            _patch_request_class(request_cls)
+        return
+    for name in ("GPUModelRunner", "CPUModelRunner"):
+        cls = getattr(module, name, None)
+        if isinstance(cls, type):
+            _patch_runner_class(cls)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches the runner modules (and vLLM's Request) as they are imported: process0 never
+    imports the runner's."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in _PATCHED_MODULES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_and_patch(module: ModuleType) -> None:
+            exec_module(module)
+            _patch_module(module)
+
+        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
+
+
+_registered = False
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point. It only arranges for vLLM's model runner to
+    be patched when its module is imported (in the worker processes); the patch steers
+    nothing unless artifacts are configured (``GSS_VLLM_ARTIFACTS`` or
+    ``additional_config={"gss_artifacts": ...}``)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    for name in _PATCHED_MODULES:
+        module = sys.modules.get(name)
+        if module is not None:
+            _patch_module(module)
+    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())

@@ -1,0 +1,198 @@
+"""`gss serve`: the vLLM server's command line, and what is refused before it starts.
+
+These run without vLLM (the server's start is replaced by a stand-in); tests/vllm starts the
+real server through `gss serve` where vLLM is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from importlib.metadata import EntryPoint
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gss.cli import main
+from gss.errors import GSSError
+from gss.serving import serve
+from gss.serving.vllm_plugin import steer_name, unknown_name_message
+
+from .helpers import calibrated_llama, tiny_model
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama (``model``) and an artifact calibrated on it (``artifact``)."""
+    root = tmp_path_factory.mktemp("serve")
+    model, art = calibrated_llama()
+    model.save_pretrained(root / "model")
+    art.save_pretrained(root / "artifact")
+    tiny_model("llama", hidden=48).save_pretrained(root / "other-model")
+    return root
+
+
+class Exec:
+    """Stands in for os.execv: records the command line the server would run with."""
+
+    def __init__(self) -> None:
+        self.argv: list[str] | None = None
+
+    def __call__(self, path: str, argv: list[str]) -> None:
+        assert path == argv[0]
+        self.argv = list(argv)
+
+
+@pytest.fixture
+def vllm_here(monkeypatch: pytest.MonkeyPatch) -> Exec:
+    """vLLM installed, gss's plugin registered, the server's start recorded instead of run."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "vllm" else find_spec(name, *a),
+    )
+    plugin = EntryPoint(serve.PLUGIN_NAME, serve.PLUGIN_TARGET, serve.PLUGIN_GROUP)
+    monkeypatch.setattr(serve, "entry_points", lambda group: [plugin] if group else [])
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    recorder = Exec()
+    monkeypatch.setattr("os.execv", recorder)
+    return recorder
+
+
+def _one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gss: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_server_argv() -> None:
+    argv = serve.server_argv(
+        "/m",
+        {"a": "/art/a", "b": "/art/b"},
+        host="127.0.0.1",
+        port=8123,
+        extra=["--dtype", "float32", "--additional-config", '{"other": 1}', "--enforce-eager"],
+        python="/py",
+    )
+    assert argv[:5] == ["/py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
+    assert argv[5:9] == ["--host", "127.0.0.1", "--port", "8123"]
+    assert argv[9] == "--additional-config"
+    config = json.loads(argv[10])
+    assert config == {"gss_artifacts": {"a": "/art/a", "b": "/art/b"}, "other": 1}
+    assert argv[11:] == ["--dtype", "float32", "--enforce-eager"]
+    # no host, no port: vLLM's defaults; the interpreter is this one
+    plain = serve.server_argv("/m", {"a": "/art/a"})
+    assert plain[0] == sys.executable and "--host" not in plain and "--port" not in plain
+    with pytest.raises(GSSError, match="give --port to gss serve itself"):
+        serve.server_argv("/m", {"a": "/x"}, extra=["--port=9"])
+    with pytest.raises(GSSError, match="name the artifacts with --artifact"):
+        serve.server_argv("/m", {"a": "/x"}, extra=['--additional-config={"gss_artifacts": {}}'])
+    with pytest.raises(GSSError, match="takes a JSON object"):
+        serve.server_argv("/m", {"a": "/x"}, extra=["--additional-config", "[1]"])
+
+
+def test_parse_artifacts(tmp_path: Path) -> None:
+    got = serve.parse_artifacts([f"a={tmp_path}", " b = rel/dir "])
+    assert got == {"a": str(tmp_path.resolve()), "b": str(Path("rel/dir").resolve())}
+    for bad, message in (
+        (["a"], "takes NAME=DIR"),
+        (["=dir"], "takes NAME=DIR"),
+        (["a="], "takes NAME=DIR"),
+        (["a=x", "a=y"], "names 'a' twice"),
+        ([], "at least one"),
+    ):
+        with pytest.raises(GSSError, match=message):
+            serve.parse_artifacts(bad)
+
+
+def test_serve_runs_vllms_server(served: Path, vllm_here: Exec, capsys: Any) -> None:
+    args = ["serve", "--model", str(served / "model"), "--artifact"]
+    args += [f"tiny={served / 'artifact'}", "--port", "8123", "--", "--max-model-len", "64"]
+    assert main(args) == 0
+    argv = vllm_here.argv
+    assert argv is not None and argv[0] == sys.executable
+    assert argv[2:] == [
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(served / "model"),
+        "--port",
+        "8123",
+        "--additional-config",
+        json.dumps({"gss_artifacts": {"tiny": str((served / "artifact").resolve())}}),
+        "--max-model-len",
+        "64",
+    ]
+    assert "vllm.entrypoints.openai.api_server" in capsys.readouterr().err
+
+
+def test_serve_refuses_what_is_not_an_artifact(served: Path, vllm_here: Exec, capsys: Any) -> None:
+    args = ["serve", "--model", str(served / "model"), "--artifact"]
+    assert main([*args, f"tiny={served / 'model'}"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"--artifact tiny={served / 'model'}" in line and "not a gss artifact" in line
+    assert main([*args, f"tiny={served / 'missing'}"]) == 2
+    _one_error_line(capsys.readouterr().err)
+    assert main([*args, "tiny"]) == 2
+    assert "--artifact takes NAME=DIR" in _one_error_line(capsys.readouterr().err)
+    assert vllm_here.argv is None  # the server never started
+
+
+def test_serve_refuses_an_artifact_of_another_model(
+    served: Path, vllm_here: Exec, capsys: Any
+) -> None:
+    args = ["serve", "--model", str(served / "other-model")]
+    assert main([*args, "--artifact", f"tiny={served / 'artifact'}"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "calibrated for another model" in line and "hidden_size" in line
+    assert main(["serve", "--model", str(served / "nope"), "--artifact", "a=b"]) == 2
+    _one_error_line(capsys.readouterr().err)
+    assert vllm_here.argv is None
+
+
+def test_serve_without_vllm_says_how_to_install(
+    served: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "vllm" else find_spec(name, *a),
+    )
+    monkeypatch.setattr("os.execv", Exec())
+    args = ["serve", "--model", str(served / "model"), "--artifact", f"t={served / 'artifact'}"]
+    assert main(args) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "vLLM is not installed" in line
+    assert "make vllm-env" in line and "pip install vllm" in line
+
+
+def test_serve_refuses_a_vllm_that_would_not_load_the_plugin(
+    served: Path, vllm_here: Exec, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    args = ["serve", "--model", str(served / "model"), "--artifact", f"t={served / 'artifact'}"]
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
+    assert main(args) == 2
+    assert "does not list 'gss'" in _one_error_line(capsys.readouterr().err)
+    monkeypatch.setenv("VLLM_PLUGINS", "gss,lora_filesystem_resolver")
+    assert main(args) == 0 and vllm_here.argv is not None
+    capsys.readouterr()
+    vllm_here.argv = None
+    monkeypatch.delenv("VLLM_PLUGINS")
+    monkeypatch.setattr(serve, "entry_points", lambda group: [])
+    assert main(args) == 2
+    assert "plugin is not registered" in _one_error_line(capsys.readouterr().err)
+    assert vllm_here.argv is None
+
+
+def test_unknown_name_message() -> None:
+    from types import SimpleNamespace
+
+    assert steer_name(SimpleNamespace(extra_args={"gss": "nope"})) == "nope"
+    assert steer_name(object()) is None
+    message = unknown_name_message("nope", ["b", "a"])
+    assert "'nope'" in message and "['a', 'b']" in message
+    assert "serves none" in unknown_name_message("nope", [])

@@ -1,0 +1,74 @@
+"""Greedy generation with vLLM in a process of its own, for test_vllm_plugin.py.
+
+``python engine_run.py job.json out.json``. The plugin is registered at the top level: vLLM
+starts its engine and workers with multiprocessing's spawn, which imports this script again
+in each of them (as ``__mp_main__``), so they are patched too even without the
+``vllm.general_plugins`` entry point installed. With it installed, vLLM calls `register`
+itself; calling it twice is harmless. It does nothing unless GSS_VLLM_ARTIFACTS is set.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from gss.serving import vllm_plugin
+
+vllm_plugin.register()
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    from vllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(
+        job["model"],
+        dtype="float32",
+        skip_tokenizer_init=True,
+        enforce_eager=job.get("enforce_eager", True),
+        max_model_len=job.get("max_model_len", 128),
+        max_num_batched_tokens=job.get("max_num_batched_tokens", 128),
+        max_num_seqs=job.get("max_num_seqs", 16),
+        enable_chunked_prefill=True,
+        enable_prefix_caching=job.get("prefix_caching", False),
+        block_size=job.get("block_size"),
+        seed=0,
+    )
+    started = time.perf_counter() - start
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=job["max_tokens"],
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=False,
+            extra_args={vllm_plugin.EXTRA_ARG: name} if name else None,
+        )
+        for name in job["artifacts"]
+    ]
+    prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
+    if job.get("warm_up_unsteered"):  # fill the prefix cache with the unsteered prompts' KV
+        plain = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+        llm.generate(prompts, [plain] * len(prompts), use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    result = {
+        "started_s": started,
+        "cached_tokens": [o.num_cached_tokens for o in outputs],
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "logprobs": [
+            [
+                lp[t].logprob
+                for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)
+            ]
+            for o in outputs
+        ],
+    }
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

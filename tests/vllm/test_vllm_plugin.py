@@ -1,0 +1,337 @@
+"""vLLM with the gss plugin generates what transformers generates with ``gss.steer``.
+
+A tiny random Llama (head_dim 64: vLLM's CPU attention takes no smaller) and an artifact
+calibrated on it at block 1; one vLLM engine serves a batch that mixes steered and unsteered
+requests under chunked prefill (a small token budget splits the prompts across steps, so
+prefill chunks and decode tokens of different requests share a forward). Greedy outputs must
+equal transformers' token for token, steered with ``gss.steer`` or not, and the unsteered
+requests must be bit-identical (log-probabilities included) to an engine without the plugin.
+
+Each engine runs in a process of its own (``engine_run.py``), one after the other. The last
+test starts the OpenAI server through ``gss serve`` (the plugin loaded by its entry point) and
+asks it over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import gss
+
+HERE = Path(__file__).resolve().parent
+VOCAB, HIDDEN, HEADS, LAYERS = 512, 256, 4, 2
+MAX_TOKENS = 12
+STEER_NAME = "tiny"
+# (prompt length, steered?): lengths over the 32-token budget are prefilled in chunks
+PROMPTS = [(7, True), (40, False), (19, True), (33, True), (5, False), (26, False), (45, True)]
+
+pytestmark = pytest.mark.heavy
+
+
+def tiny_llama(seed: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        max_position_embeddings=256,
+        initializer_range=0.05,  # larger than the default: fewer near-ties in the argmax
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config).float().eval()
+
+
+def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = model(ids).logits[0, -1].argmax().view(1, 1)
+            ids = torch.cat([ids, nxt], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("gss-vllm")
+    model, reference = tiny_llama(0), tiny_llama(1)
+    model.save_pretrained(root / "model")
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(3, VOCAB, (48, 32), generator=gen)
+    art = gss.calibrate(model, reference, rows, layer=1, rank=2, progress=False)
+    art = art.with_options(delta=25.0)
+    art.save_pretrained(root / "artifact")
+    # at block 0 the steer changes the KV of block 1: what prefix caching must not share
+    art0 = gss.calibrate(model, reference, rows, layer=0, rank=2, progress=False)
+    art0.with_options(delta=25.0).save_pretrained(root / "artifact0")
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n, _ in PROMPTS]
+    plain = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+    with gss.steer(model, gss.load(root / "artifact")):
+        steered = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+    with gss.steer(model, gss.load(root / "artifact0")):
+        steered0 = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+    return {
+        "root": root,
+        "prompts": prompts,
+        "plain": plain,
+        "steered": steered,
+        "steered0": steered0,
+    }
+
+
+def run_engine(
+    root: Path,
+    prompts: list[list[int]],
+    names: list[str | None],
+    *,
+    plugin: bool,
+    tag: str,
+    enforce_eager: bool = True,
+    artifact: str = "artifact",
+    **options: Any,
+) -> dict[str, Any]:
+    job = {
+        **options,
+        "model": str(root / "model"),
+        "prompts": prompts,
+        "artifacts": names,
+        "max_tokens": MAX_TOKENS,
+        "max_num_batched_tokens": 32,
+        "enforce_eager": enforce_eager,
+    }
+    job_file, out_file = root / f"{tag}.json", root / f"{tag}.out.json"
+    job_file.write_text(json.dumps(job))
+    env = dict(os.environ)
+    env.pop("GSS_VLLM_ARTIFACTS", None)
+    if plugin:
+        from gss.serving import vllm_plugin
+
+        env[vllm_plugin.ENV] = json.dumps({STEER_NAME: str(root / artifact)})
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "engine_run.py"), str(job_file), str(out_file)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if proc.returncode:
+        raise AssertionError(
+            f"vLLM run {tag} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
+    return json.loads(out_file.read_text())
+
+
+def test_steer_changes_greedy_output(setup: dict[str, Any]) -> None:
+    changed = [
+        s != p
+        for s, p, (_, on) in zip(setup["steered"], setup["plain"], PROMPTS, strict=True)
+        if on
+    ]
+    assert any(changed), "the artifact changes no steered prompt's greedy output: no test"
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+def test_vllm_plugin_matches_transformers(setup: dict[str, Any], enforce_eager: bool) -> None:
+    root, prompts = setup["root"], setup["prompts"]
+    names = [STEER_NAME if on else None for _, on in PROMPTS]
+    tag = "eager" if enforce_eager else "compiled"
+    with_plugin = run_engine(
+        root, prompts, names, plugin=True, tag=f"gss-{tag}", enforce_eager=enforce_eager
+    )
+    expected = [
+        s if on else p
+        for s, p, (_, on) in zip(setup["steered"], setup["plain"], PROMPTS, strict=True)
+    ]
+    assert with_plugin["tokens"] == expected
+
+    without = run_engine(
+        root,
+        prompts,
+        [None] * len(prompts),
+        plugin=False,
+        tag=f"plain-{tag}",
+        enforce_eager=enforce_eager,
+    )
+    assert without["tokens"] == setup["plain"]
+    for i, (_, on) in enumerate(PROMPTS):
+        if not on:  # bit for bit, log-probabilities included
+            assert with_plugin["tokens"][i] == without["tokens"][i]
+            assert with_plugin["logprobs"][i] == without["logprobs"][i]
+
+
+def test_prefix_cache_is_not_shared_across_steers(setup: dict[str, Any]) -> None:
+    """The prompts first run unsteered (their prefix blocks cached), then mixed: a steered
+    request must not reuse the unsteered KV (the plugin salts its prefix-cache key)."""
+    root, prompts = setup["root"], setup["prompts"]
+    names = [STEER_NAME if on else None for _, on in PROMPTS]
+    got = run_engine(
+        root,
+        prompts,
+        names,
+        plugin=True,
+        tag="prefix-cache",
+        artifact="artifact0",
+        prefix_caching=True,
+        block_size=32,
+        warm_up_unsteered=True,
+    )
+    expected = [
+        s if on else p
+        for s, p, (_, on) in zip(setup["steered0"], setup["plain"], PROMPTS, strict=True)
+    ]
+    assert got["tokens"] == expected
+    # the unsteered prompts of over a block did reuse their cached prefix
+    assert all(
+        c >= 32
+        for c, (n, on) in zip(got["cached_tokens"], PROMPTS, strict=True)
+        if n >= 33 and not on
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_until_up(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"gss serve exited ({proc.returncode}):\n{log.read_text()[-8000:]}"
+            )
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1.0)
+    raise AssertionError(f"the server did not come up in {timeout} s:\n{log.read_text()[-8000:]}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """The server and the engine processes it started (their own process group)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+class Refused(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+def _complete(base: str, body: dict[str, Any]) -> list[int]:
+    """One greedy /v1/completions request; the generated token ids (`Refused`: an HTTP error).
+    With the ``openai`` client where it is installed (vLLM depends on it), else urllib."""
+    extra = {key: body[key] for key in ("vllm_xargs",) if key in body}
+    extra.update(ignore_eos=True, return_token_ids=True)
+    try:
+        import openai
+    except ImportError:
+        request = urllib.request.Request(
+            f"{base}/v1/completions",
+            json.dumps({**body, **extra, "temperature": 0.0}).encode(),
+            {"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=300) as response:
+                return list(json.load(response)["choices"][0]["token_ids"])
+        except urllib.error.HTTPError as err:
+            raise Refused(err.code, err.read().decode(errors="replace")) from None
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+    try:
+        out = client.completions.create(
+            model=body["model"],
+            prompt=body["prompt"],
+            max_tokens=body["max_tokens"],
+            temperature=0.0,
+            extra_body=extra,
+        )
+    except openai.APIStatusError as err:
+        raise Refused(err.status_code, str(err)) from None
+    return list(out.choices[0].model_extra["token_ids"])
+
+
+def test_gss_serve_openai_server(setup: dict[str, Any], tmp_path: Path) -> None:
+    """``gss serve`` starts vLLM's OpenAI server with the artifact; a request with
+    ``vllm_xargs: {"gss": name}`` is steered as ``gss.steer`` steers transformers, one without
+    is not, both in flight together; a request naming an unknown artifact is refused (HTTP 400)
+    and the server goes on."""
+    root, prompts = setup["root"], setup["prompts"]
+    on = next(
+        i
+        for i, (_, steered) in enumerate(PROMPTS)
+        if steered and setup["steered"][i] != setup["plain"][i]
+    )
+    off = next(i for i, (n, steered) in enumerate(PROMPTS) if not steered and n > 32)
+    port = _free_port()
+    model = str(root / "model")
+    command = [sys.executable, "-m", "gss", "serve", "--model", model]
+    command += ["--artifact", f"{STEER_NAME}={root / 'artifact'}"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--"]
+    command += ["--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager", "--seed", "0"]
+    command += ["--max-model-len", "128", "--max-num-batched-tokens", "32"]
+    env = dict(os.environ)
+    for name in ("GSS_VLLM_ARTIFACTS", "VLLM_PLUGINS"):
+        env.pop(name, None)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    log = tmp_path / "server.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_until_up(proc, f"{base}/health", log, timeout=600)
+        common = {"model": model, "max_tokens": MAX_TOKENS}
+        unknown = {**common, "prompt": prompts[on], "vllm_xargs": {"gss": "no-such-artifact"}}
+        with pytest.raises(Refused, match="no-such-artifact") as refused:
+            _complete(base, unknown)
+        assert refused.value.status == 400
+        bodies = [
+            {**common, "prompt": prompts[on], "vllm_xargs": {"gss": STEER_NAME}},
+            {**common, "prompt": prompts[off]},
+        ]
+        with ThreadPoolExecutor(2) as pool:
+            steered, plain = pool.map(lambda body: _complete(base, body), bodies)
+        assert steered == setup["steered"][on] != setup["plain"][on]
+        assert plain == setup["plain"][off]
+        assert proc.poll() is None, log.read_text()[-4000:]
+    finally:
+        _stop(proc)
+    text = log.read_text()
+    assert "gss steers decoder layer(s) [1]" in text  # loaded by the entry point alone
