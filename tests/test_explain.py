@@ -31,12 +31,12 @@ def steered():
     return calibrated_llama()
 
 
-def _plain(model, art, prompt, **options):
+def _plain(model, art, prompt, *, device="cpu", tracked=(False, True), **options):
     """Greedy ids with the steer attached as gss generate attaches it, and without tracking."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=device)
     runs = []
-    for tracked in (False, True):
-        with art.attach(model, track_gates=tracked, **options), torch.no_grad():
+    for track in tracked:
+        with art.attach(model, track_gates=track, **options), torch.no_grad():
             out = model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
@@ -45,7 +45,7 @@ def _plain(model, art, prompt, **options):
                 pad_token_id=0,
             )
         runs.append(out[0, ids.shape[1] :].tolist())
-    assert runs[0] == runs[1]
+    assert all(run == runs[0] for run in runs)
     return runs[0]
 
 
@@ -276,20 +276,7 @@ def test_explain_on_cuda(steered):
     prompt = random_ids(1, 6, seed=4)[0].tolist()
     got = gss.explain(gpu, art, prompt, max_new_tokens=NEW)
     want = gss.explain(model, art, prompt, max_new_tokens=NEW)
-    assert list(got.generated_ids) == _plain_on(gpu, art, prompt)
+    assert list(got.generated_ids) == _plain(gpu, art, prompt, device="cuda", tracked=(False,))
     assert len(got.tokens) == len(want.tokens)
     for a, b in zip(got.tokens[: len(prompt)], want.tokens[: len(prompt)], strict=True):
         assert a.blocks[0].responses == pytest.approx(b.blocks[0].responses, abs=1e-3)
-
-
-def _plain_on(model, art, prompt):
-    ids = torch.tensor([prompt], device="cuda")
-    with art.attach(model), torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=NEW,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, ids.shape[1] :].tolist()

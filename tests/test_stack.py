@@ -63,19 +63,25 @@ def test_stack_save_load_roundtrip(stacked, tmp_path):
     assert "2 blocks [0, 2]" in loaded.describe()
 
 
+def _decoded(model, ids, start):
+    """The last-position logits of a KV-cached decode: the prompt ``ids[:, :start]`` in one
+    pass, then one token a step up to the row's last."""
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :start], use_cache=True)
+        past, steps = out.past_key_values, [out.logits[:, -1]]
+        for t in range(start, ids.shape[1] - 1):
+            out = model(input_ids=ids[:, t : t + 1], past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            steps.append(out.logits[:, -1])
+    return torch.stack(steps, 1)
+
+
 def test_stack_cache_and_padding_invariants(stacked):
     model, stack = stacked
     ids = random_ids(1, 12, seed=7)
     with gss.steer(model, stack):
         full = _logits(model, ids)
-        with torch.no_grad():
-            out = model(input_ids=ids[:, :8], use_cache=True)
-            past, steps = out.past_key_values, [out.logits[:, -1]]
-            for t in range(8, 12):
-                out = model(input_ids=ids[:, t : t + 1], past_key_values=past, use_cache=True)
-                past = out.past_key_values
-                steps.append(out.logits[:, -1])
-        assert torch.allclose(torch.stack(steps[:-1], 1), full[:, 7:11], atol=1e-5)
+        assert torch.allclose(_decoded(model, ids, 8), full[:, 7:11], atol=1e-5)
         short = random_ids(1, 7, seed=8)
         pad = torch.zeros(1, 5, dtype=torch.long)
         padded = torch.cat([pad, short], 1)
@@ -135,13 +141,7 @@ def test_stack_on_cuda(stacked):
     plain = _logits(model, ids)
     with gss.steer(model, stack):
         full = _logits(model, ids)
-        with torch.no_grad():
-            out = model(input_ids=ids[:, :8], use_cache=True)
-            past, steps = out.past_key_values, [out.logits[:, -1]]
-            for t in range(8, 11):
-                out = model(input_ids=ids[:, t : t + 1], past_key_values=past, use_cache=True)
-                past, steps = out.past_key_values, [*steps, out.logits[:, -1]]
-        assert torch.allclose(torch.stack(steps, 1), full[:, 7:11], atol=1e-4)
+        assert torch.allclose(_decoded(model, ids, 8), full[:, 7:11], atol=1e-4)
     assert not torch.allclose(full, plain)
     assert torch.equal(_logits(model, ids), plain)
     with gss.steer(cpu_model, stack):  # the same steer as on the CPU, to float32 rounding
