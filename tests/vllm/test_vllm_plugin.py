@@ -335,3 +335,21 @@ def test_gss_serve_openai_server(setup: dict[str, Any], tmp_path: Path) -> None:
         _stop(proc)
     text = log.read_text()
     assert "gss steers decoder layer(s) [1]" in text  # loaded by the entry point alone
+
+
+def test_model_runner_v2_is_refused_at_start_up() -> None:
+    """vLLM's Model Runner V2 (its CUDA default) is not steered yet: with artifacts configured
+    its load_model raises the plugin's message, so a server never runs without its steer; with
+    none it is left alone."""
+    from types import SimpleNamespace
+
+    from gss.serving import vllm_plugin
+
+    vllm_plugin.register()
+    import vllm.v1.worker.gpu.model_runner as v2
+
+    asked = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={"gss_artifacts": {}}))
+    asked.vllm_config.additional_config["gss_artifacts"]["tiny"] = "/nowhere"
+    with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        v2.GPUModelRunner.load_model(asked)
+    assert v2.GPUModelRunner.load_model.__name__ == "refusing_load_model"

@@ -67,7 +67,10 @@ PLUGIN_NAME = "gss"
 _RUNNER_MODULES = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.cpu_model_runner")
 _REQUEST_MODULE = "vllm.v1.request"
 _INPUT_MODULE = "vllm.v1.engine.input_processor"
-_PATCHED_MODULES = (*_RUNNER_MODULES, _REQUEST_MODULE, _INPUT_MODULE)
+# vLLM's Model Runner V2 (the default on CUDA where Triton is installed): not steered yet, so an
+# engine that would use it with artifacts configured is refused at start-up, never run unsteered
+_V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+_PATCHED_MODULES = (*_RUNNER_MODULES, _REQUEST_MODULE, _INPUT_MODULE, _V2_RUNNER_MODULE)
 _NO_SLOT = -1
 
 
@@ -422,10 +425,38 @@ def _patch_module(module: ModuleType) -> None:
         if isinstance(request_cls, type) and "from_engine_core_request" in request_cls.__dict__:
             _patch_request_class(request_cls)
         return
+    if module.__name__ == _V2_RUNNER_MODULE:
+        v2 = getattr(module, "GPUModelRunner", None)
+        if isinstance(v2, type):
+            _refuse_v2(v2)
+        return
     for name in ("GPUModelRunner", "CPUModelRunner"):
         cls = getattr(module, name, None)
         if isinstance(cls, type):
             _patch_runner_class(cls)
+
+
+V2_MESSAGE = (
+    "gss's vLLM plugin steers through vLLM's V1 model runner, and this engine uses Model Runner "
+    "V2 (vLLM's default on CUDA with Triton), where the steer would not run: start it with "
+    "VLLM_USE_V2_MODEL_RUNNER=0 (docs/serving.md)."
+)
+
+
+def _refuse_v2(cls: type) -> None:
+    """Model Runner V2's ``load_model`` raises when artifacts are configured: a server that
+    was asked to steer never starts without its steer."""
+    if cls.__dict__.get("_gss_patched") or "load_model" not in cls.__dict__:
+        return
+    load_model = cls.__dict__["load_model"]
+
+    def refusing_load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if artifact_paths(getattr(self, "vllm_config", None)):
+            raise RuntimeError(V2_MESSAGE)
+        return load_model(self, *args, **kwargs)
+
+    setattr(cls, "load_model", refusing_load_model)  # noqa: B010
+    setattr(cls, "_gss_patched", True)  # noqa: B010
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
