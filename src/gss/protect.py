@@ -724,7 +724,10 @@ def _where_gates_open(
         p, w = _split(row, k, n)
         if not w:
             continue
-        tokens = explain(model, steer, p + w, max_new_tokens=1).tokens
+        # the positions read are the prompt's and all the window's but its last token (which
+        # chooses nothing in it): one token fewer than the row, so a row filling the model's
+        # context still leaves room for the one token explain generates
+        tokens = explain(model, steer, p + w[:-1], max_new_tokens=1).tokens
         opened = [t.steered for t in tokens[: len(p) + len(w) - 1]]
         window += opened[len(p) - 1 :]
         prompt += opened[: len(p) - 1]
