@@ -331,6 +331,10 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         }
         for n in names
     }
+
+    def per_round_ratio(num: str, den: str, part: str, key: str) -> list[float]:
+        return [a / b for a, b in zip(series(num, part, key), series(den, part, key), strict=True)]
+
     ratios: dict[str, Any] = {}
     for num, den in (
         ("hard/steered", "plain/unsteered"),
@@ -339,31 +343,10 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         ("hard/steered", "hard/unsteered"),
     ):
         per_round = {
-            "batch1_decode_tok_s": [
-                a / b
-                for a, b in zip(
-                    series(num, "batch1", "decode_tok_s"),
-                    series(den, "batch1", "decode_tok_s"),
-                    strict=True,
-                )
-            ],
+            "batch1_decode_tok_s": per_round_ratio(num, den, "batch1", "decode_tok_s"),
             # latency as a throughput: unsteered latency / steered latency
-            "batch1_inverse_latency": [
-                b / a
-                for a, b in zip(
-                    series(num, "batch1", "latency_s"),
-                    series(den, "batch1", "latency_s"),
-                    strict=True,
-                )
-            ],
-            "load_output_tok_s": [
-                a / b
-                for a, b in zip(
-                    series(num, "load", "output_tok_s"),
-                    series(den, "load", "output_tok_s"),
-                    strict=True,
-                )
-            ],
+            "batch1_inverse_latency": per_round_ratio(den, num, "batch1", "latency_s"),
+            "load_output_tok_s": per_round_ratio(num, den, "load", "output_tok_s"),
         }
         ratios[f"{num} : {den}"] = {
             key: {"per_round": v, "median": median(v), "min": min(v), "max": max(v)}
