@@ -23,7 +23,7 @@ from gss.data import TextsOrIds
 from gss.errors import GSSError
 from gss.hf.blocks import resolve_layer
 from gss.solve import soundness
-from gss.solve.condition import condition_direction
+from gss.solve.condition import condition_direction, with_condition
 from gss.solve.thresholds import ThresholdSample, gate_levels
 from gss.solve.whitened import solve_probe_steer
 from gss.statistics.capture import calibration_mode, layer_activations
@@ -141,10 +141,7 @@ def _build(
     if cfg.gate == "discriminant":  # read beside the probes: one column more to sample
         condition = condition_direction(sigma_acc.covariance, stats.memorized_mean.mean, mean)
         condition = distributed.broadcast_tensors(condition)[0].to(device)
-    readers = (
-        probe.to(device) if condition is None else torch.cat([probe.to(device), condition[None]])
-    )
-    shift = offset if condition is None else torch.cat([offset, offset.new_zeros(1)])
+    readers, shift = with_condition(probe.to(device), offset, condition)
     timings["solve"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()

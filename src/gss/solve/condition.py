@@ -46,6 +46,18 @@ def condition_direction(sigma: Tensor, mean_memorized: Tensor, mean_general: Ten
     return (w / w.norm()).float()
 
 
+def with_condition(
+    probe: Tensor, offset: Tensor, condition: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The rows whose responses set the gates, and what is subtracted from them: the probes
+    and their offsets, and, with a condition direction, ``w`` as one row more (offset 0), so
+    one matmul reads both."""
+    if condition is None:
+        return probe, offset
+    w = condition.to(probe.device, probe.dtype)[None]
+    return torch.cat([probe, w]), torch.cat([offset, offset.new_zeros(1)])
+
+
 def condition_threshold(
     responses: Tensor, percentile: float | None, gate_share: float | None
 ) -> tuple[float, dict[str, Any]]:
@@ -60,4 +72,4 @@ def condition_threshold(
     return threshold, {"condition": share, "union": share, "tokens": int(values.numel())}
 
 
-__all__: Sequence[str] = ("condition_direction", "condition_threshold")
+__all__: Sequence[str] = ("condition_direction", "condition_threshold", "with_condition")

@@ -22,7 +22,7 @@ from gss.data import TextsOrIds, batches, count_batches, encode
 from gss.errors import GSSError
 from gss.hf.blocks import resolve_layer
 from gss.hf.forward import check_sequences, target_mask
-from gss.solve.condition import condition_threshold
+from gss.solve.condition import condition_threshold, with_condition
 from gss.statistics.capture import calibration_mode, layer_activations
 
 
@@ -155,10 +155,7 @@ def probe_responses(
     for an artifact with a condition direction w (the discriminant gate's), ``w . h`` as one
     column more."""
     _, block = resolve_layer(model, artifact.layer, artifact.config.block_path)
-    readers, offset = artifact.probe, artifact.offset
-    if artifact.condition is not None:
-        readers = torch.cat([readers, artifact.condition[None]])
-        offset = torch.cat([offset, offset.new_zeros(1)])
+    readers, offset = with_condition(artifact.probe, artifact.offset, artifact.condition)
     seqs = encode(texts, tokenizer, max_length)
     check_sequences((model,), seqs, "the texts")
     out = []
