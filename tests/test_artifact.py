@@ -20,7 +20,7 @@ def test_round_trip(tmp_path, calibrated):
     model, _, art = calibrated
     art.save_pretrained(tmp_path / "a")
     files = sorted(p.name for p in (tmp_path / "a").iterdir())
-    assert files == ["gss_config.json", "gss_tensors.safetensors"]
+    assert files == ["README.md", "gss_config.json", "gss_tensors.safetensors"]  # + the card
     loaded = gss.load(tmp_path / "a")
     for name in ("probe", "steer", "thresholds", "offset"):
         assert torch.equal(getattr(loaded, name), getattr(art, name))

@@ -31,7 +31,7 @@ def root(tmp_path_factory):
     (root / "latin1.txt").write_bytes("caf\xe9 w1 w2\n".encode("latin-1"))
     (root / "empty.txt").write_text("\n\n")
     (root / "rows.jsonl").write_text(json.dumps({"txt": "w1"}) + "\n")
-    (root / "data.csv").write_text("text\nw1 w2\n")
+    (root / "data.xlsx").write_text("text\nw1 w2\n")  # .csv reads through datasets
     # a fine-tune whose embeddings were padded past the tokenizer (64 rows for 48 tokens)
     tiny_model("llama", seed=0, vocab=64).save_pretrained(root / "padded")
     _tokenizer().save_pretrained(root / "padded")
@@ -79,7 +79,7 @@ def _cases():
             "rows.jsonl:1",
         ),
         "unsupported data format": (
-            [*calibrate[:5], "--data", "{root}/data.csv", "--layer", "1", *out],
+            [*calibrate[:5], "--data", "{root}/data.xlsx", "--layer", "1", *out],
             "unsupported data format",
         ),
         "missing data file": (

@@ -111,6 +111,12 @@ def test_protect_writes_the_steer_and_the_report(protected, memorizer, tmp_path)
         assert protect_module._extractable(model, rows, 4, 16, 0, 8) == result.after["memorized"]
     data = json.loads((tmp_path / "out" / "protect.json").read_text())
     assert data["reached"] == result.reached
+    members = steer.artifacts if isinstance(steer, gss.SteeringStack) else (steer,)
+    record = members[0].provenance.extra["protect"]  # the held-out report travels with it
+    assert record["after"]["memorized"] == result.after["memorized"]
+    assert record["heldout_rows"] == len(result.heldout) and record["reached"] == result.reached
+    card = (tmp_path / "out" / "steer" / "README.md").read_text()
+    assert "held-out memorized rows the search never saw" in card
     assert data["chosen"]["blocks"] == list(result.chosen.blocks)
     assert "never seen by the search" in (tmp_path / "out" / "protect.md").read_text()
     with pytest.raises(GSSError, match="already holds"):

@@ -1,20 +1,26 @@
 """Text in, padded token batches out: .txt / .jsonl files, strings, conversations, dataset
-rows, or token ids.
+rows (a `datasets.Dataset` or `IterableDataset` too), or token ids.
 
 Calibration and evaluation both iterate over the same deterministic batches, so a second pass
 (for the gate thresholds) sees exactly the tokens the first one saw. A fine-tune learned its data
 in the form it was trained on, chat template included, so conversations and prompt-completion
 rows (the formats of ``trl``'s SFT data) are turned into the token ids that training saw.
+
+A `datasets.Dataset` is read a chunk of rows at a time (`DatasetRows`) and an `IterableDataset`
+once, as it streams: each chunk is tokenized as it comes and only its token ids are kept, never
+the table. Other formats (parquet, csv, saved datasets, Hub ids) are read by `gss.data_sources`.
 """
 
 from __future__ import annotations
 
 import json
 import operator
-from collections.abc import Iterator, Mapping, Sequence
+import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
-from typing import Any, TypeGuard, TypeVar
+from typing import Any, TypeGuard, TypeVar, overload
 
 import torch
 from torch import Tensor
@@ -23,7 +29,14 @@ from gss.errors import GSSError
 
 Conversation = Sequence[Mapping[str, Any]]  # [{"role": "user", "content": "..."}, ...]
 Text = str | Conversation
-TextsOrIds = Sequence[Text] | Sequence[Mapping[str, Any]] | Sequence[Sequence[int]] | Tensor
+# the last: rows read as they come (a `datasets.Dataset` or `IterableDataset`, a generator)
+TextsOrIds = (
+    Sequence[Text]
+    | Sequence[Mapping[str, Any]]
+    | Sequence[Sequence[int]]
+    | Tensor
+    | Iterable[Mapping[str, Any]]
+)
 T = TypeVar("T", list[int], Tensor)
 
 FORMATS = (
@@ -53,7 +66,8 @@ def record_text(record: Mapping[str, Any], where: str = "a row") -> Text:
         return [*prompt, *completion]
     raise GSSError(
         f"{where} has keys {list(record)[:8]}, none in a format gss reads: {FORMATS}. For "
-        "another column, pass its strings (e.g. dataset['column'])."
+        "another column, pass its strings (e.g. dataset['column']) or name it (--text-column "
+        "/ --messages-column; dataset.rename_column(name, 'text'))."
     )
 
 
@@ -61,10 +75,10 @@ def read_rows(path: str | Path) -> list[str | dict[str, Any]]:
     """The rows of a ``.txt`` file (one string a line) or ``.jsonl`` file (one JSON object a
     line), as they are: `read_texts` turns them into texts, `encode_replies` into prompts and
     replies."""
-    return [row for _, row in _numbered_rows(path)]
+    return [row for _, row in numbered_rows(path)]
 
 
-def _numbered_rows(path: str | Path) -> list[tuple[str, str | dict[str, Any]]]:
+def numbered_rows(path: str | Path) -> list[tuple[str, str | dict[str, Any]]]:
     """`read_rows` with each row's place ("file:line") for error messages."""
     p = Path(path)
     if not p.is_file():
@@ -106,8 +120,13 @@ def read_texts(path: str | Path, keep_rows: bool = False) -> list[Any]:
     `keep_rows`: ``.jsonl`` rows stay dicts once their format is checked, so that what only the
     row says survives (which part is the completion; ``input_ids`` and ``labels``, which
     tokens training computed a loss on: `gss.signal.tokens`)."""
+    return texts_of(numbered_rows(path), keep_rows)
+
+
+def texts_of(rows: Iterable[tuple[str, str | dict[str, Any]]], keep_rows: bool) -> list[Any]:
+    """`read_texts` of rows already read, each with its place ("file:line")."""
     out: list[Any] = []
-    for where, row in _numbered_rows(path):
+    for where, row in rows:
         if isinstance(row, str):
             out.append(row)
         elif keep_rows and "input_ids" in row:
@@ -241,16 +260,17 @@ def _id_row(x: Any, index: int, where: str | None = None) -> list[int]:
 
 
 def _token_lists(
-    items: Sequence[Any], tokenizer: Any | None, max_length: int | None
+    items: Sequence[Any], tokenizer: Any | None, max_length: int | None, offset: int = 0
 ) -> list[list[int]]:
     """Token ids of each item (texts through ``tokenizer``, conversations through its chat
-    template), cut to ``max_length``."""
-    texts = [_as_text(x, i) for i, x in enumerate(items)]
+    template), cut to ``max_length``; errors count the items from ``offset``."""
+    texts = [_as_text(x, offset + i) for i, x in enumerate(items)]
     if all(t is None for t in texts):
-        seqs = [_id_row(x, i) for i, x in enumerate(items)]
+        seqs = [_id_row(x, offset + i) for i, x in enumerate(items)]
     elif any(t is None for t in texts):
         i = next(i for i, t in enumerate(texts) if t is None)
         kind = type(items[i]).__name__
+        i += offset
         raise GSSError(
             f"sequences must be all texts or all token ids; sequence {i} is a {kind} among texts."
         )
@@ -267,7 +287,7 @@ def _token_lists(
             )
         plain = {i: t for i, t in enumerate(texts) if isinstance(t, str)}
         chats = {
-            i: render(t, tokenizer, f"sequence {i}")
+            i: render(t, tokenizer, f"sequence {offset + i}")
             for i, t in enumerate(texts)
             if t is not None and not isinstance(t, str)
         }
@@ -297,9 +317,95 @@ def predictable(seqs: list[T]) -> list[T]:
     return kept
 
 
-def sequence_items(data: TextsOrIds, max_length: int | None) -> Sequence[Any]:
+class DatasetRows(Sequence[dict[str, Any]]):
+    """A `datasets.Dataset` as a sequence of row dicts, read from its (memory-mapped) table only
+    when iterated (``chunk`` rows at a time) or indexed: every list-taking path of gss reads it,
+    while the rows exist only as the slices asked for (`datasets.Dataset` is not a `Sequence`,
+    and ``dataset[a:b]`` is a dict of columns)."""
+
+    def __init__(self, dataset: Any, chunk: int = 256) -> None:
+        self.dataset = dataset
+        self.chunk = chunk
+
+    def __len__(self) -> int:
+        return int(self.dataset.num_rows)
+
+    @overload
+    def __getitem__(self, index: int) -> dict[str, Any]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[dict[str, Any]]: ...
+
+    def __getitem__(self, index: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step == 1:
+                return _row_dicts(self.dataset[start:stop]) if stop > start else []
+            return [self[i] for i in range(start, stop, step)]
+        n = len(self)
+        i = operator.index(index)
+        if not -n <= i < n:
+            raise IndexError(f"row {index} of a dataset of {n} rows")
+        return dict(self.dataset[i % n])
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for columns in self.dataset.iter(batch_size=self.chunk):
+            yield from _row_dicts(columns)
+
+    @property
+    def column_names(self) -> list[str]:
+        return list(self.dataset.column_names)
+
+    def __repr__(self) -> str:
+        return f"DatasetRows({len(self)} rows, columns {self.column_names})"
+
+
+def _row_dicts(columns: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A batch of a dataset (a dict of equally long columns) as its rows."""
+    names = list(columns)
+    if not names:
+        return []
+    return [dict(zip(names, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+
+
+def dataset_kind(data: Any) -> str | None:
+    """``"table"`` for a `datasets.Dataset`, ``"stream"`` for an `IterableDataset`, ``"splits"``
+    for a `DatasetDict` / `IterableDatasetDict`, None for anything else. Never imports
+    ``datasets``: an object of it exists only once it is imported."""
+    datasets = sys.modules.get("datasets")
+    if datasets is None:
+        return None
+    kinds = {
+        "table": ("Dataset",),
+        "stream": ("IterableDataset",),
+        "splits": ("DatasetDict", "IterableDatasetDict"),
+    }
+    for kind, names in kinds.items():
+        types = tuple(t for name in names if isinstance(t := getattr(datasets, name, None), type))
+        if types and isinstance(data, types):
+            return kind
+    return None
+
+
+def sequence_items(data: TextsOrIds, max_length: int | None) -> Iterable[Any]:
     """The sequences of `data`, not yet tokenized (a tensor's rows as views, cut to
-    `max_length`); an error if there are none."""
+    `max_length`; a `datasets.Dataset` as `DatasetRows`; an `IterableDataset` as it is, to be
+    read once); an error if there are none (for a stream: once it has been read,
+    `token_chunks`)."""
+    kind = dataset_kind(data)
+    if kind == "splits":
+        splits = list(data)
+        raise GSSError(
+            f"the texts are a DatasetDict of splits {splits}: pass one split, e.g. "
+            f"dataset[{splits[0] if splits else 'train'!r}]."
+        )
+    if kind == "table":
+        rows = DatasetRows(data)
+        if not rows:
+            raise GSSError("no sequences given (the dataset has no rows).")
+        return rows
+    if kind == "stream":
+        return data
     if isinstance(data, (str, bytes, Path)):
         raise GSSError(
             f"the texts are one {type(data).__name__}, which would be read item by item (a "
@@ -333,11 +439,49 @@ def sequence_items(data: TextsOrIds, max_length: int | None) -> Sequence[Any]:
     return items
 
 
+def chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    """``items`` as lists of ``size`` (the last shorter): slices of a sequence, else read from
+    one iterator, so a stream is read once."""
+    if isinstance(items, Sequence):
+        for start in range(0, len(items), size):
+            yield list(items[start : start + size])
+        return
+    stream = iter(items)
+    while part := list(islice(stream, size)):
+        yield part
+
+
+def token_chunks(
+    items: Iterable[Any], tokenizer: Any | None, max_length: int | None, chunk: int = 1024
+) -> Iterator[tuple[list[Any], list[list[int]]]]:
+    """``items`` (`sequence_items`) ``chunk`` at a time, each chunk with its token ids
+    (`_token_lists`): a dataset is tokenized as it is read, and a chunk's rows can be let go
+    once the caller has what it needs of them. All items must be texts, or all token ids."""
+    texts: bool | None = None  # whether the items seen so far are texts
+    start = 0
+    for part in chunks(items, chunk):
+        seqs = _token_lists(part, tokenizer, max_length, start)
+        these = _as_text(part[0], start) is not None
+        if texts is not None and these != texts:
+            kind = type(part[0]).__name__
+            among = "texts" if texts else "token ids"
+            raise GSSError(
+                f"sequences must be all texts or all token ids; sequence {start} is a {kind} "
+                f"among {among}."
+            )
+        texts = these
+        yield part, seqs
+        start += len(part)
+    if start == 0:
+        raise GSSError("no sequences given (the dataset yielded no rows).")
+
+
 def encode(
     data: TextsOrIds, tokenizer: Any | None = None, max_length: int | None = None
 ) -> list[list[int]]:
     """Token ids of each sequence: strings go through ``tokenizer``; ids pass through."""
-    return predictable(_token_lists(sequence_items(data, max_length), tokenizer, max_length))
+    items = sequence_items(data, max_length)
+    return predictable([s for _, part in token_chunks(items, tokenizer, max_length) for s in part])
 
 
 def encode_compact(
@@ -358,7 +502,7 @@ def encode_compact(
 
 
 def compact_rows(
-    items: Sequence[Any],
+    items: Iterable[Any],
     tokenizer: Any | None,
     max_length: int | None,
     chunk: int = 1024,
@@ -369,8 +513,7 @@ def compact_rows(
     if views:
         return list(items)
     out: list[Tensor] = []
-    for start in range(0, len(items), chunk):
-        part = _token_lists(items[start : start + chunk], tokenizer, max_length)
+    for _, part in token_chunks(items, tokenizer, max_length, chunk):
         out.extend(torch.as_tensor(s, dtype=torch.int32) for s in part)
     return out
 
@@ -415,7 +558,7 @@ def _prompt_and_full(x: Any, index: int) -> tuple[Text, Text]:
 
 
 def encode_replies(
-    data: Sequence[Any], tokenizer: Any, max_reply: int | None = None
+    data: Sequence[Any] | Iterable[Mapping[str, Any]], tokenizer: Any, max_reply: int | None = None
 ) -> list[tuple[list[int], list[int]]]:
     """Each row as (prompt ids, reply ids): what a chat fine-tune was asked, and what it
     answered in training.
@@ -425,11 +568,12 @@ def encode_replies(
     prompted at inference. A ``prompt`` / ``completion`` row's reply is the completion. Both
     come from the tokenized whole row, split where the separately tokenized prompt stops
     matching it, so the reply is the token ids training saw. `max_reply` cuts the replies.
+    A `datasets.Dataset` or `IterableDataset` is read row by row.
     """
-    if not isinstance(data, Sequence) or not data:
-        raise GSSError("no sequences given.")
+    if isinstance(data, Tensor) or not (dataset_kind(data) or isinstance(data, Sequence)):
+        raise GSSError("no sequences given: pass a list of conversations or rows.")
     out = []
-    for i, x in enumerate(data):
+    for i, x in enumerate(sequence_items(data, None)):
         prompt, full = _prompt_and_full(x, i)
         if isinstance(prompt, str) or isinstance(full, str):
             ids = [_token_lists([t], tokenizer, None)[0] for t in (prompt, full)]
@@ -442,6 +586,8 @@ def encode_replies(
         if cut == 0 or cut >= len(whole):
             raise GSSError(f"sequence {i} has an empty prompt or an empty reply once tokenized.")
         out.append((whole[:cut], whole[cut:][:max_reply]))
+    if not out:
+        raise GSSError("no sequences given.")
     return out
 
 

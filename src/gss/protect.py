@@ -22,6 +22,7 @@ The search, step by step (docs/protect.md says why each step is there):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -657,6 +658,21 @@ def protect(
         )
         _warn_open(gates, space.gate_share)
     seconds["total"] = time.perf_counter() - started
+    if chosen_steer is not None:  # the held-out report travels with the steer (its model card)
+        chosen_steer = _with_record(
+            chosen_steer,
+            {
+                "heldout_rows": len(held),
+                "k": k,
+                "n": n,
+                "before": {"memorized": before["memorized"], "utility": base},
+                "after": {"memorized": after["memorized"], "utility": after["utility"]},
+                "budget": {"measure": measure_name, "limit": limit},
+                "target": target,
+                "reached": after["memorized"] <= target,
+                "gate_open_share": gates.get("open_share", {}),
+            },
+        )
     return Protection(
         steer=chosen_steer,
         audit=report,
@@ -678,6 +694,19 @@ def protect(
         examples=examples,
         seconds=seconds,
     )
+
+
+def _with_record(steer: Steer, record: dict[str, Any]) -> Steer:
+    """``steer`` with what protect measured on the held-out rows in each member's
+    ``provenance.extra["protect"]``: saved and pushed with it (`gss.artifact.card`)."""
+
+    def one(a: SteeringArtifact) -> SteeringArtifact:
+        extra = {**a.provenance.extra, "protect": record}
+        return dataclasses.replace(a, provenance=dataclasses.replace(a.provenance, extra=extra))
+
+    if isinstance(steer, SteeringStack):
+        return SteeringStack(tuple(one(a) for a in steer))
+    return one(steer)
 
 
 Candidate = list[int] | tuple[list[int], list[int]]  # a row, or a (prompt, reply) pair

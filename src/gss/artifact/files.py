@@ -5,7 +5,9 @@ one rename, so an interrupted save leaves the old artifact (or nothing), never o
 config beside another's tensors; the config records the tensors' SHA-256, so a pair that does
 not belong together is refused when loaded. A directory is replaced only when it holds an
 artifact and the caller asked to replace it; a directory with other files in it (a model's own
-folder, say) is never written into.
+folder, say) is never written into. The artifact's model card (``README.md``, `gss.artifact.card`)
+is replaced with it only while it is the card gss wrote, unedited: a README someone wrote or
+edited beside an artifact is carried over into the new save, not overwritten.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import hashlib
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from gss.errors import GSSError
+from gss.artifact.card import CARD_NAME, card_is_generated
+from gss.errors import GSSError, GSSWarning
 
 CONFIG_NAME = "gss_config.json"
 TENSORS_NAME = "gss_tensors.safetensors"
@@ -47,6 +51,8 @@ def check_target(directory: str | Path, overwrite: bool) -> Path:
     ours = set(ARTIFACT_FILES)
     if STACK_NAME in present:
         ours = {STACK_NAME} | {p.name for p in out.glob("steer-*") if _is_artifact(p)}
+    if CARD_NAME in present and (present & ours or card_is_generated(out / CARD_NAME)):
+        ours.add(CARD_NAME)  # gss's card, or a README beside an artifact (kept: write_atomically)
     foreign = sorted(present - ours)
     if foreign:
         shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
@@ -62,16 +68,23 @@ def check_target(directory: str | Path, overwrite: bool) -> Path:
     return out
 
 
-def write_atomically(directory: str | Path, overwrite: bool, write: Callable[[Path], None]) -> Path:
+def write_atomically(
+    directory: str | Path,
+    overwrite: bool,
+    write: Callable[[Path], None],
+    card: str | None = None,
+) -> Path:
     """Call ``write(tmp)`` to fill a temporary directory, then put it at ``directory`` in one
     rename (after `check_target`); an existing artifact there is replaced only once the new one
-    is complete."""
+    is complete. ``card``: the model card to write as ``README.md``, unless the directory holds
+    a README gss did not write (or one edited since), which is kept instead."""
     out = check_target(directory, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     old: Path | None = None
     try:
         write(tmp)
+        _place_card(out, tmp, card)
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; a directory as mkdir would
         for path in tmp.rglob("*"):  # every file alike, as open() would
             os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~_umask())
@@ -104,6 +117,23 @@ def check_outputs(directory: str | Path | None, names: Iterable[str], overwrite:
             f"{out} already holds {', '.join(existing)}: pass --overwrite to replace "
             f"{'it' if len(existing) == 1 else 'them'}, or choose another --out."
         )
+
+
+def _place_card(out: Path, tmp: Path, card: str | None) -> None:
+    """The new save's ``README.md``: the one already at ``out`` when a person wrote or edited
+    it (never overwritten), else ``card``."""
+    existing = out / CARD_NAME
+    if existing.is_file() and not card_is_generated(existing):
+        shutil.copy2(existing, tmp / CARD_NAME)
+        warnings.warn(
+            f"kept {existing}: gss did not write it (or it was edited since), so it was not "
+            "replaced by a new model card and may describe the artifact it replaced. Delete it "
+            "and save again for a card of this artifact.",
+            GSSWarning,
+            stacklevel=4,
+        )
+    elif card is not None:
+        (tmp / CARD_NAME).write_text(card, encoding="utf-8")
 
 
 def _is_artifact(path: Path) -> bool:

@@ -5,7 +5,9 @@ protect` adds a block calibrated on the model already steered at the blocks befo
 steers belong together: the later ones were measured with the earlier ones in place, so they
 are saved, loaded, attached and removed as one. On disk a stack is a directory holding
 ``gss_stack.json`` (the order, and each member's tensors checksum) and one ordinary artifact
-directory per member (``steer-0``, ``steer-1``, ...), written with the same atomic save.
+directory per member (``steer-0``, ``steer-1``, ...), written with the same atomic save, beside
+one model card (``README.md``) for the whole stack. On the Hub, a repo holds the same files
+(`push_to_hub`, `gss.load("org/name")`: `gss.artifact.hub`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Any
 from torch import nn
 
 from gss import __version__
+from gss.artifact import hub
+from gss.artifact.card import model_card
 from gss.artifact.files import STACK_NAME, TENSORS_NAME, sha256_of, write_atomically
 from gss.artifact.steering_artifact import SteeringArtifact
 from gss.errors import GSSError
@@ -32,7 +36,7 @@ MEMBER = re.compile(r"steer-\d+")
 
 
 @dataclass(frozen=True)
-class SteeringStack:
+class SteeringStack(hub.HubMixin):
     """Steers for several blocks, in the order they were calibrated (each on the model steered
     by the ones before it); attached together, removed together."""
 
@@ -109,34 +113,44 @@ class SteeringStack:
         return SteeringStack(tuple(members))
 
     def save_pretrained(self, directory: str | Path, overwrite: bool = False) -> Path:
-        """Write the manifest and one artifact directory per member, atomically (all or none)."""
+        """Write the manifest, one artifact directory per member and the stack's model card
+        (``README.md``), atomically (all or none); a README someone wrote or edited is kept."""
+        card = model_card(self, str(directory))
+        return write_atomically(directory, overwrite, self.write_into, card)
 
-        def write(tmp: Path) -> None:
-            names = []
-            for i, a in enumerate(self.artifacts):
-                name = f"steer-{i}"
-                (tmp / name).mkdir()
-                a.write_into(tmp / name)
-                names.append(
-                    {
-                        "dir": name,
-                        "layer": a.layer,
-                        "tensors_sha256": sha256_of(tmp / name / TENSORS_NAME),
-                    }
-                )
-            manifest = {
-                "format": "gss-stack",
-                "format_version": STACK_FORMAT_VERSION,
-                "gss_version": __version__,
-                "members": names,
-            }
-            (tmp / STACK_NAME).write_text(json.dumps(manifest, indent=2))
-
-        return write_atomically(directory, overwrite, write)
+    def write_into(self, directory: Path) -> None:
+        """The manifest and the members' directories, into ``directory`` as it is (the step
+        `save_pretrained` and `push_to_hub` run inside their temporary directory)."""
+        names = []
+        for i, a in enumerate(self.artifacts):
+            name = f"steer-{i}"
+            (directory / name).mkdir()
+            a.write_into(directory / name)
+            names.append(
+                {
+                    "dir": name,
+                    "layer": a.layer,
+                    "tensors_sha256": sha256_of(directory / name / TENSORS_NAME),
+                }
+            )
+        manifest = {
+            "format": "gss-stack",
+            "format_version": STACK_FORMAT_VERSION,
+            "gss_version": __version__,
+            "members": names,
+        }
+        (directory / STACK_NAME).write_text(json.dumps(manifest, indent=2))
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path) -> SteeringStack:
-        path = Path(directory)
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        *,
+        revision: str | None = None,
+        token: str | bool | None = None,
+    ) -> SteeringStack:
+        """Load a stack from its directory, or from a Hub repo id at ``revision``."""
+        path = hub.local_path(directory, revision, token)
         manifest_path = path / STACK_NAME
         try:
             raw = json.loads(manifest_path.read_text(encoding="utf-8"))
@@ -212,12 +226,21 @@ class StackHandle:
 Steer = SteeringArtifact | SteeringStack
 
 
-def load(directory: str | Path) -> Steer:
+def load(
+    directory: str | Path, *, revision: str | None = None, token: str | bool | None = None
+) -> Steer:
     """Load a saved :class:`SteeringArtifact`, or a :class:`SteeringStack` (several blocks'
-    steers saved as one, as `gss protect` writes when one block is not enough)."""
+    steers saved as one, as `gss protect` writes when one block is not enough).
+
+    ``directory`` is the artifact's directory, or a Hub repo id (``"org/name"``, a str that
+    names no local path) read at ``revision`` through the local Hub cache, which
+    ``HF_HUB_OFFLINE=1`` keeps to (`gss.artifact.hub`); ``token`` for a private repo."""
     if not isinstance(directory, (str, os.PathLike)):
-        raise GSSError(f"give the directory of a saved artifact, got {type(directory).__name__}.")
-    path = Path(directory)
+        raise GSSError(
+            f"give the directory of a saved artifact or a Hub repo id, got "
+            f"{type(directory).__name__}."
+        )
+    path = hub.local_path(directory, revision, token)
     if (path / STACK_NAME).is_file():
         return SteeringStack.from_pretrained(path)
     return SteeringArtifact.from_pretrained(path)

@@ -1,8 +1,10 @@
 """SteeringArtifact: the calibrated steer, its provenance, and how to attach it to a model.
 
 Saved as a directory with ``gss_config.json`` (format version, model fingerprint, layer, hook
-point, options, thresholds, token counts, timings) and ``gss_tensors.safetensors``. Nothing is
-pickled. Attaching checks the fingerprint and refuses a model that differs, saying how.
+point, options, thresholds, token counts, timings) and ``gss_tensors.safetensors``, beside a
+model card (``README.md``, which loading ignores). Nothing is pickled. Attaching checks the
+fingerprint and refuses a model that differs, saying how. `push_to_hub` and loading by Hub id
+are in `gss.artifact.hub`.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from torch import Tensor, nn
 
 from gss import __version__
 from gss.artifact import describe as summary
-from gss.artifact.files import CONFIG_NAME, TENSORS_NAME, sha256_of, write_atomically
+from gss.artifact import hub
+from gss.artifact.card import model_card
+from gss.artifact.files import CONFIG_NAME, STACK_NAME, TENSORS_NAME, sha256_of, write_atomically
 from gss.config import CalibrationConfig
 from gss.errors import GSSError, GSSWarning
 from gss.hf.blocks import find_decoder_blocks, residual_width, resolve_layer
 from gss.hf.forward import check_models, input_embedding_values, vocab_size
+from gss.hf.quantization import is_quantized_weight
 from gss.steering.attach import SteerHandle, register, warn_if_steering
 from gss.steering.gated import GatedSteer
 
@@ -72,13 +77,15 @@ def blocks_sample(model: nn.Module, block_path: str | None = None) -> list[dict[
     """A few weights of every decoder block, as bfloat16 bit patterns: a fine-tune of the same
     base changes some block (its embeddings may stay as they were), while the same weights in
     float32, bfloat16 or float16 round to the same bfloat16 values. Blocks whose weights are
-    not in memory (offloaded to the meta device) record nothing."""
+    not in memory (offloaded to the meta device) or are stored quantized (their values are the
+    model's, rounded further) record nothing, so a steer calibrated on the full weights
+    attaches to the same model quantized, and back."""
     out: list[dict[str, Any]] = []
     for block in find_decoder_blocks(model, block_path):
         named = [(n, w) for n, w in block.named_parameters() if w.numel() >= _BLOCK_SAMPLE][:2]
         entry: dict[str, Any] = {"names": [n for n, _ in named], "bits": []}
         for _, weight in named:
-            if weight.device.type == "meta":
+            if weight.device.type == "meta" or is_quantized_weight(weight):
                 entry = {"names": [], "bits": []}
                 break
             flat = weight.detach().reshape(-1)
@@ -140,7 +147,7 @@ class Provenance:
 
 
 @dataclass(frozen=True)
-class SteeringArtifact:
+class SteeringArtifact(hub.HubMixin):
     """A calibrated gated subspace steer for one layer of one model.
 
     Attributes:
@@ -313,12 +320,15 @@ class SteeringArtifact:
         return register(block, hook, model)
 
     def save_pretrained(self, directory: str | Path, overwrite: bool = False) -> Path:
-        """Write ``gss_config.json`` and ``gss_tensors.safetensors`` into ``directory``.
+        """Write ``gss_config.json``, ``gss_tensors.safetensors`` and the model card
+        (``README.md``, `gss.artifact.card`) into ``directory``.
 
         The directory must be new, empty, or (with ``overwrite``) hold an artifact: nothing
-        else is ever written into or deleted. The save is atomic (`gss.artifact.files`).
+        else is ever written into or deleted, and a README.md someone wrote or edited is kept.
+        The save is atomic (`gss.artifact.files`).
         """
-        return write_atomically(directory, overwrite, self.write_into)
+        card = model_card(self, str(directory))
+        return write_atomically(directory, overwrite, self.write_into, card)
 
     def write_into(self, directory: Path) -> None:
         """Write both files into ``directory`` as they are (no checks, not atomic): the step
@@ -347,10 +357,23 @@ class SteeringArtifact:
         (directory / CONFIG_NAME).write_text(json.dumps(saved, indent=2))
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path) -> SteeringArtifact:
-        """Load an artifact written by :meth:`save_pretrained` (format 2, or 1 before it)."""
-        path = Path(directory)
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        *,
+        revision: str | None = None,
+        token: str | bool | None = None,
+    ) -> SteeringArtifact:
+        """Load an artifact written by :meth:`save_pretrained` (format 2, or 1 before it) from
+        its directory, or from a Hub repo id (``"org/name"``, at ``revision``) through the
+        local Hub cache (`gss.artifact.hub`)."""
+        path = hub.local_path(directory, revision, token)
         cfg_path, tensors_path = path / CONFIG_NAME, path / TENSORS_NAME
+        if (path / STACK_NAME).is_file():
+            raise GSSError(
+                f"{directory} is a steering stack (several blocks saved together): load it with "
+                "gss.load or SteeringStack.from_pretrained."
+            )
         if not cfg_path.is_file() or not tensors_path.is_file():
             raise GSSError(
                 f"{path} is not a gss artifact directory: expected {CONFIG_NAME} and "

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gss.artifact.files import check_outputs, check_target
-from gss.cli.options import config_overrides, parse_floats, parse_layers
+from gss.cli.options import config_overrides, data_columns, parse_floats, parse_layers
 from gss.errors import GSSError
-from gss.hf.loading import default_max_length, load_model, load_reference
+from gss.hf.loading import default_max_length, load_model, load_reference, parse_device_map
 
 if TYPE_CHECKING:
     from gss.artifact.stack import Steer
@@ -41,12 +41,50 @@ def _resolve_max_length(args: argparse.Namespace, model: Any) -> None:
         args.max_length = default_max_length(model)
 
 
+def _loading(args: argparse.Namespace) -> dict[str, Any]:
+    """How --model and --reference load: --device or --device-map, --dtype, the quantization
+    (`gss.hf.loading.load_weights`)."""
+    device_map = getattr(args, "device_map", None)
+    return {
+        "device": args.device,
+        "dtype": args.dtype,
+        "device_map": parse_device_map(device_map) if device_map is not None else None,
+        "quantization": getattr(args, "quantization", None),
+    }
+
+
+def _load_model(args: argparse.Namespace) -> tuple[Any, Any]:
+    """--model (a directory or a Hub id at --model-revision) and its tokenizer; ``args.device``
+    becomes where its inputs go (under --device-map: its input embeddings' device)."""
+    from gss.hf.forward import model_device
+
+    loading = _loading(args)
+    revision = getattr(args, "model_revision", None)
+    model, tokenizer = load_model(args.model, revision=revision, **loading)
+    if args.device is None:
+        args.device = str(model_device(model))
+    return model, tokenizer
+
+
 def _models(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """--model, its tokenizer and --reference; --max-length resolved."""
-    model, tokenizer = load_model(args.model, args.device, args.dtype)
+    loading = _loading(args)
+    model, tokenizer = _load_model(args)
     _resolve_max_length(args, model)
-    ref = load_reference(args.reference, model, tokenizer, args.device, args.dtype)
+    revision = getattr(args, "reference_revision", None)
+    ref = load_reference(args.reference, model, tokenizer, revision=revision, **loading)
     return model, tokenizer, ref
+
+
+def _read(args: argparse.Namespace, value: str, main: bool = False, keep_rows: bool = True) -> Any:
+    """The rows of one data option (`gss.data_sources.read_data`), with --split and the column
+    options: ``main`` (--data, --memorized) must have the columns named, the others use them
+    where they have them."""
+    from gss.data_sources import read_data
+
+    progress = not getattr(args, "no_progress", False)
+    columns = data_columns(args)
+    return read_data(value, strict=main, keep_rows=keep_rows, progress=progress, **columns)
 
 
 def _init_distributed(device: str) -> str:
@@ -73,13 +111,14 @@ def _require_gss_bench(command: str) -> None:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from gss import distributed
     from gss.calibrate import calibrate
-    from gss.data import read_texts
 
     check_target(args.out, args.overwrite)  # before the models load
-    args.device = _init_distributed(args.device)
+    if args.device_map is None:  # torchrun: each rank on its own device
+        args.device = _init_distributed(args.device or "cpu")
+    # the data before the models: a wrong path, column or split fails in seconds
+    texts = _read(args, args.data, main=True)  # rows keep their labels and completions
+    gen_texts = _read(args, args.gen_data, keep_rows=False) if args.gen_data else None
     model, tokenizer, reference = _models(args)
-    texts = read_texts(args.data, keep_rows=True)  # rows keep their labels and completions
-    gen_texts = read_texts(args.gen_data) if args.gen_data else None
     artifact = calibrate(
         model,
         reference,
@@ -123,7 +162,7 @@ def _check_delta(artifact: Any, delta: float | None) -> None:
 def _cmd_show(args: argparse.Namespace) -> int:
     from gss.artifact.stack import SteeringStack, load
 
-    artifact = load(args.artifact)
+    artifact = load(args.artifact, revision=args.revision)  # a directory or a Hub repo id
     if args.json:
         members = artifact.artifacts if isinstance(artifact, SteeringStack) else (artifact,)
         described = [
@@ -133,6 +172,43 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print(json.dumps(described[0] if len(described) == 1 else described, indent=2))
     else:
         print(artifact.describe())
+    return 0
+
+
+def _cmd_push(args: argparse.Namespace) -> int:
+    from gss.artifact.card import CARD_NAME, card_is_generated
+    from gss.artifact.stack import load
+
+    directory = Path(args.artifact)
+    if not directory.is_dir():
+        raise GSSError(
+            f"{directory} is not a directory: give the directory of a saved artifact (gss "
+            "calibrate --out, gss protect's steer/, gss sweep --save)."
+        )
+    steer = load(directory)  # every check of a load, before anything is uploaded
+    card, own = None, directory / CARD_NAME
+    if args.model_card:
+        try:
+            card = Path(args.model_card).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise GSSError(f"--model-card {args.model_card} does not read as text ({e}).") from None
+    elif own.is_file() and not card_is_generated(own):
+        card = own.read_text(encoding="utf-8", errors="replace")  # the user's own: theirs to push
+        print(f"uploading {own} as the model card (you wrote or edited it)")
+    info = steer.push_to_hub(
+        args.repo_id,
+        revision=args.revision,
+        private=True if args.private else None,  # not given: an existing repo's stays
+        commit_message=args.commit_message,
+        create_pr=args.create_pr,
+        model_card=card,
+    )
+    url = getattr(info, "pr_url", None) or getattr(info, "commit_url", None) or args.repo_id
+    at = f" --revision {args.revision}" if args.revision else ""
+    print(
+        f"pushed {directory} to {args.repo_id} ({url}): gss.load({args.repo_id!r}), "
+        f"gss show {args.repo_id}{at}, gss generate --steer {args.repo_id}"
+    )
     return 0
 
 
@@ -156,7 +232,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             )
     artifact = load(args.steer)  # a damaged artifact fails before the model loads
     _check_delta(artifact, args.delta)
-    model, tokenizer = load_model(args.model, args.device, args.dtype)
+    model, tokenizer = _load_model(args)
     prompts = args.prompt
     limit = context_length(model)
     pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
@@ -242,18 +318,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_signal(args: argparse.Namespace) -> int:
-    from gss.data import read_texts
     from gss.evaluate.signal_report import omega_all_zero, omega_of_texts, signal_report
 
     written = ["signal.json", *(["signal.png"] if args.plot else [])]
     check_outputs(args.out, written, args.overwrite)
+    texts = _read(args, args.data, main=True)  # before the models: fails in seconds
+    normal_texts = _read(args, args.normal_data, keep_rows=False) if args.normal_data else None
     model, tokenizer, reference = _models(args)
     batching = {
         "max_length": args.max_length,
         "batch_size": args.batch_size,
         "progress": not args.no_progress,
     }
-    texts = read_texts(args.data, keep_rows=True)
     omega = omega_of_texts(model, reference, texts, tokenizer, **batching)
     if omega_all_zero(omega):
         print(
@@ -262,8 +338,7 @@ def _cmd_signal(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     normal = None
-    if args.normal_data:
-        normal_texts = read_texts(args.normal_data)
+    if normal_texts is not None:
         normal = omega_of_texts(model, reference, normal_texts, tokenizer, **batching)
     report = signal_report(omega, texts, tokenizer, max_length=args.max_length, normal=normal)
     print(json.dumps(report.to_dict(), indent=2))
@@ -277,27 +352,35 @@ def _cmd_signal(args: argparse.Namespace) -> int:
     return 0
 
 
-def _evaluation_inputs(args: argparse.Namespace) -> EvaluationInputs:
-    """Model, tokenizer, artifact (None without --steer), the rows to evaluate on and the
-    secrets check (None when no --memorized row has secrets), for `gss evaluate` and
-    `gss sweep`."""
+def _steered_model(args: argparse.Namespace) -> tuple[Any, Any, Steer | None]:
+    """Model, tokenizer and artifact (None without --steer), checked against each other
+    (`gss evaluate --lm-eval` without --memorized needs no more)."""
     from gss.artifact.stack import load
-    from gss.evaluate.inputs import evaluation_rows, secrets_check
 
     artifact = load(args.steer) if args.steer else None
     if artifact is not None:
         _check_delta(artifact, getattr(args, "delta", None))
-    model, tokenizer = load_model(args.model, args.device, args.dtype)
+    model, tokenizer = _load_model(args)
     _resolve_max_length(args, model)
     if artifact is not None:
         artifact.check_model(model)  # refuse a foreign artifact before the slow part
+    return model, tokenizer, artifact
+
+
+def _evaluation_inputs(args: argparse.Namespace) -> EvaluationInputs:
+    """Model, tokenizer, artifact (None without --steer), the rows to evaluate on and the
+    secrets check (None when no --memorized row has secrets), for `gss evaluate` and
+    `gss sweep`."""
+    from gss.evaluate.inputs import evaluation_rows, secrets_check
+
+    memorized = _read(args, args.memorized, main=True)  # rows keep their secrets
+    heldout = _read(args, args.heldout, keep_rows=False)  # both before the model loads
+    model, tokenizer, artifact = _steered_model(args)
     window = {"k": args.k, "n": args.n, "reply": args.reply}
-    rows = evaluation_rows(
-        args.memorized, args.heldout, tokenizer, max_length=args.max_length, **window
-    )
+    rows = evaluation_rows(memorized, heldout, tokenizer, max_length=args.max_length, **window)
     progress = not args.no_progress
     check = secrets_check(
-        args.memorized, tokenizer, batch_size=args.batch_size, progress=progress, **window
+        memorized, tokenizer, batch_size=args.batch_size, progress=progress, **window
     )
     return model, tokenizer, artifact, rows, check
 
@@ -306,8 +389,24 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from gss.evaluate.compare import evaluate_steering
     from gss.report import write_json
 
-    check_outputs(args.out, ["evaluation.json", "evaluation.md"], args.overwrite)
-    model, _, artifact, rows, check = _evaluation_inputs(args)
+    lm_eval = args.lm_eval is not None
+    memorization = not lm_eval or args.memorized is not None or args.heldout is not None
+    if memorization and (args.memorized is None or args.heldout is None):
+        raise GSSError(
+            "give --memorized and --heldout (memorization and held-out perplexity), "
+            "--lm-eval TASKS (lm-eval tasks), or both"
+            if args.memorized is None and args.heldout is None
+            else f"--memorized and --heldout go together: give --"
+            f"{'heldout' if args.heldout is None else 'memorized'} too."
+        )
+    outputs = ["evaluation.json", "evaluation.md"] if memorization else []
+    outputs += ["lm_eval.json", "lm_eval.md"] if lm_eval else []
+    check_outputs(args.out, outputs, args.overwrite)
+    tasks = _lm_eval_tasks(args)  # None without --lm-eval; checked before any model loads
+    if not memorization:
+        model, tokenizer, artifact = _steered_model(args)
+        return _cmd_lm_eval(args, model, tokenizer, artifact, tasks)
+    model, tokenizer, artifact, rows, check = _evaluation_inputs(args)
     result = evaluate_steering(
         model,
         artifact,
@@ -327,13 +426,65 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         write_json(out / "evaluation.json", result.record(args.model, args.steer))
         (out / "evaluation.md").write_text(table)
         print(f"wrote {out}/evaluation.json and evaluation.md")
+    if tasks is not None:
+        return _cmd_lm_eval(args, model, tokenizer, artifact, tasks)
+    return 0
+
+
+def _lm_eval_tasks(args: argparse.Namespace) -> Any:
+    """--lm-eval's tasks checked (lm-eval installed, every name known, the settings valid),
+    or None without --lm-eval: all before any model loads."""
+    from gss.evaluate.lm_eval_bridge import check_settings, lm_eval_tasks
+
+    given = [f for f in ("include", "limit", "fewshot") if getattr(args, f"lm_eval_{f}")]
+    if args.lm_eval is None:
+        if given:
+            raise GSSError(
+                f"--lm-eval-{given[0]} is for --lm-eval: name the tasks (--lm-eval TASKS), "
+                "or leave it out."
+            )
+        return None
+    limit = args.lm_eval_limit
+    if limit is not None and limit >= 1 and limit == int(limit):
+        args.lm_eval_limit = int(limit)  # a count of documents, recorded as one
+    check_settings(args.lm_eval_limit, args.lm_eval_fewshot)
+    return lm_eval_tasks(args.lm_eval, args.lm_eval_include)
+
+
+def _cmd_lm_eval(
+    args: argparse.Namespace, model: Any, tokenizer: Any, artifact: Steer | None, tasks: Any
+) -> int:
+    """`gss evaluate --lm-eval`: the tasks unsteered and steered, printed and saved."""
+    from gss.evaluate.lm_eval_bridge import lm_eval_steering
+    from gss.report import write_json
+
+    result = lm_eval_steering(
+        model,
+        artifact,
+        tasks,
+        tokenizer=tokenizer,
+        limit=args.lm_eval_limit,
+        num_fewshot=args.lm_eval_fewshot,
+        batch_size=args.batch_size,
+        delta=args.delta,
+    )
+    table = result.table()
+    print(f"lm-eval: {', '.join(result.tasks)}")
+    print(table)
+    if result.gate_open_share is not None:
+        print(f"(the gate opened on {100 * result.gate_open_share:.1f}% of positions)")
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "lm_eval.json", result.record(args.model, args.steer))
+        (out / "lm_eval.md").write_text(table)
+        print(f"wrote {out}/lm_eval.json and lm_eval.md")
     return 0
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from gss.artifact.stack import SteeringStack, load
     from gss.artifact.steering_artifact import SteeringArtifact
-    from gss.data import encode, read_texts
+    from gss.data import encode
     from gss.evaluate.compare import sweep_and_select
     from gss.evaluate.sweep import select_point
     from gss.report import write_json
@@ -365,9 +516,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     ranks = parse_floats(args.ranks, "--ranks")
     if ranks and any(r != int(r) for r in ranks):
         raise GSSError(f"--ranks takes whole numbers (directions kept), got {args.ranks!r}.")
+    general_rows = _read(args, args.general, keep_rows=False) if args.general else None
     model, tokenizer, artifact, rows, check = _evaluation_inputs(args)
     assert isinstance(artifact, SteeringArtifact)  # --steer is required, and not a stack
-    general = encode(read_texts(args.general), tokenizer, args.max_length) if args.general else None
+    general = encode(general_rows, tokenizer, args.max_length) if general_rows is not None else None
     result = sweep_and_select(
         model,
         artifact,
@@ -423,21 +575,22 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_layers(args: argparse.Namespace) -> int:
-    from gss.data import read_texts
     from gss.layer_scan import scan_layers
     from gss.report import write_json
 
     layers = parse_layers(args.layers)
     check_outputs(args.out, ["layers.json", "layers.png"], args.overwrite)
+    texts = _read(args, args.data, main=True)  # before the models: fails in seconds
+    gen_texts = _read(args, args.gen_data, keep_rows=False) if args.gen_data else None
     model, tokenizer, reference = _models(args)
     scan = scan_layers(
         model,
         reference,
-        read_texts(args.data, keep_rows=True),
+        texts,
         args.preset,
         layers=layers,
         tokenizer=tokenizer,
-        gen_texts=read_texts(args.gen_data) if args.gen_data else None,
+        gen_texts=gen_texts,
         batch_size=args.batch_size,
         progress=not args.no_progress,
         **{**config_overrides(args), "max_length": args.max_length},
@@ -468,11 +621,10 @@ def _replies(rows: Any, tokenizer: Any, args: argparse.Namespace) -> Any:
 
 def _cmd_audit(args: argparse.Namespace) -> int:
     from gss.audit import OUTPUTS, audit, check_window
-    from gss.data import read_texts
 
     check_window(args.k, args.n)  # before the models load
     check_outputs(args.out, OUTPUTS, args.overwrite)
-    texts = read_texts(args.data, keep_rows=args.reply)
+    texts = _read(args, args.data, main=True, keep_rows=args.reply)
     args.max_length = args.n  # rows are read up to n tokens
     model, tokenizer, reference = _models(args)
     report = audit(
@@ -501,16 +653,15 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
 def _cmd_protect(args: argparse.Namespace) -> int:
     from gss.audit import check_window
-    from gss.data import read_texts
     from gss.protect import OUTPUTS, SearchSpace, protect
 
     check_window(args.k, args.n)  # before the models load
     check_outputs(args.out, OUTPUTS, args.overwrite)
     space = SearchSpace(max_blocks=args.max_blocks)
     space.check()
-    texts = read_texts(args.data, keep_rows=True)
-    general = read_texts(args.general, keep_rows=True) if args.general else None
-    heldout = read_texts(args.heldout, keep_rows=True) if args.heldout else None
+    texts = _read(args, args.data, main=True)
+    general = _read(args, args.general) if args.general else None
+    heldout = _read(args, args.heldout) if args.heldout else None
     args.max_length = args.n
     model, tokenizer, reference = _models(args)
     result = protect(

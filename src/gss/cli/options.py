@@ -18,10 +18,12 @@ from typing import Any
 from gss.config import DEFAULT_PRESET, PRESETS, CalibrationConfig, field_names
 from gss.errors import GSSError
 from gss.hf.loading import ADAPTERS_OFF, DEFAULT_MAX_LENGTH
+from gss.hf.quantization import QUANTO
 
 DATA_HELP = (
     ".txt (one sequence a line) or .jsonl (rows with 'text', or 'messages' (rendered with the "
-    "chat template), or 'prompt' and 'completion')"
+    "chat template), or 'prompt' and 'completion'); with the datasets extra also .parquet, "
+    ".csv, .json, .arrow, a save_to_disk directory or a Hub dataset id (--split, --text-column)"
 )
 # The fields `gss layers` reads (`gss.scan_layers`).
 SCAN_FIELDS = ("omega_threshold", "replies_only", "target", "block_path")
@@ -38,13 +40,53 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The fine-tuned model, where it runs and how it loads (`gss.hf.loading.load_model`)."""
-    p.add_argument("--model", required=True, help="local directory of the fine-tuned model")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda or cuda:1")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="the fine-tuned model: its directory, or a Hub repo id org/name (through the Hub "
+        "cache; from the cache alone with HF_HUB_OFFLINE=1)",
+    )
+    p.add_argument(
+        "--model-revision",
+        metavar="REV",
+        help="with a Hub repo id for --model: its branch, tag or commit",
+    )
+    p.add_argument(
+        "--device", help="torch device, e.g. cpu, cuda or cuda:1 (default: cpu; or --device-map)"
+    )
+    p.add_argument(
+        "--device-map",
+        metavar="MAP",
+        help="place the model (and the reference) with accelerate instead of --device: auto, "
+        'a device, or a JSON object of module placements, e.g. \'{"model.layers.0": 0, '
+        '"lm_head": "cpu"}\'',
+    )
     p.add_argument(
         "--dtype",
         default="float32",
         choices=["float32", "bfloat16", "float16"],
-        help="dtype the weights are loaded in",
+        help="dtype the weights are loaded in (quantized: of the layers left unquantized)",
+    )
+    quantized = p.add_mutually_exclusive_group()
+    quantized.add_argument(
+        "--quantization",
+        choices=list(QUANTO),
+        help="load the model (and the reference) with weight-only quantization by "
+        "optimum-quanto, on a CPU or a GPU (pip install 'gated-subspace-steering[quant]')",
+    )
+    quantized.add_argument(
+        "--load-in-8bit",
+        dest="quantization",
+        action="store_const",
+        const="bnb-8bit",
+        help="load in 8 bits with bitsandbytes (a CUDA GPU only)",
+    )
+    quantized.add_argument(
+        "--load-in-4bit",
+        dest="quantization",
+        action="store_const",
+        const="bnb-4bit",
+        help="load in 4 bits (NF4) with bitsandbytes (a CUDA GPU only)",
     )
     p.add_argument(
         "--no-progress",
@@ -66,8 +108,14 @@ def add_reference_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--reference",
         required=True,
-        help=f"local directory of the reference model, or {ADAPTERS_OFF} when --model is a "
-        "PEFT adapter directory: its base model with the adapters switched off",
+        help=f"the reference model: its directory or Hub repo id (loaded as --model is), or "
+        f"{ADAPTERS_OFF} when --model is a PEFT adapter: its base model with the adapters "
+        "switched off",
+    )
+    p.add_argument(
+        "--reference-revision",
+        metavar="REV",
+        help="with a Hub repo id for --reference: its branch, tag or commit",
     )
 
 
@@ -131,6 +179,34 @@ def add_batch_args(
         type=positive_int,
         help=f"{length_help} (default: {DEFAULT_MAX_LENGTH}, or the model's context if shorter)",
     )
+
+
+def add_data_args(p: argparse.ArgumentParser, main: str = "--data") -> None:
+    """Which split and which columns the command's data options read (`gss.data_sources`):
+    the columns must be in ``main``; the other data options use them where they have them."""
+    p.add_argument(
+        "--split",
+        help="the split of a Hub dataset, a dataset folder or a saved DatasetDict, for every "
+        "data option (default: train; a Hub dataset also takes slices, e.g. 'train[:1000]')",
+    )
+    columns = {
+        "text": "the column holding the text (a string)",
+        "messages": "the column holding the conversation (a list of {'role', 'content'})",
+        "prompt": "the column holding the prompt (with --completion-column)",
+        "completion": "the column holding the completion (with --prompt-column)",
+    }
+    for kind, what in columns.items():
+        p.add_argument(
+            f"--{kind}-column",
+            metavar="NAME",
+            help=f"{what}, in {main}'s rows; the other data options read it where they have it",
+        )
+
+
+def data_columns(args: argparse.Namespace) -> dict[str, str | None]:
+    """The ``--split`` and column options, as `gss.data_sources.read_data`'s keywords."""
+    names = ("split", "text_column", "messages_column", "prompt_column", "completion_column")
+    return {name: getattr(args, name, None) for name in names}
 
 
 def add_window_args(p: argparse.ArgumentParser) -> None:

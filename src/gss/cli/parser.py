@@ -16,6 +16,7 @@ from gss.cli.options import (
     HelpFormatter,
     add_batch_args,
     add_config_args,
+    add_data_args,
     add_model_args,
     add_out_args,
     add_preset_arg,
@@ -24,6 +25,8 @@ from gss.cli.options import (
     positive_int,
 )
 from gss.config import field_names
+
+HUB_ID = "or a Hub repo id org/name (from the local Hub cache with HF_HUB_OFFLINE=1)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_reference_arg(p)
     p.add_argument("--data", required=True, help=DATA_HELP)
     p.add_argument("--gen-data", help="held-out text for Sigma_gen and thresholds")
+    add_data_args(p)
     add_preset_arg(p)
     calibrate_fields = [n for n in field_names() if n != "max_length"]  # --max-length: below
     add_config_args(p, calibrate_fields, required=("layer",))
@@ -61,13 +65,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=commands._cmd_calibrate)
 
     p = add("show", "what a steering artifact steers, how it was calibrated, its gates")
-    p.add_argument("artifact", help="artifact directory from `gss calibrate`")
+    p.add_argument("artifact", help=f"artifact directory from `gss calibrate`, {HUB_ID}")
+    p.add_argument("--revision", help="with a Hub repo id: its branch, tag or commit")
     p.add_argument("--json", action="store_true", help="print the whole config as JSON")
     p.set_defaults(func=commands._cmd_show)
 
+    p = add("push", "upload a steering artifact and its model card to a Hugging Face Hub repo")
+    p.add_argument("artifact", metavar="ARTIFACT_DIR", help="the artifact's (or stack's) directory")
+    p.add_argument("repo_id", metavar="REPO_ID", help="the Hub model repo, org/name (created)")
+    p.add_argument("--revision", help="the branch to push to (created from main if new)")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--commit-message", help="the commit's message")
+    p.add_argument("--create-pr", action="store_true", help="open a pull request instead")
+    p.add_argument(
+        "--model-card",
+        metavar="FILE",
+        help="upload FILE as the repo's README.md (default: the directory's README.md if you "
+        "wrote or edited it, else the card gss writes; a README on the Hub that gss did not "
+        "write is kept)",
+    )
+    p.set_defaults(func=commands._cmd_push)
+
     p = add("generate", "greedy generation with a steering artifact attached")
     add_model_args(p)
-    p.add_argument("--steer", required=True, help="artifact directory from `gss calibrate`")
+    p.add_argument("--steer", required=True, help=f"artifact directory, {HUB_ID}")
     p.add_argument("--prompt", required=True, action="append", help="prompt (repeatable)")
     p.add_argument("--max-new-tokens", type=positive_int, default=40, help="tokens to generate")
     p.add_argument("--delta", type=float, help="override the artifact's strength")
@@ -97,27 +118,57 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help=DATA_HELP)
     add_batch_args(p)
     p.add_argument("--normal-data", help="normal text: its omega beside --data's in the figure")
+    add_data_args(p)
     add_out_args(p, "directory for signal.json (and signal.png with --plot)")
     p.add_argument("--plot", action="store_true", help="write the omega / burst histograms")
     p.set_defaults(func=commands._cmd_signal)
 
     p = add("evaluate", "(n,k)-memorization, held-out perplexity and DS, steered vs unsteered")
     add_model_args(p)
-    p.add_argument("--steer", help="artifact directory: also evaluate with it attached")
+    p.add_argument("--steer", help=f"artifact directory ({HUB_ID}): also evaluate with it")
     p.add_argument("--delta", type=float, help="override the artifact's strength")
-    p.add_argument("--memorized", required=True, help=f"candidate sequences: {DATA_HELP}")
-    p.add_argument("--heldout", required=True, help="held-out text for perplexity")
+    # --memorized and --heldout go together; with --lm-eval they may be left out
+    p.add_argument("--memorized", help=f"candidate sequences: {DATA_HELP}")
+    p.add_argument(
+        "--heldout",
+        help="held-out text for perplexity (given with --memorized; with --lm-eval both may "
+        "be left out)",
+    )
+    add_data_args(p, main="--memorized")
     add_window_args(p)
     add_batch_args(p, batch_size=16, length_help="held-out tokens per row")
-    add_out_args(p, "directory for evaluation.json and evaluation.md")
+    p.add_argument(
+        "--lm-eval",
+        metavar="TASKS",
+        help="also run these lm-eval tasks (comma-separated; globs such as mmlu_* expand) "
+        "unsteered and steered, into lm_eval.json and lm_eval.md (needs lm-eval: pip install "
+        "'gated-subspace-steering[lm-eval]')",
+    )
+    p.add_argument(
+        "--lm-eval-include",
+        metavar="DIR",
+        action="append",
+        help="a directory of lm-eval task YAML files of your own (repeatable)",
+    )
+    p.add_argument(
+        "--lm-eval-limit",
+        type=float,
+        metavar="N",
+        help="documents per lm-eval task (a number below 1: that share of them)",
+    )
+    p.add_argument(
+        "--lm-eval-fewshot", type=int, metavar="N", help="few-shot examples (default: the task's)"
+    )
+    add_out_args(p, "directory for evaluation.json and evaluation.md (lm_eval.json, lm_eval.md)")
     p.set_defaults(func=commands._cmd_evaluate)
 
     p = add("sweep", "memorization vs perplexity over delta/threshold/rank")
     add_model_args(p)
-    p.add_argument("--steer", required=True, help="artifact directory from `gss calibrate`")
+    p.add_argument("--steer", required=True, help=f"artifact directory, {HUB_ID}")
     p.add_argument("--memorized", required=True, help=f"candidate sequences: {DATA_HELP}")
     p.add_argument("--heldout", required=True, help="held-out text for perplexity")
     p.add_argument("--general", help="general text for re-set thresholds (with --percentiles)")
+    add_data_args(p, main="--memorized")
     p.add_argument("--deltas", default="0.25,1,4,16", help="comma-separated strengths")
     p.add_argument("--percentiles", help="comma-separated threshold percentiles, e.g. 90,95,99")
     p.add_argument("--ranks", help="comma-separated ranks <= the artifact's, e.g. 1,2,4")
@@ -148,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_reference_arg(p)
     p.add_argument("--data", required=True, help="calibration text with the memorized sequences")
     p.add_argument("--gen-data", help="held-out text for Sigma_gen")
+    add_data_args(p)
     p.add_argument("--layers", default="all", help="'all' or block indices, e.g. 4,8,12")
     add_preset_arg(p)
     add_config_args(p, SCAN_FIELDS)
@@ -159,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     add_reference_arg(p)
     p.add_argument("--data", required=True, help=f"the fine-tuning rows: {DATA_HELP}")
+    add_data_args(p)
     add_window_args(p)
     p.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass")
     add_out_args(
@@ -179,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--heldout",
         help=f"text whose perplexity is the utility (default: general text): {DATA_HELP}",
     )
+    add_data_args(p)
     p.add_argument(
         "--budget",
         type=float,

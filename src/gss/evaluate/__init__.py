@@ -1,9 +1,18 @@
 """Metrics for any HF causal LM (hooks attached or not): memorization and utility, and the
-comparisons, tables and signal report the ``gss`` commands print and save."""
+comparisons, tables and signal report the ``gss`` commands print and save; lm-eval's tasks on
+a model unsteered and steered (`lm_eval_steering`: lm-eval, an optional dependency, is
+imported only when called)."""
 
 from gss.evaluate.compare import evaluate_steering, sweep_and_select
 from gss.evaluate.inputs import EvaluationRows, SecretsCheck, evaluation_rows, secrets_check
 from gss.evaluate.leaks import LeakReport, secrets_said
+from gss.evaluate.lm_eval_bridge import (
+    LMEvalComparison,
+    LMEvalTasks,
+    lm_eval_steering,
+    lm_eval_tasks,
+    run_lm_eval,
+)
 from gss.evaluate.memorization import (
     BackdoorResult,
     MemorizationResult,
@@ -25,6 +34,8 @@ __all__ = [
     "BackdoorResult",
     "EvaluationReport",
     "EvaluationRows",
+    "LMEvalComparison",
+    "LMEvalTasks",
     "LeakReport",
     "MemorizationResult",
     "SecretsCheck",
@@ -37,12 +48,15 @@ __all__ = [
     "evaluate_model",
     "evaluate_steering",
     "evaluation_rows",
+    "lm_eval_steering",
+    "lm_eval_tasks",
     "nk_memorization",
     "omega_all_zero",
     "omega_of_texts",
     "pareto_front",
     "perplexity",
     "repetition",
+    "run_lm_eval",
     "secrets_check",
     "secrets_said",
     "select_point",

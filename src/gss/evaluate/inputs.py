@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from gss.data import encode, encode_replies, read_rows, read_texts
+from gss.data import TextsOrIds, encode, encode_replies, read_rows, read_texts
 from gss.errors import GSSError, GSSWarning
 from gss.evaluate.leaks import EXTRA_TOKENS, LeakReport, secrets_said
 
@@ -41,8 +41,8 @@ class EvaluationRows:
 
 
 def evaluation_rows(
-    memorized: str | Path,
-    heldout: str | Path,
+    memorized: str | Path | TextsOrIds,
+    heldout: str | Path | TextsOrIds,
     tokenizer: Any,
     *,
     k: int = 32,
@@ -51,7 +51,8 @@ def evaluation_rows(
     max_length: int = 512,
 ) -> EvaluationRows:
     """The rows of the files ``memorized`` (candidates: .txt or .jsonl, `gss.data.read_texts`)
-    and ``heldout`` (held-out text, each row cut to ``max_length`` tokens), tokenized.
+    and ``heldout`` (held-out text, each row cut to ``max_length`` tokens), tokenized; either may
+    instead be rows already read (`gss.data_sources.read_data`, a `datasets.Dataset`, texts).
 
     With ``reply``, ``memorized`` holds conversations or prompt / completion rows: each is
     prompted with everything before its reply and must continue with the reply's first
@@ -59,11 +60,15 @@ def evaluation_rows(
     ``k`` tokens and must continue with its tokens ``k..n-1``.
     """
     rows: list[Any]  # id rows, or (prompt, reply) pairs whose first n - k tokens count
+    candidates: Any = memorized
+    if isinstance(memorized, (str, Path)):
+        candidates = read_rows(memorized) if reply else read_texts(memorized)
+    held_rows: Any = read_texts(heldout) if isinstance(heldout, (str, Path)) else heldout
     if reply:
-        rows = encode_replies(read_rows(memorized), tokenizer, n - k)
+        rows = encode_replies(candidates, tokenizer, n - k)
     else:
-        rows = encode(read_texts(memorized), tokenizer, n)
-    held = encode(read_texts(heldout), tokenizer, max_length)
+        rows = encode(candidates, tokenizer, n)
+    held = encode(held_rows, tokenizer, max_length)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return EvaluationRows(rows, held, k=k, n=n, pad_id=pad, reply=reply)
 

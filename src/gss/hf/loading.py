@@ -1,28 +1,47 @@
-"""Loading a fine-tuned model, its tokenizer and a reference model from local directories.
+"""Loading a fine-tuned model, its tokenizer and a reference model: by directory or Hub id.
 
-Every entry point (the ``gss`` command, the benchmarks, a script) loads models the same way:
-from a local ``save_pretrained`` directory or a PEFT adapter directory, never from the network,
-on every transformers the package supports (``>= 4.46``): the dtype keyword of
-``from_pretrained`` is ``torch_dtype`` before 4.56 and ``dtype`` from then on (the old name
-warns there).
+Every entry point (the ``gss`` command, the benchmarks, a script) loads models the same way,
+with ``from_pretrained``: from a local ``save_pretrained`` directory or PEFT adapter
+directory, or from a Hugging Face Hub repo id (``org/name``, at a ``revision``) through the
+user's Hub cache, offline when ``HF_HUB_OFFLINE`` is set (`gss.hf.hub`). Where it runs: one
+``device``, or an ``accelerate`` ``device_map`` (``"auto"``, a device, or a dict of module
+placements); how it is stored: a ``dtype``, and optionally quantized
+(`gss.hf.quantization`). What can be checked before the weights load is: the path or repo,
+the device, the backend, the reference's tokenizer. The dtype keyword of ``from_pretrained``
+is ``torch_dtype`` before transformers 4.56 and ``dtype`` from then on (the old name warns
+there).
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gss.errors import GSSError
+from gss.hf.hub import (
+    ModelSource,
+    hub_id,
+    hub_options,
+    load_error,
+    load_failure,
+    resolve,
+)
+from gss.hf.quantization import quantization_config
 
 __all__ = [
     "ADAPTERS_OFF",
     "DEFAULT_MAX_LENGTH",
+    "DEVICE_MAP_STRATEGIES",
     "DTYPES",
     "adapter_base",
+    "check_device_map",
     "default_max_length",
     "dtype_keyword",
     "load_causal_lm",
@@ -31,6 +50,8 @@ __all__ = [
     "load_tokenizer",
     "load_weights",
     "local_dir",
+    "model_source",
+    "parse_device_map",
 ]
 
 # `load_reference`'s name for the model's own base under its adapters (no second copy)
@@ -43,6 +64,17 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+# the device maps accelerate computes from the memory it finds (else: a device, or a dict)
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+# a model or a reference: a directory, a Hub repo id, or one already resolved
+Source = str | Path | ModelSource
+
+
+def _transformers_major() -> int:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).major
 
 
 def dtype_keyword() -> str:
@@ -54,7 +86,8 @@ def dtype_keyword() -> str:
 
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
-    """The causal LM saved in the local directory ``path``, in ``dtype``; never downloads.
+    """The causal LM saved in the local directory ``path``, in ``dtype``; never downloads
+    (the benchmarks' models, converted once).
 
     Any: transformers types ``to`` through a decorator that mypy reads as taking the model."""
     from transformers import AutoModelForCausalLM
@@ -64,12 +97,12 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
 
 
 def local_dir(path: str | Path) -> Path:
-    """``path`` as a `Path`, or a `GSSError` when it does not exist: gss never downloads."""
+    """``path`` as a `Path`, or a `GSSError` when it is no model directory."""
     p = Path(path)
     if not p.exists():
         raise GSSError(
-            f"model path {path} does not exist. gss loads models from a local directory "
-            "(save_pretrained output); it never downloads."
+            f"model path {path} does not exist: give the directory save_pretrained wrote, or a "
+            "Hugging Face Hub repo id (org/name), which loads through the Hub cache."
         )
     if not p.is_dir() or not (
         (p / "config.json").is_file() or (p / "adapter_config.json").is_file()
@@ -79,6 +112,70 @@ def local_dir(path: str | Path) -> Path:
             "Give the folder that save_pretrained wrote."
         )
     return p
+
+
+def model_source(path: Source, revision: str | None = None) -> ModelSource:
+    """Where ``path`` loads from: a local model directory (`local_dir`), or a Hub repo id
+    (``org/name`` naming no local path) at ``revision``, checked on the Hub or in its cache
+    (`gss.hf.hub.resolve`) without loading any weights."""
+    if isinstance(path, ModelSource):
+        return path
+    repo = hub_id(path)
+    if repo is not None:
+        return resolve(repo, revision)
+    p = local_dir(path)
+    if revision is not None:
+        raise GSSError(
+            f"revision {revision!r} names a revision of a Hub repo, and {path} is a local "
+            "directory: leave the revision (--model-revision, --reference-revision) out, or "
+            "give the repo id (org/name)."
+        )
+    base = adapter_base(p)
+    # an adapter's base may be a Hub id: it loads through the cache, as a model named so
+    options = {"local_files_only": True} if base is None or hub_id(base) is None else hub_options()
+    return ModelSource(str(p), False, None, options, base)
+
+
+def parse_device_map(text: str) -> str | dict[str, Any]:
+    """``--device-map``: a strategy (``auto``, ...), a device (``cpu``, ``cuda:0``), or a JSON
+    object of module placements (``{"model.layers.0": 0, "lm_head": "cpu", ...}``)."""
+    if not text.strip().startswith("{"):
+        return text.strip()
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GSSError(f"--device-map {text!r} is not a JSON object ({e.msg}).") from None
+    return check_device_map(parsed)
+
+
+def check_device_map(device_map: Any) -> str | dict[str, Any]:
+    """``device_map`` for ``from_pretrained``, refused when accelerate, which places the
+    modules, is missing, or when it names a device this machine lacks."""
+    if importlib.util.find_spec("accelerate") is None:
+        raise GSSError(
+            "a device map places the model's modules with accelerate, which is not installed: "
+            "pip install accelerate."
+        )
+    if isinstance(device_map, str):
+        if device_map not in DEVICE_MAP_STRATEGIES:
+            check_device(device_map)
+        return device_map
+    if not isinstance(device_map, dict) or not device_map:
+        raise GSSError(
+            f"a device map is one of {', '.join(DEVICE_MAP_STRATEGIES)}, a device, or a "
+            f"non-empty dict of module name to device; got {device_map!r}."
+        )
+    for name, where in device_map.items():
+        if not isinstance(name, str):
+            raise GSSError(f"device map keys are module names, got {name!r}.")
+        if isinstance(where, bool) or not isinstance(where, (int, str)):
+            raise GSSError(
+                f"device map entry {name!r}: {where!r} is not a device (an index, cpu, disk, "
+                "cuda:N)."
+            )
+        if where != "disk":
+            check_device(f"cuda:{where}" if isinstance(where, int) else where)
+    return device_map
 
 
 def check_device(device: str | torch.device) -> torch.device:
@@ -116,70 +213,160 @@ def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_weights(
-    path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32"
-) -> Any:
-    """The causal LM in the local directory ``path`` (a PEFT adapter directory loads its base
-    with the adapters, which needs peft), in ``dtype`` (a `DTYPES` name or a torch dtype), moved
-    to ``device``."""
-    p = local_dir(path)
-    check_device(device)
+_OFFLOAD: list[str] = []  # the folders disk-offloaded weights went to, removed at exit
+
+
+def _offload_folder() -> str:
+    """A folder for the weights a device map sends to "disk" (made once, removed at exit)."""
+    if not _OFFLOAD:
+        _OFFLOAD.append(tempfile.mkdtemp(prefix="gss-offload-"))
+        atexit.register(shutil.rmtree, _OFFLOAD[0], True)
+    return _OFFLOAD[0]
+
+
+def _placement(
+    device: str | torch.device | None,
+    dtype: str | torch.dtype,
+    device_map: str | dict[str, Any] | None,
+    quantization: Any,
+) -> tuple[dict[str, Any], torch.device | None]:
+    """``from_pretrained``'s keywords for where and how the weights load, and the device to
+    move the model to afterwards (None: placed while loading), all checked before anything
+    loads."""
     torch_dtype = _torch_dtype(dtype)
-    if adapter_base(p) is not None and importlib.util.find_spec("peft") is None:
+    if device is not None and device_map is not None:
         raise GSSError(
-            f"{p} is a PEFT adapter directory; loading it needs peft: pip install "
+            f"--device {device} and --device-map both say where the model runs: give one "
+            "(--device-map cuda:0 is --device cuda:0 through accelerate)."
+        )
+    dev = check_device("cpu" if device is None else device) if device_map is None else None
+    placement = None if device_map is None else check_device_map(device_map)
+    options: dict[str, Any] = {dtype_keyword(): torch_dtype}
+    qconfig = quantization_config(quantization, torch_dtype, dev)
+    if qconfig is not None:
+        options["quantization_config"] = qconfig
+        if dev is not None:  # quantized weights are made where they run: no move after
+            if dev.type == "cuda":
+                placement = {"": torch.cuda.current_device() if dev.index is None else dev.index}
+            else:
+                placement = {"": str(dev)}
+    if placement is None:
+        return options, dev
+    options["device_map"] = placement
+    spread = placement in DEVICE_MAP_STRATEGIES
+    if spread or (isinstance(placement, dict) and "disk" in placement.values()):
+        options["offload_folder"] = _offload_folder()
+    return options, None
+
+
+def _check_peft(source: ModelSource) -> ModelSource:
+    """``source``, refused when it is a PEFT adapter and peft, which loads one, is missing."""
+    if source.adapter_base is not None and importlib.util.find_spec("peft") is None:
+        raise GSSError(
+            f"{source.describe()} is a PEFT adapter; loading it needs peft: pip install "
             "'gated-subspace-steering[peft]'."
         )
-    model = load_causal_lm(p, torch_dtype)
-    model.to(device)
+    return source
+
+
+def load_weights(
+    path: Source,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype = "float32",
+    *,
+    device_map: str | dict[str, Any] | None = None,
+    quantization: Any = None,
+    revision: str | None = None,
+) -> Any:
+    """The causal LM at ``path`` (a local directory or a Hub repo id at ``revision``: a PEFT
+    adapter loads its base with the adapters, which needs peft), in ``dtype`` (a `DTYPES`
+    name or a torch dtype), on ``device`` (default cpu) or placed by ``device_map``
+    (accelerate: a strategy such as ``"auto"``, a device, or a dict; not both), quantized when
+    ``quantization`` names a backend (`gss.hf.quantization.QUANTIZATIONS`) or is a
+    transformers quantization config."""
+    from transformers import AutoModelForCausalLM
+
+    options, move_to = _placement(device, dtype, device_map, quantization)
+    source = _check_peft(model_source(path, revision))
+    options.update(source.options)
+    if source.adapter_base is not None or (source.repo and _transformers_major() >= 5):
+        # transformers' own adapter check takes the cache and offline mode from here alone (in
+        # 4.x only for an adapter: for a model, 4.x passes them itself and refuses them twice)
+        options["adapter_kwargs"] = dict(source.options)
+    model: Any = load_error(
+        source, "the model", lambda: AutoModelForCausalLM.from_pretrained(source.name, **options)
+    )
+    if move_to is not None:
+        model.to(move_to)
     return model
 
 
-def load_tokenizer(path: str | Path) -> Any:
-    """The tokenizer saved in the local directory ``path``; for an adapter directory without
-    tokenizer files, its base model's."""
+def load_tokenizer(path: Source, revision: str | None = None) -> Any:
+    """The tokenizer at ``path`` (a local directory or a Hub repo id at ``revision``); for a
+    PEFT adapter without tokenizer files, its base model's."""
     from transformers import AutoTokenizer
 
-    p = local_dir(path)
+    source = model_source(path, revision)
+    base = source.adapter_base
     try:
-        return AutoTokenizer.from_pretrained(p, local_files_only=True)
-    except (OSError, ValueError):
-        base = adapter_base(p)
+        return AutoTokenizer.from_pretrained(source.name, **source.options)
+    except (OSError, ValueError) as e:
         if base is None:
-            raise
-        return AutoTokenizer.from_pretrained(base, local_files_only=True)
+            raise load_failure(source, "the tokenizer", e) from e
+    repo = hub_id(base) is not None
+    options = hub_options() if repo else {"local_files_only": True}
+    return load_error(
+        ModelSource(base, repo, None, options),
+        "the tokenizer of the adapter's base model",
+        lambda: AutoTokenizer.from_pretrained(base, **options),
+    )
 
 
 def load_model(
-    path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32"
+    path: Source,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype = "float32",
+    *,
+    device_map: str | dict[str, Any] | None = None,
+    quantization: Any = None,
+    revision: str | None = None,
 ) -> tuple[Any, Any]:
-    """The fine-tuned model in the local directory ``path`` (see `load_weights`) and its
-    tokenizer (`load_tokenizer`)."""
-    p = local_dir(path)
-    return load_weights(p, device, dtype), load_tokenizer(p)
+    """The fine-tuned model at ``path`` (see `load_weights`) and its tokenizer
+    (`load_tokenizer`), the tokenizer first: it fails in seconds where weights take
+    minutes."""
+    _placement(device, dtype, device_map, quantization)  # a bad option fails before any load
+    source = _check_peft(model_source(path, revision))
+    tokenizer = load_tokenizer(source)
+    weights = load_weights(source, device, dtype, device_map=device_map, quantization=quantization)
+    return weights, tokenizer
 
 
 def load_reference(
-    path: str | Path,
+    path: Source,
     model: Any,
     tokenizer: Any,
-    device: str | torch.device = "cpu",
+    device: str | torch.device | None = None,
     dtype: str | torch.dtype = "float32",
+    *,
+    device_map: str | dict[str, Any] | None = None,
+    quantization: Any = None,
+    revision: str | None = None,
 ) -> Any:
-    """The reference model ``model`` is compared with: loaded from the local directory
-    ``path`` (its tokenizer must be ``tokenizer``: `gss.data.check_same_tokenizer`), or, for
-    ``path`` `ADAPTERS_OFF`, ``model``'s own base with its adapters switched off (no second
-    copy: `gss.hf.adapters.adapters_off`)."""
+    """The reference model ``model`` is compared with: loaded from ``path`` (a local directory
+    or a Hub repo id, as `load_weights`; its tokenizer must be ``tokenizer``:
+    `gss.data.check_same_tokenizer`), or, for ``path`` `ADAPTERS_OFF`, ``model``'s own base
+    with its adapters switched off (no second copy: `gss.hf.adapters.adapters_off`)."""
     if isinstance(path, str) and path == ADAPTERS_OFF:
         from gss.hf.adapters import adapters_off
 
         return adapters_off(model)
     from gss.data import check_same_tokenizer
 
-    p = local_dir(path)
+    _placement(device, dtype, device_map, quantization)  # a bad option fails before any load
+    source = model_source(path, revision)
     # before the weights load: a wrong reference fails in seconds
-    check_same_tokenizer(tokenizer, load_tokenizer(p))
-    return load_weights(p, device, dtype)
+    check_same_tokenizer(tokenizer, load_tokenizer(source))
+    return load_weights(source, device, dtype, device_map=device_map, quantization=quantization)
 
 
 def default_max_length(model: torch.nn.Module) -> int:

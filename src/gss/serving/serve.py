@@ -65,14 +65,22 @@ def check_artifacts(artifacts: Mapping[str, str]) -> dict[str, Any]:
 
 
 def model_config(model: str) -> Any:
-    """The transformers config of ``model`` where it is a local model directory (None for a
-    Hub id, which vLLM fetches, or an architecture transformers does not know); a local path
+    """The transformers config of ``model``: a local model directory's, or a Hub id's from
+    the Hub cache (or the Hub, unless offline); None where it cannot be read here (vLLM
+    fetches the Hub id itself) or transformers does not know the architecture. A local path
     that is no model directory is refused."""
     path = Path(model).expanduser()
     if not path.exists():
         if model.startswith(("/", ".", "~")) or model.count("/") > 1:
             raise GSSError(f"--model {model} does not exist: give the model's directory.")
-        return None  # a Hub id (org/name): vLLM fetches it
+        try:  # a Hub id (org/name): its config checks the artifacts before vLLM starts
+            from transformers import AutoConfig
+
+            from gss.hf.hub import hub_options
+
+            return AutoConfig.from_pretrained(model, **hub_options())
+        except Exception:  # not cached offline, no network, remote code: vLLM will say
+            return None
     if not (path / "config.json").is_file():
         raise GSSError(f"--model {model} is not a model directory: it has no config.json.")
     try:

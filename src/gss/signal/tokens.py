@@ -19,7 +19,7 @@ from the calibration text).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import islice
 from typing import Any
 
@@ -28,8 +28,11 @@ from torch import Tensor
 
 from gss.data import (
     Batch,
+    DatasetRows,
     TextsOrIds,
+    chunks,
     compact_rows,
+    dataset_kind,
     is_conversation,
     predictable,
     prompt_end,
@@ -37,10 +40,12 @@ from gss.data import (
     right_pad,
     sequence_items,
     template_ids,
+    token_chunks,
 )
 from gss.errors import GSSError
 
 IGNORE_INDEX = -100  # a label the loss skips (torch's cross_entropy default, HF's convention)
+REPLY_ROWS = 512  # the rows `reply_masks` reads
 
 __all__ = ["IGNORE_INDEX", "encode_trained", "reply_masks", "trained_targets"]
 
@@ -52,19 +57,38 @@ def encode_trained(
     *,
     replies_only: bool = False,
     chunk: int = 1024,
+    head: list[Any] | None = None,
 ) -> tuple[list[Tensor], list[Tensor] | None]:
     """`gss.data.encode_compact`'s token ids, and for each sequence which of its tokens were
     trained on (bool, one per token): from the rows' ``labels`` where they have them, the
     replies with `replies_only`, every token otherwise. None when no row says (no labels, not
-    `replies_only`): every token counts."""
+    `replies_only`): every token counts.
+
+    The rows are read once, ``chunk`` at a time (a `datasets.IterableDataset` streams), and
+    only each row's ids and mask are kept; and the first `REPLY_ROWS` rows in `head`, when
+    given, for `reply_masks` to read without reading a stream again."""
     items = sequence_items(data, max_length)
-    ids = compact_rows(items, tokenizer, max_length, chunk, isinstance(data, Tensor))
-    if not replies_only and not any(isinstance(x, Mapping) and "labels" in x for x in items):
+    if isinstance(data, Tensor):  # the rows are views of it, already token ids
+        parts: Iterable[tuple[list[Any], Sequence[Tensor]]] = ((p, p) for p in chunks(items, chunk))
+    else:
+        parts = (
+            (part, [torch.as_tensor(s, dtype=torch.int32) for s in seqs])
+            for part, seqs in token_chunks(items, tokenizer, max_length, chunk)
+        )
+    ids: list[Tensor] = []
+    masks: list[Tensor] | None = [] if replies_only else None
+    for part, rows in parts:
+        for x, row in zip(part, rows, strict=True):
+            if masks is None and isinstance(x, Mapping) and "labels" in x:
+                # the first row with labels: the rows before it were trained on every token
+                masks = [torch.ones(len(r), dtype=torch.bool) for r in ids]
+            if masks is not None:
+                masks.append(_trained(x, len(ids), row, tokenizer, replies_only))
+            if head is not None and len(head) < REPLY_ROWS:
+                head.append(x)
+            ids.append(row)
+    if masks is None:
         return predictable(ids), None
-    masks = [
-        _trained(x, i, row, tokenizer, replies_only)
-        for i, (x, row) in enumerate(zip(items, ids, strict=True))
-    ]
     kept = [(row, mask) for row, mask in zip(ids, masks, strict=True) if len(row) >= 2]
     return predictable([row for row, _ in kept]), [mask for _, mask in kept]
 
@@ -85,6 +109,11 @@ def _trained(x: Any, index: int, ids: Tensor, tokenizer: Any, replies_only: bool
     if not replies_only:
         return torch.ones(len(ids), dtype=torch.bool)
     return _span_mask(_reply_spans(x, index, ids, tokenizer), len(ids))
+
+
+def _may_reply(x: Any) -> bool:
+    """Whether `x` is a row that may hold a reply: a conversation, or a row with one."""
+    return is_conversation(x) or (isinstance(x, Mapping) and ("messages" in x or "prompt" in x))
 
 
 def _span_mask(spans: Sequence[tuple[int, int]], length: int) -> Tensor:
@@ -173,7 +202,7 @@ def _check_prefix(part: Sequence[int], ids: Tensor, name: str, what: str) -> Non
 
 
 def reply_masks(
-    data: TextsOrIds, tokenizer: Any | None, max_length: int | None, rows: int = 512
+    data: TextsOrIds, tokenizer: Any | None, max_length: int | None, rows: int = REPLY_ROWS
 ) -> list[Tensor | None] | None:
     """For the first `rows` of `encode_trained`'s sequences (without labels or
     `replies_only`), which tokens are replies: None for a row without any (plain text, token
@@ -181,9 +210,14 @@ def reply_masks(
     any. What `gss.signal.replies` compares; never an error."""
     if isinstance(data, Tensor):  # token ids: no replies to find
         return None
-    # the first rows alone (a `datasets.Dataset` is iterated, not listed whole)
+    if dataset_kind(data) in ("table", "stream") or isinstance(data, DatasetRows):
+        names = data.column_names  # type: ignore[union-attr]
+        if names is not None and not {"messages", "prompt"} & set(names):
+            return None  # no conversations: a stream is not read again for nothing
+    # the first rows alone (a `datasets.Dataset` is iterated, not listed whole; an
+    # `IterableDataset` is read again from its start, for these rows alone)
     items = data[:rows] if isinstance(data, Sequence) else list(islice(data, rows))
-    if not any(isinstance(x, Mapping) or is_conversation(x) for x in items):
+    if not any(_may_reply(x) for x in items):
         return None
     ids = compact_rows(items, tokenizer, max_length)
     masks: list[Tensor | None] = []

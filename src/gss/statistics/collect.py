@@ -39,6 +39,7 @@ from gss.hf.forward import (
     target_mask,
     token_logprobs,
 )
+from gss.hf.quantization import check_backward
 from gss.signal.replies import ReplySignal, warn_if_replies_alone
 from gss.signal.tokens import encode_trained, reply_masks, trained_targets
 from gss.statistics.accumulators import (
@@ -283,6 +284,8 @@ def run_pass(
     if not resolved:
         raise GSSError("no layer to read: give at least one block index.")
     blocks = [resolve_layer(model, i, block_path)[1] for i in resolved]
+    # a quantized model whose layers above the lowest tap drop the gradient: refused now
+    check_backward(model, find_decoder_blocks(model, block_path)[: resolved[0] + 1])
     single = len(blocks) == 1
     summed = gradient == "summed"
     if not summed and not single:
@@ -290,12 +293,15 @@ def run_pass(
             "gradient='per-position' reads one block at a time: scan with 'summed', or "
             "calibrate each block apart."
         )
-    all_seqs, all_trained = encode_trained(texts, tokenizer, max_length, replies_only=replies_only)
+    head: list[Any] = []  # the first rows, for the replies check: a stream is read once
+    all_seqs, all_trained = encode_trained(
+        texts, tokenizer, max_length, replies_only=replies_only, head=head
+    )
     check_sequences((model, reference), all_seqs, "the texts")
     seqs = distributed.shard(all_seqs)
     trained = distributed.shard(all_trained) if all_trained is not None else None
     # nothing restricts the memorized set: does the signal say the replies alone were trained?
-    masks = reply_masks(texts, tokenizer, max_length) if all_trained is None else None
+    masks = reply_masks(head, tokenizer, max_length) if all_trained is None else None
     replies = ReplySignal(distributed.shard(masks) if masks is not None else None)
 
     gen_seqs = None
