@@ -96,7 +96,7 @@ def test_server_argv() -> None:
 
 
 def test_parse_artifacts(tmp_path: Path) -> None:
-    got = serve.parse_artifacts([f"a={tmp_path}", " b = rel/dir "])
+    got = serve.parse_artifacts([f"a={tmp_path}", " b = ./rel/dir "])
     assert got == {"a": str(tmp_path.resolve()), "b": str(Path("rel/dir").resolve())}
     for bad, message in (
         (["a"], "takes NAME=DIR"),
@@ -127,6 +127,24 @@ def test_serve_runs_vllms_server(served: Path, vllm_here: Exec, capsys: Any) -> 
         "64",
     ]
     assert "vllm.entrypoints.openai.api_server" in capsys.readouterr().err
+
+
+def test_serve_takes_an_artifact_by_hub_repo_id(
+    served: Path, vllm_here: Exec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from .test_hub import MAIN, put_in_cache
+
+    cache = tmp_path / "hub-cache"
+    snapshot = put_in_cache(cache, "org/steer", served / "artifact", MAIN)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ["serve", "--model", str(served / "model"), "--artifact", "tiny=org/steer"]
+    assert main(args) == 0
+    argv = vllm_here.argv
+    assert argv is not None
+    config = json.loads(argv[argv.index("--additional-config") + 1])
+    assert config == {"gss_artifacts": {"tiny": str(snapshot)}}  # vLLM reads local files
+    assert main([*args[:-1], "tiny=org/missing"]) == 2  # not cached, offline: one clear line
 
 
 def test_serve_refuses_what_is_not_an_artifact(served: Path, vllm_here: Exec, capsys: Any) -> None:

@@ -261,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         action="append",
         metavar="NAME=DIR",
-        help='an artifact requests may ask for by NAME ("vllm_xargs": {"gss": NAME}); repeatable',
+        help="an artifact (a directory or a Hub repo id) requests may ask for by NAME "
+        '("vllm_xargs": {"gss": NAME}); repeatable',
     )
     p.add_argument("--host", help="the address the server listens on (default: vLLM's)")
     p.add_argument("--port", type=positive_int, default=8000, help="the server's port")

@@ -33,7 +33,11 @@ INSTALL_HINT = (
 
 
 def parse_artifacts(specs: Sequence[str]) -> dict[str, str]:
-    """``NAME=DIR`` flags -> {name: absolute directory}; a name given twice is refused."""
+    """``NAME=DIR`` flags -> {name: absolute directory}; a name given twice is refused. DIR
+    may be a Hub repo id (``org/name``): its snapshot in the Hub cache (downloaded unless
+    offline: `gss.artifact.hub.local_path`), so vLLM's processes read local files only."""
+    from gss.artifact.hub import hub_repo_id, local_path
+
     out: dict[str, str] = {}
     for spec in specs:
         name, sep, directory = spec.partition("=")
@@ -41,11 +45,17 @@ def parse_artifacts(specs: Sequence[str]) -> dict[str, str]:
         if not sep or not name or not directory:
             raise GSSError(
                 f"--artifact takes NAME=DIR (the name requests ask for, the artifact's "
-                f"directory), got {spec!r}."
+                f"directory or Hub repo id), got {spec!r}."
             )
         if name in out:
             raise GSSError(f"--artifact names {name!r} twice: give each artifact its own name.")
-        out[name] = str(Path(directory).expanduser().resolve())
+        if hub_repo_id(directory) is not None:
+            try:
+                out[name] = str(local_path(directory))
+            except GSSError as err:
+                raise GSSError(f"--artifact {name}={directory}: {err}") from None
+        else:
+            out[name] = str(Path(directory).expanduser().resolve())
     if not out:
         raise GSSError("give at least one --artifact NAME=DIR.")
     return out
