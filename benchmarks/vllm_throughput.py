@@ -312,6 +312,63 @@ def gate_share(info: dict[str, Any], sequences: list[list[int]]) -> dict[str, An
     return stats
 
 
+def greedy_reference(
+    info: dict[str, Any], arm: str, prompts: list[list[int]], max_tokens: int
+) -> list[list[int]]:
+    """What ``transformers`` + ``gss.steer`` generate greedily from each prompt, one request
+    at a time with its KV cache, exactly ``max_tokens`` tokens as vLLM's ``ignore_eos`` does:
+    the reference the served outputs must equal (issue 40, point 3, on SmolLM2-135M)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import gss
+
+    model = AutoModelForCausalLM.from_pretrained(info["model"], dtype=torch.float32).eval()
+    art = gss.load(info["artifacts"][arm]["dir"])
+    outputs: list[list[int]] = []
+    with gss.steer(model, art), torch.no_grad():
+        for prompt in prompts:
+            ids, past, out = torch.tensor([prompt]), None, []
+            for _ in range(max_tokens):
+                step = model(ids, past_key_values=past, use_cache=True)
+                past, token = step.past_key_values, int(step.logits[0, -1].argmax())
+                out.append(token)
+                ids = torch.tensor([[token]])
+            outputs.append(out)
+    return outputs
+
+
+def equality(info: dict[str, Any], runs: dict[str, Any]) -> dict[str, Any]:
+    """Per served configuration and steered arm: how many of the last round's load requests
+    (16 steered requests submitted together: continuous batching, chunked prefill; the batch
+    mixing steered and unsteered requests is tests/vllm's) equal the reference greedy output
+    token for token, and where the others first differ."""
+    found: dict[str, Any] = {}
+    cache: dict[str, list[list[int]]] = {}
+    for name, run in runs.items():
+        prompts = run["prompts"]["load"]
+        for arm in ("hard", "none"):
+            served = run["rounds"][-1][f"{arm}/steered"]["tokens"]
+            if arm not in cache:
+                cache[arm] = greedy_reference(info, arm, prompts, len(served[0]))
+            first_diff = [
+                next((i for i, (a, b) in enumerate(zip(s, r, strict=True)) if a != b), None)
+                for s, r in zip(served, cache[arm], strict=True)
+            ]
+            found[f"{name} {arm}/steered"] = {
+                "requests": len(served),
+                "equal": sum(d is None for d in first_diff),
+                "first_difference_at": first_diff,
+                "differ_from_plain": sum(
+                    s != p
+                    for s, p in zip(
+                        served, run["rounds"][-1]["plain/unsteered"]["tokens"], strict=True
+                    )
+                ),
+            }
+    return found
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -416,6 +473,24 @@ def table(results: dict[str, Any]) -> str:
         "tokens only, so `hard/unsteered` pays the steer's arithmetic too.",
         "",
     ]
+    same = results.get("equal_to_transformers")
+    if same:
+        lines += [
+            "Served = reference: of the last round's steered load requests (submitted "
+            "together: continuous batching, chunked prefill), how many equal `transformers` "
+            "+ `gss.steer` greedy decoding token for token (one request at a time, KV "
+            "cache), and how many differ from the plain engine's output (the steer changed "
+            "them):",
+            "",
+            markdown_table(
+                ["run, arm", "equal to transformers + gss.steer", "differ from plain"],
+                [
+                    [k, f"{v['equal']}/{v['requests']}", f"{v['differ_from_plain']}"]
+                    for k, v in same.items()
+                ],
+            ).rstrip("\n"),
+            "",
+        ]
     for mode, summary in results["summary"].items():
         run = results["runs"].get(mode)
         if run is None:
@@ -575,6 +650,7 @@ def report(args: argparse.Namespace) -> None:
             **share,
         },
         "summary": {name: summarize(run) for name, run in runs.items()},
+        "equal_to_transformers": equality(info, runs),
         "runs": runs,
     }
     by_mode: dict[str, list[str]] = {}
