@@ -445,7 +445,7 @@ def table(results: dict[str, Any]) -> str:
         "",
         f"SmolLM2-135M, float32, vLLM {results['vllm']} (CPU build), torch "
         f"{results['torch_vllm']}, {results['machine']['cpu']} ({results['machine']['cpus']} "
-        f"cores, shared with other jobs: see the load averages), {results['threads']}. "
+        f"cores; the load averages below say how busy), {results['threads']}. "
         "Each request: "
         f"{results['settings']['prompt_len']}-token random prompt, "
         f"{results['settings']['max_tokens']} greedy output tokens (ignore_eos). Batch 1: "
@@ -635,8 +635,8 @@ def report(args: argparse.Namespace) -> None:
             "loadavg_at_report": os.getloadavg(),
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
-            "note": "2 cores, shared with other jobs (a training run, CI) during the runs: see "
-            "each round's load average",
+            "note": "each round's load average says what else ran: the engines' own threads "
+            "load a quiet machine to ~2.5-4",
         },
         "vllm": first["vllm"],
         "torch_vllm": first["torch"],
