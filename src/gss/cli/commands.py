@@ -385,9 +385,25 @@ def _evaluation_inputs(args: argparse.Namespace) -> EvaluationInputs:
     return model, tokenizer, artifact, rows, check
 
 
+def _report(args: argparse.Namespace, result: Any, headline: str, stem: str) -> None:
+    """Print a comparison of `gss evaluate` (its headline, table and gate share) and, with
+    --out, write it as ``STEM.json`` and ``STEM.md``."""
+    from gss.report import write_json
+
+    table = result.table()
+    print(headline)
+    print(table)
+    if result.gate_open_share is not None:
+        print(f"(the gate opened on {100 * result.gate_open_share:.1f}% of positions)")
+    if args.out:
+        out = Path(args.out)
+        write_json(out / f"{stem}.json", result.record(args.model, args.steer))
+        (out / f"{stem}.md").write_text(table)
+        print(f"wrote {out}/{stem}.json and {stem}.md")
+
+
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from gss.evaluate.compare import evaluate_steering
-    from gss.report import write_json
 
     lm_eval = args.lm_eval is not None
     memorization = not lm_eval or args.memorized is not None or args.heldout is not None
@@ -416,16 +432,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         progress=not args.no_progress,
     )
-    table = result.table()
-    print(result.headline())
-    print(table)
-    if result.gate_open_share is not None:
-        print(f"(the gate opened on {100 * result.gate_open_share:.1f}% of positions)")
-    if args.out:
-        out = Path(args.out)
-        write_json(out / "evaluation.json", result.record(args.model, args.steer))
-        (out / "evaluation.md").write_text(table)
-        print(f"wrote {out}/evaluation.json and evaluation.md")
+    _report(args, result, result.headline(), "evaluation")
     if tasks is not None:
         return _cmd_lm_eval(args, model, tokenizer, artifact, tasks)
     return 0
@@ -456,7 +463,6 @@ def _cmd_lm_eval(
 ) -> int:
     """`gss evaluate --lm-eval`: the tasks unsteered and steered, printed and saved."""
     from gss.evaluate.lm_eval_bridge import lm_eval_steering
-    from gss.report import write_json
 
     result = lm_eval_steering(
         model,
@@ -468,16 +474,7 @@ def _cmd_lm_eval(
         batch_size=args.batch_size,
         delta=args.delta,
     )
-    table = result.table()
-    print(f"lm-eval: {', '.join(result.tasks)}")
-    print(table)
-    if result.gate_open_share is not None:
-        print(f"(the gate opened on {100 * result.gate_open_share:.1f}% of positions)")
-    if args.out:
-        out = Path(args.out)
-        write_json(out / "lm_eval.json", result.record(args.model, args.steer))
-        (out / "lm_eval.md").write_text(table)
-        print(f"wrote {out}/lm_eval.json and lm_eval.md")
+    _report(args, result, f"lm-eval: {', '.join(result.tasks)}", "lm_eval")
     return 0
 
 
