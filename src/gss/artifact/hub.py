@@ -96,65 +96,6 @@ def download(repo_id: str, revision: str | None = None, token: str | bool | None
     return folder
 
 
-def push_to_hub(
-    steer: Steer,
-    repo_id: str,
-    *,
-    revision: str | None = None,
-    private: bool | None = None,
-    token: str | bool | None = None,
-    commit_message: str | None = None,
-    create_pr: bool = False,
-    exist_ok: bool = True,
-    model_card: str | None = None,
-) -> Any:
-    """Upload ``steer`` (an artifact or a stack) to the Hub model repo ``repo_id`` as one
-    commit, creating the repo (``private``) if needed; returns huggingface_hub's CommitInfo.
-
-    The commit holds the artifact's files and ``README.md``: ``model_card`` if given, else the
-    card gss writes (`gss.artifact.card`), unless the repo already has a README that gss did
-    not write (or one edited since), which is kept. Artifact files of an earlier push that this
-    one does not have (a stack's members, say) are deleted, so the repo loads as this steer.
-    ``revision``: a branch to push to (created from main if new); ``create_pr``: open a pull
-    request instead of committing to the branch.
-    """
-    from huggingface_hub import HfApi
-
-    if not isinstance(repo_id, str) or not _REPO_ID.fullmatch(repo_id) or ".." in repo_id:
-        raise GSSError(f"repo_id must be a Hub repo id, org/name (or user/name), got {repo_id!r}.")
-    if offline():
-        raise GSSError(
-            f"pushing to {repo_id} needs the network, and HF_HUB_OFFLINE is set: unset it."
-        )
-    api = HfApi(token=token, library_name="gss")
-    where = repo_id + (f" (branch {revision})" if revision else "")
-    with tempfile.TemporaryDirectory(prefix="gss-push-") as tmp:
-        folder = Path(tmp)
-        steer.write_into(folder)
-        try:
-            api.create_repo(repo_id, private=private, exist_ok=exist_ok, repo_type="model")
-            if revision is not None and not revision.startswith("refs/pr/"):
-                api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
-            card = (
-                model_card if model_card is not None else _card_for(api, steer, repo_id, revision)
-            )
-            if card is not None:
-                (folder / CARD_NAME).write_text(card, encoding="utf-8")
-            return api.upload_folder(
-                repo_id=repo_id,
-                folder_path=folder,
-                repo_type="model",
-                revision=revision,
-                commit_message=commit_message or _default_message(steer),
-                create_pr=create_pr,
-                delete_patterns=ARTIFACT_PATTERNS,  # a stale member; kept where uploaded anew
-            )
-        except GSSError:
-            raise
-        except Exception as e:
-            raise GSSError(_push_error(e, where, exist_ok)) from None
-
-
 class HubMixin:
     """``push_to_hub`` for the two things gss saves, an artifact and a stack (as
     transformers' ``PushToHubMixin`` gives it to models and PEFT's to adapters)."""
@@ -171,20 +112,57 @@ class HubMixin:
         exist_ok: bool = True,
         model_card: str | None = None,
     ) -> Any:
-        """Upload this steer (its files and model card) to the Hub model repo ``repo_id`` in
-        one commit, creating the repo if needed; ``gss.load(repo_id)`` loads it back. Returns
-        huggingface_hub's ``CommitInfo``. Details: `gss.artifact.hub.push_to_hub`."""
-        return push_to_hub(
-            cast("Steer", self),
-            repo_id,
-            revision=revision,
-            private=private,
-            token=token,
-            commit_message=commit_message,
-            create_pr=create_pr,
-            exist_ok=exist_ok,
-            model_card=model_card,
-        )
+        """Upload this steer (an artifact or a stack) to the Hub model repo ``repo_id`` as one
+        commit, creating the repo (``private``) if needed; returns huggingface_hub's
+        CommitInfo; ``gss.load(repo_id)`` loads it back.
+
+        The commit holds the artifact's files and ``README.md``: ``model_card`` if given, else
+        the card gss writes (`gss.artifact.card`), unless the repo already has a README that
+        gss did not write (or one edited since), which is kept. Artifact files of an earlier
+        push that this one does not have (a stack's members, say) are deleted, so the repo
+        loads as this steer. ``revision``: a branch to push to (created from main if new);
+        ``create_pr``: open a pull request instead of committing to the branch.
+        """
+        from huggingface_hub import HfApi
+
+        if not isinstance(repo_id, str) or not _REPO_ID.fullmatch(repo_id) or ".." in repo_id:
+            raise GSSError(
+                f"repo_id must be a Hub repo id, org/name (or user/name), got {repo_id!r}."
+            )
+        if offline():
+            raise GSSError(
+                f"pushing to {repo_id} needs the network, and HF_HUB_OFFLINE is set: unset it."
+            )
+        api = HfApi(token=token, library_name="gss")
+        where = repo_id + (f" (branch {revision})" if revision else "")
+        with tempfile.TemporaryDirectory(prefix="gss-push-") as tmp:
+            folder = Path(tmp)
+            steer = cast("Steer", self)
+            steer.write_into(folder)
+            try:
+                api.create_repo(repo_id, private=private, exist_ok=exist_ok, repo_type="model")
+                if revision is not None and not revision.startswith("refs/pr/"):
+                    api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
+                card = (
+                    model_card
+                    if model_card is not None
+                    else _card_for(api, steer, repo_id, revision)
+                )
+                if card is not None:
+                    (folder / CARD_NAME).write_text(card, encoding="utf-8")
+                return api.upload_folder(
+                    repo_id=repo_id,
+                    folder_path=folder,
+                    repo_type="model",
+                    revision=revision,
+                    commit_message=commit_message or _default_message(steer),
+                    create_pr=create_pr,
+                    delete_patterns=ARTIFACT_PATTERNS,  # a stale member; kept where uploaded anew
+                )
+            except GSSError:
+                raise
+            except Exception as e:
+                raise GSSError(_push_error(e, where, exist_ok)) from None
 
 
 def _card_for(api: Any, steer: Steer, repo_id: str, revision: str | None) -> str | None:
@@ -208,7 +186,7 @@ def _card_for(api: Any, steer: Steer, repo_id: str, revision: str | None) -> str
                 "since), so the push does not replace it; pass model_card= (gss push "
                 "--model-card) to upload a card.",
                 GSSWarning,
-                stacklevel=4,
+                stacklevel=3,  # the caller of push_to_hub
             )
             return None
     return generated_card(steer, repo_id)
