@@ -65,6 +65,7 @@ def test_audit_writes_what_evaluate_reads(memorizer, tmp_path):
     assert written[-1].stat().st_size > 1000  # the histograms
     lines = (tmp_path / "audit" / "audit.jsonl").read_text().splitlines()
     assert len(lines) == len(planted) and json.loads(lines[0])["extractable"] is True
+    assert {json.loads(line)["window_tokens"] for line in lines} == {16 - 4}
     kept = read_texts(tmp_path / "audit" / "extractable.jsonl", keep_rows=True)
     assert [row["input_ids"] for row in kept] == planted.tolist()
     assert "rows extractable" in (tmp_path / "audit" / "audit.md").read_text()
@@ -102,6 +103,20 @@ def test_audit_command(tmp_path, capsys):
     assert main([*args, "--reply", "--overwrite"]) == 0  # each completion given its prompt
     audited = (tmp_path / "out" / "audit.jsonl").read_text().splitlines()
     assert len(audited) == 6 and all(json.loads(r)["tokens"] == 5 + 8 for r in audited)
+    assert all(json.loads(r)["window_tokens"] == 8 for r in audited)  # the reply's 12 - 4
+
+
+def test_audit_shows_how_many_tokens_each_row_was_checked_on(memorizer):
+    """A row barely longer than k is checked on a few tokens only (a weak finding): the
+    table and the JSONL say how many."""
+    model, reference, planted, _ = memorizer
+    rows = [planted[0].tolist()[:6], planted[1].tolist()[:16], planted[2].tolist()[:3]]
+    report = gss.audit(model, reference, rows, k=4, n=16, progress=False)
+    assert [report.window_tokens(r) for r in report.rows] == [2, 12, 0]
+    assert report.rows[2].extractable is None  # no more than k tokens: nothing to check
+    table = report.table()
+    assert "| window tokens |" in table
+    assert "| 2 |" in table and "| 12 |" in table
 
 
 def test_audit_reads_replies_given_their_prompt(memorizer):

@@ -108,11 +108,17 @@ def test_readme_protect_numbers_are_the_committed_results():
 
     assert f"{listed('GSS protect')} of those rows stay memorized" in text
     assert f"against {listed('GSS-TR')} for GSS-TR" in text
-    canaries = json.loads((RESULTS / "canaries-protect" / "results.json").read_text())
-    after = canaries["protect"]["heldout_canaries"]["after"]
-    ppl = canaries["methods"]["GSS protect"]["selected"]["perplexity"]
-    change = 100 * (ppl / canaries["unmitigated"]["perplexity"] - 1)
-    assert f"say {after:.1f}% of their secrets at {change:+.1f}% perplexity" in text
+    said = []  # "0.0% at +4.6%" per fine-tune: secrets said by held-out canaries, perplexity
+    for folder in ("canaries-protect", "canaries-lora-protect", "canaries-chat-protect"):
+        canaries = json.loads((RESULTS / folder / "results.json").read_text())
+        after = canaries["protect"]["heldout_canaries"]["after"]
+        ppl = canaries["methods"]["GSS protect"]["selected"]["perplexity"]
+        change = 100 * (ppl / canaries["unmitigated"]["perplexity"] - 1)
+        said.append(f"{after:.1f}% at {change:+.1f}%")
+    plain = said[0].replace(" at ", " of their secrets at ")
+    assert (
+        f"say {plain} perplexity (plain fine-tune), {said[1]} (LoRA) and {said[2]} (chat)" in text
+    )
 
 
 # Placeholders the README writes for typed values, and a value of that type for the parser.

@@ -86,6 +86,13 @@ class AuditReport:
             return ids
         return ids[: self.starts[index]], ids[self.starts[index] :]
 
+    def window_tokens(self, row: AuditRow) -> int:
+        """How many tokens of ``row`` the check compared (its window: after k, or after a
+        pair's prompt, up to n). A short window (a row just over k tokens) is a weak finding:
+        a reply's last few tokens, say."""
+        start = self.k if self.starts is None else self.starts[row.index]
+        return max(row.tokens - start, 0)
+
     @property
     def extractable(self) -> list[AuditRow]:
         return [r for r in self.rows if r.extractable]
@@ -121,12 +128,13 @@ class AuditReport:
         """A Markdown table of the ``top`` riskiest rows."""
         from gss.report import markdown_table
 
-        header = ["row", "extractable", "% matched", "longest run", "omega mean", "omega max"]
-        header += ["omega burst", "reference extracts"]
+        header = ["row", "extractable", "window tokens", "% matched", "longest run"]
+        header += ["omega mean", "omega max", "omega burst", "reference extracts"]
         body = [
             [
                 str(r.index),
                 {True: "yes", False: "no", None: "too short"}[r.extractable],
+                str(self.window_tokens(r)),
                 f"{100 * r.matched:.1f}",
                 str(r.longest_run),
                 f"{r.omega_mean:.2f}",
@@ -144,7 +152,12 @@ class AuditReport:
         reads them)."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "audit.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in self.rows))
+        (out / "audit.jsonl").write_text(
+            "".join(
+                json.dumps({**asdict(r), "window_tokens": self.window_tokens(r)}) + "\n"
+                for r in self.rows
+            )
+        )
         s = self.summary()
         (out / "audit.md").write_text(
             f"{s['extractable']} of {s['checkable']} rows extractable, {s['memorized']} of "

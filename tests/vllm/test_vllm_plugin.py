@@ -6,6 +6,8 @@ requests under chunked prefill (a small token budget splits the prompts across s
 prefill chunks and decode tokens of different requests share a forward). Greedy outputs must
 equal transformers' token for token, steered with ``gss.steer`` or not, and the unsteered
 requests must be bit-identical (log-probabilities included) to an engine without the plugin.
+The same holds on Qwen2 and GPT-2 (whose vLLM decoder layers return one tensor, not Llama's
+(hidden, residual) pair), compiled.
 
 Each engine runs in a process of its own (``engine_run.py``), one after the other. The last
 test starts the OpenAI server through ``gss serve`` (the plugin loaded by its entry point) and
@@ -42,25 +44,43 @@ PROMPTS = [(7, True), (40, False), (19, True), (33, True), (5, False), (26, Fals
 pytestmark = pytest.mark.heavy
 
 
-def tiny_llama(seed: int) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_model(seed: int, arch: str = "llama") -> Any:
+    """A tiny random model: Llama (vLLM's decoder layers return (hidden, residual)), Qwen2 (the
+    same, with biased attention projections) or GPT-2 (layers return one tensor; learned
+    positions, tied embeddings)."""
+    import transformers
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    tokens: dict[str, Any] = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    # initializer_range larger than the default: fewer near-ties in the argmax
+    if arch == "gpt2":
+        config: Any = transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=HIDDEN,
+            n_layer=LAYERS,
+            n_head=HEADS,
+            n_positions=256,
+            initializer_range=0.05,
+            **tokens,
+        )
+        return transformers.GPT2LMHeadModel(config).float().eval()
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    config = config_class(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=2 * HIDDEN,
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
+        num_key_value_heads=HEADS if arch == "llama" else HEADS // 2,
         max_position_embeddings=256,
-        initializer_range=0.05,  # larger than the default: fewer near-ties in the argmax
+        initializer_range=0.05,
         tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+        **tokens,
     )
-    return LlamaForCausalLM(config).float().eval()
+    return model_class(config).float().eval()
 
 
 def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
@@ -75,7 +95,7 @@ def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("gss-vllm")
-    model, reference = tiny_llama(0), tiny_llama(1)
+    model, reference = tiny_model(0), tiny_model(1)
     model.save_pretrained(root / "model")
     gen = torch.Generator().manual_seed(0)
     rows = torch.randint(3, VOCAB, (48, 32), generator=gen)
@@ -181,6 +201,28 @@ def test_vllm_plugin_matches_transformers(setup: dict[str, Any], enforce_eager: 
         if not on:  # bit for bit, log-probabilities included
             assert with_plugin["tokens"][i] == without["tokens"][i]
             assert with_plugin["logprobs"][i] == without["logprobs"][i]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_other_architectures_match_transformers(arch: str, tmp_path: Path) -> None:
+    """Beyond Llama: Qwen2 (grouped-query attention with biases; its layers return
+    (hidden, residual) as Llama's do) and GPT-2 (its layers return the block output as one
+    tensor), on the compiled path, a mixed batch under chunked prefill."""
+    model, reference = tiny_model(0, arch), tiny_model(1, arch)
+    model.save_pretrained(tmp_path / "model")
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(3, VOCAB, (48, 32), generator=gen)
+    art = gss.calibrate(model, reference, rows, layer=0, rank=2, progress=False)
+    art.with_options(delta=25.0).save_pretrained(tmp_path / "artifact")
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n, _ in PROMPTS]
+    plain = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+    with gss.steer(model, gss.load(tmp_path / "artifact")):
+        steered = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+    expected = [s if on else p for s, p, (_, on) in zip(steered, plain, PROMPTS, strict=True)]
+    assert expected != plain, "the artifact changes no steered prompt's greedy output: no test"
+    names = [STEER_NAME if on else None for _, on in PROMPTS]
+    got = run_engine(tmp_path, prompts, names, plugin=True, tag=arch, enforce_eager=False)
+    assert got["tokens"] == expected
 
 
 def test_prefix_cache_is_not_shared_across_steers(setup: dict[str, Any]) -> None:
