@@ -87,6 +87,10 @@ def test_server_argv() -> None:
     # no host, no port: vLLM's defaults; the interpreter is this one
     plain = serve.server_argv("/m", {"a": "/art/a"})
     assert plain[0] == sys.executable and "--host" not in plain and "--port" not in plain
+    for flag in (["--api-server-count", "2"], ["--api-server-count=4"]):
+        with pytest.raises(GSSError, match="runs one API process and would ignore it"):
+            serve.server_argv("/m", {"a": "/art/a"}, extra=flag)
+    assert serve.server_argv("/m", {"a": "/art/a"}, extra=["--api-server-count", "1"])[-1] == "1"
     with pytest.raises(GSSError, match="give --port to gss serve itself"):
         serve.server_argv("/m", {"a": "/x"}, extra=["--port=9"])
     with pytest.raises(GSSError, match="name the artifacts with --artifact"):

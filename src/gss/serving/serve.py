@@ -186,6 +186,22 @@ def _merge_additional_config(
     return rest, config
 
 
+def _refuse_api_servers(extra: Sequence[str]) -> None:
+    """Refuse ``--api-server-count`` other than 1: the server module gss serve runs starts one API
+    process whatever the count (vLLM 0.32, seen in its log), so the flag would be ignored."""
+    for i, arg in enumerate(extra):
+        if arg == "--api-server-count" or arg.startswith("--api-server-count="):
+            value = arg.split("=", 1)[1] if "=" in arg else (extra[i + 1 : i + 2] or [""])[0]
+            if value.strip() != "1":
+                raise GSSError(
+                    f"--api-server-count {value}: the server gss serve starts ({SERVER_MODULE}) "
+                    "runs one API process and would ignore it. For several, run `vllm serve "
+                    "MODEL --api-server-count N --additional-config "
+                    '\'{"gss_artifacts": {"NAME": "DIR"}}\'` with gss installed (its plugin '
+                    "loads by entry point; untested: docs/serving.md)."
+                )
+
+
 def server_argv(
     model: str,
     artifacts: Mapping[str, str],
@@ -204,6 +220,7 @@ def server_argv(
     for flag in ("--model", "--host", "--port"):
         if any(a == flag or a.startswith(flag + "=") for a in rest):
             raise GSSError(f"give {flag} to gss serve itself, not after --.")
+    _refuse_api_servers(rest)
     argv = [python or sys.executable, "-m", SERVER_MODULE, "--model", model]
     if host is not None:
         argv += ["--host", host]
