@@ -45,11 +45,10 @@ from gss.calibrate import calibrate
 from gss.config import GATES, PRESETS
 from gss.data import TextsOrIds, encode
 from gss.errors import GSSError, GSSWarning
-from gss.evaluate._decode import greedy_generate
+from gss.evaluate._decode import greedy_generate, sample_generate
 from gss.evaluate.suite import EvaluationReport, evaluate_model
 from gss.evaluate.utility import perplexity, repetition
 from gss.hf.blocks import find_decoder_blocks
-from gss.hf.forward import forward_logits
 from gss.solve.thresholds import probe_responses, with_gates_set
 from gss.statistics.capture import calibration_mode
 from gss.steering.explain import explain
@@ -405,19 +404,14 @@ def reference_text(
 ) -> list[list[int]]:
     """Text the reference writes (sampled at temperature 1, seeded) after each of ``starts``:
     general text in the reference's own distribution, with no data to download. Any causal LM
-    forward will do (`gss.adapters_off(model)` included): no ``generate`` is needed."""
+    forward will do (`gss.adapters_off(model)` included): no ``generate`` is needed; its KV
+    cache is used where it returns one."""
     gen = torch.Generator().manual_seed(seed)
-    out: list[list[int]] = []
-    chunks = range(0, len(starts), batch_size)
-    with calibration_mode(reference), torch.no_grad():
-        for i in tqdm(chunks, desc="gss: the reference's text", disable=not progress, leave=False):
-            rows = torch.tensor([list(s) for s in starts[i : i + batch_size]])
-            for _ in range(length):
-                logits = forward_logits(reference, rows, torch.ones_like(rows))[:, -1]
-                probs = torch.softmax(logits.float().cpu(), -1)
-                rows = torch.cat([rows, torch.multinomial(probs, 1, generator=gen)], 1)
-            out += rows.tolist()
-    return out
+    with calibration_mode(reference):
+        text = sample_generate(
+            reference, starts, length, generator=gen, batch_size=batch_size, progress=progress
+        )
+    return [[*s, *t] for s, t in zip(starts, text, strict=True)]
 
 
 def protect(

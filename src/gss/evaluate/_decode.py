@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -84,8 +84,57 @@ def greedy_generate(
     such as sampling or minimum lengths apply, and EOS does not stop a row). Prompts of different
     lengths are left-padded with an attention mask and matching position ids; batches group
     prompts of equal length first so that most batches need no padding. A model that returns
-    no KV cache (a plain `nn.Module`) is given the whole sequence at every step.
+    no KV cache, or whose forward takes none back (a plain `nn.Module`, a forward-only
+    wrapper), is given the whole sequence at every step.
     """
+    return decode(
+        model, prompts, max_new_tokens, pad_id=pad_id, batch_size=batch_size, progress=progress
+    )
+
+
+def sample_generate(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    generator: torch.Generator,
+    pad_id: int = 0,
+    batch_size: int = 16,
+    progress: bool = False,
+) -> list[list[int]]:
+    """As `greedy_generate`, but each token sampled at temperature 1 from the float32 softmax
+    on the CPU, one draw per row of a batch at each step from ``generator`` (seeded: the same
+    text on every run)."""
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(logits.float().cpu(), -1)
+        return torch.multinomial(probs, 1, generator=generator).to(logits.device)
+
+    return decode(
+        model,
+        prompts,
+        max_new_tokens,
+        pad_id=pad_id,
+        batch_size=batch_size,
+        progress=progress,
+        choose=sample,
+        desc="gss: sampling",
+    )
+
+
+def decode(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    pad_id: int,
+    batch_size: int = 64,
+    progress: bool = False,
+    choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    desc: str = "gss: greedy decoding",
+) -> list[list[int]]:
+    """Continuations of `prompts` with the KV cache (`greedy_generate`); ``choose`` maps the
+    last position's logits (B, V) to the next tokens (B, 1) (default: the argmax)."""
     if max_new_tokens <= 0:
         return [[] for _ in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -93,9 +142,10 @@ def greedy_generate(
     use_pos = accepts_position_ids(model)
     use_mask, use_cache = accepts(model, "attention_mask"), accepts(model, "use_cache")
     cache_name = cache_argument(model)
+    takes_cache = accepts(model, cache_name)  # a forward-only wrapper may return one anyway
     device = model_device(model)
     with eval_mode(model):
-        for b in batch_starts(len(order), batch_size, "gss: greedy decoding", progress):
+        for b in batch_starts(len(order), batch_size, desc, progress):
             idx = order[b : b + batch_size]
             width = max(len(prompts[i]) for i in idx)
             ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
@@ -124,8 +174,9 @@ def greedy_generate(
                 if past is not None:
                     kwargs[cache_name] = past
                 res = model(input_ids=step_ids, **kwargs)
-                past = returned_cache(res)
-                chosen = output_logits(res)[:, -1, :].argmax(-1, keepdim=True)
+                past = returned_cache(res) if takes_cache else None
+                last = output_logits(res)[:, -1, :]
+                chosen = last.argmax(-1, keepdim=True) if choose is None else choose(last)
                 new.append(chosen)
                 mask = torch.cat([mask, torch.ones_like(chosen)], dim=1)
                 if past is None:  # no cache: the next step reads the whole sequence again
