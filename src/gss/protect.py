@@ -409,7 +409,13 @@ def reference_text(
     gen = torch.Generator().manual_seed(seed)
     with calibration_mode(reference):
         text = sample_generate(
-            reference, starts, length, generator=gen, batch_size=batch_size, progress=progress
+            reference,
+            starts,
+            length,
+            generator=gen,
+            batch_size=batch_size,
+            progress=progress,
+            desc="gss: the reference's text",
         )
     return [[*s, *t] for s, t in zip(starts, text, strict=True)]
 

@@ -101,6 +101,7 @@ def sample_generate(
     pad_id: int = 0,
     batch_size: int = 16,
     progress: bool = False,
+    desc: str = "gss: sampling",
 ) -> list[list[int]]:
     """As `greedy_generate`, but each token sampled at temperature 1 from the float32 softmax
     on the CPU, one draw per row of a batch at each step from ``generator`` (seeded: the same
@@ -118,7 +119,7 @@ def sample_generate(
         batch_size=batch_size,
         progress=progress,
         choose=sample,
-        desc="gss: sampling",
+        desc=desc,
     )
 
 
