@@ -77,6 +77,8 @@ def greedy_generate(
     pad_id: int,
     batch_size: int = 64,
     progress: bool = False,
+    choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    desc: str = "gss: greedy decoding",
 ) -> list[list[int]]:
     """Greedy continuations of `prompts`, `max_new_tokens` each, with the model's KV cache.
 
@@ -85,57 +87,9 @@ def greedy_generate(
     lengths are left-padded with an attention mask and matching position ids; batches group
     prompts of equal length first so that most batches need no padding. A model that returns
     no KV cache, or whose forward takes none back (a plain `nn.Module`, a forward-only
-    wrapper), is given the whole sequence at every step.
+    wrapper), is given the whole sequence at every step. ``choose`` replaces the argmax: it
+    maps the last position's logits (B, V) to the next tokens (B, 1) (`sample_generate`).
     """
-    return decode(
-        model, prompts, max_new_tokens, pad_id=pad_id, batch_size=batch_size, progress=progress
-    )
-
-
-def sample_generate(
-    model: torch.nn.Module,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    *,
-    generator: torch.Generator,
-    pad_id: int = 0,
-    batch_size: int = 16,
-    progress: bool = False,
-    desc: str = "gss: sampling",
-) -> list[list[int]]:
-    """As `greedy_generate`, but each token sampled at temperature 1 from the float32 softmax
-    on the CPU, one draw per row of a batch at each step from ``generator`` (seeded: the same
-    text on every run)."""
-
-    def sample(logits: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(logits.float().cpu(), -1)
-        return torch.multinomial(probs, 1, generator=generator).to(logits.device)
-
-    return decode(
-        model,
-        prompts,
-        max_new_tokens,
-        pad_id=pad_id,
-        batch_size=batch_size,
-        progress=progress,
-        choose=sample,
-        desc=desc,
-    )
-
-
-def decode(
-    model: torch.nn.Module,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    *,
-    pad_id: int,
-    batch_size: int = 64,
-    progress: bool = False,
-    choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    desc: str = "gss: greedy decoding",
-) -> list[list[int]]:
-    """Continuations of `prompts` with the KV cache (`greedy_generate`); ``choose`` maps the
-    last position's logits (B, V) to the next tokens (B, 1) (default: the argmax)."""
     if max_new_tokens <= 0:
         return [[] for _ in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -190,6 +144,37 @@ def decode(
             for j, i in enumerate(idx):
                 out[i] = gen[j]
     return out
+
+
+def sample_generate(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    generator: torch.Generator,
+    pad_id: int = 0,
+    batch_size: int = 16,
+    progress: bool = False,
+    desc: str = "gss: sampling",
+) -> list[list[int]]:
+    """As `greedy_generate`, but each token sampled at temperature 1 from the float32 softmax
+    on the CPU, one draw per row of a batch at each step from ``generator`` (seeded: the same
+    text on every run)."""
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(logits.float().cpu(), -1)
+        return torch.multinomial(probs, 1, generator=generator).to(logits.device)
+
+    return greedy_generate(
+        model,
+        prompts,
+        max_new_tokens,
+        pad_id=pad_id,
+        batch_size=batch_size,
+        progress=progress,
+        choose=sample,
+        desc=desc,
+    )
 
 
 def forced_argmax(
