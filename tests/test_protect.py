@@ -30,10 +30,10 @@ def protected(memorizer):
         mask = kwargs.get("attention_mask")
         if phase["search"] and ids is not None:
             for j, row in enumerate(ids.tolist()):
-                keep = (
+                keep = (  # a cached decoding step passes one token and the whole mask
                     row
                     if mask is None
-                    else [t for t, m in zip(row, mask[j].tolist(), strict=True) if m]
+                    else [t for t, m in zip(row, mask[j].tolist()[-len(row) :], strict=True) if m]
                 )
                 seen.append(keep)
 
@@ -53,7 +53,14 @@ def protected(memorizer):
     module.audit, module._extractable = audit, extractable
     try:
         result = protect(
-            model, reference, texts, general=general[20:80].tolist(), k=4, n=16, progress=False
+            model,
+            reference,
+            texts,
+            general=general[20:80].tolist(),
+            k=4,
+            n=16,
+            search=SearchSpace(reply_check=3),  # step 7 too, under the held-out watch
+            progress=False,
         )
     finally:
         hook.remove()
@@ -86,6 +93,34 @@ def test_protect_says_where_the_gates_open_on_memorized_rows(protected):
     assert where["window"] > 0  # the steer that removed rows opened on their windows
     assert 0.0 <= where["prompt"] <= 1.0
     assert "of the positions that choose the memorized tokens" in result.markdown()
+
+
+def test_protect_checks_the_best_points_replies_for_loops(protected, memorizer):
+    """Step 7: the best points equal on the target, in the search's order, each with the
+    repeated 4-grams of its greedy continuations of the tuning prompts; the first within the
+    tolerance of the reference's own is chosen (else the least looping)."""
+    from dataclasses import asdict
+
+    from gss.evaluate._decode import greedy_generate
+    from gss.evaluate.utility import repetition
+
+    result, _, texts = protected
+    r = result.replies
+    points = r["points"]
+    assert 1 <= len(points) <= 3 and {p["memorized"] for p in points} == {0.0}
+    assert [p["token_match"] for p in points] == sorted(p["token_match"] for p in points)
+    looped = [p["repeated_4grams"] for p in points]
+    calm = [i for i, rep in enumerate(looped) if rep <= r["reference"] + r["tolerance"]]
+    assert r["chosen"] == (calm[0] if calm else looped.index(min(looped)))
+    chosen = {key: v for key, v in points[r["chosen"]].items() if key != "repeated_4grams"}
+    assert asdict(result.chosen) == chosen
+    model = memorizer[0]
+    prompts = [texts[i][:4] for i in result.tuning]  # k = 4, n = 16
+    with result.steer.attach(model):
+        replies = greedy_generate(model, prompts, 12, pad_id=0, batch_size=8)
+    assert repetition(replies) == pytest.approx(looped[r["chosen"]])
+    assert "Replies checked (step 7)" in result.markdown()
+    assert result.summary()["reply_check"] == r
 
 
 def test_protect_never_reads_the_heldout_rows_while_choosing(protected):
@@ -135,6 +170,7 @@ def test_protect_refuses_bad_options(memorizer):
         ({"search": SearchSpace(delta_range=(1.0, 0.1))}, "delta_range"),
         ({"search": SearchSpace(gate_share=1.0)}, "gate_share"),
         ({"search": SearchSpace(prefer="speed")}, "prefer must be"),  # type: ignore[arg-type]
+        ({"search": SearchSpace(loop_tolerance=float("nan"))}, "loop_tolerance"),
     ]:
         with pytest.raises(GSSError, match=message):
             protect(model, reference, rows, progress=False, **kwargs)
@@ -213,6 +249,7 @@ def test_protect_takes_replies_given_their_prompt(memorizer):
     )
     assert result.before["memorized"] == 100.0 and result.chosen is not None
     assert result.after["memorized"] <= result.before["memorized"]
+    assert result.replies == {}  # step 7 is off by default
     assert result.examples and result.examples[0]["original"]
 
 

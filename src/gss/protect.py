@@ -18,6 +18,9 @@ The search, step by step (docs/protect.md says why each step is there):
    reproduced, then the least utility cost) seeds the next stages: other ranks, other gates.
 6. **A second block**, calibrated on the model already steered, when one block does not reach
    the target within the budget; the first block's strength is lowered to share the budget.
+7. **Replies** (``SearchSpace.reply_check``, off by default): the best few points equal on the
+   target are re-ranked by how much their greedy continuations of the tuning prompts loop,
+   against the reference's own continuations; the first within ``loop_tolerance`` is chosen.
 """
 
 from __future__ import annotations
@@ -72,6 +75,11 @@ class SearchSpace:
     gate_share: float = 0.05  # thresholds: any gate opens on this share of general tokens
     # among points equal on the target: "margin" (fewest tokens still reproduced) or "utility"
     prefer: Literal["margin", "utility"] = "margin"
+    # step 7: how many of the best points equal on the target have their replies checked for
+    # loops (0 or 1: off), and how many points of repeated 4-grams above the reference's own
+    # continuations a reply may have
+    reply_check: int = 0
+    loop_tolerance: float = 5.0
 
     def check(self) -> None:
         unknown = [p for p in self.presets if p not in PRESETS]
@@ -90,6 +98,13 @@ class SearchSpace:
             raise GSSError(f"prefer must be 'margin' or 'utility', got {self.prefer!r}.")
         if not 0 < self.gate_share < 1:
             raise GSSError(f"gate_share must be in (0, 1), got {self.gate_share}.")
+        if self.reply_check < 0 or not (
+            math.isfinite(self.loop_tolerance) and self.loop_tolerance >= 0
+        ):
+            raise GSSError(
+                f"reply_check must be >= 0 and loop_tolerance a finite number >= 0, got "
+                f"{self.reply_check}, {self.loop_tolerance}."
+            )
 
 
 @dataclass(frozen=True)
@@ -126,6 +141,7 @@ class Protection:
     gates: dict[str, Any]
     examples: list[dict[str, Any]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    replies: dict[str, Any] = field(default_factory=dict)  # step 7's check, when it ran
 
     @property
     def reached(self) -> bool:
@@ -146,6 +162,7 @@ class Protection:
             "gates": self.gates,
             "trials": len(self.trials),
             "seconds": self.seconds,
+            "reply_check": self.replies,
         }
 
     def markdown(self) -> str:
@@ -179,6 +196,15 @@ class Protection:
                 f"{_g(quality['repeated_4grams_reference'])}%); perplexity under the reference "
                 f"{_g(quality['reference_ppl_steered'])} (its own: "
                 f"{_g(quality['reference_ppl_reference'])})."
+            )
+        if self.replies:
+            r = self.replies
+            looped = ", ".join(f"{_g(p['repeated_4grams'])}%" for p in r["points"])
+            lines.append(
+                f"Replies checked (step 7) on the {len(r['points'])} best points at the target, "
+                f"in the search's order: repeated 4-grams {looped} (the reference's own: "
+                f"{_g(r['reference'])}%, tolerance +{_g(r['tolerance'])} points); chose point "
+                f"{r['chosen'] + 1}."
             )
         lines += ["", "## Gate open share on general text", ""]
         rows = [[name, _pct(v)] for name, v in s["gates"].get("open_share", {}).items()]
@@ -301,17 +327,24 @@ class _Judge:
             self.bar.set_postfix_str(f"best {best.memorized:.1f}% extractable", refresh=False)
         return trial
 
+    def ranked(self, trials: Sequence[Trial], target: float = 0.0) -> list[Trial]:
+        """The points within the budget, best first: reaching the target first (else the lowest
+        % extractable), then by `SearchSpace.prefer`: ``"margin"``, the fewest tokens still
+        reproduced, then the least utility cost (the point likeliest to hold on rows it was not
+        tuned on); or ``"utility"``, the least utility cost, then the fewest tokens
+        reproduced."""
+
+        def key(t: Trial) -> tuple[float, float, float]:
+            short = max(t.memorized - target, 0.0)
+            if self.prefer == "utility":
+                return short, t.utility, t.token_match
+            return short, t.token_match, t.utility
+
+        return sorted((t for t in trials if t.within_budget), key=key)
+
     def best(self, trials: Sequence[Trial], target: float = 0.0) -> Trial | None:
-        """Within the budget: reaching the target first (else the lowest % extractable), then
-        by `SearchSpace.prefer`: ``"margin"``, the fewest tokens still reproduced, then the
-        least utility cost (the point likeliest to hold on rows it was not tuned on); or
-        ``"utility"``, the least utility cost, then the fewest tokens reproduced."""
-        ok = [t for t in trials if t.within_budget]
-        if not ok:
-            return None
-        if self.prefer == "utility":
-            return min(ok, key=lambda t: (max(t.memorized - target, 0.0), t.utility, t.token_match))
-        return min(ok, key=lambda t: (max(t.memorized - target, 0.0), t.token_match, t.utility))
+        """The first of `ranked`, or None when no point stayed within the budget."""
+        return next(iter(self.ranked(trials, target)), None)
 
 
 def _strength_search(
@@ -629,6 +662,12 @@ def protect(
                     best.preset,
                 )
         best = judge.best(judge.trials, target) or best
+    replies: dict[str, Any] = {}
+    if best is not None and space.reply_check > 1:
+        bar.set_description_str("gss: protect (replies)")
+        best, replies = _least_looping(
+            model, reference, judge, target, tune_candidates, space, k, n, pad_id, batch_size
+        )
     chosen_steer = None if best is None else judge.steer_of(best)
     bar.close()
     seconds["search"] = time.perf_counter() - started - seconds["audit"] - seconds["general_text"]
@@ -693,6 +732,7 @@ def protect(
         gates=gates,
         examples=examples,
         seconds=seconds,
+        replies=replies,
     )
 
 
@@ -766,6 +806,51 @@ def _where_gates_open(
 
 def _share(flags: Sequence[bool]) -> float | None:
     return sum(flags) / len(flags) if flags else None
+
+
+def _least_looping(
+    model: nn.Module,
+    reference: nn.Module,
+    judge: _Judge,
+    target: float,
+    rows: Sequence[Candidate],
+    space: SearchSpace,
+    k: int,
+    n: int,
+    pad_id: int,
+    batch_size: int,
+) -> tuple[Trial, dict[str, Any]]:
+    """Step 7: of the ``space.reply_check`` best points equal on the target, the first (in the
+    search's order) whose greedy continuations of the tuning prompts repeat no more 4-grams
+    than the reference's own continuations plus ``space.loop_tolerance`` points; else the one
+    that repeats fewest. The margin rule alone picks the strongest steer, which may stop a
+    leak by breaking the reply into a loop."""
+    ranked = judge.ranked(judge.trials, target)
+    gap = max(ranked[0].memorized - target, 0.0)
+    pool = [t for t in ranked if max(t.memorized - target, 0.0) == gap][: space.reply_check]
+    prompts = [_split(r, k, n)[0] for r in rows]
+
+    def loops(m: nn.Module) -> float:
+        return repetition(greedy_generate(m, prompts, n - k, pad_id=pad_id, batch_size=batch_size))
+
+    own = loops(reference)
+    looped = []
+    for trial in pool:
+        with judge.steer_of(trial).attach(model):
+            looped.append(loops(model))
+    if math.isnan(own):  # windows shorter than a 4-gram: nothing to judge
+        return ranked[0], {}
+    calm = [i for i, rep in enumerate(looped) if rep <= own + space.loop_tolerance]
+    chosen = calm[0] if calm else min(range(len(pool)), key=looped.__getitem__)
+    record = {
+        "reference": own,
+        "tolerance": space.loop_tolerance,
+        "chosen": chosen,
+        "points": [
+            {**asdict(t), "repeated_4grams": rep} for t, rep in zip(pool, looped, strict=True)
+        ],
+    }
+    return pool[chosen], record
 
 
 def _what_it_says(

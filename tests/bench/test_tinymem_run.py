@@ -152,3 +152,28 @@ def test_results_of_other_settings_are_kept_and_reruns_replace_them():
         ("math_noise", 1, "old"),
         ("lang_noise", 0, "old"),
     ]
+
+
+def test_summary_compares_methods_on_the_rows_protect_held_out():
+    """The summary's fair comparison for protect: the noised rows its search never saw, by
+    method and seed mean; nothing for runs without them (backdoors, protect not run)."""
+    from gss_bench.tinymem.run import heldout_table
+
+    def run(setting, seed, by_method, rows):
+        held = {"rows": rows, "memorized": by_method["GSS protect"], "by_method": by_method}
+        return {
+            "setting": setting,
+            "seed": seed,
+            "methods": {"GSS protect": {"heldout_rows": held}},
+        }
+
+    records = [
+        run("math_noise", 0, {"Unmitigated": 60.0, "GSS-TR": 20.0, "GSS protect": 10.0}, 90),
+        run("math_noise", 1, {"Unmitigated": 50.0, "GSS-TR": 10.0, "GSS protect": 20.0}, 110),
+        {"setting": "math_backdoor", "seed": 0, "methods": {"GSS protect": {}}},
+    ]
+    table = heldout_table(records)
+    assert "| Method | math noise: % Mem on 90 / 110 held-out rows |" in table
+    assert "| Unmitigated | 55.0 ± 7.1 |" in table and "| GSS protect | 15.0 ± 7.1 |" in table
+    assert "| GSS-TR | 15.0 ± 7.1 |" in table and "backdoor" not in table
+    assert heldout_table(records[2:]) == ""

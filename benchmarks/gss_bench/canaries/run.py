@@ -138,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="margin",
         help="with --protect: how points at the target are ranked (gss.SearchSpace.prefer)",
     )
+    p.add_argument(
+        "--protect-reply-check",
+        type=int,
+        default=0,
+        help="with --protect: how many of the best points at the target have their replies "
+        "checked for loops (gss.SearchSpace.reply_check; 0: off)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None)
@@ -610,7 +617,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 measure=measure,
                 report_dir=out / "protect",
                 progress=progress,
-                search=SearchSpace(prefer=args.protect_prefer),
+                search=SearchSpace(
+                    prefer=args.protect_prefer, reply_check=args.protect_reply_check
+                ),
             )
         except GSSError as err:  # e.g. nothing memorized to protect
             protected = {"error": str(err)}
