@@ -97,17 +97,32 @@ def test_readme_prose_quotes_the_committed_results():
 
 def test_readme_protect_numbers_are_the_committed_results():
     text = " ".join(README.read_text().split())
-    runs = json.loads((RESULTS / "tinymem-protect" / "results.json").read_text())["runs"]
-    noise = sorted((r for r in runs if r["setting"] == "math_noise"), key=lambda r: r["seed"])
-    assert [r["seed"] for r in noise] == [0, 1, 2]  # "seeds 0, 1 and 2"
-    held = [r["methods"]["GSS protect"]["heldout_rows"]["by_method"] for r in noise]
+    runs = json.loads((RESULTS / "tinymem" / "results.json").read_text())["runs"]
 
-    def listed(method: str) -> str:
-        values = [f"{h[method]:.1f}%" for h in held]
-        return f"{', '.join(values[:-1])} and {values[-1]}"
+    def by_seed(setting: str) -> list[dict]:
+        found = sorted((r for r in runs if r["setting"] == setting), key=lambda r: r["seed"])
+        assert [r["seed"] for r in found] == [0, 1, 2]  # "seeds 0, 1, 2"
+        return found
 
-    assert f"{listed('GSS protect')} of those rows stay memorized" in text
-    assert f"against {listed('GSS-TR')} for GSS-TR" in text
+    def listed(values: list[float]) -> str:
+        shown = [f"{v:.1f}%" for v in values]
+        return f"{', '.join(shown[:-1])} and {shown[-1]}"
+
+    def held(setting: str, method: str) -> list[float]:  # on the rows protect held out
+        return [
+            r["methods"]["GSS protect"]["heldout_rows"]["by_method"][method]
+            for r in by_seed(setting)
+        ]
+
+    def counted(setting: str, method: str) -> list[float]:  # every counted row
+        return [r["methods"][method]["selected"]["eval"]["memorized"] for r in by_seed(setting)]
+
+    assert f"math noise keeps {listed(held('math_noise', 'GSS protect'))} (seeds 0, 1, 2)" in text
+    assert f"against {listed(held('math_noise', 'GSS-TR'))} for GSS-TR" in text
+    assert held("lang_noise", "GSS protect") == [0.0] * 3  # "language noise 0.0% on every seed"
+    for setting in ("math_backdoor", "lang_backdoor"):  # "protect leaves 0.0% on every seed"
+        assert counted(setting, "GSS protect") == [0.0] * 3
+    assert f"(GSS-TR: {listed(counted('math_backdoor', 'GSS-TR'))} on the math backdoor)" in text
     said = []  # "0.0% at +4.6%" per fine-tune: secrets said by held-out canaries, perplexity
     for folder in ("canaries-protect", "canaries-lora-protect", "canaries-chat-protect"):
         canaries = json.loads((RESULTS / folder / "results.json").read_text())
