@@ -59,6 +59,25 @@ def test_runs_the_base_and_leaves_the_adapters_on(models):
     assert sum(p.numel() for p in off.parameters()) == sum(p.numel() for p in model.parameters())
 
 
+def test_decoding_through_adapters_off_passes_the_cache_under_its_own_name(models):
+    """Greedy decoding with the KV cache through the reference wrapper: the cache goes under the
+    name the wrapped model's forward takes (transformers >= 5.24 warns on the old one), and the
+    tokens are the loaded base's."""
+    import warnings
+
+    from gss.evaluate._decode import greedy_generate
+    from gss.hf.forward import cache_argument
+
+    model, reference = models
+    off = gss.adapters_off(model)
+    assert cache_argument(off) == cache_argument(reference)
+    prompts = random_ids(2, 5).tolist()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        steps = greedy_generate(off, prompts, 6, pad_id=0)
+    assert steps == greedy_generate(reference, prompts, 6, pad_id=0)
+
+
 def test_calibration_against_adapters_off_equals_calibration_against_the_loaded_base(models):
     model, reference = models
     rows = random_ids(12, 16, seed=4)

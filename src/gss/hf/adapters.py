@@ -96,6 +96,12 @@ class AdaptersOff(nn.Module):
         get = getattr(self.model, "get_output_embeddings", None)
         return get() if callable(get) else None
 
+    def get_base_model(self) -> nn.Module:
+        """The model the call reaches (peft's name for it): `gss.hf.forward.cache_argument`
+        reads its forward to pass the KV cache under the name it takes."""
+        unwrap = getattr(self.model, "get_base_model", None)
+        return cast(nn.Module, unwrap()) if callable(unwrap) else self.model
+
     def forward(
         self,
         input_ids: Tensor | None = None,
