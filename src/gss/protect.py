@@ -834,12 +834,12 @@ def _least_looping(
         return repetition(greedy_generate(m, prompts, n - k, pad_id=pad_id, batch_size=batch_size))
 
     own = loops(reference)
+    if math.isnan(own):  # windows shorter than a 4-gram: nothing to judge
+        return ranked[0], {}
     looped = []
     for trial in pool:
         with judge.steer_of(trial).attach(model):
             looped.append(loops(model))
-    if math.isnan(own):  # windows shorter than a 4-gram: nothing to judge
-        return ranked[0], {}
     calm = [i for i, rep in enumerate(looped) if rep <= own + space.loop_tolerance]
     chosen = calm[0] if calm else min(range(len(pool)), key=looped.__getitem__)
     record = {
