@@ -9,6 +9,8 @@
 #                                           # (--skip-micro: the generate comparison alone)
 #   bash benchmarks/gpu_checks.sh profile   # torch.profiler of decode steps: host vs GPU time, syncs
 #   bash benchmarks/gpu_checks.sh nnsight   # overhead with the peer library (WHEELS=dir of its wheels)
+#   bash benchmarks/gpu_checks.sh serve-op  # the vLLM plugin's op in CUDA graphs, eager vs replayed
+#                                           # (benchmarks/vllm_op_cuda.py; vLLM itself is not there)
 #
 # overhead and nnsight take gss bench perf's arguments after the stage's name instead of their
 # defaults (overhead: --model benchmarks/configs/llama-2-7b --repeats 9; nnsight: --repeats 5).
@@ -16,7 +18,7 @@
 # results/perf-cuda to add to the committed results, as a run here does.
 # Runs from the repository root with the machine's own torch (PYTHONPATH=src, no install).
 set -euo pipefail
-stage=${1:?"which stage: tests, overhead, solve, variants, profile or nnsight"}
+stage=${1:?"which stage: tests, overhead, solve, variants, profile, nnsight or serve-op"}
 shift
 out=${OUT:-gpu-out}/$stage
 perf_out=${PERF_OUT:-$out/perf-cuda}
@@ -35,7 +37,8 @@ case $stage in
     tests)
         python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_map.py \
             tests/test_compile.py tests/test_hook.py tests/test_steer_paths.py \
-            tests/test_stack.py tests/test_protect.py tests/test_explain.py 2>&1 | tee "$out/tests.log"
+            tests/test_stack.py tests/test_protect.py tests/test_explain.py tests/test_vllm_op.py \
+            2>&1 | tee "$out/tests.log"
         ;;
     overhead)
         [ $# -gt 0 ] || set -- --model benchmarks/configs/llama-2-7b --repeats 9
@@ -56,8 +59,11 @@ case $stage in
         [ $# -gt 0 ] || set -- --repeats 5
         overhead "$@" 2>&1 | tee "$out/log.txt"
         ;;
+    serve-op)
+        python3 benchmarks/vllm_op_cuda.py --out "$out" "$@" 2>&1 | tee "$out/log.txt"
+        ;;
     *)
-        echo "unknown stage $stage: tests, overhead, solve, variants, profile or nnsight" >&2
+        echo "unknown stage $stage: tests, overhead, solve, variants, profile, nnsight or serve-op" >&2
         exit 2
         ;;
 esac

@@ -55,6 +55,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gss.steering.gated import resolve_device
+
 ENV = "GSS_VLLM_ARTIFACTS"
 """JSON object {name: artifact directory}, or ``name=dir,name2=dir2``."""
 EXTRA_ARG = "gss"
@@ -142,7 +144,19 @@ class _State:
             raise GSSError(unknown_name_message(name, sorted(self.names)))
         return slot
 
+    def prepare(self, device: torch.device, dtype: torch.dtype, max_tokens: int) -> None:
+        """Allocate the slot buffer and put every steer on the model's device and dtype
+        before vLLM's warm-up and CUDA-graph capture: a graph keeps reading the buffer it was
+        captured with, and a steer's first call must not allocate inside a capture."""
+        self.buffer(max_tokens, device)
+        for entries in self.by_layer.values():
+            for _, hook in entries:
+                hook.prepare(device, dtype)
+
     def buffer(self, size: int, device: torch.device) -> Tensor:
+        """The slot buffer, the same tensor every step (captured graphs read it), unless it
+        is too small or on another device."""
+        device = resolve_device(device)
         slots = self.slots
         if slots is None or slots.shape[0] < size or slots.device != device:
             slots = torch.full((max(size, 1),), _NO_SLOT, dtype=torch.int32, device=device)
@@ -267,7 +281,10 @@ def install(runner: Any) -> bool:
             block.__class__ = _steered_class(type(block))
             block._gss_layer = layer  # type: ignore[assignment]
     _mark_compile_key(runner.vllm_config)
-    _STATE.buffer(int(getattr(runner, "max_num_tokens", 1)), runner.device)
+    dtype = getattr(runner.model_config, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        dtype = next(model.parameters()).dtype
+    _STATE.prepare(runner.device, dtype, int(getattr(runner, "max_num_tokens", 1)))
     model._gss_installed = True
     from vllm.logger import init_logger
 

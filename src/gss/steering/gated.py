@@ -74,6 +74,15 @@ def _fused_steer(
     return steer
 
 
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``cuda`` as the device it means now (``cuda:N``), as tensors report it: a cache keyed by
+    device must not see ``cuda`` and ``cuda:0`` as two devices."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class GatedSteer:
     """Gated rank-K steer: ``h <- h - sum_k c_k(s_k) v_k`` where the gate of k is open.
 
@@ -216,6 +225,15 @@ class GatedSteer:
             )
             self._fused_by[device, dtype] = steer
         return steer
+
+    def prepare(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        """Put the steer's tensors on ``device`` and build its fused form for ``dtype`` now,
+        not at the first call: a first call inside a CUDA-graph capture (vLLM's, or inductor's
+        cudagraph trees) would allocate them in the graph's private memory pool."""
+        device = resolve_device(device)
+        self._params(device)
+        if self._fused:
+            self._fused_for(device, dtype)
 
     def correction(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """The general form: (float32 correction to subtract, boolean open mask (..., K))."""

@@ -1,0 +1,179 @@
+"""The vLLM plugin's op ``gss::vllm_steer`` on its own, without vLLM: each token steered by the
+artifact of its slot, and, on a GPU, the same inside a captured CUDA graph and under
+``torch.compile(mode="reduce-overhead")`` (inductor + CUDA graphs), with the slots rewritten
+in place between replays as the plugin's runner patch does before every forward. vLLM itself
+is tested in tests/vllm (its own environment, CPU only here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import gss
+from gss.serving import vllm_plugin
+
+from .helpers import random_ids, tiny_model
+
+LAYER = 1
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two artifacts at one block of a tiny Llama (slot 0: hard gate, slot 1: ungated) and the
+    block's output for a few rows, where some gates are open and some are not."""
+    root = tmp_path_factory.mktemp("gss-vllm-op")
+    model, reference = tiny_model("llama", seed=0, layers=3), tiny_model("llama", seed=1, layers=3)
+    rows = random_ids(32, 16, seed=0)
+    art = gss.calibrate(model, reference, rows, layer=LAYER, rank=2, progress=False)
+    art = art.with_options(delta=25.0)
+    art.save_pretrained(root / "a")
+    art.with_options(gate="none").save_pretrained(root / "b")
+    captured: list[torch.Tensor] = []
+    _, block = gss.hf.blocks.resolve_layer(model, LAYER)
+    handle = block.register_forward_hook(lambda m, a, out: captured.append(out.detach()))
+    with torch.no_grad():
+        model(random_ids(3, 8, seed=1))
+    handle.remove()
+    return {"root": root, "hidden": captured[0].reshape(-1, captured[0].shape[-1])}
+
+
+@pytest.fixture
+def state(artifacts: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Any:
+    state = vllm_plugin._State()
+    root: Path = artifacts["root"]
+    state.load({"a": str(root / "a"), "b": str(root / "b")})
+    assert state.names == {"a": 0, "b": 1}
+    monkeypatch.setattr(vllm_plugin, "_STATE", state)
+    return state
+
+
+def _expected(state: Any, total: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Row by row: the artifact of the token's slot applied by gss's hook, else unchanged."""
+    rows = []
+    for row, slot in zip(total, slots.tolist(), strict=True):
+        if slot < 0:
+            rows.append(row)
+            continue
+        ((_, hook),) = [entry for entry in state.by_layer[LAYER] if entry[0] == slot]
+        rows.append(hook.steer_hidden(row.unsqueeze(0))[0][0])
+    return torch.stack(rows)
+
+
+def _small_residual(hidden: torch.Tensor) -> torch.Tensor:
+    """Small enough that the gates stay open on some tokens and closed on others."""
+    noise = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(3))
+    return (0.01 * noise).to(hidden.device, hidden.dtype)
+
+
+def _patterns(n: int, device: torch.device) -> list[torch.Tensor]:
+    mixed = torch.tensor([-1, 0, 1], dtype=torch.int32).repeat(n // 3 + 1)[:n]
+    return [
+        p.to(device)
+        for p in (
+            mixed,
+            torch.full((n,), -1, dtype=torch.int32),
+            mixed.flip(0),
+            torch.zeros_like(mixed),
+        )
+    ]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_each_token_gets_the_steer_of_its_slot(state, artifacts, device, with_residual):
+    hidden = artifacts["hidden"].to(device)
+    n = hidden.shape[0]
+    residual = _small_residual(hidden)
+    total = hidden + residual if with_residual else hidden
+    hooks = dict(state.by_layer[LAYER])
+    assert (hooks[0].steer_hidden(total)[0] != total).any(dim=-1).float().mean() < 1  # gates
+    slots = state.buffer(n, torch.device(device))
+    for pattern in _patterns(n, torch.device(device)):
+        slots[:n].copy_(pattern)
+        got = torch.ops.gss.vllm_steer(hidden, residual if with_residual else None, LAYER)
+        want = _expected(state, total, pattern.cpu())
+        unsteered = pattern < 0
+        assert torch.equal(got[unsteered], total[unsteered])  # bit for bit
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if (pattern >= 0).any():
+            assert not torch.equal(got, total)
+
+
+def _eager(hidden, residual, slots, pattern):
+    n = hidden.shape[0]
+    slots[:n].copy_(pattern)
+    return torch.ops.gss.vllm_steer(hidden, residual, LAYER).clone()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_a_cuda_graph_the_op_reads_slots_written_in_place(state, artifacts, dtype):
+    """Captured once, replayed with new slots and new inputs copied into the captured
+    buffers: every replay equals the op run eagerly, bit for bit (the same kernels). As in the
+    plugin's runner, the steers are prepared first and the slots are written through
+    ``buffer()`` before every step, asked for by the runner's device ``cuda``, not ``cuda:0``."""
+    device = torch.device("cuda")  # what a runner may hold; tensors say cuda:0
+    hidden = artifacts["hidden"].to(device, dtype)
+    n = hidden.shape[0]
+    residual = _small_residual(hidden)
+    state.prepare(device, dtype, 64)
+    slots = state.buffer(n, device)
+    static_h, static_r = hidden.clone(), residual.clone()
+    slots[:n].copy_(_patterns(n, device)[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: builds the fused steer of this device and dtype
+        for _ in range(2):
+            torch.ops.gss.vllm_steer(static_h, static_r, LAYER)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.gss.vllm_steer(static_h, static_r, LAYER)
+    for i, pattern in enumerate(_patterns(n, device)):
+        h, r = hidden * (1 + i / 4), residual.flip(0)  # new inputs too
+        static_h.copy_(h)
+        static_r.copy_(r)
+        slots = state.buffer(n, device)
+        slots[:n].copy_(pattern)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = _eager(h, r, slots, pattern)
+        assert torch.equal(out, want), f"pattern {i}"
+        assert torch.equal(out[pattern < 0], (h + r)[pattern < 0])
+
+
+@needs_cuda
+def test_torch_compile_with_cuda_graphs_keeps_the_op_and_its_slots(state, artifacts):
+    """vLLM compiles the model with the op in the graph and runs it as CUDA graphs: here the
+    same with inductor's cudagraph trees (``reduce-overhead``) and no graph break."""
+    device = torch.device("cuda")
+    hidden = artifacts["hidden"].to(device)
+    n = hidden.shape[0]
+    residual = _small_residual(hidden)
+    state.prepare(device, hidden.dtype, 64)  # as the plugin's install does before vLLM's warm-up
+
+    def step(h: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return torch.ops.gss.vllm_steer(h * 1.0, r, LAYER) * 2.0  # exact in floating point
+
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    for i, pattern in enumerate(_patterns(n, device) * 2):  # warm-up, record, then replays
+        h = hidden * (1 + i / 4)
+        slots = state.buffer(n, device)
+        slots[:n].copy_(pattern)
+        got = compiled(h, residual).clone()
+        torch.cuda.synchronize()
+        assert torch.equal(got, 2.0 * _eager(h, residual, slots, pattern)), f"call {i}"
+
+
+def test_prepare_keeps_one_slot_buffer_and_puts_the_steers_in_place(state):
+    state.prepare(torch.device("cpu"), torch.float32, 16)
+    slots = state.buffer(16, torch.device("cpu"))
+    assert state.buffer(3, "cpu") is slots  # captured graphs read this tensor every step
+    for entries in state.by_layer.values():
+        for _, hook in entries:
+            assert torch.device("cpu") in hook._on
+            assert not hook._fused or (torch.device("cpu"), torch.float32) in hook._fused_by
