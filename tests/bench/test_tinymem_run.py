@@ -154,6 +154,43 @@ def test_results_of_other_settings_are_kept_and_reruns_replace_them():
     ]
 
 
+def test_a_rerun_on_the_same_models_keeps_the_methods_it_did_not_run():
+    """`make bench` (no baselines) after `--baselines all`: the baselines of that seed stay,
+    named in methods_kept; not when the models differ."""
+    from gss_bench.tinymem.run import _time_line, merge_runs
+
+    models = {"memorizing": {"cache": "/c/m", "loaded": False}, "reference": {"cache": "/c/r"}}
+
+    def run(methods, command, models=models):
+        return {
+            "setting": "math_noise",
+            "seed": 0,
+            "preset": "default",
+            "models": models,
+            "data": {"rows": 3},
+            "methods": dict.fromkeys(methods, {"selected": command}),
+            "command": command,
+        }
+
+    full = run(["GSS", "act", "ig"], "with baselines")
+    loaded = {**models, "memorizing": {"cache": "/c/m", "loaded": True}}
+    (merged,) = merge_runs([full], [run(["GSS"], "make bench", loaded)])
+    assert merged["methods"] == {
+        "GSS": {"selected": "make bench"},
+        "act": {"selected": "with baselines"},
+        "ig": {"selected": "with baselines"},
+    }
+    assert merged["methods_kept"] == {"act": "with baselines", "ig": "with baselines"}
+    merged["seconds"] = {"total": 1.0}
+    assert "math_noise seed 0: act, ig from `with baselines`" in _time_line([merged], 1.0)
+    # a third run keeps naming the run that measured them
+    (again,) = merge_runs([merged], [run(["GSS"], "make bench again", loaded)])
+    assert again["methods_kept"] == {"act": "with baselines", "ig": "with baselines"}
+    retrained = {**models, "memorizing": {"cache": "/c/m", "tokens_per_second": 2.0}}
+    (other,) = merge_runs([full], [run(["GSS"], "retrained", retrained)])
+    assert list(other["methods"]) == ["GSS"] and "methods_kept" not in other
+
+
 def test_summary_compares_methods_on_the_rows_protect_held_out():
     """The summary's fair comparison for protect: the noised rows its search never saw, by
     method and seed mean; nothing for runs without them (backdoors, protect not run)."""

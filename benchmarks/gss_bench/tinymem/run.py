@@ -167,11 +167,40 @@ def merge_runs(previous: list[dict[str, Any]], new: list[dict[str, Any]]) -> lis
 
     Lets the long table be built one setting at a time (`--settings lang_noise` after
     `--settings math_noise`) without losing the earlier runs; a rerun replaces its old record.
+    A rerun on the same models and data keeps the methods of the old record it did not run
+    (named in ``methods_kept``): `make bench`, which runs no baselines, leaves the baselines of
+    an earlier ``--baselines all`` run of that seed in the table.
     """
+    old = {_run_key(r): r for r in previous}
     fresh = {_run_key(r) for r in new}
     kept = [r for r in previous if _run_key(r) not in fresh]
+    new = [_with_methods_of(r, old.get(_run_key(r))) for r in new]
     order = {name: i for i, name in enumerate(SETTINGS)}
     return sorted([*kept, *new], key=lambda r: (order.get(r["setting"], 99), int(r["seed"])))
+
+
+def _with_methods_of(record: dict[str, Any], before: dict[str, Any] | None) -> dict[str, Any]:
+    """``record`` plus the methods only ``before`` has, when both ran on the same models."""
+    if before is None or "methods" not in record or "methods" not in before:
+        return record
+    same = _models_of(record) == _models_of(before) and record.get("data") == before.get("data")
+    missing = {n: m for n, m in before["methods"].items() if n not in record["methods"]}
+    if not same or not missing:
+        return record
+    earlier = before.get("methods_kept", {})
+    kept = {n: earlier.get(n, before.get("command", "an earlier run")) for n in missing}
+    return {
+        **record,
+        "methods": {**record["methods"], **missing},
+        "methods_kept": {**record.get("methods_kept", {}), **kept},
+    }
+
+
+def _models_of(record: dict[str, Any]) -> dict[str, Any]:
+    """The models' identity: cache folder and training record, not whether this run loaded
+    them or trained them."""
+    models = record.get("models") or {}
+    return {role: {k: v for k, v in m.items() if k != "loaded"} for role, m in models.items()}
 
 
 def _settings(text: str) -> list[str]:
@@ -826,12 +855,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         previous = json.loads(previous_file.read_text()).get("runs", [])
         merged = merge_runs(previous, records)
-        if len(merged) > len(records):
-            kept = sorted({f"{r['setting']} seed {r['seed']}" for r in merged if r not in records})
+        fresh_keys = {_run_key(r) for r in records}
+        kept = [f"{r['setting']} seed {r['seed']}" for r in merged if _run_key(r) not in fresh_keys]
+        if kept:
             _log(
-                f"kept {len(merged) - len(records)} earlier run(s) from {previous_file}: "
-                f"{', '.join(kept)} (--fresh to drop them)"
+                f"kept {len(kept)} earlier run(s) from {previous_file}: "
+                f"{', '.join(sorted(set(kept)))} (--fresh to drop them)"
             )
+        for r in merged:
+            if _run_key(r) in fresh_keys and r.get("methods_kept"):
+                _log(
+                    f"{r['setting']} seed {r['seed']}: kept the earlier run's "
+                    f"{', '.join(sorted(r['methods_kept']))} (same models; --fresh to drop them)"
+                )
         records = merged
     md = table(records)
     run_seconds = sum(r["seconds"]["total"] for r in records)
@@ -896,8 +932,18 @@ def _time_line(records: list[dict[str, Any]], run_seconds: float) -> str:
     """What the table cost: its runs' own clocks summed (runs kept from earlier invocations,
     or run side by side with --jobs, each count their own wall time)."""
     commands = sorted({r.get("command", "?") for r in records})
-    return (
+    line = (
         f"The table's {len(records)} run(s) took {run_seconds:.0f} s "
         f"({run_seconds / 60:.1f} min) by their own clocks, made by {len(commands)} "
         f"command(s): " + "; ".join(f"`{c}`" for c in commands) + "."
     )
+    for r in records:  # methods a later run on the same models did not rerun (merge_runs)
+        by_command: dict[str, list[str]] = {}
+        for name, command in r.get("methods_kept", {}).items():
+            by_command.setdefault(command, []).append(name)
+        for command, names in sorted(by_command.items()):
+            line += (
+                f" {r['setting']} seed {r['seed']}: {', '.join(names)} from `{command}` "
+                "(same models)."
+            )
+    return line
