@@ -168,7 +168,7 @@ def test_a_rerun_on_the_same_models_keeps_the_methods_it_did_not_run():
             "preset": "default",
             "models": models,
             "data": {"rows": 3},
-            "methods": dict.fromkeys(methods, {"selected": command}),
+            "methods": {name: {"selected": command} for name in methods},
             "command": command,
         }
 
