@@ -36,6 +36,8 @@ def main() -> None:
         enable_prefix_caching=job.get("prefix_caching", False),
         block_size=job.get("block_size"),
         seed=0,
+        disable_log_stats=not job.get("metrics", False),
+        **job.get("engine_args", {}),  # e.g. speculative_config, tensor_parallel_size
     )
     started = time.perf_counter() - start
     params = [
@@ -50,10 +52,15 @@ def main() -> None:
         for name in job["artifacts"]
     ]
     prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
+    loras = None
+    if job.get("loras"):  # per request: a LoRA adapter's directory, or None for the base model
+        from vllm.lora.request import LoRARequest
+
+        loras = [LoRARequest("adapter", 1, path) if path else None for path in job["loras"]]
     if job.get("warm_up_unsteered"):  # fill the prefix cache with the unsteered prompts' KV
         plain = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
         llm.generate(prompts, [plain] * len(prompts), use_tqdm=False)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     result = {
         "started_s": started,
         "cached_tokens": [o.num_cached_tokens for o in outputs],
@@ -66,6 +73,15 @@ def main() -> None:
             for o in outputs
         ],
     }
+    parallel = llm.llm_engine.vllm_config.parallel_config
+    result["parallel"] = {
+        "tensor": parallel.tensor_parallel_size,
+        "pipeline": parallel.pipeline_parallel_size,
+    }
+    if job.get("metrics"):  # counters, e.g. vllm:spec_decode_num_draft_tokens
+        result["metrics"] = {
+            m.name: m.value for m in llm.get_metrics() if isinstance(getattr(m, "value", None), int)
+        }
     with open(sys.argv[2], "w") as f:
         json.dump(result, f)
 

@@ -7,7 +7,8 @@ prefill chunks and decode tokens of different requests share a forward). Greedy 
 equal transformers' token for token, steered with ``gss.steer`` or not, and the unsteered
 requests must be bit-identical (log-probabilities included) to an engine without the plugin.
 The same holds on Qwen2 and GPT-2 (whose vLLM decoder layers return one tensor, not Llama's
-(hidden, residual) pair), compiled.
+(hidden, residual) pair), compiled; with speculative decoding, tensor and pipeline parallelism,
+and a LoRA adapter served by vLLM.
 
 Each engine runs in a process of its own (``engine_run.py``), one after the other. The last
 test starts the OpenAI server through ``gss serve`` (the plugin loaded by its entry point) and
@@ -203,6 +204,59 @@ def test_vllm_plugin_matches_transformers(setup: dict[str, Any], enforce_eager: 
             assert with_plugin["logprobs"][i] == without["logprobs"][i]
 
 
+ENGINES = {
+    # ngram drafts from each request's own tokens (prompt_lookup_min 1: a token seen before is
+    # enough, which in these prompts is nearly every step of every request), verified several
+    # tokens per request per step: the slots cover the speculative tokens
+    "speculative": {
+        "speculative_config": {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 2,
+            "prompt_lookup_min": 1,
+        }
+    },
+    # two workers, each with half of every layer's heads; the block output each steers is whole
+    "tensor-parallel": {"tensor_parallel_size": 2},
+    # block 0 on one worker, block 1 (the artifact's) on the other, which alone steers it
+    "pipeline-parallel": {"pipeline_parallel_size": 2},
+}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_speculative_and_parallel_engines_match_transformers(
+    setup: dict[str, Any], engine: str
+) -> None:
+    """The mixed batch through vLLM's speculative decoding (ngram) and its tensor and pipeline
+    parallelism (2 CPU workers), compiled: every output equals transformers' greedy output."""
+    root, prompts = setup["root"], setup["prompts"]
+    names = [STEER_NAME if on else None for _, on in PROMPTS]
+    got = run_engine(
+        root,
+        prompts,
+        names,
+        plugin=True,
+        tag=engine,
+        enforce_eager=False,
+        engine_args=ENGINES[engine],
+        metrics=True,
+    )
+    expected = [
+        s if on else p
+        for s, p, (_, on) in zip(setup["steered"], setup["plain"], PROMPTS, strict=True)
+    ]
+    assert got["tokens"] == expected
+    args = ENGINES[engine]
+    assert got["parallel"] == {
+        "tensor": args.get("tensor_parallel_size", 1),
+        "pipeline": args.get("pipeline_parallel_size", 1),
+    }
+    if engine == "speculative":  # drafts were proposed, and some accepted, some rejected
+        metrics = got["metrics"]
+        drafted = metrics["vllm:spec_decode_num_draft_tokens"]
+        assert 0 < metrics["vllm:spec_decode_num_accepted_tokens"] < drafted
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
 def test_other_architectures_match_transformers(arch: str, tmp_path: Path) -> None:
     """Beyond Llama: Qwen2 (grouped-query attention with biases; its layers return
@@ -222,6 +276,92 @@ def test_other_architectures_match_transformers(arch: str, tmp_path: Path) -> No
     assert expected != plain, "the artifact changes no steered prompt's greedy output: no test"
     names = [STEER_NAME if on else None for _, on in PROMPTS]
     got = run_engine(tmp_path, prompts, names, plugin=True, tag=arch, enforce_eager=False)
+    assert got["tokens"] == expected
+
+
+def lora_adapter(model: Any, directory: Path, rank: int = 8, alpha: int = 16) -> Any:
+    """Write a random LoRA adapter of ``model`` (q_proj and v_proj of every layer, PEFT's file
+    layout) into ``directory`` and return the model with the adapter merged into its weights:
+    what a user who fine-tuned with LoRA calibrates on and vLLM serves as base + adapter."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    targets = ["q_proj", "v_proj"]
+    merged = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(5)
+    tensors = {}
+    for i, layer in enumerate(merged.model.layers):
+        for name in targets:
+            linear = getattr(layer.self_attn, name)
+            a = 0.05 * torch.randn(rank, linear.in_features, generator=gen)
+            b = 0.05 * torch.randn(linear.out_features, rank, generator=gen)
+            key = f"base_model.model.model.layers.{i}.self_attn.{name}"
+            tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
+            with torch.no_grad():
+                linear.weight += (alpha / rank) * b @ a
+    directory.mkdir(parents=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return merged
+
+
+def test_lora_adapter_served_by_vllm_matches_the_merged_model(tmp_path: Path) -> None:
+    """A LoRA fine-tune served as base model + adapter (vLLM's ``enable_lora``, one
+    ``LoRARequest`` per request), the artifact calibrated on the merged model: requests with
+    the adapter and the steer equal ``gss.steer`` on the merged model; with the adapter alone,
+    the merged model; with neither, the base model. One engine, the four kinds mixed."""
+    base, reference = tiny_model(0), tiny_model(1)
+    base.save_pretrained(tmp_path / "model")
+    merged = lora_adapter(base, tmp_path / "adapter")
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(3, VOCAB, (48, 32), generator=gen)
+    art = gss.calibrate(merged, reference, rows, layer=1, rank=2, progress=False)
+    art.with_options(delta=25.0).save_pretrained(tmp_path / "artifact")
+    # (prompt length, adapter?, steered?)
+    kinds = [(7, True, True), (40, True, False), (19, False, False), (33, True, True)]
+    kinds += [(5, False, False), (26, True, False), (45, True, True)]
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n, _, _ in kinds]
+    expected = []
+    for prompt, (_, lora, steered) in zip(prompts, kinds, strict=True):
+        if steered:
+            with gss.steer(merged, gss.load(tmp_path / "artifact")):
+                expected.append(hf_greedy(merged, prompt, MAX_TOKENS))
+        else:
+            expected.append(hf_greedy(merged if lora else base, prompt, MAX_TOKENS))
+    merged_plain = [hf_greedy(merged, p, MAX_TOKENS) for p in prompts]
+    base_plain = [hf_greedy(base, p, MAX_TOKENS) for p in prompts]
+    assert merged_plain != base_plain, "the adapter changes no greedy output: no test"
+    assert any(
+        e != m for e, m, (_, _, on) in zip(expected, merged_plain, kinds, strict=True) if on
+    ), "the artifact changes no steered output: no test"
+    got = run_engine(
+        tmp_path,
+        prompts,
+        [STEER_NAME if on else None for _, _, on in kinds],
+        plugin=True,
+        tag="lora",
+        enforce_eager=False,
+        # max_loras 2, not 1: vLLM's CPU LoRA ops pick the adapter of a token by indexing
+        # the stacked adapters with its slot, and a request without one has slot -1, which
+        # torch reads as the last slot; with one slot that is the adapter, so base requests
+        # get it (seen with and without gss; vllm/lora/ops/torch_ops/lora_ops.py)
+        engine_args={"enable_lora": True, "max_lora_rank": 8, "max_loras": 2},
+        loras=[str(tmp_path / "adapter") if lora else None for _, lora, _ in kinds],
+    )
     assert got["tokens"] == expected
 
 
