@@ -166,6 +166,21 @@ def run_engine(
     return json.loads(out_file.read_text())
 
 
+def run_mixed(
+    setup: dict[str, Any], tag: str, steered: str = "steered", **options: Any
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """The mixed batch (PROMPTS) through an engine with the plugin, and what transformers
+    gives for it: ``gss.steer``'s greedy tokens (``setup[steered]``) for the steered prompts,
+    the plain ones for the others."""
+    names = [STEER_NAME if on else None for _, on in PROMPTS]
+    got = run_engine(setup["root"], setup["prompts"], names, plugin=True, tag=tag, **options)
+    expected = [
+        s if on else p
+        for s, p, (_, on) in zip(setup[steered], setup["plain"], PROMPTS, strict=True)
+    ]
+    return got, expected
+
+
 def test_steer_changes_greedy_output(setup: dict[str, Any]) -> None:
     changed = [
         s != p
@@ -178,15 +193,8 @@ def test_steer_changes_greedy_output(setup: dict[str, Any]) -> None:
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
 def test_vllm_plugin_matches_transformers(setup: dict[str, Any], enforce_eager: bool) -> None:
     root, prompts = setup["root"], setup["prompts"]
-    names = [STEER_NAME if on else None for _, on in PROMPTS]
     tag = "eager" if enforce_eager else "compiled"
-    with_plugin = run_engine(
-        root, prompts, names, plugin=True, tag=f"gss-{tag}", enforce_eager=enforce_eager
-    )
-    expected = [
-        s if on else p
-        for s, p, (_, on) in zip(setup["steered"], setup["plain"], PROMPTS, strict=True)
-    ]
+    with_plugin, expected = run_mixed(setup, f"gss-{tag}", enforce_eager=enforce_eager)
     assert with_plugin["tokens"] == expected
 
     without = run_engine(
@@ -229,22 +237,9 @@ def test_speculative_and_parallel_engines_match_transformers(
 ) -> None:
     """The mixed batch through vLLM's speculative decoding (ngram) and its tensor and pipeline
     parallelism (2 CPU workers), compiled: every output equals transformers' greedy output."""
-    root, prompts = setup["root"], setup["prompts"]
-    names = [STEER_NAME if on else None for _, on in PROMPTS]
-    got = run_engine(
-        root,
-        prompts,
-        names,
-        plugin=True,
-        tag=engine,
-        enforce_eager=False,
-        engine_args=ENGINES[engine],
-        metrics=True,
+    got, expected = run_mixed(
+        setup, engine, enforce_eager=False, engine_args=ENGINES[engine], metrics=True
     )
-    expected = [
-        s if on else p
-        for s, p, (_, on) in zip(setup["steered"], setup["plain"], PROMPTS, strict=True)
-    ]
     assert got["tokens"] == expected
     args = ENGINES[engine]
     assert got["parallel"] == {
@@ -368,23 +363,15 @@ def test_lora_adapter_served_by_vllm_matches_the_merged_model(tmp_path: Path) ->
 def test_prefix_cache_is_not_shared_across_steers(setup: dict[str, Any]) -> None:
     """The prompts first run unsteered (their prefix blocks cached), then mixed: a steered
     request must not reuse the unsteered KV (the plugin salts its prefix-cache key)."""
-    root, prompts = setup["root"], setup["prompts"]
-    names = [STEER_NAME if on else None for _, on in PROMPTS]
-    got = run_engine(
-        root,
-        prompts,
-        names,
-        plugin=True,
-        tag="prefix-cache",
+    got, expected = run_mixed(
+        setup,
+        "prefix-cache",
+        steered="steered0",
         artifact="artifact0",
         prefix_caching=True,
         block_size=32,
         warm_up_unsteered=True,
     )
-    expected = [
-        s if on else p
-        for s, p, (_, on) in zip(setup["steered0"], setup["plain"], PROMPTS, strict=True)
-    ]
     assert got["tokens"] == expected
     # the unsteered prompts of over a block did reuse their cached prefix
     assert all(
