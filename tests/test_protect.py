@@ -97,12 +97,13 @@ def test_protect_says_where_the_gates_open_on_memorized_rows(protected):
 
 def test_protect_checks_the_best_points_replies_for_loops(protected, memorizer):
     """Step 7: the best points equal on the target, in the search's order, each with the
-    repeated 4-grams of its greedy continuations of the tuning prompts; the first within the
-    tolerance of the reference's own is chosen (else the least looping)."""
+    repeated 4-grams of its greedy continuations of the tuning prompts and their perplexity
+    under the reference; of the points no less fluent than the first, the first within the
+    tolerance of the reference's own loops is chosen (else the least looping of them)."""
     from dataclasses import asdict
 
     from gss.evaluate._decode import greedy_generate
-    from gss.evaluate.utility import repetition
+    from gss.evaluate.utility import perplexity, repetition
 
     result, _, texts = protected
     r = result.replies
@@ -110,15 +111,21 @@ def test_protect_checks_the_best_points_replies_for_loops(protected, memorizer):
     assert 1 <= len(points) <= 3 and {p["memorized"] for p in points} == {0.0}
     assert [p["token_match"] for p in points] == sorted(p["token_match"] for p in points)
     looped = [p["repeated_4grams"] for p in points]
-    calm = [i for i, rep in enumerate(looped) if rep <= r["reference"] + r["tolerance"]]
-    assert r["chosen"] == (calm[0] if calm else looped.index(min(looped)))
-    chosen = {key: v for key, v in points[r["chosen"]].items() if key != "repeated_4grams"}
+    fluent = [i for i, p in enumerate(points) if p["reference_ppl"] <= points[0]["reference_ppl"]]
+    calm = [i for i in fluent if looped[i] <= r["reference"] + r["tolerance"]]
+    assert r["chosen"] == (calm[0] if calm else min(fluent, key=looped.__getitem__))
+    measured = ("repeated_4grams", "reference_ppl")
+    chosen = {key: v for key, v in points[r["chosen"]].items() if key not in measured}
     assert asdict(result.chosen) == chosen
     model = memorizer[0]
     prompts = [texts[i][:4] for i in result.tuning]  # k = 4, n = 16
     with result.steer.attach(model):
         replies = greedy_generate(model, prompts, 12, pad_id=0, batch_size=8)
     assert repetition(replies) == pytest.approx(looped[r["chosen"]])
+    reference = memorizer[1]
+    rows = [p + q for p, q in zip(prompts, replies, strict=True)]
+    ppl = perplexity(reference, rows, 0, batch_size=8, prompt_lengths=[4] * len(rows))
+    assert ppl == pytest.approx(points[r["chosen"]]["reference_ppl"])
     assert "Replies checked (step 7)" in result.markdown()
     assert result.summary()["reply_check"] == r
 

@@ -20,7 +20,8 @@ The search, step by step (docs/protect.md says why each step is there):
    the target within the budget; the first block's strength is lowered to share the budget.
 7. **Replies** (``SearchSpace.reply_check``, off by default): the best few points equal on the
    target are re-ranked by how much their greedy continuations of the tuning prompts loop,
-   against the reference's own continuations; the first within ``loop_tolerance`` is chosen.
+   against the reference's own continuations; of those whose replies the reference finds no
+   less likely than the first point's, the first within ``loop_tolerance`` is chosen.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class SearchSpace:
     prefer: Literal["margin", "utility"] = "margin"
     # step 7: how many of the best points equal on the target have their replies checked for
     # loops (0 or 1: off), and how many points of repeated 4-grams above the reference's own
-    # continuations a reply may have
+    # continuations a reply may have (among replies no less fluent than the first point's)
     reply_check: int = 0
     loop_tolerance: float = 5.0
 
@@ -200,11 +201,13 @@ class Protection:
         if self.replies:
             r = self.replies
             looped = ", ".join(f"{_g(p['repeated_4grams'])}%" for p in r["points"])
+            fluent = ", ".join(_g(p["reference_ppl"]) for p in r["points"])
             lines.append(
                 f"Replies checked (step 7) on the {len(r['points'])} best points at the target, "
                 f"in the search's order: repeated 4-grams {looped} (the reference's own: "
-                f"{_g(r['reference'])}%, tolerance +{_g(r['tolerance'])} points); chose point "
-                f"{r['chosen'] + 1}."
+                f"{_g(r['reference'])}%, tolerance +{_g(r['tolerance'])} points); perplexity "
+                f"under the reference {fluent} (its own: {_g(r['reference_ppl'])}; a point "
+                f"above the first's is not taken); chose point {r['chosen'] + 1}."
             )
         lines += ["", "## Gate open share on general text", ""]
         rows = [[name, _pct(v)] for name, v in s["gates"].get("open_share", {}).items()]
@@ -823,34 +826,54 @@ def _least_looping(
     """Step 7: of the ``space.reply_check`` best points equal on the target, the first (in the
     search's order) whose greedy continuations of the tuning prompts repeat no more 4-grams
     than the reference's own continuations plus ``space.loop_tolerance`` points; else the one
-    that repeats fewest. The margin rule alone picks the strongest steer, which may stop a
-    leak by breaking the reply into a loop."""
+    that repeats fewest. Only points whose continuations the reference finds no less likely
+    (perplexity) than the first point's are taken: fewer repeats alone also reward replies
+    that stop reading as language (measured, docs/protect.md). The margin rule alone picks
+    the strongest steer, which may stop a leak by breaking the reply into a loop."""
     ranked = judge.ranked(judge.trials, target)
     gap = max(ranked[0].memorized - target, 0.0)
     pool = [t for t in ranked if max(t.memorized - target, 0.0) == gap][: space.reply_check]
     prompts = [_split(r, k, n)[0] for r in rows]
 
-    def loops(m: nn.Module) -> float:
-        return repetition(greedy_generate(m, prompts, n - k, pad_id=pad_id, batch_size=batch_size))
+    def replies(m: nn.Module) -> tuple[float, float]:
+        out = greedy_generate(m, prompts, n - k, pad_id=pad_id, batch_size=batch_size)
+        return repetition(out), _reference_ppl(reference, prompts, out, pad_id, batch_size)
 
-    own = loops(reference)
+    own, own_ppl = replies(reference)
     if math.isnan(own):  # windows shorter than a 4-gram: nothing to judge
         return ranked[0], {}
-    looped = []
+    judged = []
     for trial in pool:
         with judge.steer_of(trial).attach(model):
-            looped.append(loops(model))
-    calm = [i for i, rep in enumerate(looped) if rep <= own + space.loop_tolerance]
-    chosen = calm[0] if calm else min(range(len(pool)), key=looped.__getitem__)
+            judged.append(replies(model))
+    looped = [rep for rep, _ in judged]
+    fluent = [i for i, (_, ppl) in enumerate(judged) if ppl <= judged[0][1]]  # 0 is in it
+    calm = [i for i in fluent if looped[i] <= own + space.loop_tolerance]
+    chosen = calm[0] if calm else min(fluent, key=looped.__getitem__)
     record = {
         "reference": own,
+        "reference_ppl": own_ppl,
         "tolerance": space.loop_tolerance,
         "chosen": chosen,
         "points": [
-            {**asdict(t), "repeated_4grams": rep} for t, rep in zip(pool, looped, strict=True)
+            {**asdict(t), "repeated_4grams": rep, "reference_ppl": ppl}
+            for t, (rep, ppl) in zip(pool, judged, strict=True)
         ],
     }
     return pool[chosen], record
+
+
+def _reference_ppl(
+    reference: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    replies: Sequence[Sequence[int]],
+    pad_id: int,
+    batch_size: int,
+) -> float:
+    """The replies' perplexity under the reference, given their prompts."""
+    rows = [list(p) + list(r) for p, r in zip(prompts, replies, strict=True)]
+    lengths = [len(p) for p in prompts]
+    return perplexity(reference, rows, pad_id, batch_size=batch_size, prompt_lengths=lengths)
 
 
 def _what_it_says(
@@ -874,17 +897,11 @@ def _what_it_says(
         steered = greedy_generate(model, prompts, width, pad_id=pad_id, batch_size=batch_size)
     own = greedy_generate(reference, prompts, width, pad_id=pad_id, batch_size=batch_size)
 
-    def judged(replies: list[list[int]]) -> float:
-        """The replies' perplexity under the reference, given their prompts."""
-        rows = [p + r for p, r in zip(prompts, replies, strict=True)]
-        lengths = [len(p) for p in prompts]
-        return perplexity(reference, rows, pad_id, batch_size=batch_size, prompt_lengths=lengths)
-
     quality = {
         "repeated_4grams_steered": repetition(steered),
         "repeated_4grams_reference": repetition(own),
-        "reference_ppl_steered": judged(steered),
-        "reference_ppl_reference": judged(own),
+        "reference_ppl_steered": _reference_ppl(reference, prompts, steered, pad_id, batch_size),
+        "reference_ppl_reference": _reference_ppl(reference, prompts, own, pad_id, batch_size),
     }
 
     def text(ids: Sequence[int]) -> str:
