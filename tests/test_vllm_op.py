@@ -34,7 +34,10 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     art.with_options(gate="none").save_pretrained(root / "b")
     captured: list[torch.Tensor] = []
     _, block = gss.hf.blocks.resolve_layer(model, LAYER)
-    handle = block.register_forward_hook(lambda m, a, out: captured.append(out.detach()))
+    def keep(module: Any, args: Any, out: Any) -> None:  # transformers 4: (hidden, ...)
+        captured.append((out[0] if isinstance(out, tuple) else out).detach())
+
+    handle = block.register_forward_hook(keep)
     with torch.no_grad():
         model(random_ids(3, 8, seed=1))
     handle.remove()
