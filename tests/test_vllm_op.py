@@ -34,6 +34,7 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     art.with_options(gate="none").save_pretrained(root / "b")
     captured: list[torch.Tensor] = []
     _, block = gss.hf.blocks.resolve_layer(model, LAYER)
+
     def keep(module: Any, args: Any, out: Any) -> None:  # transformers 4: (hidden, ...)
         captured.append((out[0] if isinstance(out, tuple) else out).detach())
 
