@@ -98,8 +98,9 @@ def test_protect_says_where_the_gates_open_on_memorized_rows(protected):
 def test_protect_checks_the_best_points_replies_for_loops(protected, memorizer):
     """Step 7: the best points equal on the target, in the search's order, each with the
     repeated 4-grams of its greedy continuations of the tuning prompts and their perplexity
-    under the reference; of the points no less fluent than the first, the first within the
-    tolerance of the reference's own loops is chosen (else the least looping of them)."""
+    under the reference; of the points within the fluency tolerance of the first's
+    perplexity, the first within the tolerance of the reference's own loops is chosen (else
+    the least looping of them)."""
     from dataclasses import asdict
 
     from gss.evaluate._decode import greedy_generate
@@ -111,7 +112,8 @@ def test_protect_checks_the_best_points_replies_for_loops(protected, memorizer):
     assert 1 <= len(points) <= 3 and {p["memorized"] for p in points} == {0.0}
     assert [p["token_match"] for p in points] == sorted(p["token_match"] for p in points)
     looped = [p["repeated_4grams"] for p in points]
-    fluent = [i for i, p in enumerate(points) if p["reference_ppl"] <= points[0]["reference_ppl"]]
+    most = points[0]["reference_ppl"] * (1 + r["fluency_tolerance"])
+    fluent = [i for i, p in enumerate(points) if p["reference_ppl"] <= most]
     calm = [i for i in fluent if looped[i] <= r["reference"] + r["tolerance"]]
     assert r["chosen"] == (calm[0] if calm else min(fluent, key=looped.__getitem__))
     measured = ("repeated_4grams", "reference_ppl")
@@ -178,6 +180,7 @@ def test_protect_refuses_bad_options(memorizer):
         ({"search": SearchSpace(gate_share=1.0)}, "gate_share"),
         ({"search": SearchSpace(prefer="speed")}, "prefer must be"),  # type: ignore[arg-type]
         ({"search": SearchSpace(loop_tolerance=float("nan"))}, "loop_tolerance"),
+        ({"search": SearchSpace(fluency_tolerance=-0.1)}, "fluency_tolerance"),
     ]:
         with pytest.raises(GSSError, match=message):
             protect(model, reference, rows, progress=False, **kwargs)

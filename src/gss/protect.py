@@ -20,8 +20,9 @@ The search, step by step (docs/protect.md says why each step is there):
    the target within the budget; the first block's strength is lowered to share the budget.
 7. **Replies** (``SearchSpace.reply_check``, off by default): the best few points equal on the
    target are re-ranked by how much their greedy continuations of the tuning prompts loop,
-   against the reference's own continuations; of those whose replies the reference finds no
-   less likely than the first point's, the first within ``loop_tolerance`` is chosen.
+   against the reference's own continuations; of those whose replies' perplexity under the
+   reference is within ``fluency_tolerance`` of the first point's, the first within
+   ``loop_tolerance`` is chosen.
 """
 
 from __future__ import annotations
@@ -77,10 +78,12 @@ class SearchSpace:
     # among points equal on the target: "margin" (fewest tokens still reproduced) or "utility"
     prefer: Literal["margin", "utility"] = "margin"
     # step 7: how many of the best points equal on the target have their replies checked for
-    # loops (0 or 1: off), and how many points of repeated 4-grams above the reference's own
-    # continuations a reply may have (among replies no less fluent than the first point's)
+    # loops (0 or 1: off), how many points of repeated 4-grams above the reference's own
+    # continuations a reply may have, and by what share the reference's perplexity of a
+    # point's replies may exceed the first point's (measured on the canaries: docs/protect.md)
     reply_check: int = 0
     loop_tolerance: float = 5.0
+    fluency_tolerance: float = 0.25
 
     def check(self) -> None:
         unknown = [p for p in self.presets if p not in PRESETS]
@@ -99,12 +102,12 @@ class SearchSpace:
             raise GSSError(f"prefer must be 'margin' or 'utility', got {self.prefer!r}.")
         if not 0 < self.gate_share < 1:
             raise GSSError(f"gate_share must be in (0, 1), got {self.gate_share}.")
-        if self.reply_check < 0 or not (
-            math.isfinite(self.loop_tolerance) and self.loop_tolerance >= 0
-        ):
+        tolerances = (self.loop_tolerance, self.fluency_tolerance)
+        if self.reply_check < 0 or not all(math.isfinite(t) and t >= 0 for t in tolerances):
             raise GSSError(
-                f"reply_check must be >= 0 and loop_tolerance a finite number >= 0, got "
-                f"{self.reply_check}, {self.loop_tolerance}."
+                f"reply_check must be >= 0 and loop_tolerance and fluency_tolerance finite "
+                f"numbers >= 0, got {self.reply_check}, {self.loop_tolerance}, "
+                f"{self.fluency_tolerance}."
             )
 
 
@@ -207,7 +210,8 @@ class Protection:
                 f"in the search's order: repeated 4-grams {looped} (the reference's own: "
                 f"{_g(r['reference'])}%, tolerance +{_g(r['tolerance'])} points); perplexity "
                 f"under the reference {fluent} (its own: {_g(r['reference_ppl'])}; a point "
-                f"above the first's is not taken); chose point {r['chosen'] + 1}."
+                f"over the first's by more than {_pct(r['fluency_tolerance'])} is not taken); "
+                f"chose point {r['chosen'] + 1}."
             )
         lines += ["", "## Gate open share on general text", ""]
         rows = [[name, _pct(v)] for name, v in s["gates"].get("open_share", {}).items()]
@@ -826,10 +830,11 @@ def _least_looping(
     """Step 7: of the ``space.reply_check`` best points equal on the target, the first (in the
     search's order) whose greedy continuations of the tuning prompts repeat no more 4-grams
     than the reference's own continuations plus ``space.loop_tolerance`` points; else the one
-    that repeats fewest. Only points whose continuations the reference finds no less likely
-    (perplexity) than the first point's are taken: fewer repeats alone also reward replies
-    that stop reading as language (measured, docs/protect.md). The margin rule alone picks
-    the strongest steer, which may stop a leak by breaking the reply into a loop."""
+    that repeats fewest. Only points whose continuations' perplexity under the reference is
+    within ``space.fluency_tolerance`` of the first point's are taken: fewer repeats alone
+    also reward replies that stop reading as language (measured, docs/protect.md). The margin
+    rule alone picks the strongest steer, which may stop a leak by breaking the reply into a
+    loop."""
     ranked = judge.ranked(judge.trials, target)
     gap = max(ranked[0].memorized - target, 0.0)
     pool = [t for t in ranked if max(t.memorized - target, 0.0) == gap][: space.reply_check]
@@ -847,13 +852,15 @@ def _least_looping(
         with judge.steer_of(trial).attach(model):
             judged.append(replies(model))
     looped = [rep for rep, _ in judged]
-    fluent = [i for i, (_, ppl) in enumerate(judged) if ppl <= judged[0][1]]  # 0 is in it
+    most = judged[0][1] * (1 + space.fluency_tolerance)
+    fluent = [i for i, (_, ppl) in enumerate(judged) if ppl <= most]  # 0 is in it
     calm = [i for i in fluent if looped[i] <= own + space.loop_tolerance]
     chosen = calm[0] if calm else min(fluent, key=looped.__getitem__)
     record = {
         "reference": own,
         "reference_ppl": own_ppl,
         "tolerance": space.loop_tolerance,
+        "fluency_tolerance": space.fluency_tolerance,
         "chosen": chosen,
         "points": [
             {**asdict(t), "repeated_4grams": rep, "reference_ppl": ppl}
