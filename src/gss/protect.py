@@ -853,7 +853,7 @@ def _least_looping(
             judged.append(replies(model))
     looped = [rep for rep, _ in judged]
     most = judged[0][1] * (1 + space.fluency_tolerance)
-    fluent = [i for i, (_, ppl) in enumerate(judged) if ppl <= most]  # 0 is in it
+    fluent = [i for i, (_, ppl) in enumerate(judged) if i == 0 or ppl <= most]
     calm = [i for i in fluent if looped[i] <= own + space.loop_tolerance]
     chosen = calm[0] if calm else min(fluent, key=looped.__getitem__)
     record = {
