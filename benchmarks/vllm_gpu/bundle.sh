@@ -25,7 +25,7 @@ DEPS=(msgspec==0.22.0 pyzmq==27.3.0 cbor2==6.3.0 pybase64==1.5.1 cachetools==8.0
       pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
       openai==2.54.0 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1 openai-harmony==0.0.8
       fastapi==0.136.3 starlette==1.10.0 depyf==0.20.0 astor==0.8.1 dill==0.4.1
-      # the OpenAI server (gss serve, python -m vllm.entrypoints.openai.api_server)
+      # the OpenAI server (gss serve: python -m gss.serving.vllm_cli serve, vLLM's CLI)
       uvicorn==0.54.0 watchfiles==1.3.0 prometheus-fastapi-instrumentator==8.1.0
       python-multipart==0.0.34 model-hosting-container-standards==0.1.16 jmespath==1.1.0)
 # installed there only if the device's own copy is older (pydantic needs typing-extensions

@@ -453,25 +453,31 @@ def _complete(base: str, body: dict[str, Any]) -> list[int]:
     return list(out.choices[0].model_extra["token_ids"])
 
 
-def test_gss_serve_openai_server(setup: dict[str, Any], tmp_path: Path) -> None:
-    """``gss serve`` starts vLLM's OpenAI server with the artifact; a request with
-    ``vllm_xargs: {"gss": name}`` is steered as ``gss.steer`` steers transformers, one without
-    is not, both in flight together; a request naming an unknown artifact is refused (HTTP 400)
-    and the server goes on."""
+@pytest.mark.parametrize(
+    "processes", [[], ["--data-parallel-size", "2"]], ids=["one-engine", "data-parallel-2"]
+)
+def test_gss_serve_openai_server(
+    setup: dict[str, Any], tmp_path: Path, processes: list[str]
+) -> None:
+    """``gss serve`` starts vLLM's OpenAI server (``vllm serve``) with the artifact; a request
+    with ``vllm_xargs: {"gss": name}`` is steered as ``gss.steer`` steers transformers, one
+    without is not, all in flight together; a request naming an unknown artifact is refused
+    (HTTP 400) and the server goes on. Also with two data-parallel engines, behind two API
+    server processes (vLLM's default for data parallelism 2): each engine and each API server
+    loads the plugin by its entry point."""
     root, prompts = setup["root"], setup["prompts"]
     on = next(
         i
         for i, (_, steered) in enumerate(PROMPTS)
         if steered and setup["steered"][i] != setup["plain"][i]
     )
-    off = next(i for i, (n, steered) in enumerate(PROMPTS) if not steered and n > 32)
     port = _free_port()
     model = str(root / "model")
     command = [sys.executable, "-m", "gss", "serve", "--model", model]
     command += ["--artifact", f"{STEER_NAME}={root / 'artifact'}"]
     command += ["--host", "127.0.0.1", "--port", str(port), "--"]
     command += ["--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager", "--seed", "0"]
-    command += ["--max-model-len", "128", "--max-num-batched-tokens", "32"]
+    command += ["--max-model-len", "128", "--max-num-batched-tokens", "32", *processes]
     env = dict(os.environ)
     for name in ("GSS_VLLM_ARTIFACTS", "VLLM_PLUGINS"):
         env.pop(name, None)
@@ -492,18 +498,25 @@ def test_gss_serve_openai_server(setup: dict[str, Any], tmp_path: Path) -> None:
             _complete(base, unknown)
         assert refused.value.status == 400
         bodies = [
-            {**common, "prompt": prompts[on], "vllm_xargs": {"gss": STEER_NAME}},
-            {**common, "prompt": prompts[off]},
+            {**common, "prompt": prompt, **({"vllm_xargs": {"gss": STEER_NAME}} if yes else {})}
+            for prompt, (_, yes) in zip(prompts, PROMPTS, strict=True)
         ]
-        with ThreadPoolExecutor(2) as pool:
-            steered, plain = pool.map(lambda body: _complete(base, body), bodies)
-        assert steered == setup["steered"][on] != setup["plain"][on]
-        assert plain == setup["plain"][off]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            got = list(pool.map(lambda body: _complete(base, body), bodies))
+        expected = [
+            s if yes else p
+            for s, p, (_, yes) in zip(setup["steered"], setup["plain"], PROMPTS, strict=True)
+        ]
+        assert got == expected
         assert proc.poll() is None, log.read_text()[-4000:]
     finally:
         _stop(proc)
     text = log.read_text()
-    assert "gss steers decoder layer(s) [1]" in text  # loaded by the entry point alone
+    # loaded by the entry point alone, in each engine
+    engines = 2 if processes else 1
+    assert text.count("gss steers decoder layer(s) [1]") == engines
+    if processes:
+        assert "Started 2 API server processes" in text
 
 
 def test_model_runner_v2_is_refused_at_start_up() -> None:

