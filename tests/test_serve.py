@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from importlib.metadata import EntryPoint
 from pathlib import Path
@@ -57,6 +58,9 @@ def vllm_here(monkeypatch: pytest.MonkeyPatch) -> Exec:
     plugin = EntryPoint(serve.PLUGIN_NAME, serve.PLUGIN_TARGET, serve.PLUGIN_GROUP)
     monkeypatch.setattr(serve, "entry_points", lambda group: [plugin] if group else [])
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    # set, then removed: monkeypatch then restores what was there before gss serve set it
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "unset")
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
     recorder = Exec()
     monkeypatch.setattr("os.execv", recorder)
     return recorder
@@ -129,7 +133,26 @@ def test_serve_runs_vllms_server(served: Path, vllm_here: Exec, capsys: Any) -> 
         "--max-model-len",
         "64",
     ]
-    assert "gss.serving.vllm_cli serve" in capsys.readouterr().err
+    assert "VLLM_USE_V2_MODEL_RUNNER=0 " in capsys.readouterr().err
+    # the server starts with vLLM's V1 model runner, the one the plugin steers
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+
+
+@pytest.mark.parametrize("value", ["1", "true", ""])
+def test_serve_refuses_model_runner_v2(
+    served: Path, vllm_here: Exec, monkeypatch: pytest.MonkeyPatch, value: str, capsys: Any
+) -> None:
+    """VLLM_USE_V2_MODEL_RUNNER other than 0 asks for the runner the plugin does not steer:
+    refused before vLLM starts; 0 is kept."""
+    args = ["serve", "--model", str(served / "model"), "--artifact", f"t={served / 'artifact'}"]
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
+    assert main(args) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "VLLM_USE_V2_MODEL_RUNNER" in line and "unset it" in line
+    assert vllm_here.argv is None
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert main(args) == 0 and vllm_here.argv is not None
+    assert "gss serve: VLLM_USE_V2_MODEL_RUNNER" not in capsys.readouterr().err  # nothing set
 
 
 def test_serve_takes_an_artifact_by_hub_repo_id(

@@ -697,8 +697,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     argv = serve.server_argv(args.model, artifacts, host=args.host, port=args.port, extra=extra)
     config = serve.model_config(args.model)
     serve.check_model(args.model, config, serve.check_artifacts(artifacts))
+    environment = serve.runner_environment(os.environ)
     serve.check_vllm()  # last: what is wrong with the inputs is said wherever gss runs
-    print(f"gss serve: {shlex.join(argv)}", file=sys.stderr, flush=True)
+    os.environ.update(environment)  # the server and its processes inherit it
+    settings = "".join(f"{k}={shlex.quote(v)} " for k, v in environment.items())
+    print(f"gss serve: {settings}{shlex.join(argv)}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os.execv(argv[0], argv)  # the server replaces this process: signals reach vLLM directly
     return 0  # not reached

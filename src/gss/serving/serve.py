@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gss.errors import GSSError
-from gss.serving.vllm_plugin import CONFIG_KEY, PLUGIN_NAME
+from gss.serving.vllm_plugin import CONFIG_KEY, PLUGIN_NAME, V2_ENV
 
 SERVER_MODULE = "gss.serving.vllm_cli"
 """Runs vLLM's CLI (``vllm serve``), whichever distribution installed vLLM."""
@@ -151,6 +151,22 @@ def check_vllm() -> None:
         )
 
 
+def runner_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """What to add to the server's environment so that vLLM loads the model with its V1
+    model runner, the one gss's plugin steers: ``VLLM_USE_V2_MODEL_RUNNER=0`` when it is not
+    set (on CUDA vLLM would pick Model Runner V2, and the plugin would stop the engine at
+    start-up). Set to anything else than 0 it is refused here, before vLLM starts."""
+    value = environ.get(V2_ENV)
+    if value is None:
+        return {V2_ENV: "0"}
+    if value.strip() != "0":
+        raise GSSError(
+            f"{V2_ENV}={value!r} asks vLLM for Model Runner V2, which gss's plugin does not "
+            f"steer yet: unset it (gss serve then sets {V2_ENV}=0) or set it to 0."
+        )
+    return {}
+
+
 def _merge_additional_config(
     extra: Sequence[str], artifacts: Mapping[str, str]
 ) -> tuple[list[str], dict[str, Any]]:
@@ -221,5 +237,6 @@ __all__ = [
     "check_vllm",
     "model_config",
     "parse_artifacts",
+    "runner_environment",
     "server_argv",
 ]
