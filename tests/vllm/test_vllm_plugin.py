@@ -231,17 +231,24 @@ ENGINES = {
 }
 
 
+def skip_unless_workers(count: int) -> None:
+    """On the CPU build any number of workers runs; on CUDA each takes a GPU of its own."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < count:
+        pytest.skip(f"needs {count} GPUs, this machine has {torch.cuda.device_count()}")
+
+
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_speculative_and_parallel_engines_match_transformers(
     setup: dict[str, Any], engine: str
 ) -> None:
     """The mixed batch through vLLM's speculative decoding (ngram) and its tensor and pipeline
     parallelism (2 CPU workers), compiled: every output equals transformers' greedy output."""
+    args = ENGINES[engine]
+    skip_unless_workers(args.get("tensor_parallel_size", 1) * args.get("pipeline_parallel_size", 1))
     got, expected = run_mixed(
         setup, engine, enforce_eager=False, engine_args=ENGINES[engine], metrics=True
     )
     assert got["tokens"] == expected
-    args = ENGINES[engine]
     assert got["parallel"] == {
         "tensor": args.get("tensor_parallel_size", 1),
         "pipeline": args.get("pipeline_parallel_size", 1),
@@ -465,6 +472,7 @@ def test_gss_serve_openai_server(
     (HTTP 400) and the server goes on. Also with two data-parallel engines, behind two API
     server processes (vLLM's default for data parallelism 2): each engine and each API server
     loads the plugin by its entry point."""
+    skip_unless_workers(2 if processes else 1)
     root, prompts = setup["root"], setup["prompts"]
     on = next(
         i
