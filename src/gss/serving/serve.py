@@ -161,8 +161,9 @@ def runner_environment(environ: Mapping[str, str]) -> dict[str, str]:
         return {V2_ENV: "0"}
     if value.strip() != "0":
         raise GSSError(
-            f"{V2_ENV}={value!r} asks vLLM for Model Runner V2, which gss's plugin does not "
-            f"steer yet: unset it (gss serve then sets {V2_ENV}=0) or set it to 0."
+            f"{V2_ENV}={value!r}: gss's plugin steers only through vLLM's V1 model runner "
+            f"({V2_ENV}=0), not Model Runner V2: unset it (gss serve then sets it to 0) or "
+            "set it to 0."
         )
     return {}
 

@@ -484,7 +484,7 @@ V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 """vLLM's switch between its model runners (``0``: the V1 runner, which the plugin steers)."""
 V2_MESSAGE = (
     "gss's vLLM plugin steers through vLLM's V1 model runner, and this engine uses Model Runner "
-    f"V2 (vLLM's default on CUDA with Triton), where the steer would not run: start it with "
+    "V2 (vLLM's default on CUDA with Triton), where the steer would not run: start it with "
     f"{V2_ENV}=0 (gss serve sets it; docs/serving.md)."
 )
 
