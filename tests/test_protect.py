@@ -219,6 +219,46 @@ def test_protect_adds_a_block_when_one_is_not_enough(memorizer):
     assert isinstance(result.steer, gss.SteeringStack) == (len(result.chosen.blocks) == 2)
 
 
+def test_protect_replays_the_blocks_below_each_steer_to_the_same_result(memorizer, monkeypatch):
+    """The search replays blocks below a steered block (gss.hf.prefix_replay) rather than run
+    them for every point: the points it measures, and so what it chooses, are the same to the
+    last bit as with every block run every time."""
+    from contextlib import nullcontext
+
+    from gss.hf.prefix_replay import BlockPrefixReplay
+
+    model, reference, planted, general = memorizer
+    texts = torch.cat([planted, general[:20]]).tolist()
+    space = SearchSpace(presets=("gss",), ranks=(1,), gates=("hard",), steps=3)
+    made: list[BlockPrefixReplay] = []
+
+    class Recorded(BlockPrefixReplay):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    def run():
+        return protect(
+            model,
+            reference,
+            texts,
+            general=general[20:60].tolist(),
+            k=4,
+            n=16,
+            search=space,
+            budget=0.001,  # a second block, at block 1 over block 0's steer, too
+            progress=False,
+        )
+
+    monkeypatch.setattr(protect_module, "BlockPrefixReplay", Recorded)
+    replayed = run()
+    assert made and made[0].replayed > 0 and not made[0].off
+    monkeypatch.setattr(Recorded, "below", lambda self, layer: nullcontext())
+    computed = run()
+    assert replayed.trials == computed.trials and replayed.chosen == computed.chosen
+    assert replayed.after == computed.after and replayed.gates == computed.gates
+
+
 def test_protect_command(memorizer, tmp_path, capsys):
     pytest.importorskip("transformers")
     from .test_cli import WORDS, _tokenizer

@@ -54,6 +54,7 @@ from gss.evaluate._decode import greedy_generate, sample_generate
 from gss.evaluate.suite import EvaluationReport, evaluate_model
 from gss.evaluate.utility import perplexity, repetition
 from gss.hf.blocks import find_decoder_blocks
+from gss.hf.prefix_replay import BlockPrefixReplay
 from gss.solve.thresholds import probe_responses, with_gates_set
 from gss.statistics.capture import calibration_mode
 from gss.steering.explain import explain
@@ -300,6 +301,8 @@ class _Judge:
         self.k, self.n, self.pad_id, self.batch_size, self.bar = k, n, pad_id, batch_size, bar
         self.trials: list[Trial] = []
         self.steers: list[Steer] = []
+        # every point measures the same rows: the blocks below its steer are replayed
+        self.replay = BlockPrefixReplay(model)
 
     def steer_of(self, trial: Trial) -> Steer:
         return self.steers[self.trials.index(trial)]
@@ -309,10 +312,10 @@ class _Judge:
         return report.memorized, report.token_match
 
     def __call__(self, steer: Steer, stage: str, preset: str) -> Trial:
-        with steer.attach(self.model):
+        members = steer.artifacts if isinstance(steer, SteeringStack) else (steer,)
+        with self.replay.below(min(a.layer for a in members)), steer.attach(self.model):
             mem, match = self.memorized()
             value = float(self.utility(self.model))
-        members = steer.artifacts if isinstance(steer, SteeringStack) else (steer,)
         last = members[-1]
         trial = Trial(
             stage=stage,

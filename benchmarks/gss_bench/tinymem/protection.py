@@ -38,19 +38,9 @@ def protect_inputs(data: TinyMemData) -> tuple[list[Any], int, int]:
     return pairs, 1, 1 + cfg.window  # a pair's window: the first n - k tokens of its reply
 
 
-def protect_row(
-    mem: nn.Module,
-    ref: nn.Module,
-    data: TinyMemData,
-    base: M.Evaluation,
-    batch_size: int,
-    seed: int = 0,
-    progress: bool = False,
-    report_dir: Path | None = None,
-    search: SearchSpace | None = None,
-) -> dict[str, Any]:
-    """Run `gss.protect` with its defaults and evaluate what it chose like the other methods."""
-    started = time.perf_counter()
+def protect_arguments(data: TinyMemData, batch_size: int) -> dict[str, Any]:
+    """`gss.protect`'s arguments after the two models: the rows, the table's window, and its
+    utility rule as the budget."""
     val, _ = M.split_halves(data)
     texts, k, n = protect_inputs(data)
     mode: Literal["relative", "absolute"]
@@ -66,23 +56,37 @@ def protect_row(
             return M.utility(m, data, val, batch_size)
 
         budget, mode = M.PPL_TOLERANCE, "relative"
-    result = protect(
-        mem,
-        ref,
-        texts,
-        general=M.general_rows(data),
-        utility=utility,
-        utility_name="minus validation accuracy %" if M.is_math(data) else "validation perplexity",
-        budget=budget,
-        budget_mode=mode,
-        k=k,
-        n=n,
-        seed=seed,
-        search=search,
-        batch_size=64,
-        pad_id=data.pad_id,
-        progress=progress,
-    )
+    return {
+        "texts": texts,
+        "general": M.general_rows(data),
+        "utility": utility,
+        "utility_name": (
+            "minus validation accuracy %" if M.is_math(data) else "validation perplexity"
+        ),
+        "budget": budget,
+        "budget_mode": mode,
+        "k": k,
+        "n": n,
+        "batch_size": 64,
+        "pad_id": data.pad_id,
+    }
+
+
+def protect_row(
+    mem: nn.Module,
+    ref: nn.Module,
+    data: TinyMemData,
+    base: M.Evaluation,
+    batch_size: int,
+    seed: int = 0,
+    progress: bool = False,
+    report_dir: Path | None = None,
+    search: SearchSpace | None = None,
+) -> dict[str, Any]:
+    """Run `gss.protect` with its defaults and evaluate what it chose like the other methods."""
+    started = time.perf_counter()
+    arguments = protect_arguments(data, batch_size)
+    result = protect(mem, ref, seed=seed, search=search, progress=progress, **arguments)
     seconds = time.perf_counter() - started
     if result.steer is None:
         ev = base
