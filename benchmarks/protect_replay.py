@@ -13,6 +13,7 @@ A developer's measurement script (not part of ``gss bench``) on the cached TinyM
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import time
 from collections.abc import Iterator
@@ -22,10 +23,11 @@ from typing import Any
 
 import torch
 
-import gss.protect as protect_module
 from gss.hf.prefix_replay import BlockPrefixReplay
 from gss.protect import protect
 from gss.report import machine_info, write_json
+
+protect_module = importlib.import_module("gss.protect")  # `gss.protect` is the function
 
 ARMS = ("replayed", "every block")
 
@@ -51,13 +53,13 @@ class _EveryBlock(_Counted):
 def _search(model: Any, reference: Any, arguments: dict[str, Any], arm: str) -> dict[str, Any]:
     """One protect run in ``arm``: its seconds, the points it measured, what it replayed."""
     kind = _EveryBlock if arm == "every block" else _Counted
-    protect_module.BlockPrefixReplay = kind  # type: ignore[misc]
+    setattr(protect_module, "BlockPrefixReplay", kind)  # noqa: B010
     try:
         started = time.perf_counter()
         result = protect(model, reference, progress=False, **arguments)
         wall = time.perf_counter() - started
     finally:
-        protect_module.BlockPrefixReplay = BlockPrefixReplay  # type: ignore[misc]
+        setattr(protect_module, "BlockPrefixReplay", BlockPrefixReplay)  # noqa: B010
     replay = _Counted.last
     return {
         "seconds": {**result.seconds, "wall": wall},
@@ -65,7 +67,7 @@ def _search(model: Any, reference: Any, arguments: dict[str, Any], arm: str) -> 
         "trials": [repr(t) for t in result.trials],
         "chosen": repr(result.chosen),
         "blocks": len(replay.blocks) if replay else None,
-        "replayed_calls": replay.replayed if replay and arm == "replayed" else 0,
+        "replayed_calls": replay.replayed if replay else None,
         "switched_off": bool(replay and replay.off),
     }
 
@@ -190,8 +192,9 @@ def main() -> None:
             }
         )
     args.out.mkdir(parents=True, exist_ok=True)
+    given = {k.replace("_", "-"): v for k, v in vars(args).items() if v is not None}
     command = "benchmarks/protect_replay.py " + " ".join(
-        f"--{k} {v}" for k, v in vars(args).items() if v is not None and k != "out"
+        f"--{k} {v}" for k, v in given.items() if k != "out"
     )
     write_json(
         args.out / "results.json", {"command": command, "machine": machine_info(), "rows": rows}
