@@ -192,21 +192,24 @@ def test_protect_says_when_there_is_nothing_to_protect(memorizer):
         protect(model, reference, general[:10].tolist(), k=4, n=16, progress=False)
 
 
-def test_protect_adds_a_block_when_one_is_not_enough(memorizer):
+def _tight_budget(memorizer):
+    """A small search under a budget one block cannot meet: a second block is searched too."""
     model, reference, planted, general = memorizer
-    texts = torch.cat([planted, general[:20]]).tolist()
-    space = SearchSpace(presets=("gss",), ranks=(1,), gates=("hard",), steps=3)
-    result = protect(
+    return protect(
         model,
         reference,
-        texts,
+        torch.cat([planted, general[:20]]).tolist(),
         general=general[20:60].tolist(),
         k=4,
         n=16,
-        search=space,
+        search=SearchSpace(presets=("gss",), ranks=(1,), gates=("hard",), steps=3),
         budget=0.001,
         progress=False,
     )
+
+
+def test_protect_adds_a_block_when_one_is_not_enough(memorizer):
+    result = _tight_budget(memorizer)
     single = [t for t in result.trials if t.stage == "block" and t.within_budget]
     best_single = min(single, key=lambda t: (t.memorized, t.token_match, t.utility))
     assert best_single.memorized > 0  # one block cannot reach the target in this budget
@@ -227,9 +230,6 @@ def test_protect_replays_the_blocks_below_each_steer_to_the_same_result(memorize
 
     from gss.hf.prefix_replay import BlockPrefixReplay
 
-    model, reference, planted, general = memorizer
-    texts = torch.cat([planted, general[:20]]).tolist()
-    space = SearchSpace(presets=("gss",), ranks=(1,), gates=("hard",), steps=3)
     made: list[BlockPrefixReplay] = []
 
     class Recorded(BlockPrefixReplay):
@@ -237,24 +237,11 @@ def test_protect_replays_the_blocks_below_each_steer_to_the_same_result(memorize
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    def run():
-        return protect(
-            model,
-            reference,
-            texts,
-            general=general[20:60].tolist(),
-            k=4,
-            n=16,
-            search=space,
-            budget=0.001,  # a second block, at block 1 over block 0's steer, too
-            progress=False,
-        )
-
     monkeypatch.setattr(protect_module, "BlockPrefixReplay", Recorded)
-    replayed = run()
+    replayed = _tight_budget(memorizer)
     assert made and made[0].replayed > 0 and not made[0].off
     monkeypatch.setattr(Recorded, "below", lambda self, layer: nullcontext())
-    computed = run()
+    computed = _tight_budget(memorizer)
     assert replayed.trials == computed.trials and replayed.chosen == computed.chosen
     assert replayed.after == computed.after and replayed.gates == computed.gates
 
