@@ -98,9 +98,12 @@ class _Below:
         key = replay._current
         recorded = None if store is None or key is None else store.get(key)
         if recorded is not None and layer in replay._checked:
-            replay.replayed += self.index == layer - 1
-            # the blocks in between pass it on unread; block `layer` gets a copy of its own
-            return _copy(recorded) if self.index == layer - 1 else recorded
+            # one copy a call, made at block 0 and passed on by the blocks up to layer - 1:
+            # whatever the model does with it between blocks cannot reach the recording
+            if self.index == 0:
+                replay._replaying = _copy(recorded)
+                replay.replayed += 1
+            return replay._replaying
         output = self.forward(*args, **kwargs)
         if self.index == layer - 1 and key is not None and store is not None:
             if recorded is not None:  # the first replay at this layer: same bits, or no replay
@@ -135,6 +138,7 @@ class BlockPrefixReplay:
         self._sizes: dict[int, int] = {}
         self._checked: set[int] = set()
         self._current: bytes | None = None
+        self._replaying: Any = None
         # compiled code guards on each block's forward: a wrapper put on per point would
         # recompile the model for every point, where replay is meant to save time
         self.off = bool(compiled_parts(model))
@@ -157,7 +161,7 @@ class BlockPrefixReplay:
             pre.remove()
             for wrapper in reversed(wrappers):
                 wrapper.remove()
-            self._current = None
+            self._current = self._replaying = None
 
     def _read_key(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         self._current = _key(tuple(args), dict(kwargs)) if self._replayable(kwargs) else None
