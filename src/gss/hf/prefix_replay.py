@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from gss.hf.blocks import find_decoder_blocks
 from gss.hf.forward import accepts
+from gss.steering.attach import SteeredForward, _unchanged
 from gss.steering.compiled import compiled_parts
 
 _MiB = 1 << 20
@@ -81,16 +82,15 @@ def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes | None:
     return digest.digest()
 
 
-class _Below:
+class _Below(SteeredForward):
     """One block's ``forward`` while replay at ``layer`` is on: the recorded output of block
     ``layer - 1`` when its batch was recorded (and replay at ``layer`` was checked), else the
-    block's own output, recorded at block ``layer - 1``."""
+    block's own output, recorded at block ``layer - 1``. Put on and taken off as a steer's
+    wrapper is (`SteeredForward`), with no hook of its own."""
 
     def __init__(self, replay: BlockPrefixReplay, block: nn.Module, index: int, layer: int):
-        self.replay, self.block, self.index, self.layer = replay, block, index, layer
-        self.forward: Callable[..., Any] = block.forward
-        self._had_instance_forward = "forward" in block.__dict__
-        block.forward = self
+        self.replay, self.index, self.layer = replay, index, layer
+        super().__init__(block, _unchanged)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         replay, layer = self.replay, self.layer
@@ -104,7 +104,7 @@ class _Below:
                 replay._replaying = _copy(recorded)
                 replay.replayed += 1
             return replay._replaying
-        output = self.forward(*args, **kwargs)
+        output = self.forward(*args, **kwargs)  # type: ignore[misc]  # None only once removed
         if self.index == layer - 1 and key is not None and store is not None:
             if recorded is not None:  # the first replay at this layer: same bits, or no replay
                 if _same(output, recorded):
@@ -114,14 +114,6 @@ class _Below:
             else:
                 replay._record(layer, key, output)
         return output
-
-    def remove(self) -> None:
-        if self.block.__dict__.get("forward") is not self:
-            return
-        if self._had_instance_forward:
-            self.block.forward = self.forward
-        else:
-            del self.block.forward
 
 
 class BlockPrefixReplay:
