@@ -56,6 +56,7 @@ THREAD_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_CPU_KVCACHE_SPACE": "1",
 }
+ENV_NOTED = (*THREAD_ENV, "VLLM_USE_V2_MODEL_RUNNER")
 
 
 def arm_name(engine: str, steered: bool) -> str:
@@ -68,10 +69,21 @@ def arm_name(engine: str, steered: bool) -> str:
 
 def prep(args: argparse.Namespace) -> None:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     import gss
 
+    work = Path(args.work)
+    source = Path(args.model)
+    name = "SmolLM2-135M" if source == MODEL else source.name
+    if not any(source.glob("*.safetensors")) and not any(source.glob("*.bin")):
+        # a shape only (benchmarks/configs: a GPU machine has no checkpoint): seeded random
+        # weights, saved for vLLM; what the steer costs does not depend on them
+        torch.manual_seed(0)
+        config = AutoConfig.from_pretrained(source)
+        shaped = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        shaped.save_pretrained(work / "model")
+        args.model, name = str(work / "model"), f"{name} (random weights)"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
@@ -84,7 +96,6 @@ def prep(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     art = gss.calibrate(model, reference, rows, layer=args.layer, rank=args.rank, progress=False)
     calib_s = time.perf_counter() - start
-    work = Path(args.work)
     hard_dir, none_dir = work / "artifact-hard", work / "artifact-none"
     art.save_pretrained(hard_dir, overwrite=True)
     none = art.with_options(gate="none")
@@ -105,6 +116,7 @@ def prep(args: argparse.Namespace) -> None:
 
     info = {
         "model": str(args.model),
+        "model_name": name,
         "reference": f"the same weights + N(0, ({args.noise} * std of each tensor)^2) noise",
         "calibration_rows": [args.calib_rows, args.calib_len],
         "calibration_s": calib_s,
@@ -125,9 +137,12 @@ def prep(args: argparse.Namespace) -> None:
 def make_engine(args: argparse.Namespace, mode: str, artifacts: dict[str, str]) -> Any:
     from vllm import LLM
 
+    on_gpu = {}  # all engines of a run live together: each takes its share of the GPU
+    if args.gpu_memory_utilization is not None:
+        on_gpu["gpu_memory_utilization"] = args.gpu_memory_utilization
     return LLM(
         str(args.model),
-        dtype="float32",
+        dtype=args.dtype,
         skip_tokenizer_init=True,
         enforce_eager=mode == "eager",
         max_model_len=args.prompt_len + args.max_tokens_cap,
@@ -138,6 +153,7 @@ def make_engine(args: argparse.Namespace, mode: str, artifacts: dict[str, str]) 
         seed=0,
         disable_log_stats=False,  # RequestOutput.metrics: first- and last-token times
         additional_config={"gss_artifacts": artifacts} if artifacts else {},
+        **on_gpu,
     )
 
 
@@ -206,8 +222,12 @@ def run_arm(
 
 
 def bench(args: argparse.Namespace) -> None:
-    for key, value in THREAD_ENV.items():
-        os.environ.setdefault(key, value)
+    gpu = args.gpu_memory_utilization is not None
+    if gpu:  # gss refuses Model Runner V2 (vLLM's CUDA default): every engine runs V1 alike
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    else:
+        for key, value in THREAD_ENV.items():
+            os.environ.setdefault(key, value)
     os.environ.pop("GSS_VLLM_ARTIFACTS", None)
     import torch
 
@@ -215,6 +235,7 @@ def bench(args: argparse.Namespace) -> None:
 
     work = Path(args.work)
     info = json.loads((work / "prep.json").read_text())
+    args.model = info["model"]  # prep's: random weights where it was given a shape only
     prompts = [p[: args.prompt_len] for p in info["prompts"]]
     b1, load = prompts[: args.batch1], prompts[args.batch1 : args.batch1 + args.load]
     arts = info["artifacts"]
@@ -245,7 +266,8 @@ def bench(args: argparse.Namespace) -> None:
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "env": {k: os.environ.get(k) for k in THREAD_ENV},
+        "env": {k: os.environ.get(k) for k in ENV_NOTED if k in os.environ},
+        "device": torch.cuda.get_device_name(0) if gpu else None,
         "frontend_torch_threads": torch.get_num_threads(),
         "engine_start_s": start_s,
         "compilation_mode": compile_modes,
@@ -257,7 +279,8 @@ def bench(args: argparse.Namespace) -> None:
             "max_tokens": args.max_tokens,
             "max_num_seqs": 16,
             "max_num_batched_tokens": 512,
-            "dtype": "float32",
+            "dtype": args.dtype,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
             "prefix_caching": False,
         },
         "prompts": {"batch1": b1, "load": load},
@@ -443,9 +466,17 @@ def table(results: dict[str, Any]) -> str:
     lines = [
         "# vLLM serving throughput: steered vs unsteered (issue 40, point 5)",
         "",
-        f"SmolLM2-135M, float32, vLLM {results['vllm']} (CPU build), torch "
-        f"{results['torch_vllm']}, {results['machine']['cpu']} ({results['machine']['cpus']} "
-        f"cores; the load averages below say how busy), {results['threads']}. "
+        f"{results['artifact'].get('model_name', 'SmolLM2-135M')}, "
+        f"{results['settings']['dtype']}, vLLM {results['vllm']} "
+        + (
+            f"(CUDA build) on one {results['device']}, torch {results['torch_vllm']}, "
+            f"{results['threads'] or 'no thread settings'}. "
+            if results.get("device")
+            else f"(CPU build), torch {results['torch_vllm']}, {results['machine']['cpu']} "
+            f"({results['machine']['cpus']} cores; the load averages below say how busy), "
+            f"{results['threads']}. "
+        )
+        + "Each request: "
         "Each request: "
         f"{results['settings']['prompt_len']}-token random prompt, "
         f"{results['settings']['max_tokens']} greedy output tokens (ignore_eos). Batch 1: "
@@ -607,7 +638,10 @@ def figure(results: dict[str, Any], path: Path) -> None:
         ax.set_title(title)
     axes[0].set_ylabel("ratio (per round; bar: median)")
     axes[0].legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M on vLLM (CPU): throughput ratios, steered vs unsteered", fontsize=10)
+    where = results.get("device") or "CPU"
+    fig.suptitle(
+        f"SmolLM2-135M on vLLM ({where}): throughput ratios, steered vs unsteered", fontsize=10
+    )
     save_figure(fig, path)
 
 
@@ -626,8 +660,10 @@ def report(args: argparse.Namespace) -> None:
     sequences = [
         p + t[:-1] for p, t in zip(first["prompts"]["load"], last_round["tokens"], strict=True)
     ]
-    share = gate_share(info, sequences)
     import torch
+
+    here = Path(info["model"]).exists()  # a GPU run's model may exist on the device alone
+    share = gate_share(info, sequences) if here else {}
 
     results = {
         "machine": {
@@ -642,6 +678,7 @@ def report(args: argparse.Namespace) -> None:
         "torch_vllm": first["torch"],
         "torch_report": torch.__version__,
         "threads": ", ".join(f"{k}={v}" for k, v in first["env"].items()),
+        "device": first.get("device"),
         "settings": first["settings"],
         "artifact": {k: v for k, v in info.items() if k != "prompts"},
         "gate_share_during_benchmark": {
@@ -650,7 +687,7 @@ def report(args: argparse.Namespace) -> None:
             **share,
         },
         "summary": {name: summarize(run) for name, run in runs.items()},
-        "equal_to_transformers": equality(info, runs),
+        "equal_to_transformers": equality(info, runs) if here else {},
         "runs": runs,
     }
     by_mode: dict[str, list[str]] = {}
@@ -698,6 +735,13 @@ def main() -> None:
     parser.add_argument("--load", type=int, default=16, help="requests submitted together")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", help="bench: the served dtype")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="bench on a GPU: each engine's share of its memory (all engines live together)",
+    )
     parser.add_argument("--max-tokens-cap", type=int, default=128, help="max_model_len margin")
     parser.add_argument("--layer", type=int, default=20)
     parser.add_argument("--rank", type=int, default=4)

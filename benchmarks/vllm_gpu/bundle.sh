@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds .vllm-gpu/part-NN: one gzipped tar, in chunks, of vLLM 0.26.0 (CUDA 13, torch 2.11)
+# Builds .vllm-gpu/part-NN: one xz-compressed tar, in chunks, of vLLM 0.26.0 (CUDA 13, torch 2.11)
 # and the wheels it needs at import time that the device's image lacks, for a device machine
 # with no network (README.md beside this file). Runs here, from the repository root:
 #
@@ -53,7 +53,8 @@ done
 "${PIP[@]}" -d "$WORK/stage/wheels-if-older" "${IF_OLDER[@]}"
 (cd "$WORK/stage" && ls wheels wheels-if-older > MANIFEST.txt && { echo dropped:; printf '%s\n' "${DROP[@]}"; } >> MANIFEST.txt)
 
-tar -C "$WORK/stage" -cf - . | nice -n 19 gzip -6 > "$WORK/bundle.tar.gz"
+# xz -9, not gzip: 83 MB against 122 MB, one call fewer (~1.5 min here on 2 cores)
+tar -C "$WORK/stage" -cf - . | nice -n 19 xz -9 -T0 > "$WORK/bundle.tar.xz"
 if [ -z "${CHUNK_MIB:-}" ]; then  # one call carries the working tree and one chunk: 64 MiB
     tree=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- | tail -1 | cut -f1)
     [ -d shared ] && tree=$((tree + $(du -sb shared | cut -f1)))
@@ -63,9 +64,9 @@ if [ -z "${CHUNK_MIB:-}" ]; then  # one call carries the working tree and one ch
 fi
 grep -qxF "/$OUTDIR/" .git/info/exclude 2>/dev/null || echo "/$OUTDIR/" >> .git/info/exclude
 rm -rf "$OUTDIR" && mkdir "$OUTDIR"
-split -b "${CHUNK_MIB}M" -d -a 2 "$WORK/bundle.tar.gz" "$OUTDIR/part-"
-(cd "$WORK" && sha256sum bundle.tar.gz | sed 's/ .*//') > "$OUTDIR/bundle.sha256"
-rm -f "$WORK/bundle.tar.gz"
+split -b "${CHUNK_MIB}M" -d -a 2 "$WORK/bundle.tar.xz" "$OUTDIR/part-"
+(cd "$WORK" && sha256sum bundle.tar.xz | sed 's/ .*//') > "$OUTDIR/bundle.sha256"
+rm -f "$WORK/bundle.tar.xz"
 n=$(ls "$OUTDIR"/part-* | wc -l)
 ls -l "$OUTDIR"
 echo "$n chunks, $(du -cb "$OUTDIR"/part-* | tail -1 | cut -f1) bytes in all ($(du -ch "$OUTDIR"/part-* | tail -1 | cut -f1))"

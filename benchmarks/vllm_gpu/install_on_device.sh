@@ -14,7 +14,9 @@ if [ -f "$PARTS/bundle.sha256" ]; then
     [ "$got" = "$(cat "$PARTS/bundle.sha256")" ] || {
         echo "bundle checksum differs: parts missing or damaged ($(ls "$PARTS"))" >&2; exit 1; }
 fi
-cat "$PARTS"/part-* | tar -xzf - -C "$tmp"
+# xz (bundle.sh), unpacked by Python's lzma: the image need not have the xz tool
+cat "$PARTS"/part-* | "$PY" -c 'import lzma, shutil, sys
+shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer, 1 << 20)' | tar -xf - -C "$tmp"
 mkdir -p "$SITE"
 pip_install() { "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target "$SITE" "$@"; }
