@@ -17,7 +17,8 @@ WORK=${WORK:-/tmp/vllm-bundle}
 OUTDIR=.vllm-gpu
 PIP=(python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12
      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
-     --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64)
+     --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64
+     --platform manylinux_2_24_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_31_x86_64)
 # Imported unconditionally on `from vllm import LLM` + LLM(...).generate (import_closure.py),
 # with their own needs; the device has the rest (numpy, torch, transformers, aiohttp, ...).
 DEPS=(msgspec==0.22.0 pyzmq==27.3.0 cbor2==6.3.0 pybase64==1.5.1 cachetools==8.0.2
@@ -27,7 +28,11 @@ DEPS=(msgspec==0.22.0 pyzmq==27.3.0 cbor2==6.3.0 pybase64==1.5.1 cachetools==8.0
       fastapi==0.136.3 starlette==1.10.0 depyf==0.20.0 astor==0.8.1 dill==0.4.1
       # the OpenAI server (gss serve: python -m gss.serving.vllm_cli serve, vLLM's CLI)
       uvicorn==0.54.0 watchfiles==1.3.0 prometheus-fastapi-instrumentator==8.1.0
-      python-multipart==0.0.34 model-hosting-container-standards==0.1.16 jmespath==1.1.0)
+      python-multipart==0.0.34 model-hosting-container-standards==0.1.16 jmespath==1.1.0
+      # structured output: vllm.v1.structured_output imports its guidance and xgrammar
+      # backends, whose dataclass fields name llguidance.* / xgr.* types: evaluating those
+      # annotations at import loads the LazyLoader'd modules (found on the device, 2026-11-26)
+      llguidance==1.7.6 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2)
 # installed there only if the device's own copy is older (pydantic needs typing-extensions
 # >= 4.16, starlette anyio >= 4): install_on_device.sh decides
 IF_OLDER=(typing-extensions==4.16.0 anyio==4.16.0)

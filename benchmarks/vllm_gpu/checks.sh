@@ -36,6 +36,7 @@ tests() {  # tests KEYWORD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 bash benchmarks/vllm_gpu/install_on_device.sh || exit 3
 export PYTHONPATH=/tmp/site VLLM_USE_V2_MODEL_RUNNER=0
+python3 -c "from vllm import LLM; import vllm.v1.engine.core" || exit 4  # fail fast
 fits tests-compiled 200 && tests compiled
 fits prep 60 && python3 benchmarks/vllm_throughput.py prep --work "$work" \
     --model benchmarks/configs/smollm2-135m && cp "$work/prep.json" "$out/"
