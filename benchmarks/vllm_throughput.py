@@ -56,7 +56,7 @@ THREAD_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_CPU_KVCACHE_SPACE": "1",
 }
-ENV_NOTED = (*THREAD_ENV, "VLLM_USE_V2_MODEL_RUNNER")
+ENV_NOTED = (*THREAD_ENV, "VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_FLASHINFER_SAMPLER")
 
 
 def arm_name(engine: str, steered: bool) -> str:
@@ -477,7 +477,6 @@ def table(results: dict[str, Any]) -> str:
             f"{results['threads']}. "
         )
         + "Each request: "
-        "Each request: "
         f"{results['settings']['prompt_len']}-token random prompt, "
         f"{results['settings']['max_tokens']} greedy output tokens (ignore_eos). Batch 1: "
         f"{results['settings']['batch1_requests']} requests one at a time per round; load: "

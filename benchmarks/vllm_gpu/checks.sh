@@ -2,14 +2,17 @@
 # The last device call (README.md beside this file): once every part is in $PARTS, installs
 # vLLM and gss, then runs, in this order, each stage only if it fits before $DEADLINE seconds:
 #
-#   tests-compiled  tests/vllm's mixed steered/unsteered batch = transformers, CUDA graphs on
 #   prep            benchmarks/vllm_throughput.py prep on SmolLM2-135M's shape (random weights)
-#   bench-compiled  its bench, vLLM's default torch.compile + CUDA graphs
-#   bench-eager     the same with enforce_eager
-#   tests-eager     the mixed batch in eager mode
+#   bench-compiled  its bench, vLLM's default torch.compile + CUDA graphs (at most 240 s)
+#   bench-eager     the same with enforce_eager (at most 180 s)
+#   repeat          repeat.py: are unsteered log-probs bit-reproducible, compiled?
+#   tests-eager     tests/vllm's mixed steered/unsteered batch = transformers, eager
+#   tests-compiled  the same, torch.compile + CUDA graphs
 #
-# Everything lands in $OUT (log.txt, prep.json, bench-*.json, tests-*.xml); `report` runs here
-# afterwards on them: `python benchmarks/vllm_throughput.py report --work DIR --out DIR`.
+# Everything lands in $OUT (log.txt, prep.json, bench-*.json, repeat-*.json, tests-*.xml);
+# `report` runs here afterwards: `python benchmarks/vllm_throughput.py report --work DIR --out
+# DIR`. Timings seen on an H200 (2026-11-26): install ~45 s, prep ~22 s, an eager engine of
+# SmolLM2's shape ~8-22 s to start, an eager round ~37 s, tests-compiled ~105 s.
 set -uo pipefail
 out=${OUT:-gpu-out}
 deadline=${DEADLINE:-560}
@@ -23,9 +26,10 @@ fits() {  # fits NAME SECONDS: whether a stage of at most SECONDS ends before th
     if ((left < $2)); then echo "=== skip $1: ${left} s left, it needs up to $2"; return 1; fi
     echo "=== $1 at +${SECONDS} s"
 }
-bench() {  # bench MODE ROUNDS
-    timeout $((deadline - SECONDS)) python3 benchmarks/vllm_throughput.py bench --mode "$1" \
-        --rounds "$2" --work "$work" --gpu-memory-utilization 0.2
+bench() {  # bench MODE SECONDS: rounds until SECONDS are spent (each round is kept)
+    local cap=$((deadline - SECONDS)); ((cap > $2)) && cap=$2
+    timeout "$cap" python3 benchmarks/vllm_throughput.py bench --mode "$1" \
+        --rounds 12 --work "$work" --gpu-memory-utilization 0.2
     cp "$work/bench-$1.json" "$out/" 2>/dev/null
 }
 tests() {  # tests KEYWORD
@@ -35,12 +39,15 @@ tests() {  # tests KEYWORD
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 bash benchmarks/vllm_gpu/install_on_device.sh || exit 3
-export PYTHONPATH=/tmp/site VLLM_USE_V2_MODEL_RUNNER=0
+# V1 runner (gss refuses V2 with artifacts); the bundle has no flashinfer (a pip-installed vllm
+# brings it), whose top-k/top-p sampler vLLM's CUDA runner otherwise imports at start-up
+export PYTHONPATH=/tmp/site VLLM_USE_V2_MODEL_RUNNER=0 VLLM_USE_FLASHINFER_SAMPLER=0
 python3 -c "from vllm import LLM; import vllm.v1.engine.core" || exit 4  # fail fast
-fits tests-compiled 200 && tests compiled
-fits prep 60 && python3 benchmarks/vllm_throughput.py prep --work "$work" \
+fits prep 40 && python3 benchmarks/vllm_throughput.py prep --work "$work" \
     --model benchmarks/configs/smollm2-135m && cp "$work/prep.json" "$out/"
-[ -f "$work/prep.json" ] && fits bench-compiled 150 && bench compiled 8
-[ -f "$work/prep.json" ] && fits bench-eager 80 && bench eager 8
-fits tests-eager 60 && tests eager
+[ -f "$work/prep.json" ] && fits bench-compiled 150 && bench compiled 240
+[ -f "$work/prep.json" ] && fits bench-eager 120 && bench eager 180
+fits repeat 200 && timeout $((deadline - SECONDS)) python3 benchmarks/vllm_gpu/repeat.py --out "$out"
+fits tests-eager 80 && tests eager
+fits tests-compiled 120 && tests compiled
 echo "=== done at +${SECONDS} s"

@@ -1,0 +1,102 @@
+"""Where do an unsteered request's log-probs move on CUDA? (README.md beside this file)
+
+On the H200 (vLLM 0.26.0, torch.compile + CUDA graphs), tests/vllm's mixed batch gave every
+request the tokens transformers gives, but one unsteered request's log-prob at one token
+differed from the engine without the plugin by one float32 ulp. This runs the same
+tiny model and prompts through four engines, one after another, and compares each with the
+first, request by request:
+
+* ``plain-a``, ``plain-b``: no plugin, twice: is vLLM itself reproducible from one engine to
+  the next?
+* ``plugin-unsteered``: the plugin serving the artifact, no request steered: does the steer's
+  place in the compiled graph alone move them?
+* ``plugin-mixed``: tests/vllm's mixed batch: do the steered neighbours move them?
+
+    PYTHONPATH=/tmp/site python3 benchmarks/vllm_gpu/repeat.py [--eager] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tests.vllm.test_vllm_plugin import (  # noqa: E402
+    PROMPTS,
+    STEER_NAME,
+    VOCAB,
+    run_engine,
+    tiny_model,
+)
+
+import gss  # noqa: E402
+
+
+def compare(base: dict[str, Any], other: dict[str, Any], which: list[int]) -> dict[str, Any]:
+    diffs = [
+        abs(a - b)
+        for i in which
+        for a, b in zip(base["logprobs"][i], other["logprobs"][i], strict=True)
+        if a != b
+    ]
+    return {
+        "requests": which,
+        "tokens_equal": all(base["tokens"][i] == other["tokens"][i] for i in which),
+        "logprobs_compared": sum(len(base["logprobs"][i]) for i in which),
+        "logprobs_differ": len(diffs),
+        "max_abs_difference": max(diffs, default=0.0),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
+    parser.add_argument("--out", default=".", help="where repeat-<mode>.json goes")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="gss-repeat-"))
+    model, reference = tiny_model(0), tiny_model(1)
+    model.save_pretrained(root / "model")
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(3, VOCAB, (48, 32), generator=gen)
+    art = gss.calibrate(model, reference, rows, layer=1, rank=2, progress=False)
+    art.with_options(delta=25.0).save_pretrained(root / "artifact")
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n, _ in PROMPTS]
+    nobody: list[str | None] = [None] * len(prompts)
+    mixed = [STEER_NAME if on else None for _, on in PROMPTS]
+    eager = args.eager
+    runs = {
+        "plain-a": run_engine(root, prompts, nobody, plugin=False, tag="a", enforce_eager=eager),
+        "plain-b": run_engine(root, prompts, nobody, plugin=False, tag="b", enforce_eager=eager),
+        "plugin-unsteered": run_engine(
+            root, prompts, nobody, plugin=True, tag="u", enforce_eager=eager
+        ),
+        "plugin-mixed": run_engine(root, prompts, mixed, plugin=True, tag="m", enforce_eager=eager),
+    }
+    everyone = list(range(len(prompts)))
+    unsteered = [i for i, (_, on) in enumerate(PROMPTS) if not on]
+    base = runs["plain-a"]
+    found = {
+        "mode": "eager" if eager else "compiled",
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "plain-b vs plain-a": compare(base, runs["plain-b"], everyone),
+        "plugin-unsteered vs plain-a": compare(base, runs["plugin-unsteered"], everyone),
+        "plugin-mixed vs plain-a (its unsteered requests)": compare(
+            base, runs["plugin-mixed"], unsteered
+        ),
+    }
+    text = json.dumps(found, indent=1)
+    print(text)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"repeat-{found['mode']}.json").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
