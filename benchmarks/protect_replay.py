@@ -153,7 +153,11 @@ def _figure(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", default="math_noise,math_backdoor,lang_noise,lang_backdoor")
+    parser.add_argument(
+        "--settings",
+        default="math_noise,math_backdoor,lang_noise,lang_backdoor",
+        help="TinyMem settings, comma-separated ('' for none)",
+    )
     parser.add_argument("--canaries", choices=["lora"], help="also the LoRA canary fine-tune")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--canary-rounds", type=int, default=1, help="rounds on the canaries")

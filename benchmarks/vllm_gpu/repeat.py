@@ -32,12 +32,9 @@ sys.path.insert(0, str(ROOT))
 from tests.vllm.test_vllm_plugin import (  # noqa: E402
     PROMPTS,
     STEER_NAME,
-    VOCAB,
     run_engine,
-    tiny_model,
+    save_tiny,
 )
-
-import gss  # noqa: E402
 
 
 def compare(base: dict[str, Any], other: dict[str, Any], which: list[int]) -> dict[str, Any]:
@@ -62,13 +59,7 @@ def main() -> None:
     parser.add_argument("--out", default=".", help="where repeat-<mode>.json goes")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="gss-repeat-"))
-    model, reference = tiny_model(0), tiny_model(1)
-    model.save_pretrained(root / "model")
-    gen = torch.Generator().manual_seed(0)
-    rows = torch.randint(3, VOCAB, (48, 32), generator=gen)
-    art = gss.calibrate(model, reference, rows, layer=1, rank=2, progress=False)
-    art.with_options(delta=25.0).save_pretrained(root / "artifact")
-    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n, _ in PROMPTS]
+    _, prompts = save_tiny(root, {"artifact": 1})
     nobody: list[str | None] = [None] * len(prompts)
     mixed = [STEER_NAME if on else None for _, on in PROMPTS]
     eager = args.eager

@@ -93,20 +93,27 @@ def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
     return ids[0, len(prompt) :].tolist()
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("gss-vllm")
-    model, reference = tiny_model(0), tiny_model(1)
+def save_tiny(
+    root: Path, artifacts: dict[str, int], arch: str = "llama"
+) -> tuple[Any, list[list[int]]]:
+    """A tiny model saved in ``root/model``, an artifact (rank 2, delta 25) calibrated on it at
+    each ``{folder: block}`` of ``artifacts`` saved in ``root/folder``, and PROMPTS' prompts."""
+    model, reference = tiny_model(0, arch), tiny_model(1, arch)
     model.save_pretrained(root / "model")
     gen = torch.Generator().manual_seed(0)
     rows = torch.randint(3, VOCAB, (48, 32), generator=gen)
-    art = gss.calibrate(model, reference, rows, layer=1, rank=2, progress=False)
-    art = art.with_options(delta=25.0)
-    art.save_pretrained(root / "artifact")
-    # at block 0 the steer changes the KV of block 1: what prefix caching must not share
-    art0 = gss.calibrate(model, reference, rows, layer=0, rank=2, progress=False)
-    art0.with_options(delta=25.0).save_pretrained(root / "artifact0")
+    for folder, layer in artifacts.items():
+        art = gss.calibrate(model, reference, rows, layer=layer, rank=2, progress=False)
+        art.with_options(delta=25.0).save_pretrained(root / folder)
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n, _ in PROMPTS]
+    return model, prompts
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("gss-vllm")
+    # at block 0 the steer changes the KV of block 1: what prefix caching must not share
+    model, prompts = save_tiny(root, {"artifact": 1, "artifact0": 0})
     plain = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
     with gss.steer(model, gss.load(root / "artifact")):
         steered = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
@@ -277,13 +284,7 @@ def test_other_architectures_match_transformers(arch: str, tmp_path: Path) -> No
     """Beyond Llama: Qwen2 (grouped-query attention with biases; its layers return
     (hidden, residual) as Llama's do) and GPT-2 (its layers return the block output as one
     tensor), on the compiled path, a mixed batch under chunked prefill."""
-    model, reference = tiny_model(0, arch), tiny_model(1, arch)
-    model.save_pretrained(tmp_path / "model")
-    gen = torch.Generator().manual_seed(0)
-    rows = torch.randint(3, VOCAB, (48, 32), generator=gen)
-    art = gss.calibrate(model, reference, rows, layer=0, rank=2, progress=False)
-    art.with_options(delta=25.0).save_pretrained(tmp_path / "artifact")
-    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n, _ in PROMPTS]
+    model, prompts = save_tiny(tmp_path, {"artifact": 0}, arch)
     plain = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
     with gss.steer(model, gss.load(tmp_path / "artifact")):
         steered = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
