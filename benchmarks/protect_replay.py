@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import statistics
 import time
 from collections.abc import Iterator
@@ -198,7 +199,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     given = {k.replace("_", "-"): v for k, v in vars(args).items() if v is not None}
     command = "benchmarks/protect_replay.py " + " ".join(
-        f"--{k} {v}" for k, v in given.items() if k != "out"
+        f"--{k} {shlex.quote(str(v))}" for k, v in given.items() if k != "out"
     )
     write_json(
         args.out / "results.json", {"command": command, "machine": machine_info(), "rows": rows}
