@@ -30,8 +30,12 @@ Three steps, each in the environment it needs (``all`` runs them in turn)::
 The artifact is calibrated on the served model itself (the base SmolLM2-135M) against a copy
 whose weights carry small Gaussian noise, on random token rows, at block ``--layer``, rank
 ``--rank``: what it steers is meaningless, what it costs is what any artifact of that block
-and rank costs. Scratch goes to ``--work`` (default /tmp/gss-serve-bench); results to
-``results/serve/`` (``results.json``, ``table.md``, ``throughput.png``).
+and rank costs. On a GPU machine without the checkpoint (benchmarks/vllm_gpu/checks.sh),
+``prep --model benchmarks/configs/smollm2-135m`` builds that shape with seeded random weights,
+and ``bench --gpu-memory-utilization 0.2`` gives each of the live engines its share of the GPU
+(and runs them on the V1 model runner, which the plugin steers). Scratch goes to ``--work``
+(default /tmp/gss-serve-bench); results to ``results/serve/`` (``results.json``, ``table.md``,
+``throughput.png``).
 """
 
 from __future__ import annotations
@@ -637,10 +641,9 @@ def figure(results: dict[str, Any], path: Path) -> None:
         ax.set_title(title)
     axes[0].set_ylabel("ratio (per round; bar: median)")
     axes[0].legend(fontsize=8)
+    model = results["artifact"].get("model_name", "SmolLM2-135M")
     where = results.get("device") or "CPU"
-    fig.suptitle(
-        f"SmolLM2-135M on vLLM ({where}): throughput ratios, steered vs unsteered", fontsize=10
-    )
+    fig.suptitle(f"{model} on vLLM ({where}): throughput ratios, steered vs unsteered", fontsize=10)
     save_figure(fig, path)
 
 
@@ -672,7 +675,9 @@ def report(args: argparse.Namespace) -> None:
             "platform": platform.platform(),
             "note": "each round's load average says what else ran: the engines' own threads "
             "load a quiet machine to ~2.5-4",
-        },
+        }
+        if not first.get("device")
+        else {"gpu": first["device"], "note": "the bench ran there, this report elsewhere"},
         "vllm": first["vllm"],
         "torch_vllm": first["torch"],
         "torch_report": torch.__version__,
