@@ -32,18 +32,14 @@ sys.path.insert(0, str(ROOT))
 from tests.vllm.test_vllm_plugin import (  # noqa: E402
     PROMPTS,
     STEER_NAME,
+    logprob_differences,
     run_engine,
     save_tiny,
 )
 
 
 def compare(base: dict[str, Any], other: dict[str, Any], which: list[int]) -> dict[str, Any]:
-    diffs = [
-        abs(a - b)
-        for i in which
-        for a, b in zip(base["logprobs"][i], other["logprobs"][i], strict=True)
-        if a != b
-    ]
+    diffs = [abs(d) for *_, d in logprob_differences(base, other, which)]
     return {
         "requests": which,
         "tokens_equal": all(base["tokens"][i] == other["tokens"][i] for i in which),

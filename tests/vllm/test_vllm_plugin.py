@@ -173,6 +173,19 @@ def run_engine(
     return json.loads(out_file.read_text())
 
 
+def logprob_differences(
+    a: dict[str, Any], b: dict[str, Any], requests: list[int]
+) -> list[tuple[int, int, float]]:
+    """(request, token, difference) wherever two engine runs' log-probs of ``requests``
+    differ."""
+    return [
+        (i, t, x - y)
+        for i in requests
+        for t, (x, y) in enumerate(zip(a["logprobs"][i], b["logprobs"][i], strict=True))
+        if x != y
+    ]
+
+
 def run_mixed(
     setup: dict[str, Any], tag: str, steered: str = "steered", **options: Any
 ) -> tuple[dict[str, Any], list[list[int]]]:
@@ -217,14 +230,7 @@ def test_vllm_plugin_matches_transformers(setup: dict[str, Any], enforce_eager: 
     for i in unsteered:
         assert with_plugin["tokens"][i] == without["tokens"][i]
     # bit for bit, log-probabilities included; the message says by how much they differ
-    differ = [
-        (i, t, a - b)
-        for i in unsteered
-        for t, (a, b) in enumerate(
-            zip(with_plugin["logprobs"][i], without["logprobs"][i], strict=True)
-        )
-        if a != b
-    ]
+    differ = logprob_differences(with_plugin, without, unsteered)
     assert not differ, (
         f"{len(differ)} of {sum(len(without['logprobs'][i]) for i in unsteered)} log-probs of "
         f"unsteered requests differ from the engine without the plugin, at most by "

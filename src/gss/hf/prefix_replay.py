@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from gss.hf.blocks import find_decoder_blocks
 from gss.hf.forward import accepts
-from gss.steering.attach import SteeredForward, _unchanged
+from gss.steering.attach import SteeredForward
 from gss.steering.compiled import compiled_parts
 
 _MiB = 1 << 20
@@ -90,7 +90,7 @@ class _Below(SteeredForward):
 
     def __init__(self, replay: BlockPrefixReplay, block: nn.Module, index: int, layer: int):
         self.replay, self.index, self.layer = replay, index, layer
-        super().__init__(block, _unchanged)
+        super().__init__(block)  # a pass-through: no hook
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         replay, layer = self.replay, self.layer

@@ -64,7 +64,7 @@ class SteeredForward:
     new one would compile the model again on every attach.
     """
 
-    def __init__(self, block: nn.Module, hook: Callable[..., Any]) -> None:
+    def __init__(self, block: nn.Module, hook: Callable[..., Any] = _unchanged) -> None:
         self.install(block, hook)
 
     def install(self, block: nn.Module, hook: Callable[..., Any]) -> None:
