@@ -241,6 +241,13 @@ def bench(args: argparse.Namespace) -> None:
     info = json.loads((work / "prep.json").read_text())
     args.model = info["model"]  # prep's: random weights where it was given a shape only
     prompts = [p[: args.prompt_len] for p in info["prompts"]]
+    if args.batch1 + args.load > len(prompts) or args.prompt_len > len(prompts[0]):
+        raise SystemExit(
+            f"--batch1 {args.batch1} + --load {args.load} prompts of --prompt-len "
+            f"{args.prompt_len} tokens: prep made {len(prompts)} of {len(info['prompts'][0])}"
+        )
+    if args.max_tokens > args.max_tokens_cap:
+        raise SystemExit(f"--max-tokens {args.max_tokens} > --max-tokens-cap: raise the cap")
     b1, load = prompts[: args.batch1], prompts[args.batch1 : args.batch1 + args.load]
     arts = info["artifacts"]
     started = time.perf_counter()
@@ -349,16 +356,18 @@ def greedy_reference(
     from transformers import AutoModelForCausalLM
 
     import gss
+    from gss.hf.forward import cache_argument, returned_cache
 
     model = AutoModelForCausalLM.from_pretrained(info["model"], dtype=torch.float32).eval()
     art = gss.load(info["artifacts"][arm]["dir"])
+    cache = cache_argument(model)
     outputs: list[list[int]] = []
     with gss.steer(model, art), torch.no_grad():
         for prompt in prompts:
             ids, past, out = torch.tensor([prompt]), None, []
             for _ in range(max_tokens):
-                step = model(ids, past_key_values=past, use_cache=True)
-                past, token = step.past_key_values, int(step.logits[0, -1].argmax())
+                step = model(ids, use_cache=True, **{cache: past})
+                past, token = returned_cache(step), int(step.logits[0, -1].argmax())
                 out.append(token)
                 ids = torch.tensor([[token]])
             outputs.append(out)

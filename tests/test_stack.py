@@ -11,6 +11,7 @@ import torch
 
 import gss
 from gss import GSSError, SteeringStack
+from gss.hf.forward import cache_argument, returned_cache
 
 from .helpers import random_ids, tiny_model
 
@@ -66,12 +67,13 @@ def test_stack_save_load_roundtrip(stacked, tmp_path):
 def _decoded(model, ids, start):
     """The last-position logits of a KV-cached decode: the prompt ``ids[:, :start]`` in one
     pass, then one token a step up to the row's last."""
+    cache = cache_argument(model)
     with torch.no_grad():
         out = model(input_ids=ids[:, :start], use_cache=True)
-        past, steps = out.past_key_values, [out.logits[:, -1]]
+        past, steps = returned_cache(out), [out.logits[:, -1]]
         for t in range(start, ids.shape[1] - 1):
-            out = model(input_ids=ids[:, t : t + 1], past_key_values=past, use_cache=True)
-            past = out.past_key_values
+            out = model(input_ids=ids[:, t : t + 1], use_cache=True, **{cache: past})
+            past = returned_cache(out)
             steps.append(out.logits[:, -1])
     return torch.stack(steps, 1)
 

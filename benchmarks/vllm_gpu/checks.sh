@@ -9,6 +9,12 @@
 #   tests-eager     tests/vllm's mixed steered/unsteered batch = transformers, eager
 #   tests-compiled  the same, torch.compile + CUDA graphs
 #
+# STAGES (default: all six) names the stages to run, e.g. STAGES="bench-compiled tests-eager";
+# prep runs whenever a bench does. BENCH (default below) is the bench's workload: 64-token
+# rounds (vllm_throughput.py's CPU default) were too short on an H200 to resolve 2% (per-round
+# ratios 0.64-1.51 on 2026-11-27), hence longer outputs, more load requests. COMPILED_S and
+# EAGER_S (240, 180) cap the two benches, engine starts included (~170 s compiled, ~40 s eager).
+#
 # Everything lands in $OUT (log.txt, prep.json, bench-*.json, repeat-*.json, tests-*.xml);
 # `report` runs here afterwards: `python benchmarks/vllm_throughput.py report --work DIR --out
 # DIR`. Timings seen on an H200 (2026-11-26): install ~45 s, prep ~22 s, an eager engine of
@@ -16,12 +22,16 @@
 set -uo pipefail
 out=${OUT:-gpu-out}
 deadline=${DEADLINE:-560}
+stages=" ${STAGES:-prep bench-compiled bench-eager repeat tests-eager tests-compiled} "
+bench_args=${BENCH:---batch1 4 --load 48 --max-tokens 256 --max-tokens-cap 256}
+[[ $stages == *" bench-"* ]] && stages+="prep "
 work=/tmp/serve-bench
 mkdir -p "$out" "$work"
 exec > >(tee -a "$out/log.txt") 2>&1
 export PYTHONUNBUFFERED=1
 
-fits() {  # fits NAME SECONDS: whether a stage of at most SECONDS ends before the deadline
+fits() {  # fits NAME SECONDS: whether a stage asked for, of at most SECONDS, ends in time
+    [[ $stages == *" $1 "* ]] || return 1
     local left=$((deadline - SECONDS))
     if ((left < $2)); then echo "=== skip $1: ${left} s left, it needs up to $2"; return 1; fi
     echo "=== $1 at +${SECONDS} s"
@@ -29,7 +39,7 @@ fits() {  # fits NAME SECONDS: whether a stage of at most SECONDS ends before th
 bench() {  # bench MODE SECONDS: rounds until SECONDS are spent (each round is kept)
     local cap=$((deadline - SECONDS)); ((cap > $2)) && cap=$2
     timeout "$cap" python3 benchmarks/vllm_throughput.py bench --mode "$1" \
-        --rounds 12 --work "$work" --gpu-memory-utilization 0.2
+        --rounds 12 --work "$work" --gpu-memory-utilization 0.2 $bench_args
     cp "$work/bench-$1.json" "$out/" 2>/dev/null
 }
 tests() {  # tests KEYWORD
@@ -45,8 +55,8 @@ export PYTHONPATH=/tmp/site VLLM_USE_V2_MODEL_RUNNER=0 VLLM_USE_FLASHINFER_SAMPL
 python3 -c "from vllm import LLM; import vllm.v1.engine.core" || exit 4  # fail fast
 fits prep 40 && python3 benchmarks/vllm_throughput.py prep --work "$work" \
     --model benchmarks/configs/smollm2-135m && cp "$work/prep.json" "$out/"
-[ -f "$work/prep.json" ] && fits bench-compiled 150 && bench compiled 240
-[ -f "$work/prep.json" ] && fits bench-eager 120 && bench eager 180
+[ -f "$work/prep.json" ] && fits bench-compiled 150 && bench compiled "${COMPILED_S:-240}"
+[ -f "$work/prep.json" ] && fits bench-eager 120 && bench eager "${EAGER_S:-180}"
 fits repeat 200 && timeout $((deadline - SECONDS)) python3 benchmarks/vllm_gpu/repeat.py --out "$out"
 fits tests-eager 80 && tests eager
 fits tests-compiled 120 && tests compiled

@@ -5,7 +5,8 @@ calibrated on it at block 1; one vLLM engine serves a batch that mixes steered a
 requests under chunked prefill (a small token budget splits the prompts across steps, so
 prefill chunks and decode tokens of different requests share a forward). Greedy outputs must
 equal transformers' token for token, steered with ``gss.steer`` or not, and the unsteered
-requests must be bit-identical (log-probabilities included) to an engine without the plugin.
+requests must be bit-identical (log-probabilities included) to an engine without the plugin
+(on CUDA with torch.compile: within vLLM's own engine-to-engine spread, ``CUDA_COMPILED_SPREAD``).
 The same holds on Qwen2 and GPT-2 (whose vLLM decoder layers return one tensor, not Llama's
 (hidden, residual) pair), compiled; with speculative decoding, tensor and pipeline parallelism,
 and a LoRA adapter served by vLLM.
@@ -41,6 +42,13 @@ MAX_TOKENS = 12
 STEER_NAME = "tiny"
 # (prompt length, steered?): lengths over the 32-token budget are prefilled in chunks
 PROMPTS = [(7, True), (40, False), (19, True), (33, True), (5, False), (26, False), (45, True)]
+# vLLM's CUDA build with torch.compile is not bit-reproducible from one engine to the next: on
+# an H200 two engines without the plugin gave 28 of 84 log-probs up to 5.4e-5 apart, while the
+# plugin's engines (none steered; the mixed batch) equalled the first bit for bit
+# (benchmarks/vllm_gpu/repeat.py, results/serve-cuda/repeat-compiled.json). There unsteered
+# log-probs are held to that spread (tokens stay exact); the CPU build, and eager CUDA (not
+# measured yet), to bit-equality.
+CUDA_COMPILED_SPREAD = 1e-4
 
 pytestmark = pytest.mark.heavy
 
@@ -229,12 +237,15 @@ def test_vllm_plugin_matches_transformers(setup: dict[str, Any], enforce_eager: 
     unsteered = [i for i, (_, on) in enumerate(PROMPTS) if not on]
     for i in unsteered:
         assert with_plugin["tokens"][i] == without["tokens"][i]
-    # bit for bit, log-probabilities included; the message says by how much they differ
-    differ = logprob_differences(with_plugin, without, unsteered)
+    # bit for bit, log-probabilities included (CUDA compiled: within vLLM's own spread); the
+    # message says by how much they differ
+    spread = CUDA_COMPILED_SPREAD if torch.cuda.is_available() and not enforce_eager else 0.0
+    differ = [d for d in logprob_differences(with_plugin, without, unsteered) if abs(d[2]) > spread]
     assert not differ, (
         f"{len(differ)} of {sum(len(without['logprobs'][i]) for i in unsteered)} log-probs of "
-        f"unsteered requests differ from the engine without the plugin, at most by "
-        f"{max(abs(d) for *_, d in differ):.3g} (request, token, difference): {differ[:8]}"
+        f"unsteered requests differ from the engine without the plugin by more than {spread}, "
+        f"at most by {max(abs(d) for *_, d in differ):.3g} (request, token, difference): "
+        f"{differ[:8]}"
     )
 
 
