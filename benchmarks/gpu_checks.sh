@@ -10,7 +10,7 @@
 #   bash benchmarks/gpu_checks.sh profile   # torch.profiler of decode steps: host vs GPU time, syncs
 #   bash benchmarks/gpu_checks.sh nnsight   # overhead with the peer library (WHEELS=dir of its wheels)
 #   bash benchmarks/gpu_checks.sh serve-op  # the vLLM plugin's op in CUDA graphs, eager vs replayed
-#                                           # (benchmarks/vllm_op_cuda.py; vLLM itself is not there)
+#                                           # (benchmarks/vllm_op.py; vLLM itself is not there)
 #
 # overhead and nnsight take gss bench perf's arguments after the stage's name instead of their
 # defaults (overhead: --model benchmarks/configs/llama-2-7b --repeats 9; nnsight: --repeats 5).
@@ -60,7 +60,7 @@ case $stage in
         overhead "$@" 2>&1 | tee "$out/log.txt"
         ;;
     serve-op)
-        python3 benchmarks/vllm_op_cuda.py --out "$out" "$@" 2>&1 | tee "$out/log.txt"
+        python3 benchmarks/vllm_op.py --out "$out" "$@" 2>&1 | tee "$out/log.txt"
         ;;
     *)
         echo "unknown stage $stage: tests, overhead, solve, variants, profile, nnsight or serve-op" >&2

@@ -1,13 +1,15 @@
-"""The vLLM plugin's steer inside CUDA graphs on a GPU, without vLLM (issue 40, point 2).
+"""What the vLLM plugin's steer costs in a forward, without vLLM (issue 40, points 2 and 5).
 
-vLLM's CUDA build cannot be installed on the lent GPU machines (no network there; its wheel
-and dependencies are far over what one call may carry), so this measures, on the GPU, the part
-the plugin adds to vLLM's CUDA-graph path: the op ``gss::vllm_steer`` reading per-token slots
-from a persistent buffer written in place before each step. A SmolLM2-135M-shaped Llama
-(``benchmarks/configs/smollm2-135m``, random weights, bfloat16) runs with block ``--layer``'s
-output flattened to (tokens, hidden), as vLLM's layers hand it over, and passed through the op.
-Per batch shape (N sequences of one token, a decode step's shape without a KV cache; and one
-512-token prefill) it times, eagerly and as a captured CUDA graph replayed:
+The part the plugin adds to vLLM's fast paths is the op ``gss::vllm_steer`` reading per-token
+slots from a persistent buffer written in place before each step. Whole-engine rounds
+(``vllm_throughput.py``) wander by 15-50% on these machines, far over issue 40's 2%; a forward
+timed with and without the op, arms interleaved, resolves it. A SmolLM2-135M-shaped Llama
+(``benchmarks/configs/smollm2-135m``, random weights) runs with block ``--layer``'s output
+flattened to (tokens, hidden), as vLLM's layers hand it over, and passed through the op. Per
+batch shape (N sequences of one token, a decode step's shape without a KV cache; and one
+prefill) it times, eagerly and on the device's fast path (on a GPU a captured CUDA graph
+replayed, bfloat16 by default; on a CPU ``torch.compile``, inductor, as vLLM's CPU build
+compiles, float32 by default):
 
 * ``plain``: no op (the model as without gss);
 * ``op, none steered``: the op with every slot -1 (an engine serving an artifact, the request
@@ -17,13 +19,15 @@ Per batch shape (N sequences of one token, a decode step's shape without a KV ca
 
 Each round runs every arm once in a fresh seeded order (``--iters`` forwards each, timed with
 CUDA events); ratios are per round against ``plain`` of the same mode, medians reported with
-their IQR. It also records whether a replay equals the same forward run eagerly (bit for bit),
+their IQR. It also records how far the fast path is from the same forward run eagerly (a
+replayed graph: bit for bit),
 whether the unsteered op equals the plain model, and how far the steered op is from
 ``gss.steer`` on the same model (the transformers hook). Writes ``results.json``,
 ``table.md`` and ``speed.png`` to ``--out`` (``--report`` redraws the last two)::
 
-    PYTHONPATH=src python3 benchmarks/vllm_op_cuda.py --out results/serve-cuda-op \
-        --rounds 8 --iters 20
+    PYTHONPATH=src python3 benchmarks/vllm_op.py --out results/serve-cuda-op --rounds 8 --iters 20
+    .venv/bin/python benchmarks/vllm_op.py --device cpu --out results/serve-cpu-op \
+        --decode 1,16 --prefill 128 --rounds 20 --iters 5
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
+import os
 import platform
 import random
 import statistics
@@ -44,12 +50,14 @@ import torch
 import transformers
 
 import gss
+from gss.report import cpu_info
 from gss.serving import vllm_plugin
 
 CONFIG = Path(__file__).parent / "configs" / "smollm2-135m"
 ARMS = ("plain", "op, none steered", "op, steered", "op, ungated")
 DEVICE = torch.device("cuda")
-MODES: tuple[str, ...] = ("eager", "graph")
+MODES: tuple[str, ...] = ("eager", "graph")  # ("eager", "compiled") on a CPU
+FAST = {"graph": "CUDA graph", "compiled": "torch.compile"}
 
 
 def sync() -> None:
@@ -57,9 +65,11 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def build(layer: int, rank: int, work: Path, max_tokens: int) -> tuple[Any, dict[str, Any]]:
-    """The model (bf16, cuda) and two plugin states: the hard-gated artifact and its ungated
-    twin, each the only artifact of its state (slot 0)."""
+def build(
+    layer: int, rank: int, work: Path, max_tokens: int, dtype: torch.dtype
+) -> tuple[Any, dict[str, Any]]:
+    """The model (on DEVICE, in ``dtype``) and two plugin states: the hard-gated artifact and
+    its ungated twin, each the only artifact of its state (slot 0)."""
     torch.manual_seed(0)
     config = transformers.AutoConfig.from_pretrained(CONFIG)
     model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE).eval()
@@ -76,9 +86,9 @@ def build(layer: int, rank: int, work: Path, max_tokens: int) -> tuple[Any, dict
     for name in ("hard", "ungated"):
         state = vllm_plugin._State()
         state.load({name: str(work / name)})
-        state.prepare(DEVICE, torch.bfloat16, max_tokens)  # as the plugin's install does
+        state.prepare(DEVICE, dtype, max_tokens)  # as the plugin's install does
         states[name] = state
-    return model.to(torch.bfloat16), {"states": states, "artifact": art}
+    return model.to(dtype), {"states": states, "artifact": art}
 
 
 class OpAtBlock:
@@ -116,6 +126,16 @@ def capture(forward: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, 
     return graph, out
 
 
+def replayed(graph: torch.cuda.CUDAGraph, out: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A captured forward as a function that replays it and returns its (static) output."""
+
+    def run() -> torch.Tensor:
+        graph.replay()
+        return out
+
+    return run
+
+
 def time_ms(run: Callable[[], Any], iters: int) -> float:
     if DEVICE.type != "cuda":
         began = time.perf_counter()
@@ -132,8 +152,21 @@ def time_ms(run: Callable[[], Any], iters: int) -> float:
 
 
 def quartiles(values: list[float]) -> dict[str, float]:
+    """Median, quartiles and a distribution-free 95% confidence interval of the median: the
+    order statistics n/2 -+ 1.96 sqrt(n)/2 (the spread of rounds says how noisy one round is,
+    the interval how well the median is pinned by all of them)."""
     q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return {"median": statistics.median(values), "q1": q[0], "q3": q[2]}
+    ordered, n = sorted(values), len(values)
+    half = 1.96 * n**0.5 / 2
+    # 1-based ranks floor(n/2 - half) and ceil(1 + n/2 + half), as 0-based indices
+    lo, hi = max(0, math.floor(n / 2 - half) - 1), min(n - 1, math.ceil(n / 2 + half))
+    return {
+        "median": statistics.median(values),
+        "q1": q[0],
+        "q3": q[2],
+        "ci95_lo": ordered[lo],
+        "ci95_hi": ordered[hi],
+    }
 
 
 def run_shape(
@@ -172,20 +205,26 @@ def run_shape(
         for arm in ARMS:
             prepare(arm)
             eager_logits[arm] = forward().clone()
-        # graphs: one without the op, one per state with it (the slots are read at replay)
-        graphs: dict[str, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        for arm in ("plain", "op, steered", "op, ungated") if MODES[-1] == "graph" else ():
+        # the fast path per arm: on a GPU a graph without the op and one per state with it (the
+        # slots are read at replay); on a CPU one compiled forward (dynamo guards on hook.on)
+        fast: dict[str, Callable[[], Any]] = {}
+        fast_logits: dict[str, Callable[[], torch.Tensor]] = {}
+        if MODES[-1] == "graph":
+            for arm in ("plain", "op, steered", "op, ungated"):
+                prepare(arm)
+                graph, out = capture(forward)
+                fast[arm], fast_logits[arm] = graph.replay, replayed(graph, out)
+            fast["op, none steered"] = fast["op, steered"]
+            fast_logits["op, none steered"] = fast_logits["op, steered"]
+        else:
+            compiled = torch.compile(forward, dynamic=False)
+            fast = fast_logits = {arm: compiled for arm in ARMS}
+        fast_vs_eager = {}
+        for arm in ARMS:
             prepare(arm)
-            graphs[arm] = capture(forward)
-        if graphs:
-            graphs["op, none steered"] = graphs["op, steered"]
-        replay_equal = {}
-        for arm in graphs:
-            prepare(arm)
-            graph, out = graphs[arm]
-            graph.replay()
+            got_logits = fast_logits[arm]()
             sync()
-            replay_equal[arm] = bool(torch.equal(out, eager_logits[arm]))
+            fast_vs_eager[arm] = float((got_logits.float() - eager_logits[arm].float()).abs().max())
         with gss.steer(model, art):
             hook.on = False
             reference = forward().float()
@@ -210,7 +249,7 @@ def run_shape(
             got: dict[tuple[str, str], float] = {}
             for mode, arm in jobs:
                 prepare(arm)
-                run = forward if mode == "eager" else graphs[arm][0].replay
+                run = forward if mode == "eager" else fast[arm]
                 got[mode, arm] = time_ms(run, args.iters)
             for mode in MODES:
                 for arm in ARMS:
@@ -220,7 +259,7 @@ def run_shape(
         "shape": list(shape),
         "tokens": n,
         "share_of_tokens_the_hard_gate_changed": hidden_changed,
-        "replay_equals_eager": replay_equal,
+        "fast_path_vs_eager_max_abs_logit_diff": fast_vs_eager,
         "unsteered_op_equals_plain": bool(
             torch.equal(eager_logits["op, none steered"], eager_logits["plain"])
         ),
@@ -239,34 +278,40 @@ def run_shape(
 
 def table(results: dict[str, Any]) -> str:
     def fmt(q: dict[str, float]) -> str:
-        return f"{q['median']:.3f} [{q['q1']:.3f}-{q['q3']:.3f}]"
+        ci = f"; CI {q['ci95_lo']:.3f}-{q['ci95_hi']:.3f}" if "ci95_lo" in q else ""
+        return f"{q['median']:.3f} [{q['q1']:.3f}-{q['q3']:.3f}{ci}]"
 
     lines = [
-        "# The plugin's op in CUDA graphs (no vLLM)",
+        "# The plugin's op in a forward (no vLLM)",
         "",
         f"`{results['command']}`; {results['device']}, torch {results['torch']}, "
-        f"transformers {results['transformers']}; SmolLM2-135M shape, random weights, bfloat16, "
+        f"transformers {results['transformers']}; SmolLM2-135M shape, random weights, "
+        f"{results.get('dtype', 'bfloat16')}, "
         f"op at block {results['layer']}, rank {results['rank']}; {results['rounds']} rounds of "
         f"{results['iters']} forwards per arm, arms in a fresh order each round.",
         "",
-        "Speed as plain time / arm time per round (1.0: no cost; median [IQR]); ms: median time of "
-        "one forward.",
+        "Speed as plain time / arm time per round (1.0: no cost; median [IQR; 95% confidence "
+        "interval of the median, where recorded]); ms: median time of one forward.",
         "",
         "| shape (seqs x tokens) | mode | plain ms | op, none steered | op, steered "
-        "| op, ungated | replay = eager | unsteered op = plain | hard gate changed |",
+        "| op, ungated | fast path - eager, max logit | unsteered op = plain | hard gate changed |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["shapes"]:
         for mode in r["ms"]:
             s = r["speed_vs_plain"][mode]
-            same = r["replay_equals_eager"]
-            eq = "yes" if all(same.values()) else str(same)
-            kind = "CUDA graph" if mode == "graph" else "eager"
+            if "replay_equals_eager" in r:  # an earlier run's results.json
+                same = r["replay_equals_eager"]
+                eq = "0 (bit-equal)" if all(same.values()) else str(same)
+            else:
+                gap = max(r["fast_path_vs_eager_max_abs_logit_diff"].values())
+                eq = "0 (bit-equal)" if gap == 0 else f"{gap:.2g}"
+            kind = FAST.get(mode, mode)
             lines.append(
                 f"| {r['shape'][0]} x {r['shape'][1]} | {kind} | "
                 f"{r['ms'][mode]['plain']['median']:.3f} | {fmt(s['op, none steered'])} | "
                 f"{fmt(s['op, steered'])} | {fmt(s['op, ungated'])} | "
-                f"{eq if mode == 'graph' else ''} | "
+                f"{eq if mode != 'eager' else ''} | "
                 f"{'yes' if r['unsteered_op_equals_plain'] else 'NO'} | "
                 f"{100 * r['share_of_tokens_the_hard_gate_changed']:.0f}% |"
             )
@@ -296,14 +341,15 @@ def figure(results: dict[str, Any], path: Path) -> None:
     labels = [f"{r['shape'][0]}x{r['shape'][1]}" for r in shapes]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     width = 0.8 / (2 * (len(ARMS) - 1))
-    for j, mode in enumerate(m for m in ("eager", "graph") if m in shapes[0]["ms"]):
+    for j, mode in enumerate(m for m in ("eager", *FAST) if m in shapes[0]["ms"]):
         for k, arm in enumerate(ARMS[1:]):
             i = j * (len(ARMS) - 1) + k
             q = [r["speed_vs_plain"][mode][arm] for r in shapes]
             med = [x["median"] for x in q]
-            err = [[x["median"] - x["q1"] for x in q], [x["q3"] - x["median"] for x in q]]
+            lo, hi = ("ci95_lo", "ci95_hi") if "ci95_lo" in q[0] else ("q1", "q3")
+            err = [[x["median"] - x[lo] for x in q], [x[hi] - x["median"] for x in q]]
             xs = [n + (i - 2.5) * width for n in range(len(shapes))]
-            name = "CUDA graph" if mode == "graph" else "eager"
+            name = FAST.get(mode, mode)
             ax.bar(xs, med, width, yerr=err, label=f"{name}: {arm}", alpha=0.6 + 0.4 * j)
     ax.axhline(1.0, color="black", lw=0.8)
     ax.axhline(0.98, color="grey", lw=0.8, ls="--")
@@ -311,7 +357,8 @@ def figure(results: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("batch shape (sequences x tokens)")
     ax.set_ylabel("plain time / arm time")
     ax.set_ylim(0.8, 1.15)
-    ax.set_title(f"gss::vllm_steer in a {results['device']} forward (median, IQR)")
+    bars = "95% CI" if "ci95_lo" in shapes[0]["speed_vs_plain"]["eager"]["plain"] else "IQR"
+    ax.set_title(f"gss::vllm_steer in a {results['device']} forward (median, {bars})", fontsize=9)
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -333,7 +380,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--decode", default="1,16,64,256", help="decode batch sizes")
     parser.add_argument("--prefill", type=int, default=512)
-    parser.add_argument("--work", type=Path, default=Path("/tmp/gss-op-cuda"))
+    parser.add_argument("--work", type=Path, default=Path("/tmp/gss-op"))
+    parser.add_argument(
+        "--device", choices=["cuda", "cpu"], default=None, help="default: cuda if any"
+    )
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument(
         "--report", action="store_true", help="only redraw table.md and speed.png from results.json"
     )
@@ -341,21 +392,28 @@ def main() -> None:
     if args.report:
         write(json.loads((args.out / "results.json").read_text()), args.out)
         return
-    if not torch.cuda.is_available():
-        global DEVICE, MODES
-        DEVICE, MODES = torch.device("cpu"), ("eager",)  # a dry run of the script: no graphs
-        print("no CUDA GPU: eager arms on the CPU only (a dry run, not a measurement)")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU here (use --device cpu)")
+    global DEVICE, MODES
+    DEVICE = torch.device(device)
+    MODES = ("eager", "graph") if device == "cuda" else ("eager", "compiled")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     shapes = [(int(b), 1) for b in args.decode.split(",")] + [(1, args.prefill)]
-    model, built = build(args.layer, args.rank, args.work, max(b * t for b, t in shapes))
+    model, built = build(args.layer, args.rank, args.work, max(b * t for b, t in shapes), dtype)
     block = model.model.layers[args.layer]
     block._gss_layer = args.layer
     hook = OpAtBlock()
     block.register_forward_hook(hook)
     results: dict[str, Any] = {
-        "command": "python3 benchmarks/vllm_op_cuda.py " + " ".join(sys.argv[1:]),
-        "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else platform.processor(),
+        "command": "python3 benchmarks/vllm_op.py " + " ".join(sys.argv[1:]),
+        "device": torch.cuda.get_device_name()
+        if DEVICE.type == "cuda"
+        else "{cpu} ({cpu_capability}), {n} CPUs".format(n=os.cpu_count(), **cpu_info()),
+        "threads": torch.get_num_threads(),
+        "dtype": str(dtype).removeprefix("torch."),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
@@ -370,7 +428,14 @@ def main() -> None:
         results["shapes"].append(r)
         print(
             json.dumps(
-                {k: r[k] for k in ("shape", "replay_equals_eager", "unsteered_op_equals_plain")}
+                {
+                    k: r[k]
+                    for k in (
+                        "shape",
+                        "fast_path_vs_eager_max_abs_logit_diff",
+                        "unsteered_op_equals_plain",
+                    )
+                }
             ),
             flush=True,
         )
