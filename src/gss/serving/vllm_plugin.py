@@ -11,7 +11,10 @@ and over the OpenAI server: ``gss serve --model DIR --artifact no-leaks=/path`` 
 server with ``--additional-config '{"gss_artifacts": {"no-leaks": "/path"}}'``, see
 `gss.serving.serve` and docs/serving.md) with ``"vllm_xargs": {"gss": "no-leaks"}`` in the
 request body (``extra_body`` in the OpenAI client). A request without the ``gss`` key is not
-steered, bit for bit; one naming an artifact the server does not have is refused (HTTP 400).
+steered, bit for bit, unless the server has a default artifact (``gss serve --default NAME``,
+``additional_config={"gss_default": NAME}``, ``configure(..., default=NAME)``): then it is
+steered by that one, and ``{"gss": "none"}`` opts a request out. One naming an artifact the
+server does not have is refused (HTTP 400).
 
 How it works (see the notes of issue 40):
 
@@ -47,7 +50,7 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -65,6 +68,12 @@ CONFIG_KEY = "gss_artifacts"
 """The key of vLLM's ``additional_config`` that may name the artifacts instead of ``ENV``."""
 PLUGIN_NAME = "gss"
 """The entry point's name (what ``VLLM_PLUGINS`` lists to allow it)."""
+DEFAULT_KEY = "gss_default"
+"""The key of ``additional_config`` naming the artifact that steers requests naming none."""
+DEFAULT_ENV = "GSS_VLLM_DEFAULT"
+"""The same as an environment variable (``configure(..., default=NAME)`` sets it)."""
+NO_STEER = "none"
+"""The name a request asks for to be served unsteered, whatever the server's default."""
 
 _RUNNER_MODULES = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.cpu_model_runner")
 _REQUEST_MODULE = "vllm.v1.request"
@@ -76,10 +85,44 @@ _PATCHED_MODULES = (*_RUNNER_MODULES, _REQUEST_MODULE, _INPUT_MODULE, _V2_RUNNER
 _NO_SLOT = -1
 
 
-def configure(artifacts: Mapping[str, str | os.PathLike[str]]) -> None:
-    """Name the artifacts requests may ask for, in this process's environment (which vLLM's
-    engine and worker processes inherit): call it before creating the engine."""
-    os.environ[ENV] = json.dumps({str(k): str(Path(v).resolve()) for k, v in artifacts.items()})
+def configure(artifacts: Mapping[str, str | os.PathLike[str]], default: str | None = None) -> None:
+    """Name the artifacts requests may ask for, and the one (if any) that steers the requests
+    that name none, in this process's environment (which vLLM's engine and worker processes
+    inherit): call it before creating the engine."""
+    names = {str(k): str(Path(v).resolve()) for k, v in artifacts.items()}
+    check_names(names, default)
+    os.environ[ENV] = json.dumps(names)
+    if default is None:
+        os.environ.pop(DEFAULT_ENV, None)
+    else:
+        os.environ[DEFAULT_ENV] = default
+
+
+def check_names(names: Collection[str], default: str | None) -> None:
+    """Refuse an artifact named ``none`` (what a request says to opt out of the default) and a
+    default the server does not serve."""
+    from gss.errors import GSSError
+
+    if NO_STEER in names:
+        raise GSSError(
+            f"an artifact is named {NO_STEER!r}, the name a request gives to be served "
+            "unsteered: give it another name."
+        )
+    if default is not None and default not in names:
+        raise GSSError(
+            f"the default artifact (--default) {default!r} is not one the server serves "
+            f"({sorted(names)}): name one of those, or none (requests that name none are then "
+            "not steered)."
+        )
+
+
+def default_name(vllm_config: Any = None) -> str | None:
+    """The artifact that steers requests naming none: the engine's ``additional_config``
+    ``gss_default``, else ``GSS_VLLM_DEFAULT``, else None (they are not steered)."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, dict) and extra.get(DEFAULT_KEY) is not None:
+        return str(extra[DEFAULT_KEY])
+    return os.environ.get(DEFAULT_ENV, "").strip() or None
 
 
 def artifact_paths(vllm_config: Any = None) -> dict[str, str]:
@@ -109,18 +152,21 @@ def artifact_paths(vllm_config: Any = None) -> dict[str, str]:
 class _State:
     def __init__(self) -> None:
         self.names: dict[str, int] = {}  # artifact name -> slot
+        self.default = _NO_SLOT  # the slot of a request that names no artifact
         self.by_layer: dict[int, list[tuple[int, Any]]] = {}  # layer -> [(slot, GatedSteer)]
         self.slots: Tensor | None = None  # (max tokens,) int32: the slot of each token
         self.loaded = False
         self.lock = threading.Lock()
 
-    def load(self, paths: Mapping[str, str]) -> None:
-        """Load the artifacts (once a process): their hooks, by layer."""
+    def load(self, paths: Mapping[str, str], default: str | None = None) -> None:
+        """Load the artifacts (once a process): their hooks, by layer; ``default`` names the
+        one that steers requests naming none."""
         with self.lock:
             if self.loaded:
                 return
             import gss
 
+            check_names(paths, default)
             for slot, (name, path) in enumerate(sorted(paths.items())):
                 loaded = gss.load(path)
                 members: list[Any] = (
@@ -131,11 +177,14 @@ class _State:
                     hook = art.make_hook()
                     hook.origin = art
                     self.by_layer.setdefault(art.layer, []).append((slot, hook))
+            self.default = _NO_SLOT if default is None else self.names[default]
             self.loaded = True
 
     def slot_of(self, params: Any) -> int:
         name = steer_name(params)
         if name is None:
+            return self.default
+        if name == NO_STEER:
             return _NO_SLOT
         slot = self.names.get(name)
         if slot is None:
@@ -283,7 +332,10 @@ def install(runner: Any) -> bool:
     if getattr(model, "_gss_installed", False):
         return True
     paths = artifact_paths(runner.vllm_config)
+    default = default_name(runner.vllm_config)
     if not paths:
+        if default is not None:  # a server its operator believes protected would not be
+            check_names(paths, default)
         return False
     layout = unsupported_layout(runner.vllm_config)
     if layout is not None:
@@ -294,7 +346,7 @@ def install(runner: Any) -> bool:
             "see only part of the batch and steer the wrong tokens. Start the engine "
             "without it to serve gss artifacts (docs/serving.md, Limits)."
         )
-    _STATE.load(paths)
+    _STATE.load(paths, default)
     hf_config = runner.model_config.hf_config
     text = getattr(hf_config, "get_text_config", lambda: hf_config)()
     layers = _decoder_layers(model, int(text.num_hidden_layers))
@@ -317,10 +369,11 @@ def install(runner: Any) -> bool:
 
     init_logger("vllm.gss").info(
         "gss steers decoder layer(s) %s for the artifact(s) %s (SamplingParams.extra_args / "
-        "vllm_xargs {%r: name})",
+        "vllm_xargs {%r: name}); a request naming none: %s",
         sorted(_STATE.by_layer),
         {name: paths[name] for name in sorted(_STATE.names)},
         EXTRA_ARG,
+        "not steered" if default is None else f"steered by {default!r} ({NO_STEER!r} opts out)",
     )
     return True
 
@@ -336,7 +389,7 @@ def _mark_compile_key(vllm_config: Any) -> None:
         "version": __version__,
         "layers": sorted(_STATE.by_layer),
         "names": sorted(_STATE.names),
-    }
+    }  # not the default: it only changes slots, which the compiled graph reads at run time
     extra = vllm_config.additional_config
     if isinstance(extra, dict):
         extra["gss_vllm_plugin"] = mark
@@ -424,7 +477,7 @@ def unknown_name_message(name: str, names: Sequence[str]) -> str:
     served = f"the engine serves {sorted(names)}" if names else "the engine serves none"
     return (
         f"the request asks for the gss artifact {name!r} (extra_args / vllm_xargs "
-        f"{{{EXTRA_ARG!r}: ...}}), but {served}: ask for one of those, or leave it out "
+        f"{{{EXTRA_ARG!r}: ...}}), but {served}: ask for one of those, or for {NO_STEER!r} "
         "(not steered)."
     )
 
@@ -441,7 +494,7 @@ def _patch_input_processor_class(cls: type) -> None:
     def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
         result = validate(self, params, *args, **kwargs)
         name = steer_name(params)
-        if name is not None:
+        if name is not None and name != NO_STEER:
             names = getattr(self, "_gss_names", None)
             if names is None:
                 names = frozenset(artifact_paths(getattr(self, "vllm_config", None)))
