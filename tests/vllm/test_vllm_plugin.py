@@ -521,7 +521,8 @@ def test_gss_serve_openai_server(
     without is not, all in flight together; a request naming an unknown artifact is refused
     (HTTP 400) and the server goes on. Also with two data-parallel engines, behind two API
     server processes (vLLM's default for data parallelism 2): each engine and each API server
-    loads the plugin by its entry point."""
+    loads the plugin by its entry point. That server has the artifact as its default
+    (``--default``): the steered requests name none, the others ask for ``"none"``."""
     skip_unless_workers(2 if processes else 1)
     root, prompts = setup["root"], setup["prompts"]
     on = next(
@@ -533,6 +534,8 @@ def test_gss_serve_openai_server(
     model = str(root / "model")
     command = [sys.executable, "-m", "gss", "serve", "--model", model]
     command += ["--artifact", f"{STEER_NAME}={root / 'artifact'}"]
+    by_default = bool(processes)
+    command += ["--default", STEER_NAME] if by_default else []
     command += ["--host", "127.0.0.1", "--port", str(port), "--"]
     command += ["--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager", "--seed", "0"]
     command += ["--max-model-len", "128", "--max-num-batched-tokens", "32", *processes]
@@ -555,8 +558,11 @@ def test_gss_serve_openai_server(
         with pytest.raises(Refused, match="no-such-artifact") as refused:
             _complete(base, unknown)
         assert refused.value.status == 400
+        asks = {True: {"gss": STEER_NAME}, False: None}  # steered, not
+        if by_default:
+            asks = {True: None, False: {"gss": "none"}}
         bodies = [
-            {**common, "prompt": prompt, **({"vllm_xargs": {"gss": STEER_NAME}} if yes else {})}
+            {**common, "prompt": prompt, **({"vllm_xargs": asks[yes]} if asks[yes] else {})}
             for prompt, (_, yes) in zip(prompts, PROMPTS, strict=True)
         ]
         with ThreadPoolExecutor(len(bodies)) as pool:
