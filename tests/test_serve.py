@@ -202,13 +202,16 @@ def test_serve_runs_vllms_server(served: Path, vllm_here: Exec, capsys: Any) -> 
         "--max-model-len",
         "64",
     ]
-    assert "VLLM_USE_V2_MODEL_RUNNER=0 " in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "VLLM_USE_V2_MODEL_RUNNER=0 " in err
+    assert "requests that name no artifact are not steered (--default NAME" in err
     # the server starts with vLLM's V1 model runner, the one the plugin steers
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     # --default: requests that name no artifact are steered by it
     assert main([*args[:5], "--default", "tiny"]) == 0
     config = json.loads(vllm_here.argv[vllm_here.argv.index("--additional-config") + 1])
     assert config["gss_default"] == "tiny"
+    assert "are not steered" not in capsys.readouterr().err
     capsys.readouterr()
     assert main([*args[:5], "--default", "other"]) == 2
     line = _one_error_line(capsys.readouterr().err)

@@ -704,6 +704,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     os.environ.update(environment)  # the server and its processes inherit it
     settings = "".join(f"{k}={shlex.quote(v)} " for k, v in environment.items())
     print(f"gss serve: {settings}{shlex.join(argv)}", file=sys.stderr, flush=True)
+    if args.default is None:
+        print(
+            "gss serve: requests that name no artifact are not steered (--default NAME steers "
+            'them; a request may still opt out with "vllm_xargs": {"gss": "none"})',
+            file=sys.stderr,
+            flush=True,
+        )
     sys.stdout.flush()
     os.execv(argv[0], argv)  # the server replaces this process: signals reach vLLM directly
     return 0  # not reached
