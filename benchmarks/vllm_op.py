@@ -207,22 +207,20 @@ def run_shape(
             eager_logits[arm] = forward().clone()
         # the fast path per arm: on a GPU a graph without the op and one per state with it (the
         # slots are read at replay); on a CPU one compiled forward (dynamo guards on hook.on)
-        fast: dict[str, Callable[[], Any]] = {}
-        fast_logits: dict[str, Callable[[], torch.Tensor]] = {}
+        fast: dict[str, Callable[[], torch.Tensor]] = {}
         if MODES[-1] == "graph":
             for arm in ("plain", "op, steered", "op, ungated"):
                 prepare(arm)
                 graph, out = capture(forward)
-                fast[arm], fast_logits[arm] = graph.replay, replayed(graph, out)
+                fast[arm] = replayed(graph, out)
             fast["op, none steered"] = fast["op, steered"]
-            fast_logits["op, none steered"] = fast_logits["op, steered"]
         else:
             compiled = torch.compile(forward, dynamic=False)
-            fast = fast_logits = {arm: compiled for arm in ARMS}
+            fast = {arm: compiled for arm in ARMS}
         fast_vs_eager = {}
         for arm in ARMS:
             prepare(arm)
-            got_logits = fast_logits[arm]()
+            got_logits = fast[arm]()
             sync()
             fast_vs_eager[arm] = float((got_logits.float() - eager_logits[arm].float()).abs().max())
         with gss.steer(model, art):

@@ -333,9 +333,8 @@ def install(runner: Any) -> bool:
         return True
     paths = artifact_paths(runner.vllm_config)
     default = default_name(runner.vllm_config)
-    if not paths:
-        if default is not None:  # a server its operator believes protected would not be
-            check_names(paths, default)
+    if not paths:  # with a default set, a server its operator believes protected: refused
+        check_names(paths, default)
         return False
     layout = unsupported_layout(runner.vllm_config)
     if layout is not None:
