@@ -27,7 +27,7 @@ whether the unsteered op equals the plain model, and how far the steered op is f
 
     PYTHONPATH=src python3 benchmarks/vllm_op.py --out results/serve-cuda-op --rounds 8 --iters 20
     .venv/bin/python benchmarks/vllm_op.py --device cpu --out results/serve-cpu-op \
-        --decode 1,16 --prefill 128 --rounds 20 --iters 5
+        --decode 1,16 --prefill 64 --rounds 200 --iters 1
 """
 
 from __future__ import annotations
