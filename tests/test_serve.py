@@ -390,3 +390,46 @@ def test_plugin_refuses_layouts_that_split_the_batch(tmp_path: Path) -> None:
         runner = NS(model=NS(), vllm_config=bad)
         with pytest.raises(GSSError, match=f"does not steer an engine with {named}"):
             vllm_plugin.install(runner)
+
+
+def test_plugin_refuses_a_vllm_whose_runner_it_cannot_hook(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The patches find vLLM's methods by name: a vLLM that renamed one would load the steer
+    and serve it unsteered, so install refuses it, naming what is missing; a runner with all
+    of them passes the check."""
+    from types import ModuleType
+    from types import SimpleNamespace as NS
+
+    from gss.serving import vllm_plugin
+
+    class Runner:
+        def __init__(self) -> None:
+            self.model = NS()
+            self.vllm_config = NS(additional_config={"gss_artifacts": {"t": str(tmp_path)}})
+            self.input_batch = self.query_start_loc = self.requests = None
+
+        def load_model(self) -> None: ...
+
+        def _model_forward(self) -> None: ...
+
+    class Request:
+        @classmethod
+        def from_engine_core_request(cls, request: Any) -> Any: ...
+
+    class Renamed(Runner):
+        _model_forward = None  # type: ignore[assignment]
+
+    requests = ModuleType(vllm_plugin._REQUEST_MODULE)
+    requests.Request = Request  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, vllm_plugin._REQUEST_MODULE, requests)
+    vllm_plugin._patch_runner_class(Runner)
+    assert "_model_forward" in (vllm_plugin.missing_hooks(Renamed()) or "")
+    with pytest.raises(GSSError, match="no _model_forward .* served unsteered"):
+        vllm_plugin.install(Renamed())
+    assert "Request" in (vllm_plugin.missing_hooks(Runner()) or "")  # not patched yet
+    vllm_plugin._patch_request_class(Request)
+    assert vllm_plugin.missing_hooks(Runner()) is None
+    stripped = Runner()
+    del stripped.query_start_loc
+    assert "'query_start_loc'" in (vllm_plugin.missing_hooks(stripped) or "")

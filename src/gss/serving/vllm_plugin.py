@@ -47,6 +47,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import json
+import logging
 import os
 import sys
 import threading
@@ -345,6 +346,15 @@ def install(runner: Any) -> bool:
             "see only part of the batch and steer the wrong tokens. Start the engine "
             "without it to serve gss artifacts (docs/serving.md, Limits)."
         )
+    missing = missing_hooks(runner)
+    if missing:
+        from gss.errors import GSSError
+
+        raise GSSError(
+            f"gss's vLLM plugin cannot steer in {_vllm_version()}: {missing}, so "
+            "its requests would be served unsteered. It is tested on vLLM 0.32 (CPU build) and "
+            "0.26 (CUDA) and read against 0.33's source: install one of those (docs/serving.md)."
+        )
     _STATE.load(paths, default)
     hf_config = runner.model_config.hf_config
     text = getattr(hf_config, "get_text_config", lambda: hf_config)()
@@ -375,6 +385,29 @@ def install(runner: Any) -> bool:
         "not steered" if default is None else f"steered by {default!r} ({NO_STEER!r} opts out)",
     )
     return True
+
+
+def missing_hooks(runner: Any) -> str | None:
+    """What of vLLM's V1 runner the plugin steers through this vLLM lacks (None: nothing).
+    The patches find their methods by name and skip a class without them, so a vLLM that
+    renamed one would load the steer and never fill its slots, or share steered requests'
+    prefix cache with unsteered ones: checked where the steer is installed, before serving."""
+    forward = getattr(type(runner), "_model_forward", None)
+    if not getattr(forward, "_gss_fills_slots", False):
+        return "its model runner has no _model_forward the plugin could wrap"
+    for name in ("input_batch", "query_start_loc", "requests"):
+        if not hasattr(runner, name):
+            return f"its model runner keeps no {name!r}"
+    request = getattr(sys.modules.get(_REQUEST_MODULE), "Request", None)
+    if request is None:
+        request = getattr(importlib.import_module(_REQUEST_MODULE), "Request", None)
+    if not getattr(request, "_gss_patched", False):
+        return "its Request has no from_engine_core_request to salt steered requests' cache"
+    return None
+
+
+def _vllm_version() -> str:
+    return f"vLLM {getattr(sys.modules.get('vllm'), '__version__', 'of unknown version')}"
 
 
 def _mark_compile_key(vllm_config: Any) -> None:
@@ -438,6 +471,7 @@ def _patch_runner_class(cls: type) -> None:
                 if _STATE.slots is not None:
                     _STATE.slots.fill_(_NO_SLOT)
 
+        patched_model_forward._gss_fills_slots = True  # type: ignore[attr-defined]
         setattr(cls, "_model_forward", patched_model_forward)  # noqa: B010
     setattr(cls, "_gss_patched", True)  # noqa: B010
 
@@ -486,7 +520,14 @@ def _patch_input_processor_class(cls: type) -> None:
     request's parameters (``InputProcessor._validate_params``, in the frontend process, before
     the request reaches the engine): a 400 over HTTP, a ValueError from ``LLM.generate``. The
     worker would otherwise find the unknown name at its next forward and stop the engine."""
-    if cls.__dict__.get("_gss_patched") or "_validate_params" not in cls.__dict__:
+    if cls.__dict__.get("_gss_patched"):
+        return
+    if "_validate_params" not in cls.__dict__:
+        logging.getLogger("vllm.gss").warning(
+            "gss: this vLLM's InputProcessor has no _validate_params: a request naming an "
+            "artifact the engine does not serve is not refused up front, and stops the engine "
+            "at its forward instead."
+        )
         return
     validate = cls.__dict__["_validate_params"]
 
