@@ -107,6 +107,23 @@ def test_each_token_gets_the_steer_of_its_slot(state, artifacts, device, with_re
             assert not torch.equal(got, total)
 
 
+def test_a_batch_dimension_of_one_holds_the_tokens(state, artifacts):
+    """vLLM runs some models (GPT-NeoX, Phi, OLMo, SmolLM3, ...) through its Transformers
+    backend, whose layers see the batch as 1 x tokens x hidden: every token still gets its own
+    slot's steer, as with the tokens x hidden of vLLM's own models (not the first token's
+    slot for all, which steered unsteered requests of a mixed batch before)."""
+    hidden = artifacts["hidden"]
+    n = hidden.shape[0]
+    slots = state.buffer(n, torch.device("cpu"))
+    for pattern in _patterns(n, torch.device("cpu")):
+        slots[:n].copy_(pattern)
+        flat = torch.ops.gss.vllm_steer(hidden, None, LAYER)
+        batched = torch.ops.gss.vllm_steer(hidden.unsqueeze(0), None, LAYER)
+        assert batched.shape == (1, *hidden.shape)
+        assert torch.equal(batched[0], flat)
+        assert torch.equal(flat[pattern < 0], hidden[pattern < 0])
+
+
 def _eager(hidden, residual, slots, pattern):
     n = hidden.shape[0]
     slots[:n].copy_(pattern)

@@ -8,9 +8,10 @@ equal transformers' token for token, steered with ``gss.steer`` or not, and the 
 requests must be bit-identical (log-probabilities included) to an engine without the plugin
 (on CUDA with torch.compile: within vLLM's own spread, ``CUDA_COMPILED_SPREAD``).
 With a server-wide default artifact, requests naming none are steered by it and those naming
-``"none"`` are not. The same holds on Qwen2 and GPT-2 (whose vLLM decoder layers return one
-tensor, not Llama's (hidden, residual) pair), compiled; with speculative decoding, tensor and
-pipeline parallelism, and a LoRA adapter served by vLLM.
+``"none"`` are not. The same holds, compiled, on the other architectures gss steers (Qwen2,
+Mistral, Qwen3; GPT-2 and OPT, whose vLLM decoder layers return one tensor, not Llama's
+(hidden, residual) pair; GPT-NeoX, which vLLM runs through its Transformers backend); with
+speculative decoding, tensor and pipeline parallelism, and a LoRA adapter served by vLLM.
 
 Each engine runs in a process of its own (``engine_run.py``), one after the other. The last
 test starts the OpenAI server through ``gss serve`` (the plugin loaded by its entry point) and
@@ -55,40 +56,48 @@ pytestmark = pytest.mark.heavy
 
 
 def tiny_model(seed: int, arch: str = "llama") -> Any:
-    """A tiny random model: Llama (vLLM's decoder layers return (hidden, residual)), Qwen2 (the
-    same, with biased attention projections) or GPT-2 (layers return one tensor; learned
-    positions, tied embeddings)."""
+    """A tiny random model of one of the architectures gss steers in transformers: Llama,
+    Mistral, Qwen2 and Qwen3 (vLLM's decoder layers return (hidden, residual); Qwen2 with biased
+    attention projections, Qwen3 with q/k norms) or GPT-2, GPT-NeoX and OPT (layers return one
+    tensor; learned or partial rotary positions; OPT projects its embeddings)."""
     import transformers
 
     torch.manual_seed(seed)
     tokens: dict[str, Any] = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
     # initializer_range larger than the default: fewer near-ties in the argmax
+    shape = {"vocab_size": VOCAB, "initializer_range": 0.05, **tokens}
     if arch == "gpt2":
         config: Any = transformers.GPT2Config(
-            vocab_size=VOCAB,
-            n_embd=HIDDEN,
-            n_layer=LAYERS,
-            n_head=HEADS,
-            n_positions=256,
-            initializer_range=0.05,
-            **tokens,
+            n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=256, **shape
         )
         return transformers.GPT2LMHeadModel(config).float().eval()
-    config_class, model_class = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    }[arch]
-    config = config_class(
-        vocab_size=VOCAB,
+    shape.update(
         hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
-        num_key_value_heads=HEADS if arch == "llama" else HEADS // 2,
         max_position_embeddings=256,
-        initializer_range=0.05,
         tie_word_embeddings=False,
-        **tokens,
+    )
+    if arch == "gpt_neox":
+        config = transformers.GPTNeoXConfig(intermediate_size=2 * HIDDEN, **shape)
+        return transformers.GPTNeoXForCausalLM(config).float().eval()
+    if arch == "opt":
+        config = transformers.OPTConfig(
+            word_embed_proj_dim=HIDDEN // 2, ffn_dim=2 * HIDDEN, **shape
+        )
+        return transformers.OPTForCausalLM(config).float().eval()
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    extra: dict[str, Any] = {"mistral": {"sliding_window": None}, "qwen3": {"head_dim": 64}}
+    config = config_class(
+        intermediate_size=2 * HIDDEN,
+        num_key_value_heads=HEADS if arch == "llama" else HEADS // 2,
+        **extra.get(arch, {}),
+        **shape,
     )
     return model_class(config).float().eval()
 
@@ -315,11 +324,12 @@ def test_speculative_and_parallel_engines_match_transformers(
         assert 0 < metrics["vllm:spec_decode_num_accepted_tokens"] < drafted
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2", "mistral", "qwen3", "gpt_neox", "opt"])
 def test_other_architectures_match_transformers(arch: str, tmp_path: Path) -> None:
-    """Beyond Llama: Qwen2 (grouped-query attention with biases; its layers return
-    (hidden, residual) as Llama's do) and GPT-2 (its layers return the block output as one
-    tensor), on the compiled path, a mixed batch under chunked prefill."""
+    """Beyond Llama, the other architectures gss steers in transformers: Qwen2, Mistral and
+    Qwen3 (their layers return (hidden, residual) as Llama's do), GPT-2, GPT-NeoX and OPT (their
+    layers return the block output as one tensor), on the compiled path, a mixed batch under
+    chunked prefill."""
     model, prompts = save_tiny(tmp_path, {"artifact": 0}, arch)
     plain = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
     with gss.steer(model, gss.load(tmp_path / "artifact")):

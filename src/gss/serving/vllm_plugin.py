@@ -28,8 +28,9 @@ How it works (see the notes of issue 40):
   layers return the MLP output and the residual separately; their sum is the block output gss
   steers), steers the sum in the opaque custom op ``gss::vllm_steer`` and returns
   ``(steered, zeros)``: the next layer's fused add-RMSNorm (or the final norm) adds the zeros,
-  so a token that is not steered reaches it with the same bits as without the plugin. This is
-  done before vLLM's warm-up, so torch.compile traces the op into its graph, and the steered
+  so a token that is not steered reaches it with the same bits as without the plugin (a layer
+  returning one tensor, as GPT-2's and the Transformers backend's do, has it steered as it is).
+  This is done before vLLM's warm-up, so torch.compile traces the op into its graph, and the steered
   layers are written into ``additional_config``, which keys vLLM's compile cache.
 * Before every forward (``GPUModelRunner._model_forward``, which the CPU runner inherits) the
   runner's batch (``input_batch.req_ids`` in order, ``query_start_loc``) is turned into one
@@ -214,17 +215,19 @@ class _State:
         return slots
 
     def steer(self, layer: int, h: Tensor) -> Tensor:
+        """``h`` (tokens x hidden, or 1 x tokens x hidden where vLLM runs a transformers
+        model through its Transformers backend) with each token steered by its slot's
+        artifact."""
         entries = self.by_layer.get(layer, ())
         slots = self.slots
         if not entries or slots is None:
             return h
-        n = h.shape[0]
-        token_slot = slots[:n]
-        out = h
+        out = h.reshape(-1, h.shape[-1])  # one row per token, in the runner's order
+        token_slot = slots[: out.shape[0]].unsqueeze(-1)
         for slot, hook in entries:
             steered, _ = hook.steer_hidden(out)
-            out = torch.where((token_slot == slot).unsqueeze(-1), steered, out)
-        return out
+            out = torch.where(token_slot == slot, steered, out)
+        return out.view(h.shape)
 
 
 _STATE = _State()
@@ -234,13 +237,19 @@ _STATE = _State()
 # the op: opaque to dynamo / inductor, so its body runs as written under vLLM's compilation
 
 
-@torch.library.custom_op("gss::vllm_steer", mutates_args=())
-def vllm_steer(hidden: Tensor, residual: Tensor | None, layer: int) -> Tensor:
+def steered_block_output(hidden: Tensor, residual: Tensor | None, layer: int) -> Tensor:
     """The steered block output ``hidden + residual`` (or ``hidden``) of ``layer``: each
-    token steered by the artifact of its request's slot (none: unchanged)."""
+    token steered by the artifact of its request's slot (none: unchanged). The body of the
+    op ``gss::vllm_steer``."""
     h = hidden if residual is None else hidden + residual
     out = _STATE.steer(layer, h)
     return out.clone() if out is hidden else out  # a custom op may not return its input
+
+
+@torch.library.custom_op("gss::vllm_steer", mutates_args=())
+def vllm_steer(hidden: Tensor, residual: Tensor | None, layer: int) -> Tensor:
+    """`steered_block_output` as an op vLLM's compilation keeps as one opaque call."""
+    return steered_block_output(hidden, residual, layer)
 
 
 @vllm_steer.register_fake
