@@ -1,0 +1,272 @@
+"""The share of vLLM's own forward that gss's op takes, timed inside the engine.
+
+`vllm_throughput.py` compares whole engines, whose rounds wander by 15-40% on this CPU;
+`vllm_op.py` times the op against a transformers forward, not vLLM's. This script measures
+the op where it runs when serving: one engine (in this process,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``) serving the artifact that ``vllm_throughput.py prep``
+made, every request steered, with the runner's ``_model_forward`` and the op's whole body
+(``steered_block_output``, registered as ``gss::vllm_steer``'s CPU kernel, which vLLM's
+compiled graph calls as the eager model does) each wrapped in a timer. The share is op time /
+forward time, step by step, so the machine's drift falls on both alike. On a CPU both are
+synchronous, so the timers read the work itself; on a GPU they would read launch time only,
+so it refuses a GPU.
+
+Not in the op's time: the dispatcher's call into it, timed apart (``dispatch_us``: the op
+through ``torch.ops`` minus its body called directly, on one token that nothing steers), and
+its effect on the compiled graph around it (the steered layer returns zeros as its residual,
+which the next layer's fused add-RMSNorm adds; inductor cannot fuse across an opaque op). The
+body includes the add of hidden and residual that the next layer would otherwise do.
+
+    .venv/bin/python benchmarks/vllm_throughput.py prep
+    .venv-vllm/bin/python benchmarks/vllm_op_share.py --mode compiled --out results/serve-op-share
+    .venv-vllm/bin/python benchmarks/vllm_op_share.py --mode eager --out results/serve-op-share
+
+Writes ``<mode>-<artifact>.json`` (every step's tokens, forward and op seconds) and, from
+every JSON there, ``table.md``. ``--artifact none``: the same steer ungated (every token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm_throughput import THREAD_ENV, WORK, make_engine, params
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("prefill", "decode, 1 sequence", "decode, 16 sequences")
+
+
+class Timers:
+    """Per forward: its tokens, sequences, wall seconds, and the seconds inside the op."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self.op_s = 0.0
+        self.recording = False
+
+    def wrap_op(self, body: Any) -> Any:
+        def timed(hidden: Any, residual: Any, layer: int) -> Any:
+            start = time.perf_counter()
+            try:
+                return body(hidden, residual, layer)
+            finally:
+                self.op_s += time.perf_counter() - start
+
+        return timed
+
+    def wrap_forward(self, forward: Any) -> Any:
+        timers = self
+
+        def timed(runner: Any, *args: Any, **kwargs: Any) -> Any:
+            timers.op_s = 0.0
+            start = time.perf_counter()
+            try:
+                return forward(runner, *args, **kwargs)
+            finally:
+                wall = time.perf_counter() - start
+                if timers.recording:
+                    batch = runner.input_batch
+                    reqs = int(batch.num_reqs)
+                    tokens = int(runner.query_start_loc.np[reqs])
+                    timers.steps.append(
+                        {"tokens": tokens, "seqs": reqs, "forward_s": wall, "op_s": timers.op_s}
+                    )
+
+        return timed
+
+
+def phase(step: dict[str, Any]) -> str | None:
+    if step["tokens"] > step["seqs"]:
+        return PHASES[0]
+    return {1: PHASES[1], 16: PHASES[2]}.get(step["seqs"])
+
+
+def summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in PHASES:
+        chosen = [s for s in steps if phase(s) == name]
+        if not chosen:
+            continue
+        shares = sorted(s["op_s"] / s["forward_s"] for s in chosen)
+        q = statistics.quantiles(shares, n=4) if len(shares) > 1 else shares * 3
+        out[name] = {
+            "steps": len(chosen),
+            "forward_ms_median": 1e3 * statistics.median(s["forward_s"] for s in chosen),
+            "op_ms_median": 1e3 * statistics.median(s["op_s"] for s in chosen),
+            "share_median": statistics.median(shares),
+            "share_quartiles": [q[0], q[2]],
+            "share_total": sum(s["op_s"] for s in chosen) / sum(s["forward_s"] for s in chosen),
+        }
+    return out
+
+
+def dispatch_overhead_us(torch: Any, plugin: Any, hidden: int, calls: int = 5000) -> float:
+    """Microseconds a call of the op through ``torch.ops`` takes beyond its body called
+    directly (median of 5 batches), on one token at a layer nothing steers."""
+    h = torch.randn(1, hidden)
+    diffs = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            torch.ops.gss.vllm_steer(h, None, -1)
+        op = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(calls):
+            plugin.steered_block_output(h, None, -1)
+        body = time.perf_counter() - start
+        diffs.append(1e6 * (op - body) / calls)
+    return statistics.median(diffs)
+
+
+def measure(args: argparse.Namespace) -> None:
+    for key, value in THREAD_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the runner in this process
+    os.environ.pop("GSS_VLLM_ARTIFACTS", None)
+    import torch
+
+    if torch.cuda.is_available():
+        raise SystemExit("vllm_op_share.py times the CPU build (GPU timers read launches only)")
+    import vllm
+    from gss.report import cpu_info
+    from gss.serving import vllm_plugin
+
+    work = Path(args.work)
+    info = json.loads((work / "prep.json").read_text())
+    artifact = info["artifacts"][args.artifact]
+    shape = argparse.Namespace(
+        model=info["model"],
+        dtype="float32",
+        prompt_len=args.prompt_len,
+        max_tokens_cap=args.max_tokens,
+        gpu_memory_utilization=None,
+    )  # the throughput benchmark's engine, serving one artifact as "a"
+    llm = make_engine(shape, args.mode, {"a": artifact["dir"]})
+    from vllm.v1.worker import gpu_model_runner
+
+    timers = Timers()
+    runner_cls = gpu_model_runner.GPUModelRunner  # the CPU runner inherits its _model_forward
+    runner_cls._model_forward = timers.wrap_forward(runner_cls._model_forward)
+    hidden = json.loads((Path(info["model"]) / "config.json").read_text())["hidden_size"]
+    dispatch_us = dispatch_overhead_us(torch, vllm_plugin, int(hidden))
+    vllm_plugin.vllm_steer.register_kernel("cpu", timers.wrap_op(vllm_plugin.steered_block_output))
+    state = vllm_plugin._STATE
+    sp = params(args, "a", args.max_tokens)  # greedy, ignore_eos, steered by "a"
+    prompts = [p[: args.prompt_len] for p in info["prompts"][: max(args.load, args.batch1)]]
+
+    def run(ids: list[list[int]]) -> None:
+        llm.generate([{"prompt_token_ids": p} for p in ids], [sp] * len(ids), use_tqdm=False)
+
+    steered = 0
+    steer = state.steer
+
+    def counting(layer: int, h: Any) -> Any:  # warm-up only: the op does steer these tokens
+        nonlocal steered
+        assert state.slots is not None
+        steered += int((state.slots[: h.shape[0]] == state.names["a"]).sum())
+        return steer(layer, h)
+
+    state.steer = counting  # type: ignore[method-assign]
+    run(prompts[:2])  # warm-up outside the record
+    if steered == 0:
+        raise SystemExit("the op steered no token in the warm-up: the plugin is not steering")
+    state.steer = steer  # type: ignore[method-assign]
+    timers.recording = True
+    start = time.perf_counter()
+    for _ in range(args.rounds):
+        for p in prompts[: args.batch1]:
+            run([p])
+        run(prompts[: args.load])
+    wall = time.perf_counter() - start
+    result = {
+        "mode": args.mode,
+        "gate": artifact["gate"],
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "cpu": "{cpu} ({cpu_capability}), {n} CPUs".format(n=os.cpu_count(), **cpu_info()),
+        "command": "python benchmarks/vllm_op_share.py " + " ".join(sys.argv[1:]),
+        "threads": {k: os.environ.get(k) for k in THREAD_ENV},
+        "model": info["model_name"],
+        "artifact": {k: v for k, v in artifact.items() if k != "dir"},
+        "workload": {
+            "rounds": args.rounds,
+            "batch1": args.batch1,
+            "load": args.load,
+            "prompt_len": args.prompt_len,
+            "max_tokens": args.max_tokens,
+        },
+        "wall_s": wall,
+        "dispatch_us": dispatch_us,
+        "summary": summary(timers.steps),
+        "steps": timers.steps,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.mode}-{args.artifact}.json").write_text(json.dumps(result, indent=1))
+    (out / "table.md").write_text(table(out))
+    print((out / "table.md").read_text())
+
+
+def table(out: Path) -> str:
+    runs = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    lines = [
+        "The op's share of vLLM's forward (op seconds / forward seconds, per step), "
+        "every request steered",
+        "",
+        "| mode | gate | phase | steps | forward ms (median) | op ms (median) "
+        "| share: median [quartiles] | share: total |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        for name, s in run["summary"].items():
+            lo, hi = s["share_quartiles"]
+            lines.append(
+                f"| {run['mode']} | {run['gate']} | {name} | {s['steps']} "
+                f"| {s['forward_ms_median']:.1f} "
+                f"| {s['op_ms_median']:.2f} | {100 * s['share_median']:.2f}% "
+                f"[{100 * lo:.2f}-{100 * hi:.2f}%] | {100 * s['share_total']:.2f}% |"
+            )
+    if runs:
+        r = runs[0]
+        a = r["artifact"]
+        lines += [
+            "",
+            f"{r['model']}, float32, block {a['layer']}, rank {a['rank']}; "
+            f"vLLM {r['vllm']}, torch {r['torch']}; per round {r['workload']['batch1']} "
+            f"requests one at a time, then {r['workload']['load']} at once, "
+            f"{r['workload']['prompt_len']}-token prompts, {r['workload']['max_tokens']} "
+            "greedy tokens each.",
+            "",
+            "The op's dispatch, not in its time above (through `torch.ops` minus the body "
+            "called directly, one token): "
+            + ", ".join(f"{r['mode']} {r['gate']} {r['dispatch_us']:.1f} us" for r in runs)
+            + ".",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", choices=("compiled", "eager"), default="compiled")
+    ap.add_argument("--work", default=str(WORK), help="vllm_throughput.py prep's directory")
+    ap.add_argument("--artifact", choices=("hard", "none"), default="hard")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batch1", type=int, default=2, help="requests one at a time, per round")
+    ap.add_argument("--load", type=int, default=16, help="requests at once, per round")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", default=str(ROOT / "results/serve-op-share"))
+    args = ap.parse_args()
+    if args.load > 64 or args.batch1 > 64 or args.prompt_len > 256:
+        ap.error("prep made 64 prompts of 256 tokens: --load/--batch1 <= 64, --prompt-len <= 256")
+    measure(args)
+
+
+if __name__ == "__main__":
+    main()
