@@ -425,7 +425,7 @@ def test_plugin_refuses_a_vllm_whose_runner_it_cannot_hook(
     monkeypatch.setitem(sys.modules, vllm_plugin._REQUEST_MODULE, requests)
     vllm_plugin._patch_runner_class(Runner)
     assert "_model_forward" in (vllm_plugin.missing_hooks(Renamed()) or "")
-    with pytest.raises(GSSError, match="no _model_forward .* served unsteered"):
+    with pytest.raises(GSSError, match=r"no _model_forward .* served unsteered"):
         vllm_plugin.install(Renamed())
     assert "Request" in (vllm_plugin.missing_hooks(Runner()) or "")  # not patched yet
     vllm_plugin._patch_request_class(Request)
