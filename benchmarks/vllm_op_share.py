@@ -22,7 +22,8 @@ body includes the add of hidden and residual that the next layer would otherwise
     .venv-vllm/bin/python benchmarks/vllm_op_share.py --mode eager --out results/serve-op-share
 
 Writes ``<mode>-<artifact>.json`` (every step's tokens, forward and op seconds) and, from
-every JSON there, ``table.md``. ``--artifact none``: the same steer ungated (every token).
+every JSON there, ``table.md`` (``--report`` rebuilds them from the steps, in any env).
+``--artifact none``: the same steer ungated (every token).
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from typing import Any
 from vllm_throughput import THREAD_ENV, WORK, make_engine, params
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("prefill", "decode, 1 sequence", "decode, 16 sequences")
 
 
 class Timers:
@@ -81,18 +81,19 @@ class Timers:
         return timed
 
 
-def phase(step: dict[str, Any]) -> str | None:
-    if step["tokens"] > step["seqs"]:
-        return PHASES[0]
-    return {1: PHASES[1], 16: PHASES[2]}.get(step["seqs"])
+def phase(step: dict[str, Any]) -> tuple[int, str]:
+    """A step's kind, with a key that orders prefill first, then decode by batch size."""
+    n = step["seqs"]
+    if step["tokens"] > n:
+        return 0, "prefill"
+    return n, f"decode, {n} sequence{'s' if n > 1 else ''}"
 
 
 def summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name in PHASES:
-        chosen = [s for s in steps if phase(s) == name]
-        if not chosen:
-            continue
+    for key in sorted({phase(s) for s in steps}):
+        name = key[1]
+        chosen = [s for s in steps if phase(s) == key]
         shares = sorted(s["op_s"] / s["forward_s"] for s in chosen)
         q = statistics.quantiles(shares, n=4) if len(shares) > 1 else shares * 3
         out[name] = {
@@ -262,7 +263,21 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", default=str(ROOT / "results/serve-op-share"))
+    ap.add_argument(
+        "--report",
+        action="store_true",
+        help="measure nothing: recompute each JSON's summary in --out from its steps, and table.md",
+    )
     args = ap.parse_args()
+    if args.report:
+        out = Path(args.out)
+        for path in sorted(out.glob("*.json")):
+            run = json.loads(path.read_text())
+            run["summary"] = summary(run["steps"])
+            path.write_text(json.dumps(run, indent=1))
+        (out / "table.md").write_text(table(out))
+        print((out / "table.md").read_text())
+        return
     if args.load > 64 or args.batch1 > 64 or args.prompt_len > 256:
         ap.error("prep made 64 prompts of 256 tokens: --load/--batch1 <= 64, --prompt-len <= 256")
     measure(args)
