@@ -61,21 +61,18 @@ class Timers:
         return timed
 
     def wrap_forward(self, forward: Any) -> Any:
-        timers = self
-
         def timed(runner: Any, *args: Any, **kwargs: Any) -> Any:
-            timers.op_s = 0.0
+            self.op_s = 0.0
             start = time.perf_counter()
             try:
                 return forward(runner, *args, **kwargs)
             finally:
                 wall = time.perf_counter() - start
-                if timers.recording:
-                    batch = runner.input_batch
-                    reqs = int(batch.num_reqs)
+                if self.recording:
+                    reqs = int(runner.input_batch.num_reqs)
                     tokens = int(runner.query_start_loc.np[reqs])
-                    timers.steps.append(
-                        {"tokens": tokens, "seqs": reqs, "forward_s": wall, "op_s": timers.op_s}
+                    self.steps.append(
+                        {"tokens": tokens, "seqs": reqs, "forward_s": wall, "op_s": self.op_s}
                     )
 
         return timed
@@ -107,9 +104,13 @@ def summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def dispatch_overhead_us(torch: Any, plugin: Any, hidden: int, calls: int = 5000) -> float:
+def dispatch_overhead_us(hidden: int, calls: int = 5000) -> float:
     """Microseconds a call of the op through ``torch.ops`` takes beyond its body called
     directly (median of 5 batches), on one token at a layer nothing steers."""
+    import torch
+
+    from gss.serving import vllm_plugin
+
     h = torch.randn(1, hidden)
     diffs = []
     for _ in range(5):
@@ -119,7 +120,7 @@ def dispatch_overhead_us(torch: Any, plugin: Any, hidden: int, calls: int = 5000
         op = time.perf_counter() - start
         start = time.perf_counter()
         for _ in range(calls):
-            plugin.steered_block_output(h, None, -1)
+            vllm_plugin.steered_block_output(h, None, -1)
         body = time.perf_counter() - start
         diffs.append(1e6 * (op - body) / calls)
     return statistics.median(diffs)
@@ -155,7 +156,7 @@ def measure(args: argparse.Namespace) -> None:
     runner_cls = gpu_model_runner.GPUModelRunner  # the CPU runner inherits its _model_forward
     runner_cls._model_forward = timers.wrap_forward(runner_cls._model_forward)
     hidden = json.loads((Path(info["model"]) / "config.json").read_text())["hidden_size"]
-    dispatch_us = dispatch_overhead_us(torch, vllm_plugin, int(hidden))
+    dispatch_us = dispatch_overhead_us(int(hidden))
     vllm_plugin.vllm_steer.register_kernel("cpu", timers.wrap_op(vllm_plugin.steered_block_output))
     state = vllm_plugin._STATE
     sp = params(args, "a", args.max_tokens)  # greedy, ignore_eos, steered by "a"
@@ -170,7 +171,8 @@ def measure(args: argparse.Namespace) -> None:
     def counting(layer: int, h: Any) -> Any:  # warm-up only: the op does steer these tokens
         nonlocal steered
         assert state.slots is not None
-        steered += int((state.slots[: h.shape[0]] == state.names["a"]).sum())
+        tokens = h.numel() // h.shape[-1]
+        steered += int((state.slots[:tokens] == state.names["a"]).sum())
         return steer(layer, h)
 
     state.steer = counting  # type: ignore[method-assign]
@@ -210,6 +212,10 @@ def measure(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.mode}-{args.artifact}.json").write_text(json.dumps(result, indent=1))
+    write_table(out)
+
+
+def write_table(out: Path) -> None:
     (out / "table.md").write_text(table(out))
     print((out / "table.md").read_text())
 
@@ -275,8 +281,7 @@ def main() -> None:
             run = json.loads(path.read_text())
             run["summary"] = summary(run["steps"])
             path.write_text(json.dumps(run, indent=1))
-        (out / "table.md").write_text(table(out))
-        print((out / "table.md").read_text())
+        write_table(out)
         return
     if args.load > 64 or args.batch1 > 64 or args.prompt_len > 256:
         ap.error("prep made 64 prompts of 256 tokens: --load/--batch1 <= 64, --prompt-len <= 256")

@@ -30,8 +30,8 @@ How it works (see the notes of issue 40):
   ``(steered, zeros)``: the next layer's fused add-RMSNorm (or the final norm) adds the zeros,
   so a token that is not steered reaches it with the same bits as without the plugin (a layer
   returning one tensor, as GPT-2's and the Transformers backend's do, has it steered as it is).
-  This is done before vLLM's warm-up, so torch.compile traces the op into its graph, and the steered
-  layers are written into ``additional_config``, which keys vLLM's compile cache.
+  This is done before vLLM's warm-up, so torch.compile traces the op into its graph, and the
+  steered layers are written into ``additional_config``, which keys vLLM's compile cache.
 * Before every forward (``GPUModelRunner._model_forward``, which the CPU runner inherits) the
   runner's batch (``input_batch.req_ids`` in order, ``query_start_loc``) is turned into one
   artifact slot per token in a persistent buffer the op reads; after the forward it is reset.
@@ -407,9 +407,7 @@ def missing_hooks(runner: Any) -> str | None:
     for name in ("input_batch", "query_start_loc", "requests"):
         if not hasattr(runner, name):
             return f"its model runner keeps no {name!r}"
-    request = getattr(sys.modules.get(_REQUEST_MODULE), "Request", None)
-    if request is None:
-        request = getattr(importlib.import_module(_REQUEST_MODULE), "Request", None)
+    request = getattr(importlib.import_module(_REQUEST_MODULE), "Request", None)
     if not getattr(request, "_gss_patched", False):
         return "its Request has no from_engine_core_request to salt steered requests' cache"
     return None
