@@ -103,7 +103,8 @@ class OpAtBlock:
             return None
         hidden = output[0] if isinstance(output, tuple) else output
         flat = hidden.view(-1, hidden.shape[-1])
-        steered = torch.ops.gss.vllm_steer(flat, None, module._gss_layer).view_as(hidden)
+        steered, hit = torch.ops.gss.vllm_steer(flat, module._gss_layer)
+        steered = torch.where(hit, steered, flat).view_as(hidden)  # as the plugin's layer does
         return (steered, *output[1:]) if isinstance(output, tuple) else steered
 
 
@@ -235,7 +236,7 @@ def run_shape(
         forward()
         probe.remove()
         flat = captured[0].reshape(-1, captured[0].shape[-1])
-        steered = torch.ops.gss.vllm_steer(flat, None, args.layer)
+        steered, _ = torch.ops.gss.vllm_steer(flat, args.layer)
         hidden_changed = float((steered != flat).any(dim=-1).float().mean())
 
         ratios: dict[str, dict[str, list[float]]] = {m: {a: [] for a in ARMS} for m in MODES}

@@ -13,9 +13,8 @@ so it refuses a GPU.
 
 Not in the op's time: the dispatcher's call into it, timed apart (``dispatch_us``: the op
 through ``torch.ops`` minus its body called directly, on one token that nothing steers), and
-its effect on the compiled graph around it (the steered layer returns zeros as its residual,
-which the next layer's fused add-RMSNorm adds; inductor cannot fuse across an opaque op). The
-body includes the add of hidden and residual that the next layer would otherwise do.
+its effect on the compiled graph around it (the layer's add of hidden and residual for the
+op, the selection of each token's outputs after it; inductor cannot fuse across an opaque op).
 
     .venv/bin/python benchmarks/vllm_throughput.py prep
     .venv-vllm/bin/python benchmarks/vllm_op_share.py --mode compiled --out results/serve-op-share
@@ -51,10 +50,10 @@ class Timers:
         self.recording = False
 
     def wrap_op(self, body: Any) -> Any:
-        def timed(hidden: Any, residual: Any, layer: int) -> Any:
+        def timed(*args: Any) -> Any:
             start = time.perf_counter()
             try:
-                return body(hidden, residual, layer)
+                return body(*args)
             finally:
                 self.op_s += time.perf_counter() - start
 
@@ -116,11 +115,11 @@ def dispatch_overhead_us(hidden: int, calls: int = 5000) -> float:
     for _ in range(5):
         start = time.perf_counter()
         for _ in range(calls):
-            torch.ops.gss.vllm_steer(h, None, -1)
+            torch.ops.gss.vllm_steer(h, -1)
         op = time.perf_counter() - start
         start = time.perf_counter()
         for _ in range(calls):
-            vllm_plugin.steered_block_output(h, None, -1)
+            vllm_plugin.steered_block_output(h, -1)
         body = time.perf_counter() - start
         diffs.append(1e6 * (op - body) / calls)
     return statistics.median(diffs)

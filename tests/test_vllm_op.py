@@ -1,8 +1,9 @@
-"""The vLLM plugin's op ``gss::vllm_steer`` on its own, without vLLM: each token steered by the
-artifact of its slot, and, on a GPU, the same inside a captured CUDA graph and under
-``torch.compile(mode="reduce-overhead")`` (inductor + CUDA graphs), with the slots rewritten
-in place between replays as the plugin's runner patch does before every forward. vLLM itself
-is tested in tests/vllm (its own environment, CPU only here)."""
+"""The vLLM plugin's steered layer and its op ``gss::vllm_steer`` on their own, without vLLM:
+each token steered by the artifact of its slot, the others left bit for bit (a Llama-family
+block's hidden and residual both); and, on a GPU, the same inside a captured CUDA graph and
+under ``torch.compile(mode="reduce-overhead")`` (inductor + CUDA graphs), with the slots
+rewritten in place between replays as the plugin's runner patch does before every forward.
+vLLM itself is tested in tests/vllm (its own environment, CPU only here)."""
 
 from __future__ import annotations
 
@@ -86,25 +87,68 @@ def _patterns(n: int, device: torch.device) -> list[torch.Tensor]:
     ]
 
 
+class _Block(torch.nn.Module):
+    """A stand-in for a vLLM decoder layer: returns its input, as one tensor or as
+    Llama's (hidden, residual)."""
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        return hidden if residual is None else (hidden, residual)
+
+
+def _layer() -> torch.nn.Module:
+    """The block as the plugin's install leaves it: its steered subclass, at LAYER."""
+    layer = vllm_plugin._steered_class(_Block)()
+    layer._gss_layer = LAYER
+    return layer
+
+
+def _op(hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """What the steered layer hands on: its one output, or its (hidden, residual)."""
+    out = _layer()(hidden, residual)
+    return (out,) if residual is None else tuple(out)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_each_token_gets_the_steer_of_its_slot(state, artifacts, device, with_residual):
     hidden = artifacts["hidden"].to(device)
     n = hidden.shape[0]
-    residual = _small_residual(hidden)
-    total = hidden + residual if with_residual else hidden
+    residual = _small_residual(hidden) if with_residual else None
+    total = hidden if residual is None else hidden + residual
     hooks = dict(state.by_layer[LAYER])
     assert (hooks[0].steer_hidden(total)[0] != total).any(dim=-1).float().mean() < 1  # gates
     slots = state.buffer(n, torch.device(device))
     for pattern in _patterns(n, torch.device(device)):
         slots[:n].copy_(pattern)
-        got = torch.ops.gss.vllm_steer(hidden, residual if with_residual else None, LAYER)
+        got = _op(hidden, residual)
         want = _expected(state, total, pattern.cpu())
-        unsteered = pattern < 0
-        assert torch.equal(got[unsteered], total[unsteered])  # bit for bit
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        if (pattern >= 0).any():
-            assert not torch.equal(got, total)
+        unsteered, steered = pattern < 0, pattern >= 0
+        assert torch.equal(got[0][unsteered], hidden[unsteered])  # bit for bit
+        if residual is not None:  # and the residual too, for the next layer to add
+            assert torch.equal(got[1][unsteered], residual[unsteered])
+            assert not got[1][steered].any()  # a steered token's sum is in the hidden
+        torch.testing.assert_close(sum(got), want, rtol=1e-5, atol=1e-5)
+        if steered.any():
+            assert not torch.equal(sum(got), total)
+
+
+def test_unsteered_tokens_keep_their_bfloat16_hidden_and_residual(state, artifacts):
+    """vLLM's fused add-RMSNorm adds a layer's hidden and residual in float32: the op hands
+    an unsteered token's two bfloat16 outputs on as they are, not their sum rounded to
+    bfloat16 (which changed unsteered requests of a bfloat16 engine before)."""
+    hidden = artifacts["hidden"].to(torch.bfloat16)
+    n = hidden.shape[0]
+    residual = (100 * _small_residual(hidden)).to(torch.bfloat16)  # sums that round
+    rounded = (hidden + residual).float() != hidden.float() + residual.float()
+    assert rounded.any(), "no sum rounds in bfloat16: no test"
+    state.prepare(torch.device("cpu"), torch.bfloat16, n)
+    pattern = _patterns(n, torch.device("cpu"))[0]
+    state.buffer(n, torch.device("cpu"))[:n].copy_(pattern)
+    out_h, out_r = _op(hidden, residual)
+    unsteered = pattern < 0
+    assert torch.equal(out_h[unsteered], hidden[unsteered])
+    assert torch.equal(out_r[unsteered], residual[unsteered])
+    assert not torch.equal(out_h[~unsteered], hidden[~unsteered])
 
 
 def test_a_batch_dimension_of_one_holds_the_tokens(state, artifacts):
@@ -117,17 +161,19 @@ def test_a_batch_dimension_of_one_holds_the_tokens(state, artifacts):
     slots = state.buffer(n, torch.device("cpu"))
     for pattern in _patterns(n, torch.device("cpu")):
         slots[:n].copy_(pattern)
-        flat = torch.ops.gss.vllm_steer(hidden, None, LAYER)
-        batched = torch.ops.gss.vllm_steer(hidden.unsqueeze(0), None, LAYER)
+        flat, hit = torch.ops.gss.vllm_steer(hidden, LAYER)
+        batched, batched_hit = torch.ops.gss.vllm_steer(hidden.unsqueeze(0), LAYER)
         assert batched.shape == (1, *hidden.shape)
         assert torch.equal(batched[0], flat)
+        assert torch.equal(batched_hit[0], hit)
+        assert torch.equal(hit[:, 0], pattern >= 0)
         assert torch.equal(flat[pattern < 0], hidden[pattern < 0])
 
 
 def _eager(hidden, residual, slots, pattern):
     n = hidden.shape[0]
     slots[:n].copy_(pattern)
-    return torch.ops.gss.vllm_steer(hidden, residual, LAYER).clone()
+    return [t.clone() for t in _op(hidden, residual)]
 
 
 @needs_cuda
@@ -149,11 +195,11 @@ def test_in_a_cuda_graph_the_op_reads_slots_written_in_place(state, artifacts, d
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up: builds the fused steer of this device and dtype
         for _ in range(2):
-            torch.ops.gss.vllm_steer(static_h, static_r, LAYER)
+            _op(static_h, static_r)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = torch.ops.gss.vllm_steer(static_h, static_r, LAYER)
+        out = _op(static_h, static_r)
     for i, pattern in enumerate(_patterns(n, device)):
         h, r = hidden * (1 + i / 4), residual.flip(0)  # new inputs too
         static_h.copy_(h)
@@ -163,8 +209,10 @@ def test_in_a_cuda_graph_the_op_reads_slots_written_in_place(state, artifacts, d
         graph.replay()
         torch.cuda.synchronize()
         want = _eager(h, r, slots, pattern)
-        assert torch.equal(out, want), f"pattern {i}"
-        assert torch.equal(out[pattern < 0], (h + r)[pattern < 0])
+        for got, expected in zip(out, want, strict=True):
+            assert torch.equal(got, expected), f"pattern {i}"
+        assert torch.equal(out[0][pattern < 0], h[pattern < 0])
+        assert torch.equal(out[1][pattern < 0], r[pattern < 0])
 
 
 @needs_cuda
@@ -177,8 +225,11 @@ def test_torch_compile_with_cuda_graphs_keeps_the_op_and_its_slots(state, artifa
     residual = _small_residual(hidden)
     state.prepare(device, hidden.dtype, 64)  # as the plugin's install does before vLLM's warm-up
 
+    layer = _layer()
+
     def step(h: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        return torch.ops.gss.vllm_steer(h * 1.0, r, LAYER) * 2.0  # exact in floating point
+        out_h, out_r = layer(h * 1.0, r)
+        return torch.stack([out_h, out_r]) * 2.0  # exact in floating point
 
     compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
     for i, pattern in enumerate(_patterns(n, device) * 2):  # warm-up, record, then replays
@@ -187,7 +238,8 @@ def test_torch_compile_with_cuda_graphs_keeps_the_op_and_its_slots(state, artifa
         slots[:n].copy_(pattern)
         got = compiled(h, residual).clone()
         torch.cuda.synchronize()
-        assert torch.equal(got, 2.0 * _eager(h, residual, slots, pattern)), f"call {i}"
+        want = torch.stack(_eager(h, residual, slots, pattern))
+        assert torch.equal(got, 2.0 * want), f"call {i}"
 
 
 def test_prepare_keeps_one_slot_buffer_and_puts_the_steers_in_place(state):

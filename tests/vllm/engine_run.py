@@ -26,7 +26,7 @@ def main() -> None:
     start = time.perf_counter()
     llm = LLM(
         job["model"],
-        dtype="float32",
+        dtype=job.get("dtype", "float32"),
         skip_tokenizer_init=True,
         enforce_eager=job.get("enforce_eager", True),
         max_model_len=job.get("max_model_len", 128),

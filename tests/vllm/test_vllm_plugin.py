@@ -20,7 +20,9 @@ asks it over HTTP.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -257,6 +259,53 @@ def test_vllm_plugin_matches_transformers(setup: dict[str, Any], enforce_eager: 
         f"at most by {max(abs(d) for *_, d in differ):.3g} (request, token, difference): "
         f"{differ[:8]}"
     )
+
+
+def greedy_gaps(model: Any, prompt: list[int], tokens: list[int]) -> tuple[list[float], float]:
+    """Teacher-forced over ``tokens``: how far below transformers' top logit each one's logit
+    is (0: its greedy choice), and the largest logit seen."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    chosen = logits.gather(-1, torch.tensor(tokens).view(-1, 1))[:, 0]
+    return (logits.max(-1).values - chosen).tolist(), float(logits.abs().max())
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+def test_bfloat16_unsteered_requests_stay_bit_identical(
+    setup: dict[str, Any], enforce_eager: bool
+) -> None:
+    """bfloat16, which vLLM's ``dtype="auto"`` picks for most checkpoints: the unsteered
+    requests of the mixed batch equal an engine without the plugin bit for bit, log-probs
+    included (the plugin used to hand the steered layer's hidden + residual on as one
+    bfloat16 sum, which the next layer adds in float32: unsteered log-probs moved by up to
+    0.015). Every token, steered or not, is transformers' bfloat16 greedy choice (under
+    ``gss.steer`` for the steered requests) up to a near-tie: within two bfloat16 steps of the
+    top logit, where vLLM's and transformers' bfloat16 arithmetic may choose differently (the
+    plain engine does here once); a steer left out would miss by about 2."""
+    from transformers import AutoModelForCausalLM
+
+    root, prompts = setup["root"], setup["prompts"]
+    tag = "eager" if enforce_eager else "compiled"
+    names = [STEER_NAME if on else None for _, on in PROMPTS]
+    options: dict[str, Any] = {"enforce_eager": enforce_eager, "dtype": "bfloat16"}
+    with_plugin = run_engine(root, prompts, names, plugin=True, tag=f"bf16-gss-{tag}", **options)
+    without = run_engine(
+        root, prompts, [None] * len(prompts), plugin=False, tag=f"bf16-plain-{tag}", **options
+    )
+    unsteered = [i for i, (_, on) in enumerate(PROMPTS) if not on]
+    differ = logprob_differences(with_plugin, without, unsteered)
+    assert not differ, f"{len(differ)} unsteered log-probs differ: {differ[:8]}"
+    for i in unsteered:
+        assert with_plugin["tokens"][i] == without["tokens"][i]
+
+    model = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.bfloat16).eval()
+    artifact = gss.load(root / "artifact")
+    for i, (prompt, (_, on)) in enumerate(zip(prompts, PROMPTS, strict=True)):
+        with gss.steer(model, artifact) if on else contextlib.nullcontext():
+            gaps, largest = greedy_gaps(model, prompt, with_plugin["tokens"][i])
+        tie = 2 * 2.0 ** (math.floor(math.log2(largest)) - 7)  # two bfloat16 steps
+        assert max(gaps) <= tie, f"request {i} (steered: {on}): gaps {gaps}, a tie is {tie}"
 
 
 def test_server_default_steers_requests_that_name_none(setup: dict[str, Any]) -> None:

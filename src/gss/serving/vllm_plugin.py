@@ -24,12 +24,13 @@ How it works (see the notes of issue 40):
   patched runner steers nothing unless artifacts are configured (``GSS_VLLM_ARTIFACTS``, or
   ``additional_config={"gss_artifacts": {name: dir}}``, what ``gss serve`` passes).
 * After the runner loads the model (``load_model``), the decoder layer of each artifact's
-  block gets a subclass whose ``forward`` adds the layer's two outputs (vLLM's Llama-family
-  layers return the MLP output and the residual separately; their sum is the block output gss
-  steers), steers the sum in the opaque custom op ``gss::vllm_steer`` and returns
-  ``(steered, zeros)``: the next layer's fused add-RMSNorm (or the final norm) adds the zeros,
-  so a token that is not steered reaches it with the same bits as without the plugin (a layer
-  returning one tensor, as GPT-2's and the Transformers backend's do, has it steered as it is).
+  block gets a subclass whose ``forward`` passes the layer's output through an opaque custom
+  op. vLLM's Llama-family layers return the MLP output and the residual separately (their sum
+  is the block output gss steers): ``gss::vllm_steer_pair`` returns (steered sum, zeros) for
+  the tokens of steered requests, which the next layer's fused add-RMSNorm (or the final norm)
+  adds, and every other token's two outputs unchanged, so it reaches that norm with the same
+  bits as without the plugin, in bfloat16 too. A layer returning one tensor, as GPT-2's and
+  the Transformers backend's do, has it steered as it is (``gss::vllm_steer``).
   This is done before vLLM's warm-up, so torch.compile traces the op into its graph, and the
   steered layers are written into ``additional_config``, which keys vLLM's compile cache.
 * Before every forward (``GPUModelRunner._model_forward``, which the CPU runner inherits) the
@@ -214,20 +215,25 @@ class _State:
             self.slots = slots
         return slots
 
-    def steer(self, layer: int, h: Tensor) -> Tensor:
+    def steer(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor | None]:
         """``h`` (tokens x hidden, or 1 x tokens x hidden where vLLM runs a transformers
         model through its Transformers backend) with each token steered by its slot's
-        artifact."""
+        artifact, and which tokens have an artifact at ``layer`` (``h.shape[:-1] + (1,)``;
+        None where no artifact is at this layer)."""
         entries = self.by_layer.get(layer, ())
         slots = self.slots
         if not entries or slots is None:
-            return h
+            return h, None
         out = h.reshape(-1, h.shape[-1])  # one row per token, in the runner's order
         token_slot = slots[: out.shape[0]].unsqueeze(-1)
+        hit: Tensor | None = None
         for slot, hook in entries:
+            mine = token_slot == slot
             steered, _ = hook.steer_hidden(out)
-            out = torch.where(token_slot == slot, steered, out)
-        return out.view(h.shape)
+            out = torch.where(mine, steered, out)
+            hit = mine if hit is None else hit | mine
+        assert hit is not None
+        return out.view(h.shape), hit.view(*h.shape[:-1], 1)
 
 
 _STATE = _State()
@@ -237,24 +243,25 @@ _STATE = _State()
 # the op: opaque to dynamo / inductor, so its body runs as written under vLLM's compilation
 
 
-def steered_block_output(hidden: Tensor, residual: Tensor | None, layer: int) -> Tensor:
-    """The steered block output ``hidden + residual`` (or ``hidden``) of ``layer``: each
-    token steered by the artifact of its request's slot (none: unchanged). The body of the
-    op ``gss::vllm_steer``."""
-    h = hidden if residual is None else hidden + residual
-    out = _STATE.steer(layer, h)
-    return out.clone() if out is hidden else out  # a custom op may not return its input
+def steered_block_output(h: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+    """The block output ``h`` with each token steered by the artifact of its request's slot,
+    and which tokens have an artifact at ``layer`` (bool, ``h.shape[:-1] + (1,)``). The body of
+    the op ``gss::vllm_steer``."""
+    steered, hit = _STATE.steer(layer, h)
+    if hit is None:
+        return h.clone(), torch.zeros((*h.shape[:-1], 1), dtype=torch.bool, device=h.device)
+    return (h.clone() if steered is h else steered), hit  # a custom op may not return its input
 
 
 @torch.library.custom_op("gss::vllm_steer", mutates_args=())
-def vllm_steer(hidden: Tensor, residual: Tensor | None, layer: int) -> Tensor:
+def vllm_steer(h: Tensor, layer: int) -> tuple[Tensor, Tensor]:
     """`steered_block_output` as an op vLLM's compilation keeps as one opaque call."""
-    return steered_block_output(hidden, residual, layer)
+    return steered_block_output(h, layer)
 
 
 @vllm_steer.register_fake
-def _(hidden: Tensor, residual: Tensor | None, layer: int) -> Tensor:
-    return torch.empty_like(hidden)
+def _(h: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(h), h.new_empty((*h.shape[:-1], 1), dtype=torch.bool)
 
 
 def _steered_class(cls: type[nn.Module]) -> type[nn.Module]:
@@ -262,11 +269,16 @@ def _steered_class(cls: type[nn.Module]) -> type[nn.Module]:
         output = cls.forward(self, *args, **kwargs)
         layer = self._gss_layer
         if isinstance(output, tuple) and len(output) == 2 and output[1] is not None:
+            # a token with an artifact becomes (its steered sum, 0); every other token keeps
+            # its two outputs, bit for bit, and this selection stays in the compiled graph:
+            # the next layer's fused add-RMSNorm sees them as without the plugin (a bfloat16
+            # sum passed on, or an opaque op between them, rounded what it does not round)
             hidden, residual = output
-            steered = torch.ops.gss.vllm_steer(hidden, residual, layer)
-            return steered, torch.zeros_like(steered)
+            steered, hit = torch.ops.gss.vllm_steer(hidden + residual, layer)
+            return torch.where(hit, steered, hidden), residual.masked_fill(hit, 0)
         if isinstance(output, Tensor):
-            return torch.ops.gss.vllm_steer(output, None, layer)
+            steered, hit = torch.ops.gss.vllm_steer(output, layer)
+            return torch.where(hit, steered, output)
         raise TypeError(
             f"gss cannot steer {cls.__name__}: it returns {type(output).__name__}, not a "
             "tensor or (hidden_states, residual)"
@@ -426,6 +438,8 @@ def _mark_compile_key(vllm_config: Any) -> None:
 
     mark = {
         "version": __version__,
+        # a graph compiled against another signature of the op must not be reused
+        "op": str(torch.ops.gss.vllm_steer.default._schema),
         "layers": sorted(_STATE.by_layer),
         "names": sorted(_STATE.names),
     }  # not the default: it only changes slots, which the compiled graph reads at run time
