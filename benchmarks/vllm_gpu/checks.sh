@@ -8,8 +8,11 @@
 #   repeat          repeat.py: are unsteered log-probs bit-reproducible, compiled?
 #   tests-eager     tests/vllm's mixed steered/unsteered batch = transformers, eager
 #   tests-compiled  the same, torch.compile + CUDA graphs
+#   tests-bf16      the mixed batch in bfloat16 (FA3 on Hopper), eager and compiled: unsteered
+#                   requests bit-identical to vLLM without the plugin (CUDA compiled may not be
+#                   reproducible from engine to engine: read its log-prob differences)
 #
-# STAGES (default: all six) names the stages to run, e.g. STAGES="bench-compiled tests-eager";
+# STAGES (default: all seven) names the stages to run, e.g. STAGES="bench-compiled tests-eager";
 # prep runs whenever a bench does. BENCH (default below) is the bench's workload: 64-token
 # rounds (vllm_throughput.py's CPU default) were too short on an H200 to resolve 2% (per-round
 # ratios 0.64-1.51 on 2026-11-27), hence longer outputs, more load requests. COMPILED_S and
@@ -22,7 +25,7 @@
 set -uo pipefail
 out=${OUT:-gpu-out}
 deadline=${DEADLINE:-560}
-stages=" ${STAGES:-prep bench-compiled bench-eager repeat tests-eager tests-compiled} "
+stages=" ${STAGES:-prep bench-compiled bench-eager repeat tests-eager tests-compiled tests-bf16} "
 bench_args=${BENCH:---batch1 4 --load 48 --max-tokens 256 --max-tokens-cap 256}
 [[ $stages == *" bench-"* ]] && stages+="prep "
 work=/tmp/serve-bench
@@ -42,9 +45,9 @@ bench() {  # bench MODE SECONDS: rounds until SECONDS are spent (each round is k
         --rounds 12 --work "$work" --gpu-memory-utilization 0.2 $bench_args
     cp "$work/bench-$1.json" "$out/" 2>/dev/null
 }
-tests() {  # tests KEYWORD
+tests() {  # tests NAME KEYWORDS
     timeout $((deadline - SECONDS)) python3 -m pytest -x -q -rs -p no:cacheprovider \
-        --junitxml="$out/tests-$1.xml" tests/vllm -k "matches_transformers and $1"
+        --junitxml="$out/tests-$1.xml" tests/vllm -k "$2"
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -58,6 +61,7 @@ fits prep 40 && python3 benchmarks/vllm_throughput.py prep --work "$work" \
 [ -f "$work/prep.json" ] && fits bench-compiled 150 && bench compiled "${COMPILED_S:-240}"
 [ -f "$work/prep.json" ] && fits bench-eager 120 && bench eager "${EAGER_S:-180}"
 fits repeat 200 && timeout $((deadline - SECONDS)) python3 benchmarks/vllm_gpu/repeat.py --out "$out"
-fits tests-eager 80 && tests eager
-fits tests-compiled 120 && tests compiled
+fits tests-eager 80 && tests eager "matches_transformers and eager"
+fits tests-compiled 120 && tests compiled "matches_transformers and compiled"
+fits tests-bf16 200 && tests bf16 "bfloat16"
 echo "=== done at +${SECONDS} s"
