@@ -140,7 +140,8 @@ def measure(args: argparse.Namespace) -> None:
 
     work = Path(args.work)
     info = json.loads((work / "prep.json").read_text())
-    artifact = info["artifacts"][args.artifact]
+    plain = args.artifact == "plain"  # no artifact: the engine's forward alone, to compare
+    artifact = info["artifacts"]["hard" if plain else args.artifact]
     shape = argparse.Namespace(
         model=info["model"],
         dtype="float32",
@@ -148,7 +149,7 @@ def measure(args: argparse.Namespace) -> None:
         max_tokens_cap=args.max_tokens,
         gpu_memory_utilization=None,
     )  # the throughput benchmark's engine, serving one artifact as "a"
-    llm = make_engine(shape, args.mode, {"a": artifact["dir"]})
+    llm = make_engine(shape, args.mode, {} if plain else {"a": artifact["dir"]})
     from vllm.v1.worker import gpu_model_runner
 
     timers = Timers()
@@ -158,7 +159,7 @@ def measure(args: argparse.Namespace) -> None:
     dispatch_us = dispatch_overhead_us(int(hidden))
     vllm_plugin.vllm_steer.register_kernel("cpu", timers.wrap_op(vllm_plugin.steered_block_output))
     state = vllm_plugin._STATE
-    sp = params(args, "a", args.max_tokens)  # greedy, ignore_eos, steered by "a"
+    sp = params(args, None if plain else "a", args.max_tokens)  # greedy, ignore_eos, steered by "a"
     prompts = [p[: args.prompt_len] for p in info["prompts"][: max(args.load, args.batch1)]]
 
     def run(ids: list[list[int]]) -> None:
@@ -176,7 +177,7 @@ def measure(args: argparse.Namespace) -> None:
 
     state.steer = counting  # type: ignore[method-assign]
     run(prompts[:2])  # warm-up outside the record
-    if steered == 0:
+    if steered == 0 and not plain:
         raise SystemExit("the op steered no token in the warm-up: the plugin is not steering")
     state.steer = steer  # type: ignore[method-assign]
     timers.recording = True
@@ -188,14 +189,14 @@ def measure(args: argparse.Namespace) -> None:
     wall = time.perf_counter() - start
     result = {
         "mode": args.mode,
-        "gate": artifact["gate"],
+        "gate": "plain (no artifact)" if plain else artifact["gate"],
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "cpu": "{cpu} ({cpu_capability}), {n} CPUs".format(n=os.cpu_count(), **cpu_info()),
         "command": "python benchmarks/vllm_op_share.py " + " ".join(sys.argv[1:]),
         "threads": {k: os.environ.get(k) for k in THREAD_ENV},
         "model": info["model_name"],
-        "artifact": {k: v for k, v in artifact.items() if k != "dir"},
+        "artifact": None if plain else {k: v for k, v in artifact.items() if k != "dir"},
         "workload": {
             "rounds": args.rounds,
             "batch1": args.batch1,
@@ -223,7 +224,7 @@ def table(out: Path) -> str:
     runs = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
     lines = [
         "The op's share of vLLM's forward (op seconds / forward seconds, per step), "
-        "every request steered",
+        "every request steered (gate `plain`: an engine without the artifact, for its forward)",
         "",
         "| mode | gate | phase | steps | forward ms (median) | op ms (median) "
         "| share: median [quartiles] | share: total |",
@@ -238,8 +239,9 @@ def table(out: Path) -> str:
                 f"| {s['op_ms_median']:.2f} | {100 * s['share_median']:.2f}% "
                 f"[{100 * lo:.2f}-{100 * hi:.2f}%] | {100 * s['share_total']:.2f}% |"
             )
-    if runs:
-        r = runs[0]
+    served = [run for run in runs if run["artifact"]]
+    if served:
+        r = served[0]
         a = r["artifact"]
         lines += [
             "",
@@ -261,7 +263,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=("compiled", "eager"), default="compiled")
     ap.add_argument("--work", default=str(WORK), help="vllm_throughput.py prep's directory")
-    ap.add_argument("--artifact", choices=("hard", "none"), default="hard")
+    ap.add_argument(
+        "--artifact",
+        choices=("hard", "none", "plain"),
+        default="hard",
+        help="plain: an engine without the plugin's artifact (its forward time; op 0)",
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch1", type=int, default=2, help="requests one at a time, per round")
     ap.add_argument("--load", type=int, default=16, help="requests at once, per round")

@@ -24,13 +24,14 @@ How it works (see the notes of issue 40):
   patched runner steers nothing unless artifacts are configured (``GSS_VLLM_ARTIFACTS``, or
   ``additional_config={"gss_artifacts": {name: dir}}``, what ``gss serve`` passes).
 * After the runner loads the model (``load_model``), the decoder layer of each artifact's
-  block gets a subclass whose ``forward`` passes the layer's output through an opaque custom
-  op. vLLM's Llama-family layers return the MLP output and the residual separately (their sum
-  is the block output gss steers): ``gss::vllm_steer_pair`` returns (steered sum, zeros) for
-  the tokens of steered requests, which the next layer's fused add-RMSNorm (or the final norm)
-  adds, and every other token's two outputs unchanged, so it reaches that norm with the same
-  bits as without the plugin, in bfloat16 too. A layer returning one tensor, as GPT-2's and
-  the Transformers backend's do, has it steered as it is (``gss::vllm_steer``).
+  block gets a subclass whose ``forward`` passes the block output through the opaque custom op
+  ``gss::vllm_steer`` (the steered output, and which tokens have an artifact) and keeps the
+  steered values on those tokens only, in traced code. vLLM's Llama-family layers return the
+  MLP output and the residual separately (their sum is the block output gss steers): a steered
+  token becomes (steered sum, 0), which the next layer's fused add-RMSNorm (or the final norm)
+  adds, and every other token keeps its two outputs, so it reaches that norm with the same bits
+  as without the plugin, in bfloat16 and compiled too. A layer returning one tensor, as GPT-2's
+  and the Transformers backend's do, has it steered as it is.
   This is done before vLLM's warm-up, so torch.compile traces the op into its graph, and the
   steered layers are written into ``additional_config``, which keys vLLM's compile cache.
 * Before every forward (``GPUModelRunner._model_forward``, which the CPU runner inherits) the
@@ -269,10 +270,10 @@ def _steered_class(cls: type[nn.Module]) -> type[nn.Module]:
         output = cls.forward(self, *args, **kwargs)
         layer = self._gss_layer
         if isinstance(output, tuple) and len(output) == 2 and output[1] is not None:
-            # a token with an artifact becomes (its steered sum, 0); every other token keeps
-            # its two outputs, bit for bit, and this selection stays in the compiled graph:
-            # the next layer's fused add-RMSNorm sees them as without the plugin (a bfloat16
-            # sum passed on, or an opaque op between them, rounded what it does not round)
+            # steered tokens become (steered sum, 0), the others keep their two outputs bit
+            # for bit. The selection is traced: in a compiled graph an unsteered token then
+            # reaches the next layer's fused add-RMSNorm as without the plugin (a sum rounded
+            # to bfloat16, or the selection made inside the opaque op, changed it)
             hidden, residual = output
             steered, hit = torch.ops.gss.vllm_steer(hidden + residual, layer)
             return torch.where(hit, steered, hidden), residual.masked_fill(hit, 0)
