@@ -249,9 +249,9 @@ def steered_block_output(h: Tensor, layer: int) -> tuple[Tensor, Tensor]:
     and which tokens have an artifact at ``layer`` (bool, ``h.shape[:-1] + (1,)``). The body of
     the op ``gss::vllm_steer``."""
     steered, hit = _STATE.steer(layer, h)
-    if hit is None:
+    if hit is None:  # nothing to steer; a custom op may not return its input
         return h.clone(), torch.zeros((*h.shape[:-1], 1), dtype=torch.bool, device=h.device)
-    return (h.clone() if steered is h else steered), hit  # a custom op may not return its input
+    return steered, hit  # a new tensor: torch.where made it
 
 
 @torch.library.custom_op("gss::vllm_steer", mutates_args=())
