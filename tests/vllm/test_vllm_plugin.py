@@ -287,9 +287,8 @@ def test_bfloat16_unsteered_requests_stay_bit_identical(
 
     root, prompts = setup["root"], setup["prompts"]
     tag = "eager" if enforce_eager else "compiled"
-    names = [STEER_NAME if on else None for _, on in PROMPTS]
     options: dict[str, Any] = {"enforce_eager": enforce_eager, "dtype": "bfloat16"}
-    with_plugin = run_engine(root, prompts, names, plugin=True, tag=f"bf16-gss-{tag}", **options)
+    with_plugin, _ = run_mixed(setup, f"bf16-gss-{tag}", **options)  # not float32's tokens
     without = run_engine(
         root, prompts, [None] * len(prompts), plugin=False, tag=f"bf16-plain-{tag}", **options
     )
