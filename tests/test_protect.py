@@ -177,6 +177,7 @@ def test_protect_refuses_bad_options(memorizer):
         ({"k": 8, "n": 8}, "n must be an integer > k"),
         ({"search": SearchSpace(presets=("nope",))}, "presets must be among"),
         ({"search": SearchSpace(delta_range=(1.0, 0.1))}, "delta_range"),
+        ({"search": SearchSpace(delta_ceiling=10.0)}, "delta_ceiling"),
         ({"search": SearchSpace(gate_share=1.0)}, "gate_share"),
         ({"search": SearchSpace(prefer="speed")}, "prefer must be"),  # type: ignore[arg-type]
         ({"search": SearchSpace(loop_tolerance=float("nan"))}, "loop_tolerance"),
@@ -220,6 +221,42 @@ def test_protect_adds_a_block_when_one_is_not_enough(memorizer):
     heads = {t.deltas[0] for t in second}  # the first block gives up part of the budget
     assert heads == {best_single.deltas[0], best_single.deltas[0] / 2}
     assert isinstance(result.steer, gss.SteeringStack) == (len(result.chosen.blocks) == 2)
+
+
+def _strength_points(limit: float, memorized_above: float, **space) -> list[float]:
+    """The deltas `_strength_search` measures on a model whose utility cost is delta itself
+    (within the budget up to `limit`) and whose rows stay extractable above delta
+    `memorized_above`, in the order measured."""
+    measured: list[float] = []
+
+    def judge(delta, stage, preset):
+        measured.append(delta)
+        return protect_module.Trial(
+            stage, preset, (0,), (delta,), 1, "hard",
+            memorized=10.0 if delta < memorized_above else 0.0,
+            token_match=50.0, utility=delta, within_budget=delta <= limit,
+        )  # fmt: skip
+
+    protect_module._strength_search(judge, float, SearchSpace(**space), "block", "gss", 0.0)
+    return measured
+
+
+def test_strength_search_raises_a_range_the_budget_does_not_bound():
+    """A gate open on few general tokens can afford far stronger steers than delta_range's
+    top (docs/protect.md): the range is raised two decades at a time while its strongest point
+    is within the budget and short of the target, then bisected."""
+    default = _strength_points(limit=10.0, memorized_above=1e9, steps=3)
+    assert default[:2] == [100.0, 0.001] and len(default) == 5  # bounded: as before
+    raised = _strength_points(limit=3e3, memorized_above=1e9, steps=3)
+    assert raised[:3] == pytest.approx([100.0, 1e4, 10**3])  # then between 1e2 and 1e4
+    assert len(raised) == 5 and max(d for d in raised if d <= 3e3) > 1e3
+    # at the target already, or no room above the range: never raised
+    assert _strength_points(limit=3e3, memorized_above=50.0, steps=3) == [100.0]
+    assert _strength_points(limit=3e3, memorized_above=1e9, steps=3, delta_ceiling=100.0) == [100.0]
+    # still within the budget at the ceiling: stops there
+    assert _strength_points(limit=1e9, memorized_above=1e9, delta_ceiling=1e5) == pytest.approx(
+        [100.0, 1e4, 1e5]
+    )
 
 
 def test_protect_replays_the_blocks_below_each_steer_to_the_same_result(memorizer, monkeypatch):

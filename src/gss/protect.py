@@ -74,6 +74,10 @@ class SearchSpace:
     gates: tuple[str, ...] = ("hard", "relu")
     delta_range: tuple[float, float] = (1e-3, 1e2)
     steps: int = 7  # bisection steps on log10(delta): 5 decades / 2^7 = a factor of 1.09
+    # where the range's strongest point is within the budget and short of the target, the
+    # search raises it two decades at a time up to this (a gate open on few general tokens
+    # affords far stronger steers: docs/protect.md); delta_range's top turns it off
+    delta_ceiling: float = 1e6
     max_blocks: int = 2
     gate_share: float = 0.05  # thresholds: any gate opens on this share of general tokens
     # among points equal on the target: "margin" (fewest tokens still reproduced) or "utility"
@@ -97,6 +101,11 @@ class SearchSpace:
         lo, hi = self.delta_range
         if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo < hi):
             raise GSSError(f"delta_range must be two finite numbers 0 < lo < hi, got {lo, hi}.")
+        if not (math.isfinite(self.delta_ceiling) and self.delta_ceiling >= hi):
+            raise GSSError(
+                f"delta_ceiling must be a finite number >= delta_range's top ({hi}), got "
+                f"{self.delta_ceiling}."
+            )
         if self.steps < 1 or self.max_blocks < 1 or self.max_candidates < 1:
             raise GSSError("steps, max_blocks and max_candidates must be >= 1.")
         if self.prefer not in ("margin", "utility"):
@@ -363,10 +372,13 @@ def _strength_search(
     space: SearchSpace,
     stage: str,
     preset: str,
+    target: float,
 ) -> list[Trial]:
     """Bisection on log10(delta) for the strongest steer within the budget (utility cost
     rises with strength, monotone in practice; every point measured is kept and can be
-    chosen, so a bump costs only precision)."""
+    chosen, so a bump costs only precision). A range whose strongest point is within the
+    budget and short of the target is first raised, two decades at a time, up to
+    `SearchSpace.delta_ceiling`."""
     seen: dict[float, Trial] = {}
 
     def at(log_delta: float) -> Trial:
@@ -375,6 +387,9 @@ def _strength_search(
         return seen[log_delta]
 
     lo, hi = (math.log10(v) for v in space.delta_range)
+    ceiling = math.log10(space.delta_ceiling)
+    while hi < ceiling and at(hi).within_budget and at(hi).memorized > target:
+        lo, hi = hi, min(hi + 2.0, ceiling)
     if not at(hi).within_budget and at(lo).within_budget:
         a, b = lo, hi
         for _ in range(space.steps):
@@ -619,7 +634,7 @@ def protect(
                 stacklevel=3,
             )
             return
-        _strength_search(judge, lambda d: art.with_options(delta=d), space, stage, preset)
+        _strength_search(judge, lambda d: art.with_options(delta=d), space, stage, preset, target)
 
     # stage 1: every (preset, candidate block) at the first rank
     made: dict[tuple[str, int], SteeringArtifact] = {}
@@ -670,6 +685,7 @@ def protect(
                     space,
                     "second block",
                     best.preset,
+                    target,
                 )
         best = judge.best(judge.trials, target) or best
     replies: dict[str, Any] = {}
