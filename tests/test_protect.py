@@ -223,6 +223,29 @@ def test_protect_adds_a_block_when_one_is_not_enough(memorizer):
     assert isinstance(result.steer, gss.SteeringStack) == (len(result.chosen.blocks) == 2)
 
 
+def test_protect_refines_the_best_pairs_it_is_asked_to(memorizer):
+    """Stages 2 and 3 (other ranks, other gates) run on `SearchSpace.refine` of stage 1's best
+    (variant, block) pairs, best first."""
+    model, reference, planted, general = memorizer
+    rows = torch.cat([planted, general[:20]]).tolist()
+    space = dict(presets=("gss",), ranks=(1, 2), gates=("hard", "relu"), steps=2, max_blocks=1)
+    refined = {}
+    for refine in (1, 2):
+        result = protect(
+            model,
+            reference,
+            rows,
+            general=general[20:60].tolist(),
+            k=4,
+            n=16,
+            search=SearchSpace(**space, refine=refine),
+            budget=0.001,
+            progress=False,
+        )
+        refined[refine] = {t.blocks for t in result.trials if t.stage in ("rank", "gate")}
+    assert len(refined[1]) == 1 and len(refined[2]) == 2 and refined[1] < refined[2]
+
+
 def _strength_points(limit: float, memorized_above: float, **space) -> list[float]:
     """The deltas `_strength_search` measures on a model whose utility cost is delta itself
     (within the budget up to `limit`) and whose rows stay extractable above delta

@@ -70,6 +70,9 @@ class SearchSpace:
     presets: tuple[str, ...] = ("gss-tr", "gss")
     blocks: tuple[int, ...] | None = None  # None: chosen as step 4 of the module says
     max_candidates: int = 6
+    # stages 2 and 3 (other ranks, then other gates) run on this many of stage 1's best
+    # (variant, block) pairs
+    refine: int = 1
     ranks: tuple[int, ...] = (4, 2, 8)  # the first is tried on every block, the others after
     gates: tuple[str, ...] = ("hard", "relu")
     delta_range: tuple[float, float] = (1e-3, 1e2)
@@ -106,8 +109,8 @@ class SearchSpace:
                 f"delta_ceiling must be a finite number >= delta_range's top ({hi}), got "
                 f"{self.delta_ceiling}."
             )
-        if self.steps < 1 or self.max_blocks < 1 or self.max_candidates < 1:
-            raise GSSError("steps, max_blocks and max_candidates must be >= 1.")
+        if min(self.steps, self.max_blocks, self.max_candidates, self.refine) < 1:
+            raise GSSError("steps, max_blocks, max_candidates and refine must be >= 1.")
         if self.prefer not in ("margin", "utility"):
             raise GSSError(f"prefer must be 'margin' or 'utility', got {self.prefer!r}.")
         if not 0 < self.gate_share < 1:
@@ -647,18 +650,24 @@ def protect(
                 first = art.with_options(rank=min(space.ranks[0], art.rank), gate=space.gates[0])
                 explore(first, "block", preset)
     best = judge.best(judge.trials, target)
-    # stages 2 and 3: the other ranks, then the other gates, on the best block
+    # stages 2 and 3: the other ranks, then the other gates, on the best (variant, block) pairs
     if best is not None and best.memorized > target:
-        # the gate stage 1 used (the artifact's own is "discriminant" when that may be tried)
-        full = made[best.preset, best.blocks[0]].with_options(gate=best.gate)
-        for rank in space.ranks[1:]:
-            if rank <= full.rank:
-                explore(full.with_options(rank=rank), "rank", best.preset)
-        best = judge.best(judge.trials, target) or best
-        current = full.with_options(rank=best.rank)
-        for gate in space.gates:
-            if gate != current.config.gate:
-                explore(current.with_options(gate=gate), "gate", best.preset)
+        pairs: list[tuple[str, int]] = []
+        for t in judge.ranked(judge.trials, target):
+            if (t.preset, t.blocks[0]) not in pairs:
+                pairs.append((t.preset, t.blocks[0]))
+        for preset, layer in pairs[: space.refine]:
+            # the gate stage 1 used (the artifact's own is "discriminant" when that may be tried)
+            full = made[preset, layer].with_options(gate=space.gates[0])
+            for rank in space.ranks[1:]:
+                if rank <= full.rank:
+                    explore(full.with_options(rank=rank), "rank", preset)
+            here = [t for t in judge.trials if (t.preset, t.blocks) == (preset, (layer,))]
+            local = judge.best(here, target)
+            current = full if local is None else full.with_options(rank=local.rank)
+            for gate in space.gates:
+                if gate != current.config.gate:
+                    explore(current.with_options(gate=gate), "gate", preset)
         best = judge.best(judge.trials, target) or best
     # stage 4: a second block, calibrated on the model steered by the first
     if best is not None and best.memorized > target and space.max_blocks >= 2:
