@@ -193,7 +193,7 @@ def test_protect_says_when_there_is_nothing_to_protect(memorizer):
         protect(model, reference, general[:10].tolist(), k=4, n=16, progress=False)
 
 
-def _tight_budget(memorizer):
+def _tight_budget(memorizer, search: SearchSpace | None = None):
     """A small search under a budget one block cannot meet: a second block is searched too."""
     model, reference, planted, general = memorizer
     return protect(
@@ -203,7 +203,7 @@ def _tight_budget(memorizer):
         general=general[20:60].tolist(),
         k=4,
         n=16,
-        search=SearchSpace(presets=("gss",), ranks=(1,), gates=("hard",), steps=3),
+        search=search or SearchSpace(presets=("gss",), ranks=(1,), gates=("hard",), steps=3),
         budget=0.001,
         progress=False,
     )
@@ -226,22 +226,10 @@ def test_protect_adds_a_block_when_one_is_not_enough(memorizer):
 def test_protect_refines_the_best_pairs_it_is_asked_to(memorizer):
     """Stages 2 and 3 (other ranks, other gates) run on `SearchSpace.refine` of stage 1's best
     (variant, block) pairs, best first."""
-    model, reference, planted, general = memorizer
-    rows = torch.cat([planted, general[:20]]).tolist()
     space = dict(presets=("gss",), ranks=(1, 2), gates=("hard", "relu"), steps=2, max_blocks=1)
     refined = {}
     for refine in (1, 2):
-        result = protect(
-            model,
-            reference,
-            rows,
-            general=general[20:60].tolist(),
-            k=4,
-            n=16,
-            search=SearchSpace(**space, refine=refine),
-            budget=0.001,
-            progress=False,
-        )
+        result = _tight_budget(memorizer, SearchSpace(**space, refine=refine))
         refined[refine] = {t.blocks for t in result.trials if t.stage in ("rank", "gate")}
     assert len(refined[1]) == 1 and len(refined[2]) == 2 and refined[1] < refined[2]
 
