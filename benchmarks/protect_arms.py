@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from gss.protect import SearchSpace
+from gss.report import markdown_table
 from gss_bench.tinymem import methods as M
 from gss_bench.tinymem.protection import protect_row
 from gss_bench.tinymem.train import get_models
@@ -64,13 +65,15 @@ def record(setting: str, seed: int, arm: str, row: dict[str, Any], seconds: floa
     }
 
 
+HEADER = (
+    "setting", "seed", "arm", "chosen", "points", "tuning rows left",
+    "held-out rows left: protect's count", "held-out rows left, greedy (unmitigated)",
+    "all rows", "utility, test (validation)", "seconds",
+)  # fmt: skip
+
+
 def table(records: list[dict]) -> str:
-    lines = [
-        "| setting | seed | arm | chosen | points | tuning rows left | held-out rows left: "
-        "protect's count | held-out rows left, greedy (unmitigated) | all rows | utility, test "
-        "(validation) | seconds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for r in records:
         c = r["chosen"]
         chosen = (
@@ -85,13 +88,15 @@ def table(records: list[dict]) -> str:
             if held is None
             else f"{held:.1f}% ({r['heldout_unmitigated']:.1f}%) of {r['heldout_rows']}"
         )
-        lines.append(
-            f"| {r['setting']} | {r['seed']} | {r['arm']} | {chosen} | {r['points']} | "
-            f"{r['tuning_memorized']:.1f}% | {'--' if own is None else f'{own:.1f}%'} | "
-            f"{greedy} | {r['all_rows_memorized']:.2f}% | {r['test_utility']:.2f} "
-            f"({r['val_utility']:.2f}) | {r['seconds']:.0f} |"
-        )
-    return "\n".join(lines) + "\n"
+        rows.append(
+            [
+                r["setting"], r["seed"], r["arm"], chosen, r["points"],
+                f"{r['tuning_memorized']:.1f}%", "--" if own is None else f"{own:.1f}%", greedy,
+                f"{r['all_rows_memorized']:.2f}%",
+                f"{r['test_utility']:.2f} ({r['val_utility']:.2f})", f"{r['seconds']:.0f}",
+            ]
+        )  # fmt: skip
+    return markdown_table(HEADER, rows)
 
 
 def main() -> None:

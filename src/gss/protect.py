@@ -652,10 +652,8 @@ def protect(
     best = judge.best(judge.trials, target)
     # stages 2 and 3: the other ranks, then the other gates, on the best (variant, block) pairs
     if best is not None and best.memorized > target:
-        pairs: list[tuple[str, int]] = []
-        for t in judge.ranked(judge.trials, target):
-            if (t.preset, t.blocks[0]) not in pairs:
-                pairs.append((t.preset, t.blocks[0]))
+        ranked = judge.ranked(judge.trials, target)
+        pairs = list(dict.fromkeys((t.preset, t.blocks[0]) for t in ranked))
         for preset, layer in pairs[: space.refine]:
             # the gate stage 1 used (the artifact's own is "discriminant" when that may be tried)
             full = made[preset, layer].with_options(gate=space.gates[0])
