@@ -51,6 +51,19 @@ def root(tmp_path_factory):
         (root / "results" / name).write_text("an earlier run's\n")
     (root / "foreign").mkdir()
     (root / "foreign" / "mine.txt").write_text("mine")
+    # artifacts whose config was edited by hand into something no artifact holds
+    edits = {
+        "config_list": lambda c: c.update(config=[1, 2]),
+        "provenance_text": lambda c: c.update(provenance="x"),
+        "fingerprint_text": lambda c: c["provenance"].update(fingerprint="x"),
+        "layer_null": lambda c: c["config"].update(layer=None),
+        "rank_99": lambda c: c["config"].update(rank=99),
+    }
+    for name, edit in edits.items():
+        shutil.copytree(root / "art", root / name)
+        config = json.loads((root / name / "gss_config.json").read_text())
+        edit(config)
+        (root / name / "gss_config.json").write_text(json.dumps(config))
     return root
 
 
@@ -119,7 +132,7 @@ def _cases():
         "gate share 1": ([*calibrate, *out, "--gate-share", "1"], "gate_share must be in"),
         "quantile 0": ([*calibrate, *out, "--memorized-quantile", "0"], "memorized_quantile"),
         "ridge delta 0": (
-            [*calibrate, *out, "--ridge-delta", "0"],
+            [*calibrate, *out, "--coefficient", "ridge", "--ridge-delta", "0"],
             "ridge_delta must be > 0",
         ),
         "negative jitter": ([*calibrate, *out, "--jitter", "-1"], "jitter must be >= 0"),
@@ -246,7 +259,7 @@ def _cases():
             ["evaluate", "--model", r, *evaluate[3:]],
             "calibrated for another model",
         ),
-        "evaluate n equal to k": ([*evaluate, "--n", "4"], "need 1 <= k < n"),
+        "evaluate n equal to k": ([*evaluate, "--n", "4"], "n must be an integer > k = 4"),
         "evaluate empty memorized": (
             [*evaluate[:5], "--memorized", "{root}/empty.txt", *evaluate[7:]],
             "contains no sequences",
@@ -297,7 +310,114 @@ def _cases():
             "unknown model 'gpt-5'",
         ),
         "models get without a name": (["models", "get"], "name one of smollm2-135m"),
+        # outputs that cannot be created: refused before the work, not after it
+        "calibrate out under a file": (
+            [*calibrate, "--out", "{root}/data.txt/sub"],
+            "cannot be created: {root}/data.txt is a file",
+        ),
+        "evaluate out under a file": (
+            [*evaluate, "--out", "{root}/data.txt/sub"],
+            "--out {root}/data.txt/sub cannot be created",
+        ),
+        "explain-out under a file": (
+            [*generate, "--prompt", "w1", "--explain-out", "{root}/data.txt/x.jsonl"],
+            "--explain-out {root}/data.txt/x.jsonl cannot be created",
+        ),
+        "sweep save is the steer": (
+            [*sweep, "--save", "{root}/art", "--overwrite"],
+            "--save {root}/art is --steer",
+        ),
+        "sweep percentiles without general": (
+            [*sweep, "--percentiles", "90"],
+            "give it with --general FILE",
+        ),
+        "sweep general without percentiles": (
+            [*sweep, "--general", d],
+            "--general is read only to set thresholds at --percentiles",
+        ),
+        "sweep tolerance nan": ([*sweep, "--tolerance", "nan"], "must be >= 0 and finite"),
+        "sweep rank past the artifact's, before the model": (
+            [*sweep, "--ranks", "3"],
+            "rank must be in 1..2",
+        ),
+        # flags of which one would be silently ignored
+        "gate share and percentile": (
+            [*calibrate, *out, "--gate-share", "0.05", "--threshold-percentile", "90"],
+            "--gate-share replaces --threshold-percentile's rule",
+        ),
+        "quantile and omega threshold": (
+            [*calibrate, *out, "--memorized-quantile", "0.1", "--omega-threshold", "0.5"],
+            "--memorized-quantile replaces --omega-threshold's rule",
+        ),
+        "ridge delta without ridge": (
+            [*calibrate, *out, "--ridge-delta", "2"],
+            "give --coefficient ridge with it",
+        ),
+        "evaluate delta without steer": (
+            ["evaluate", "--model", m, *evaluate[5:], "--delta", "2"],
+            "--delta sets the steer's strength: give --steer",
+        ),
+        "reference missing": (
+            [*calibrate[:3], "--reference", "{root}/nope", *calibrate[5:], *out],
+            "--reference: model path {root}/nope does not exist",
+        ),
+        "a later prompt past the context": (
+            [*generate, "--prompt", "w1", "--prompt", " ".join(["w1"] * 300)],
+            "pass the model's context",
+        ),
+        "data is a model folder": (
+            [*calibrate[:5], "--data", m, "--layer", "1", *out],
+            "holds weights (a model's or a steering artifact's directory), not data",
+        ),
+        "data path empty": (
+            [*calibrate[:5], "--data", "", "--layer", "1", *out],
+            "the data path is empty",
+        ),
+        # damaged artifact configs
+        "config not an object": (["show", "{root}/config_list"], "its config is not a JSON"),
+        "provenance not an object": (
+            ["show", "{root}/provenance_text"],
+            "its provenance is not a JSON object",
+        ),
+        "provenance entry of the wrong type": (
+            ["show", "{root}/fingerprint_text"],
+            "provenance entry 'fingerprint' is a str, not a dict",
+        ),
+        "config without a layer": (
+            ["generate", "--model", m, "--steer", "{root}/layer_null", "--prompt", "w1"],
+            "records layer None and rank 2",
+        ),
+        "config rank not the tensors'": (["show", "{root}/rank_99"], "records layer 1 and rank 99"),
     }
+
+
+# cases refused from the flags, the data files or the artifact alone: no model may load first
+BEFORE_ANY_MODEL = [
+    "rank zero",
+    "delta negative",
+    "percentile nan",
+    "gate share 1",
+    "quantile 0",
+    "ridge delta 0",
+    "negative jitter",
+    "max length 1",
+    "calibrate out under a file",
+    "evaluate out under a file",
+    "explain-out under a file",
+    "sweep save is the steer",
+    "sweep percentiles without general",
+    "sweep general without percentiles",
+    "sweep tolerance nan",
+    "sweep rank past the artifact's, before the model",
+    "sweep delta 0",
+    "gate share and percentile",
+    "ridge delta without ridge",
+    "evaluate delta without steer",
+    "evaluate n equal to k",
+    "reference missing",
+    "data is a model folder",
+    "config without a layer",
+]
 
 
 CASES = _cases()
@@ -343,6 +463,23 @@ def test_bad_input_is_one_line(root, capsys, offline, name):
     assert not (root / "new").exists()  # nothing written
     assert (root / "foreign" / "mine.txt").read_text() == "mine"  # nothing deleted
     assert {p.read_text() for p in (root / "results").iterdir()} == {"an earlier run's\n"}
+
+
+@pytest.mark.parametrize("name", BEFORE_ANY_MODEL)
+def test_bad_options_fail_before_any_model_loads(root, capsys, monkeypatch, name):
+    """Each of these is known from the flags, data files or artifact alone: the error comes
+    before a model loads (on a real model, minutes)."""
+    import gss.cli.commands as commands
+
+    def no_loading(*_, **__):
+        raise AssertionError("a model loaded before the bad input was refused")
+
+    monkeypatch.setattr(commands, "load_model", no_loading)
+    monkeypatch.setattr(commands, "load_reference", no_loading)
+    argv, message = CASES[name]
+    code = _run([a.format(root=root) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message.format(root=root) in err, err
 
 
 def _works(root, capsys, argv: list[str]) -> str:

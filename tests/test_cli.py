@@ -225,7 +225,7 @@ def test_cli_flags_are_the_config_fields_with_their_defaults():
 
     calibrate = build_parser()._subparsers._group_actions[0].choices["calibrate"]
     flags = {a.dest: a for a in calibrate._actions}
-    defaults = gss.CalibrationConfig()
+    defaults = gss.preset("gss-tr")  # --preset's default: what a flag left out takes
     for field in dataclasses.fields(gss.CalibrationConfig):
         if field.name == "max_length":  # the CLI's own default: 512 or the model's context
             continue
@@ -236,7 +236,9 @@ def test_cli_flags_are_the_config_fields_with_their_defaults():
             assert tuple(action.choices) == field.metadata["choices"]
         default = getattr(defaults, field.name)
         if field.name != "layer" and default not in (None, False):
-            assert f"(default: {default})" in action.help
+            paper = getattr(gss.preset("gss"), field.name)
+            also = "" if paper == default else f"; --preset gss: {paper}"
+            assert f"(default: {default}{also})" in action.help
     required = ["--model", "m", "--reference", "r", "--data", "d", "--layer", "1", "--out", "o"]
     args = build_parser().parse_args(
         ["calibrate", *required, "--gate", "relu", "--no-replies-only"]
@@ -388,7 +390,7 @@ def test_sweep_writes_grid_front_and_plot(workdir, steer, capsys):
     assert main([*args, "--tolerance", "-1", "--overwrite"]) == 2
     assert "tolerance must be >= 0" in capsys.readouterr().err
     assert main([*args, "--percentiles", "90", "--overwrite"]) == 2
-    assert "need general text" in capsys.readouterr().err
+    assert "give it with --general FILE" in capsys.readouterr().err
 
 
 def test_version_and_help_show_defaults(capsys):

@@ -64,11 +64,20 @@ def record_text(record: Mapping[str, Any], where: str = "a row") -> Text:
         return prompt + completion
     if is_conversation(prompt) and is_conversation(completion):
         return [*prompt, *completion]
+    present = [k for k in ("text", "messages", "prompt", "completion") if record.get(k) is not None]
+    if present:  # the right key, the wrong kind of value
+        kinds = ", ".join(f"{k!r} is {_short(record[k])}" for k in present)
+        raise GSSError(f"{where}: {kinds}, not in a format gss reads: {FORMATS}.")
     raise GSSError(
         f"{where} has keys {list(record)[:8]}, none in a format gss reads: {FORMATS}. For "
         "another column, pass its strings (e.g. dataset['column']) or name it (--text-column "
         "/ --messages-column; dataset.rename_column(name, 'text'))."
     )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def read_rows(path: str | Path) -> list[str | dict[str, Any]]:

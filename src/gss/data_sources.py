@@ -135,7 +135,17 @@ def read_data(
     """
     columns = Columns(text_column, messages_column, prompt_column, completion_column)
     name = str(source)
+    if not name.strip():
+        raise GSSError(
+            "the data path is empty: give a .txt or .jsonl file, a table file, a saved dataset "
+            "directory or a dataset id on the Hub."
+        )
     path = Path(source).expanduser()
+    if path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("*.bin"))):
+        raise GSSError(
+            f"{name} holds weights (a model's or a steering artifact's directory), not data: "
+            "give the data file (.txt, .jsonl, ...) or a saved dataset directory."
+        )
     if path.is_file() and path.suffix in LINE_FORMATS:
         rows = numbered_rows(path)
         if columns.named:

@@ -179,6 +179,12 @@ def _share(value: Any) -> str:
     return "not measured" if value is None else f"{100 * float(value):.1f}%"
 
 
+def _open_on_general(a: SteeringArtifact) -> str:
+    if a.config.gate == "none":
+        return "every token (gate none)"
+    return _share(a.provenance.gate_open_share.get("union"))
+
+
 def _options_table(steers: list[SteeringArtifact]) -> list[str]:
     header = (
         "| block | variant | rank K | delta | gate | thresholds | coefficient | centering | "
@@ -191,7 +197,7 @@ def _options_table(steers: list[SteeringArtifact]) -> list[str]:
         rows.append(
             f"| {c.layer} | {_variant(a)} | {a.rank} | {c.delta:g} | {c.gate} | "
             f"{_threshold_rule(a)}: {values} | {c.coefficient} | {c.centering} | "
-            f"{_share(a.provenance.gate_open_share.get('union'))} |"
+            f"{_open_on_general(a)} |"
         )
     block_path = steers[0].config.block_path
     if block_path:

@@ -22,11 +22,25 @@ def _percent(share: Any) -> str:
     return "?" if share is None else f"{100 * float(share):.1f}%"
 
 
+def open_share(artifact: SteeringArtifact) -> str | None:
+    """How often the steer acts on general tokens, in words: where the gates' union opens as
+    calibration measured it, or on every token when it is ungated (``gate="none"``: the
+    thresholds, and what they measured, apply only once a gate is set with
+    ``with_options(gate=...)``)."""
+    if artifact.config.gate == "none":
+        return "steers every token (gate none)"
+    shares = artifact.provenance.gate_open_share
+    if shares.get("condition") is not None:  # the discriminant gate: one condition for all
+        return f"the gate opens on {_percent(shares['condition'])} of general tokens"
+    union = shares.get("union")
+    return None if union is None else f"gates open on {_percent(union)} of general tokens"
+
+
 def short_repr(artifact: SteeringArtifact) -> str:
     c, m = artifact.config, artifact.provenance
     model = m.fingerprint.get("architecture", "?")
-    union = m.gate_open_share.get("union")
-    gates = "" if union is None else f", gates open on {_percent(union)} of general tokens"
+    share = open_share(artifact)
+    gates = "" if share is None else f", {share}"
     return (
         f"SteeringArtifact(model={model}, layer={c.layer}, rank={artifact.rank}, "
         f"d={artifact.probe.shape[-1]}, delta={c.delta:g}, gate={c.gate!r}, "
@@ -55,6 +69,11 @@ def _threshold_lines(artifact: SteeringArtifact) -> list[str]:
         how = str(rule) if rule else "rule not recorded"
     shares = artifact.provenance.gate_open_share
     lines = [f"thresholds: {_numbers(artifact.thresholds)} ({how})"]
+    if artifact.config.gate == "none":
+        lines.append(
+            "gate none: every token is steered (the thresholds above, and the shares below, "
+            "apply once a gate is set)"
+        )
     if artifact.condition_threshold is not None:
         lines.append(
             f"condition (the discriminant gate: every direction at once): w . h > "

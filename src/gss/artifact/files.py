@@ -37,6 +37,21 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def check_creatable(path: Path, flag: str = "") -> None:
+    """Refuse, before any work, a path that cannot be created: one under a file, or under a
+    directory this process may not write in (else the error comes after the work, and the
+    work is lost)."""
+    name = f"{flag} {path}".strip()
+    for parent in path.absolute().parents:
+        if not parent.exists():
+            continue
+        if not parent.is_dir():
+            raise GSSError(f"{name} cannot be created: {parent} is a file, not a directory.")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise GSSError(f"{name} cannot be created: {parent} is not writable by this user.")
+        return
+
+
 def check_target(directory: str | Path, overwrite: bool) -> Path:
     """Refuse a directory that saving an artifact would damage, before any work is done:
     one with files that are not an artifact's, or an artifact when ``overwrite`` is False."""
@@ -46,6 +61,7 @@ def check_target(directory: str | Path, overwrite: bool) -> Path:
     if out.exists() and not out.is_dir():
         raise GSSError(f"{out} is a file, not a directory: give a directory for the artifact.")
     if not out.is_dir():
+        check_creatable(out)
         return out
     present = {p.name for p in out.iterdir()}
     ours = set(ARTIFACT_FILES)
@@ -111,6 +127,8 @@ def check_outputs(directory: str | Path | None, names: Iterable[str], overwrite:
     out = Path(directory)
     if out.exists() and not out.is_dir():
         raise GSSError(f"--out {out} is a file, not a directory: give a directory.")
+    if not out.is_dir():
+        check_creatable(out, "--out")
     existing = [name for name in names if (out / name).exists()]
     if existing and not overwrite:
         raise GSSError(

@@ -60,7 +60,7 @@ def local_path(
         if revision is not None:
             raise GSSError(
                 f"revision={revision!r} names a revision of a Hub repo, and {source} is a local "
-                "path: leave revision out, or give the repo id (org/name)."
+                "path: leave revision (gss show --revision) out, or give the repo id (org/name)."
             )
         return Path(source)
     return download(repo_id, revision=revision, token=token)

@@ -122,7 +122,7 @@ def fingerprint_differences(expected: dict[str, Any], actual: dict[str, Any]) ->
     if changed:
         diffs.append(
             f"the weights of decoder block(s) {changed} differ from the model the artifact was "
-            "calibrated on (a sample of each): another fine-tune of the same base?"
+            "calibrated on (a sample of each), as another fine-tune of the same base would"
         )
     return diffs
 
@@ -289,8 +289,8 @@ class SteeringArtifact(hub.HubMixin):
             message = (
                 "this steering artifact was calibrated for another model: "
                 + "; ".join(diffs)
-                + ". Calibrate on this model, or pass strict=False if you know the weights "
-                "are the same model."
+                + ". Calibrate on this model, or (in Python) pass strict=False if you know the "
+                "weights are the same model."
             )
             if strict:
                 raise GSSError(message)
@@ -375,8 +375,10 @@ class SteeringArtifact(hub.HubMixin):
                 "gss.load or SteeringStack.from_pretrained."
             )
         if not cfg_path.is_file() or not tensors_path.is_file():
+            missing = [p.name for p in (cfg_path, tensors_path) if not p.is_file()]
+            lacks = "" if len(missing) == 2 or not path.is_dir() else f" ({missing[0]} is missing)"
             raise GSSError(
-                f"{path} is not a gss artifact directory: expected {CONFIG_NAME} and "
+                f"{path} is not a gss artifact directory{lacks}: expected {CONFIG_NAME} and "
                 f"{TENSORS_NAME} in it (written by SteeringArtifact.save_pretrained)."
             )
         try:
@@ -414,6 +416,12 @@ class SteeringArtifact(hub.HubMixin):
         missing = sorted({"probe", "steer", "thresholds", "offset", "singular_values"} - set(t))
         if missing:
             raise GSSError(f"{tensors_path} lacks the tensors {missing}: the artifact is damaged.")
+        if config.layer is None or config.rank != t["probe"].shape[0]:
+            raise GSSError(
+                f"{cfg_path} records layer {config.layer} and rank {config.rank}, and its tensors "
+                f"hold {t['probe'].shape[0]} directions: the artifact is damaged (a config needs "
+                "the block it steers and the rank of its tensors)."
+            )
         return cls(
             probe=t["probe"],
             steer=t["steer"],
@@ -440,17 +448,36 @@ def _warn_unknown(path: Path, keys: set[str]) -> None:
         )
 
 
-def _provenance(values: dict[str, Any], path: Path) -> Provenance:
+def _provenance(values: Any, path: Path) -> Provenance:
+    """The provenance a config file recorded; an entry of the wrong JSON type (a hand edit, a
+    damaged file) is refused here rather than failing later, deep in a report."""
+    where = path / CONFIG_NAME
+    if not isinstance(values, dict):
+        raise GSSError(f"{where}: its provenance is not a JSON object: the artifact is damaged.")
+    defaults = Provenance()
     known = {f.name for f in dataclasses.fields(Provenance)}
     _warn_unknown(path, set(values) - known)
+    for name in sorted(known & set(values)):
+        value, expected = values[name], type(getattr(defaults, name))  # dict, float or str
+        numeric = expected is float and isinstance(value, (int, float))
+        if isinstance(value, bool) or not (numeric or isinstance(value, expected)):
+            raise GSSError(
+                f"{where}: provenance entry {name!r} is a {type(value).__name__}, not a "
+                f"{expected.__name__}: the artifact is damaged."
+            )
     return Provenance(**{k: v for k, v in values.items() if k in known})
 
 
 def _read_format_2(raw: dict[str, Any], path: Path) -> tuple[CalibrationConfig, Provenance]:
     known = {"format_version", "gss_version", "tensors_sha256", "config", "provenance"}
     _warn_unknown(path, set(raw) - known)
+    values = raw.get("config", {})
+    if not isinstance(values, dict):
+        raise GSSError(
+            f"{path / CONFIG_NAME}: its config is not a JSON object: the artifact is damaged."
+        )
     try:
-        config = CalibrationConfig.from_dict(raw.get("config", {}))
+        config = CalibrationConfig.from_dict(values)
     except GSSError as e:
         raise GSSError(f"{path}: its config does not load: {e}") from None
     return config, _provenance(raw.get("provenance", {}), path)

@@ -13,12 +13,13 @@ import dataclasses
 import importlib.util
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gss.artifact.files import check_outputs, check_target
+from gss.artifact.files import check_creatable, check_outputs, check_target
 from gss.cli.options import config_overrides, data_columns, parse_floats, parse_layers
-from gss.errors import GSSError
+from gss.errors import GSSError, GSSWarning
 from gss.hf.loading import default_max_length, load_model, load_reference, parse_device_map
 
 if TYPE_CHECKING:
@@ -66,14 +67,41 @@ def _load_model(args: argparse.Namespace) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def _check_local_paths(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
+    """A missing or non-model local directory in any of ``flags`` fails before any model loads
+    (a Hub id is checked where it loads), its message naming the flag."""
+    from gss.hf.hub import hub_id
+    from gss.hf.loading import ADAPTERS_OFF, local_dir
+
+    for flag in flags:
+        path = getattr(args, flag.lstrip("-"))
+        if path != ADAPTERS_OFF and hub_id(path) is None:
+            try:
+                local_dir(path)
+            except GSSError as err:
+                raise GSSError(f"{flag}: {err}") from None
+
+
 def _models(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """--model, its tokenizer and --reference; --max-length resolved."""
+    _check_local_paths(args, ("--model", "--reference"))
     loading = _loading(args)
     model, tokenizer = _load_model(args)
     _resolve_max_length(args, model)
     revision = getattr(args, "reference_revision", None)
     ref = load_reference(args.reference, model, tokenizer, revision=revision, **loading)
     return model, tokenizer, ref
+
+
+def _config_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The calibration options given as flags, every one checked (with --preset and
+    --max-length) before any model loads."""
+    from gss.config import resolve
+
+    overrides = config_overrides(args)
+    given_length = {} if args.max_length is None else {"max_length": args.max_length}
+    resolve(args.preset, {**overrides, **given_length})
+    return overrides
 
 
 def _read(args: argparse.Namespace, value: str, main: bool = False, keep_rows: bool = True) -> Any:
@@ -110,6 +138,7 @@ def _require_gss_bench(command: str) -> None:
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from gss import distributed
+    from gss.artifact.describe import open_share
     from gss.calibrate import calibrate
 
     check_target(args.out, args.overwrite)  # before the models load
@@ -118,6 +147,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     # the data before the models: a wrong path, column or split fails in seconds
     texts = _read(args, args.data, main=True)  # rows keep their labels and completions
     gen_texts = _read(args, args.gen_data, keep_rows=False) if args.gen_data else None
+    overrides = _config_options(args)
     model, tokenizer, reference = _models(args)
     artifact = calibrate(
         model,
@@ -128,7 +158,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         gen_texts=gen_texts,
         batch_size=args.batch_size,
         progress=distributed.rank() == 0 and not args.no_progress,
-        **{**config_overrides(args), "max_length": args.max_length},
+        **{**overrides, "max_length": args.max_length},
     )
     if distributed.rank() != 0:
         return 0
@@ -137,8 +167,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     print(
         f"saved {args.out}: layer {c.layer}, K={c.rank}, delta={c.delta}, "
         f"memorized tokens {m.token_counts['memorized']}/{m.token_counts['tokens']} "
-        f"({100 * m.token_counts['memorized_share']:.1f}%), gate opens on "
-        f"{100 * m.gate_open_share['union']:.1f}% of general tokens, "
+        f"({100 * m.token_counts['memorized_share']:.1f}%), {open_share(artifact)}, "
         f"{m.timings['total']:.1f} s (`gss show {args.out}` for the details)"
     )
     return 0
@@ -225,6 +254,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if explain_out is not None:  # before the model loads
         if explain_out.is_dir():
             raise GSSError(f"--explain-out {explain_out} is a directory: give a file (.jsonl).")
+        check_creatable(explain_out, "--explain-out")
         if explain_out.exists() and not args.overwrite:
             raise GSSError(
                 f"--explain-out {explain_out} already exists: pass --overwrite to replace it, "
@@ -254,10 +284,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             )
         return enc.to(args.device)
 
+    encoded = [encode(prompt) for prompt in prompts]  # every prompt checked before any runs
+
     def run() -> list[str]:
         out = []
-        for prompt in prompts:
-            enc = encode(prompt)
+        for enc in encoded:
             with torch.no_grad():
                 ids = model.generate(  # only these two: transformers 4 refuses token_type_ids
                     input_ids=enc["input_ids"],
@@ -277,12 +308,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         # the same generation, recorded token by token (the same tokens: gss.explain)
         from gss.steering.explain import combined_gate_stats, explain
 
-        for prompt in prompts:
+        for enc in encoded:
             explanations.append(
                 explain(
                     model,
                     artifact,
-                    encode(prompt)["input_ids"][0],
+                    enc["input_ids"][0],
                     max_new_tokens=args.max_new_tokens,
                     tokenizer=tokenizer,
                     pad_token_id=pad_token_id,
@@ -322,6 +353,13 @@ def _cmd_signal(args: argparse.Namespace) -> int:
 
     written = ["signal.json", *(["signal.png"] if args.plot else [])]
     check_outputs(args.out, written, args.overwrite)
+    if args.out and not args.plot and (Path(args.out) / "signal.png").exists():
+        warnings.warn(
+            f"{args.out}/signal.png is an earlier run's (this one has no --plot) and stays "
+            "beside the new signal.json: pass --plot to replace it.",
+            GSSWarning,
+            stacklevel=2,
+        )
     texts = _read(args, args.data, main=True)  # before the models: fails in seconds
     normal_texts = _read(args, args.normal_data, keep_rows=False) if args.normal_data else None
     model, tokenizer, reference = _models(args)
@@ -403,6 +441,7 @@ def _report(args: argparse.Namespace, result: Any, headline: str, stem: str) -> 
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from gss.audit import check_window
     from gss.evaluate.compare import evaluate_steering
 
     lm_eval = args.lm_eval is not None
@@ -418,7 +457,11 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     outputs = ["evaluation.json", "evaluation.md"] if memorization else []
     outputs += ["lm_eval.json", "lm_eval.md"] if lm_eval else []
     check_outputs(args.out, outputs, args.overwrite)
+    if args.delta is not None and args.steer is None:
+        raise GSSError("--delta sets the steer's strength: give --steer DIR with it.")
     tasks = _lm_eval_tasks(args)  # None without --lm-eval; checked before any model loads
+    if memorization:
+        check_window(args.k, args.n)  # before the model loads
     if not memorization:
         model, tokenizer, artifact = _steered_model(args)
         return _cmd_lm_eval(args, model, tokenizer, artifact, tasks)
@@ -483,7 +526,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from gss.artifact.steering_artifact import SteeringArtifact
     from gss.data import encode
     from gss.evaluate.compare import sweep_and_select
-    from gss.evaluate.sweep import select_point
+    from gss.evaluate.sweep import check_grid, select_point
     from gss.report import write_json
 
     check_outputs(args.out, ["sweep.json", "sweep.md", "sweep.png"], args.overwrite)
@@ -495,6 +538,11 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                 f"--save {save} holds --out {args.out}: the artifact needs a directory of its "
                 "own (e.g. --save DIR/selected beside the sweep's files)."
             )
+        if Path(args.steer).exists() and save_dir == Path(args.steer).resolve():
+            raise GSSError(
+                f"--save {save} is --steer: saving the selected point there would replace the "
+                "artifact the sweep varies. Give --save another directory."
+            )
         check_target(save, overwrite=True)  # a file, or a folder with other files, is refused
         if save.is_dir() and any(save.iterdir()) and not args.overwrite:
             raise GSSError(
@@ -502,7 +550,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                 "or choose another directory."
             )
     select_point([], 1.0, tolerance=args.tolerance)  # a bad --tolerance fails before any work
-    if isinstance(load(args.steer), SteeringStack):
+    steer = load(args.steer)
+    if isinstance(steer, SteeringStack):
         raise GSSError(
             f"{args.steer} is a steering stack (several blocks chosen together): gss sweep "
             "varies one artifact's options. Give one of its steer-<i> directories, or run gss "
@@ -513,6 +562,18 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     ranks = parse_floats(args.ranks, "--ranks")
     if ranks and any(r != int(r) for r in ranks):
         raise GSSError(f"--ranks takes whole numbers (directions kept), got {args.ranks!r}.")
+    if percentiles and not args.general:
+        raise GSSError(
+            "--percentiles sets the gates' thresholds on general text: give it with --general "
+            "FILE (text like what the model serves)."
+        )
+    if args.general and not percentiles:
+        raise GSSError(
+            "--general is read only to set thresholds at --percentiles: give --percentiles too, "
+            "or leave --general out."
+        )
+    # every grid value the artifact cannot take fails before the model loads
+    check_grid(steer, deltas, percentiles, [int(r) for r in ranks] if ranks else None)
     general_rows = _read(args, args.general, keep_rows=False) if args.general else None
     model, tokenizer, artifact, rows, check = _evaluation_inputs(args)
     assert isinstance(artifact, SteeringArtifact)  # --steer is required, and not a stack
@@ -579,6 +640,7 @@ def _cmd_layers(args: argparse.Namespace) -> int:
     check_outputs(args.out, ["layers.json", "layers.png"], args.overwrite)
     texts = _read(args, args.data, main=True)  # before the models: fails in seconds
     gen_texts = _read(args, args.gen_data, keep_rows=False) if args.gen_data else None
+    overrides = _config_options(args)
     model, tokenizer, reference = _models(args)
     scan = scan_layers(
         model,
@@ -590,7 +652,7 @@ def _cmd_layers(args: argparse.Namespace) -> int:
         gen_texts=gen_texts,
         batch_size=args.batch_size,
         progress=not args.no_progress,
-        **{**config_overrides(args), "max_length": args.max_length},
+        **{**overrides, "max_length": args.max_length},
     )
     unchanged = set(scan.unchanged)
     for layer, value in scan.strengths.items():

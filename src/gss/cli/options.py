@@ -38,8 +38,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) or ""
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The fine-tuned model, where it runs and how it loads (`gss.hf.loading.load_model`)."""
+def add_model_args(p: argparse.ArgumentParser, reference: bool = False) -> None:
+    """The fine-tuned model, where it runs and how it loads (`gss.hf.loading.load_model`);
+    ``reference``: the command loads a reference model the same way."""
+    both = "the model and the reference" if reference else "the model"
     p.add_argument(
         "--model",
         required=True,
@@ -57,7 +59,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device-map",
         metavar="MAP",
-        help="place the model (and the reference) with accelerate instead of --device: auto, "
+        help=f"place {both} with accelerate instead of --device: auto, "
         'a device, or a JSON object of module placements, e.g. \'{"model.layers.0": 0, '
         '"lm_head": "cpu"}\'',
     )
@@ -71,7 +73,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     quantized.add_argument(
         "--quantization",
         choices=list(QUANTO),
-        help="load the model (and the reference) with weight-only quantization by "
+        help=f"load {both} with weight-only quantization by "
         "optimum-quanto, on a CPU or a GPU (pip install 'gated-subspace-steering[quant]')",
     )
     quantized.add_argument(
@@ -126,14 +128,19 @@ def add_config_args(
     are the field's own. A flag not given is absent from the parsed arguments, so the preset
     (or the config's default) decides it (`config_overrides`)."""
     hints = typing.get_type_hints(CalibrationConfig)
-    defaults = CalibrationConfig()
+    defaults = PRESETS[DEFAULT_PRESET]  # what a flag left out takes, with --preset's default
     fields = {f.name: f for f in dataclasses.fields(CalibrationConfig)}
     for name in names:
         f, kind = fields[name], hints[name]
         flag = "--" + name.replace("_", "-")
         default = getattr(defaults, name)
         hidden = name in required or default is None or default is False  # nothing to show
-        shown = "" if hidden else f" (default: {default})"
+        others = [
+            f"; --preset {preset}: {getattr(config, name)}"
+            for preset, config in PRESETS.items()
+            if getattr(config, name) != default
+        ]
+        shown = "" if hidden else f" (default: {default}{''.join(others)})"
         options: dict[str, Any] = {"help": f.metadata["help"] + shown, "dest": name}
         if name in required:
             options["required"] = True
@@ -161,9 +168,29 @@ def add_preset_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+# flags that replace another's rule: given together, one would be silently ignored
+INSTEAD_OF = {"gate_share": "threshold_percentile", "memorized_quantile": "omega_threshold"}
+
+
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The `CalibrationConfig` fields given as flags."""
-    return {name: getattr(args, name) for name in field_names() if hasattr(args, name)}
+    """The `CalibrationConfig` fields given as flags; two flags of which one would be ignored
+    are refused."""
+    given = {name: getattr(args, name) for name in field_names() if hasattr(args, name)}
+    for name, other in INSTEAD_OF.items():
+        if name in given and other in given:
+            raise GSSError(
+                f"--{_flag(name)} replaces --{_flag(other)}'s rule, and both were given: keep one."
+            )
+    if "ridge_delta" in given and given.get("coefficient") != "ridge":
+        raise GSSError(
+            "--ridge-delta sets the ridge coefficient's regulariser: give --coefficient ridge "
+            "with it, or leave it out."
+        )
+    return given
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
 
 
 def add_batch_args(

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     p = add("calibrate", "calibrate a steering artifact")
-    add_model_args(p)
+    add_model_args(p, reference=True)
     add_reference_arg(p)
     p.add_argument("--data", required=True, help=DATA_HELP)
     p.add_argument("--gen-data", help="held-out text for Sigma_gen and thresholds")
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=commands._cmd_generate)
 
     p = add("signal", "memorization-signal pilot statistics")
-    add_model_args(p)
+    add_model_args(p, reference=True)
     add_reference_arg(p)
     p.add_argument("--data", required=True, help=DATA_HELP)
     add_batch_args(p)
@@ -170,13 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--general", help="general text for re-set thresholds (with --percentiles)")
     add_data_args(p, main="--memorized")
     p.add_argument("--deltas", default="0.25,1,4,16", help="comma-separated strengths")
-    p.add_argument("--percentiles", help="comma-separated threshold percentiles, e.g. 90,95,99")
+    p.add_argument(
+        "--percentiles",
+        help="comma-separated threshold percentiles, e.g. 90,95,99 (set on --general's text)",
+    )
     p.add_argument("--ranks", help="comma-separated ranks <= the artifact's, e.g. 1,2,4")
     p.add_argument(
         "--tolerance",
         type=float,
         default=0.05,
-        help="relative perplexity increase the selected point may cost (default 0.05: +5%%)",
+        help="relative perplexity increase the selected point may cost (0.05: +5%%)",
     )
     add_window_args(p)
     add_batch_args(p, batch_size=16, length_help="held-out tokens per row")
@@ -195,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=commands._cmd_sweep)
 
     p = add("layers", "memorization signal strength per block (layer choice)")
-    add_model_args(p)
+    add_model_args(p, reference=True)
     add_reference_arg(p)
     p.add_argument("--data", required=True, help="calibration text with the memorized sequences")
     p.add_argument("--gen-data", help="held-out text for Sigma_gen")
@@ -208,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=commands._cmd_layers)
 
     p = add("audit", "which training rows the model reproduces verbatim, ranked")
-    add_model_args(p)
+    add_model_args(p, reference=True)
     add_reference_arg(p)
     p.add_argument("--data", required=True, help=f"the fine-tuning rows: {DATA_HELP}")
     add_data_args(p)
@@ -220,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=commands._cmd_audit)
 
     p = add("protect", "audit, then choose and save the steer that removes what it finds")
-    add_model_args(p)
+    add_model_args(p, reference=True)
     add_reference_arg(p)
     p.add_argument("--data", required=True, help=f"the fine-tuning rows: {DATA_HELP}")
     p.add_argument(

@@ -68,6 +68,15 @@ def evaluation_rows(
         rows = encode_replies(candidates, tokenizer, n - k)
     else:
         rows = encode(candidates, tokenizer, n)
+        longest = max((len(r) for r in rows), default=0)
+        if 0 < longest < n:  # the headline's (n, k) would promise more than is measured
+            warnings.warn(
+                f"no memorized row reaches n = {n} tokens (the longest has {longest}): each is "
+                f"matched to its end, so this is ({longest},{k})-memorization at most. Lower "
+                "--n to what the rows hold.",
+                GSSWarning,
+                stacklevel=2,
+            )
     held = encode(held_rows, tokenizer, max_length)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return EvaluationRows(rows, held, k=k, n=n, pad_id=pad, reply=reply)

@@ -164,8 +164,10 @@ def select_point(
     someone else's instead is a leak too, so it decides among the points that say no more of
     their own.
     """
-    if tolerance < 0:
-        raise GSSError(f"tolerance must be >= 0 (a relative perplexity increase), got {tolerance}.")
+    if not (math.isfinite(tolerance) and tolerance >= 0):
+        raise GSSError(
+            f"tolerance must be >= 0 and finite (a relative perplexity increase), got {tolerance}."
+        )
     shares = []
     for name, given in (("secrets-said", secrets_said), ("others-said", others_said)):
         if given is not None and len(given) != len(points):
