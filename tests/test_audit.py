@@ -93,7 +93,7 @@ def test_audit_command(tmp_path, capsys):
     args += ["--out", str(tmp_path / "out"), "--no-progress"]
     assert main(args) == 0
     printed = capsys.readouterr().out
-    assert "rows extractable ((12,4)-extraction, 6 rows" in printed
+    assert "of them not by the reference ((12,4)-extraction, 6 rows" in printed
     assert (tmp_path / "out" / "extractable.jsonl").is_file()
     assert main(args) == 2  # results there: not replaced without --overwrite
     assert "pass --overwrite" in capsys.readouterr().err

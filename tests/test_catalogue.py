@@ -51,6 +51,13 @@ def root(tmp_path_factory):
         (root / "results" / name).write_text("an earlier run's\n")
     (root / "foreign").mkdir()
     (root / "foreign" / "mine.txt").write_text("mine")
+    (root / "one.txt").write_text(lines[0] + "\n")
+    (root / "number.jsonl").write_text(json.dumps({"text": 0}) + "\n")
+    (root / "protect_out" / "steer").mkdir(parents=True)
+    (root / "protect_out" / "steer" / "notes.txt").write_text("mine")
+    (root / "figure_folder" / "audit.md").mkdir(parents=True)
+    (root / "broken_model").mkdir()
+    (root / "broken_model" / "config.json").write_text("{bad")
     # artifacts whose config was edited by hand into something no artifact holds
     edits = {
         "config_list": lambda c: c.update(config=[1, 2]),
@@ -78,6 +85,7 @@ def _cases():
     signal = ["signal", "--model", m, "--reference", r, "--data", d]
     layers = ["layers", "--model", m, "--reference", r, "--data", d]
     audit = ["audit", "--model", m, "--reference", r, "--data", d, "--out", "{root}/new"]
+    protect = ["protect", "--model", m, "--reference", r, "--data", d, "--out", "{root}/new"]
     return {
         "data not UTF-8": (
             [*calibrate[:5], "--data", "{root}/latin1.txt", "--layer", "1", *out],
@@ -369,9 +377,61 @@ def _cases():
             [*calibrate[:5], "--data", m, "--layer", "1", *out],
             "holds weights (a model's or a steering artifact's directory), not data",
         ),
+        "split of a file": (
+            [*calibrate, *out, "--split", "test"],
+            "is one file, read whole: --split (split=) names a split",
+        ),
+        "column of a text file": (
+            [*calibrate, *out, "--text-column", "body"],
+            "is a text file, one sequence a line: it has no columns to name",
+        ),
         "data path empty": (
             [*calibrate[:5], "--data", "", "--layer", "1", *out],
             "the data path is empty",
+        ),
+        # gss protect, audit and serve
+        "protect steer/ holds other files": (
+            [*protect, "--out", "{root}/protect_out", "--overwrite"],
+            "steer holds files that are not a gss artifact's (notes.txt)",
+        ),
+        "protect seed past 2^63": ([*protect, "--seed", str(2**70)], "seed must be an integer"),
+        "protect budget nan": ([*protect, "--budget", "nan"], "budget must be >= 0"),
+        "protect target 200": ([*protect, "--target", "200"], "target is a % of rows"),
+        "protect general of one row": (
+            [*protect, "--general", "{root}/one.txt"],
+            "the general text has 1 row(s)",
+        ),
+        "protect general missing": (
+            [*protect, "--general", "{root}/nope.txt"],
+            "--general: data file {root}/nope.txt does not exist",
+        ),
+        "audit writes a file where a folder is": (
+            [*audit[:-1], "{root}/figure_folder", "--overwrite"],
+            "figure_folder/audit.md is a directory, and the command writes a file there",
+        ),
+        "audit reference is the model": (
+            [*audit[:3], "--reference", m, *audit[5:]],
+            "omega = 0 everywhere",
+        ),
+        "audit n past the context": (
+            [*audit, "--k", "4", "--n", "200"],
+            "n = 200 passes the model's context (128 positions)",
+        ),
+        "data row of the wrong kind": (
+            [*audit[:5], "--data", "{root}/number.jsonl", *audit[7:]],
+            "'text' is 0, not in a format gss reads",
+        ),
+        "serve port past 65535": (
+            ["serve", "--model", m, "--artifact", "a={root}/art", "--port", "99999"],
+            "must be a port number in 1..65535",
+        ),
+        "serve model missing": (
+            ["serve", "--model", "{root}/nope", "--artifact", "a={root}/art"],
+            "--model: model path {root}/nope does not exist",
+        ),
+        "serve model config broken": (
+            ["serve", "--model", "{root}/broken_model", "--artifact", "a={root}/art"],
+            "its config does not load",
         ),
         # damaged artifact configs
         "config not an object": (["show", "{root}/config_list"], "its config is not a JSON"),
@@ -416,7 +476,18 @@ BEFORE_ANY_MODEL = [
     "evaluate n equal to k",
     "reference missing",
     "data is a model folder",
+    "split of a file",
+    "column of a text file",
     "config without a layer",
+    "protect steer/ holds other files",
+    "audit writes a file where a folder is",
+    "protect seed past 2^63",
+    "protect budget nan",
+    "protect target 200",
+    "protect general missing",
+    "serve port past 65535",
+    "serve model missing",
+    "serve model config broken",
 ]
 
 
@@ -424,7 +495,7 @@ CASES = _cases()
 
 
 def _run(argv: list[str]) -> int:
-    quiet = [] if argv[0] in ("show", "models", "frobnicate") else ["--no-progress"]
+    quiet = [] if argv[0] in ("show", "models", "serve", "frobnicate") else ["--no-progress"]
     try:
         return main([*argv, *quiet])
     except SystemExit as exit_info:  # argparse's own errors
@@ -480,6 +551,17 @@ def test_bad_options_fail_before_any_model_loads(root, capsys, monkeypatch, name
     code = _run([a.format(root=root) for a in argv])
     err = capsys.readouterr().err
     assert code == 2 and message.format(root=root) in err, err
+
+
+def test_ctrl_c_is_one_line(monkeypatch, capsys):
+    import gss.cli.commands as commands
+
+    def interrupted(_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands, "_cmd_show", interrupted)
+    assert main(["show", "anything"]) == 130
+    assert capsys.readouterr().err == "gss: interrupted\n"
 
 
 def _works(root, capsys, argv: list[str]) -> str:

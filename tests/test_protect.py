@@ -182,6 +182,8 @@ def test_protect_refuses_bad_options(memorizer):
         ({"search": SearchSpace(prefer="speed")}, "prefer must be"),  # type: ignore[arg-type]
         ({"search": SearchSpace(loop_tolerance=float("nan"))}, "loop_tolerance"),
         ({"search": SearchSpace(fluency_tolerance=-0.1)}, "fluency_tolerance"),
+        ({"seed": 2**70}, r"seed must be an integer in \[0, 2\^63\)"),
+        ({"general": planted[:1].tolist()}, r"the general text has 1 row\(s\)"),
     ]:
         with pytest.raises(GSSError, match=message):
             protect(model, reference, rows, progress=False, **kwargs)
@@ -191,6 +193,43 @@ def test_protect_says_when_there_is_nothing_to_protect(memorizer):
     model, reference, _, general = memorizer
     with pytest.raises(GSSError, match="too few to tune on and hold out"):
         protect(model, reference, general[:10].tolist(), k=4, n=16, progress=False)
+
+
+def test_protect_never_holds_out_a_copy_of_a_tuning_row(memorizer, tmp_path):
+    """Rows repeated in the data (as fine-tuning data often repeats them) are one row: tuned on
+    or held out, never both, so the held-out report is about rows the search never saw; the
+    split is written down."""
+    model, reference, planted, general = memorizer
+    texts = torch.cat([planted, planted, planted, general[:20]]).tolist()
+    space = SearchSpace(presets=("gss",), ranks=(1,), gates=("hard",), steps=2, max_blocks=1)
+    with pytest.warns(gss.GSSWarning, match="repeat another's window"):
+        result = protect(
+            model, reference, texts, general=general[20:60].tolist(), k=4, n=16, search=space,
+            progress=False,
+        )  # fmt: skip
+    window = [tuple(texts[i][:16]) for i in range(len(texts))]
+    tuned = {window[i] for i in result.tuning}
+    assert tuned and not tuned & {window[i] for i in result.heldout}
+    distinct = {window[r.index] for r in result.audit.memorized}
+    assert len(result.tuning) + len(result.heldout) == len(distinct) < len(result.audit.memorized)
+    result.write(tmp_path / "out")
+    split = json.loads((tmp_path / "out" / "protect.json").read_text())["split"]
+    assert split == {"tuning": result.tuning, "heldout": result.heldout}
+
+
+def test_audit_refuses_the_model_as_its_own_reference(memorizer):
+    model, _, planted, _ = memorizer
+    with pytest.raises(GSSError, match="omega = 0 everywhere"):
+        gss.audit(model, model, planted.tolist(), k=4, n=16, progress=False)
+
+
+def test_audit_says_when_no_row_can_be_checked(memorizer):
+    model, reference, planted, _ = memorizer
+    with pytest.warns(gss.GSSWarning, match="no row has more than its prompt's tokens"):
+        report = gss.audit(model, reference, planted.tolist(), k=16, n=20, progress=False)
+    assert report.extractable == []
+    with pytest.raises(GSSError, match=r"n = 200 passes the model's context \(128 positions\)"):
+        gss.audit(model, reference, planted.tolist(), k=4, n=200, progress=False)
 
 
 def _tight_budget(memorizer, search: SearchSpace | None = None):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,16 +31,18 @@ from tqdm.auto import tqdm
 
 from gss.config import RunOptions
 from gss.data import TextsOrIds, batches, count_batches, encode
-from gss.errors import GSSError
+from gss.errors import GSSError, GSSWarning
 from gss.evaluate.suite import is_pair
 from gss.hf.forward import (
     check_same_vocab,
     check_sequences,
+    context_length,
     forward_logits,
     target_mask,
     token_logprobs,
 )
 from gss.statistics.capture import calibration_mode
+from gss.statistics.collect import same_model_error
 
 
 @dataclass(frozen=True)
@@ -251,10 +254,24 @@ def audit(
         starts = [len(p) for p, _ in pairs]
         seqs = [p + c[: n - k] for p, c in pairs]
     else:
+        limit = min((c[0] for c in map(context_length, (model, reference)) if c), default=None)
+        if limit is not None and n > limit:  # rows are cut to n: n is what must fit
+            raise GSSError(
+                f"n = {n} passes the model's context ({limit} positions): lower n (--n) to "
+                f"{limit} or less."
+            )
         seqs = encode(texts, tokenizer, n)
     check_sequences((model, reference), seqs, "the texts")
+    if all(len(s) <= (k if starts is None else starts[i]) for i, s in enumerate(seqs)):
+        warnings.warn(
+            f"no row has more than its prompt's tokens (k = {k}): nothing could be checked. "
+            "Lower k (--k) and n (--n) to what the rows hold.",
+            GSSWarning,
+            stacklevel=2,
+        )
     started = time.perf_counter()
     found: dict[int, AuditRow] = {}
+    differs, tokens = False, 0  # omega != 0 on some token: the reference is another model
     with calibration_mode(model, reference), torch.no_grad():
         for batch in tqdm(
             batches(seqs, batch_size),
@@ -271,6 +288,8 @@ def audit(
             ref_hits = ref_logits[:, :-1].argmax(-1).cpu() == ids[:, 1:].cpu()
             omega -= token_logprobs(ref_logits, ids).float().cpu()
             valid = target_mask(mask).cpu()
+            differs = differs or bool((omega[valid] != 0).any())
+            tokens += int(valid.sum())
             for j, index in enumerate(batch.index.tolist()):
                 length = int(mask[j].sum())
                 start = k if starts is None else starts[index]  # the window's first token
@@ -290,6 +309,8 @@ def audit(
                         bool(ref_hits[j, start - 1 : length - 1].all()) if length > start else None
                     ),
                 )
+    if tokens and not differs:
+        raise same_model_error(tokens, "audited")
     rows = [found[i] for i in range(len(seqs))]
     return AuditReport(
         rows=rows,

@@ -64,7 +64,7 @@ def record_text(record: Mapping[str, Any], where: str = "a row") -> Text:
         return prompt + completion
     if is_conversation(prompt) and is_conversation(completion):
         return [*prompt, *completion]
-    present = [k for k in ("text", "messages", "prompt", "completion") if record.get(k) is not None]
+    present = [k for k in ("text", "messages", "prompt", "completion") if k in record]
     if present:  # the right key, the wrong kind of value
         kinds = ", ".join(f"{k!r} is {_short(record[k])}" for k in present)
         raise GSSError(f"{where}: {kinds}, not in a format gss reads: {FORMATS}.")

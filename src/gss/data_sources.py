@@ -146,6 +146,16 @@ def read_data(
             f"{name} holds weights (a model's or a steering artifact's directory), not data: "
             "give the data file (.txt, .jsonl, ...) or a saved dataset directory."
         )
+    if strict and path.is_file() and split is not None:
+        raise GSSError(
+            f"{name} is one file, read whole: --split (split=) names a split of a Hub dataset or "
+            "a dataset folder. Leave it out."
+        )
+    if strict and path.is_file() and path.suffix in (".txt", "") and columns.named:
+        raise GSSError(
+            f"{name} is a text file, one sequence a line: it has no columns to name "
+            "(--text-column, ...). Leave them out, or give a .jsonl or table file."
+        )
     if path.is_file() and path.suffix in LINE_FORMATS:
         rows = numbered_rows(path)
         if columns.named:

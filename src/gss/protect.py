@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from gss.artifact.files import check_outputs
+from gss.artifact.files import check_outputs, check_target
 from gss.artifact.stack import Steer, SteeringStack
 from gss.artifact.steering_artifact import SteeringArtifact
 from gss.audit import AuditReport, audit, check_window
@@ -192,19 +192,30 @@ class Protection:
             lines.append("No steer stayed within the utility budget: nothing was saved.")
         else:
             lines.append(
-                f"Chosen: {c.preset}, block(s) {list(c.blocks)}, delta {list(map(_g, c.deltas))}, "
-                f"rank {c.rank}, gate {c.gate} ({len(self.trials)} points searched)."
+                f"Chosen: {c.preset}, block(s) {', '.join(map(str, c.blocks))}, delta "
+                f"{', '.join(map(_g, c.deltas))}, rank {c.rank}, gate {c.gate} "
+                f"({len(self.trials)} points searched)."
             )
-        lines += [
-            "",
+        held = (
             f"Held-out memorized rows ({len(self.heldout)}, never seen by the search): "
-            f"{self.before.get('memorized', float('nan')):.1f}% extractable before, "
-            f"{self.after.get('memorized', float('nan')):.1f}% after (target "
-            f"<= {self.target:g}%: {'reached' if self.reached else 'NOT reached'}).",
-            f"Utility ({self.budget['measure']}): {_g(self.before['utility'])} before, "
-            f"{_g(self.after.get('utility', float('nan')))} after (limit "
-            f"{_g(self.budget['limit'])}).",
-        ]
+            f"{self.before['memorized']:.1f}% extractable"
+        )
+        if c is None:
+            lines += [
+                "",
+                f"{held}, unchanged: no steer. Allow more utility (a larger budget, "
+                "gss protect --budget) to let some steer through.",
+                f"Utility ({self.budget['measure']}): {_g(self.before['utility'])} (limit "
+                f"{_g(self.budget['limit'])}).",
+            ]
+        else:
+            lines += [
+                "",
+                f"{held} before, {self.after['memorized']:.1f}% after (target "
+                f"<= {self.target:g}%: {'reached' if self.reached else 'NOT reached'}).",
+                f"Utility ({self.budget['measure']}): {_g(self.before['utility'])} before, "
+                f"{_g(self.after['utility'])} after (limit {_g(self.budget['limit'])}).",
+            ]
         quality = self.after.get("quality")
         if quality:
             lines.append(
@@ -266,13 +277,14 @@ class Protection:
         """``protect.json``, ``protect.md``, ``frontier.png``, ``rows.png`` and, when a steer
         was chosen, the steer itself in ``steer/`` (an artifact or a stack)."""
         out = Path(directory)
-        check_outputs(out, OUTPUTS, overwrite)
+        check_report_dir(out, overwrite)
         out.mkdir(parents=True, exist_ok=True)
         written = []
         if self.steer is not None:
             written.append(self.steer.save_pretrained(out / "steer", overwrite=overwrite))
         data = {
             **self.summary(),
+            "split": {"tuning": self.tuning, "heldout": self.heldout},  # audit row indices
             "trials": [asdict(t) for t in self.trials],
             "examples": self.examples,
         }
@@ -481,6 +493,37 @@ def reference_text(
     return [[*s, *t] for s, t in zip(starts, text, strict=True)]
 
 
+def check_options(
+    space: SearchSpace,
+    budget: float,
+    budget_mode: str,
+    target: float,
+    k: int,
+    n: int,
+    seed: int,
+) -> None:
+    """`protect`'s own options, refused before any work (`gss protect` calls this before the
+    models load)."""
+    space.check()
+    check_window(k, n)
+    if budget_mode not in ("relative", "absolute") or not (math.isfinite(budget) and budget >= 0):
+        raise GSSError(
+            f"budget must be >= 0 with budget_mode 'relative' or 'absolute', got {budget!r}, "
+            f"{budget_mode!r}."
+        )
+    if not 0 <= target <= 100:
+        raise GSSError(f"target is a % of rows, in [0, 100], got {target}.")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise GSSError(f"seed must be an integer in [0, 2^63), got {seed!r}.")
+
+
+def check_report_dir(directory: str | Path, overwrite: bool) -> None:
+    """Refuse, before any work, a directory `Protection.write` could not write: its files
+    there without ``overwrite``, or a ``steer/`` that is a file or holds other files."""
+    check_outputs(directory, OUTPUTS, overwrite)
+    check_target(Path(directory) / "steer", overwrite)
+
+
 def protect(
     model: nn.Module,
     reference: nn.Module,
@@ -523,15 +566,20 @@ def protect(
         seed: the tuning/held-out split and the reference's text.
     """
     space = search or SearchSpace()
-    space.check()
-    check_window(k, n)
-    if budget_mode not in ("relative", "absolute") or not (math.isfinite(budget) and budget >= 0):
-        raise GSSError(
-            f"budget must be >= 0 with budget_mode 'relative' or 'absolute', got {budget!r}, "
-            f"{budget_mode!r}."
+    check_options(space, budget, budget_mode, target, k, n, seed)
+    if budget_mode == "relative" and budget > 1:
+        warnings.warn(
+            f"budget {budget:g} lets the utility rise by {100 * budget:.0f}%: a relative budget "
+            "is a fraction (0.05 = +5%).",
+            GSSWarning,
+            stacklevel=2,
         )
-    if not 0 <= target <= 100:
-        raise GSSError(f"target is a % of rows, in [0, 100], got {target}.")
+    general_rows = None if general is None else encode(general, tokenizer, None)
+    if general_rows is not None and len(general_rows) < 2:
+        raise GSSError(
+            f"the general text has {len(general_rows)} row(s): give at least 2 (half set the "
+            "gate thresholds, half measure how often the gates open), better hundreds."
+        )
     started = time.perf_counter()
     seconds: dict[str, float] = {}
 
@@ -546,10 +594,22 @@ def protect(
         progress=progress,
     )
     seconds["audit"] = time.perf_counter() - started
-    order = [r.index for r in report.memorized]
+    # each distinct window once: a copy of a tuning row held out would not be unseen
+    firsts: dict[Any, int] = {}
+    for r in report.memorized:
+        firsts.setdefault(_window(report.candidate(r.index), k, n), r.index)
+    order = list(firsts.values())
+    repeats = len(report.memorized) - len(order)
+    if repeats:
+        warnings.warn(
+            f"{repeats} memorized row(s) repeat another's window (the same tokens up to n): "
+            "each distinct row is tuned on or held out once, never both.",
+            GSSWarning,
+            stacklevel=2,
+        )
     if len(order) < 2:
         raise GSSError(
-            f"the audit found {len(order)} memorized row(s) of {len(report.rows)} "
+            f"the audit found {len(order)} distinct memorized row(s) of {len(report.rows)} "
             f"(({n},{k})-extraction, not extracted by the reference): too few to tune on and "
             "hold out. Lower k or n, or pass more of the fine-tuning data."
         )
@@ -570,15 +630,21 @@ def protect(
             reference, starts, length=max(8, n - 1), seed=seed, progress=progress
         )
     }
-    if general is not None:
-        sources = {"general (given)": encode(general, tokenizer, None), **sources}
+    if general_rows is not None:
+        sources = {"general (given)": general_rows, **sources}
     fit = [r for rows in sources.values() for r in rows[::2]]
-    measure = {name: rows[1::2] for name, rows in sources.items()}
+    # a source of one row (the reference's text, from as few rows) has nothing left to measure
+    measure = {name: rows[1::2] for name, rows in sources.items() if len(rows) > 1}
     utility_rows = (
         encode(heldout, tokenizer, None)
         if heldout is not None
         else [r for rows in measure.values() for r in rows]
     )
+    if utility is None and not utility_rows:
+        raise GSSError(
+            "no text is left to measure the utility on (the reference's text came from one "
+            "row): pass heldout= (gss protect --heldout) or general= (--general)."
+        )
     if utility is None:
 
         def utility(m: nn.Module) -> float:
@@ -785,6 +851,12 @@ def _with_record(steer: Steer, record: dict[str, Any]) -> Steer:
 Candidate = list[int] | tuple[list[int], list[int]]  # a row, or a (prompt, reply) pair
 
 
+def _window(c: Candidate, k: int, n: int) -> tuple[tuple[int, ...], ...]:
+    """What the extraction of a row reads: its prompt and the tokens it must reproduce."""
+    prompt, target = _split(c, k, n)
+    return tuple(prompt), tuple(target)
+
+
 def _split(c: Candidate, k: int, n: int) -> tuple[list[int], list[int]]:
     """What a candidate is prompted with, and what it must not continue with."""
     return (list(c[0]), list(c[1])[: n - k]) if isinstance(c, tuple) else (c[:k], c[k:n])
@@ -960,8 +1032,8 @@ def _warn_open(gates: dict[str, Any], expected: float) -> None:
             warnings.warn(
                 f"the gates open on {100 * share:.0f}% of held-out {name} tokens (set for "
                 f"about {100 * expected:.0f}%): the general text the thresholds came from does "
-                "not look like this text. Pass general= with a sample of the text the model "
-                "will serve.",
+                "not look like this text. Pass a (larger) sample of the text the model will "
+                "serve (general=, gss protect --general).",
                 GSSWarning,
                 stacklevel=3,
             )

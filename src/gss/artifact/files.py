@@ -129,6 +129,12 @@ def check_outputs(directory: str | Path | None, names: Iterable[str], overwrite:
         raise GSSError(f"--out {out} is a file, not a directory: give a directory.")
     if not out.is_dir():
         check_creatable(out, "--out")
+    folders = [name for name in names if "." in name and (out / name).is_dir()]
+    if folders:  # a file the command writes cannot replace a folder: refused before the work
+        raise GSSError(
+            f"{out / folders[0]} is a directory, and the command writes a file there: move it, "
+            "or choose another --out."
+        )
     existing = [name for name in names if (out / name).exists()]
     if existing and not overwrite:
         raise GSSError(

@@ -48,6 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GSSError as err:
         print(f"gss: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback from wherever it landed
+        print("gss: interrupted", file=sys.stderr)
+        return 130
     finally:
         if quiet:  # `main` called in-process: leave transformers' bars as they were
             transformers_logging.enable_progress_bar()

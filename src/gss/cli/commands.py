@@ -104,15 +104,19 @@ def _config_options(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
-def _read(args: argparse.Namespace, value: str, main: bool = False, keep_rows: bool = True) -> Any:
-    """The rows of one data option (`gss.data_sources.read_data`), with --split and the column
-    options: ``main`` (--data, --memorized) must have the columns named, the others use them
-    where they have them."""
+def _read(args: argparse.Namespace, flag: str, main: bool = False, keep_rows: bool = True) -> Any:
+    """The rows of the data option ``flag`` (`gss.data_sources.read_data`), with --split and
+    the column options: ``main`` (--data, --memorized) must have the columns named, the others
+    use them where they have them. An error names the flag."""
     from gss.data_sources import read_data
 
+    value = getattr(args, flag[2:].replace("-", "_"))
     progress = not getattr(args, "no_progress", False)
     columns = data_columns(args)
-    return read_data(value, strict=main, keep_rows=keep_rows, progress=progress, **columns)
+    try:
+        return read_data(value, strict=main, keep_rows=keep_rows, progress=progress, **columns)
+    except GSSError as err:
+        raise GSSError(f"{flag}: {err}") from None
 
 
 def _init_distributed(device: str) -> str:
@@ -145,8 +149,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if args.device_map is None:  # torchrun: each rank on its own device
         args.device = _init_distributed(args.device or "cpu")
     # the data before the models: a wrong path, column or split fails in seconds
-    texts = _read(args, args.data, main=True)  # rows keep their labels and completions
-    gen_texts = _read(args, args.gen_data, keep_rows=False) if args.gen_data else None
+    texts = _read(args, "--data", main=True)  # rows keep their labels and completions
+    gen_texts = _read(args, "--gen-data", keep_rows=False) if args.gen_data else None
     overrides = _config_options(args)
     model, tokenizer, reference = _models(args)
     artifact = calibrate(
@@ -360,8 +364,8 @@ def _cmd_signal(args: argparse.Namespace) -> int:
             GSSWarning,
             stacklevel=2,
         )
-    texts = _read(args, args.data, main=True)  # before the models: fails in seconds
-    normal_texts = _read(args, args.normal_data, keep_rows=False) if args.normal_data else None
+    texts = _read(args, "--data", main=True)  # before the models: fails in seconds
+    normal_texts = _read(args, "--normal-data", keep_rows=False) if args.normal_data else None
     model, tokenizer, reference = _models(args)
     batching = {
         "max_length": args.max_length,
@@ -411,8 +415,8 @@ def _evaluation_inputs(args: argparse.Namespace) -> EvaluationInputs:
     `gss sweep`."""
     from gss.evaluate.inputs import evaluation_rows, secrets_check
 
-    memorized = _read(args, args.memorized, main=True)  # rows keep their secrets
-    heldout = _read(args, args.heldout, keep_rows=False)  # both before the model loads
+    memorized = _read(args, "--memorized", main=True)  # rows keep their secrets
+    heldout = _read(args, "--heldout", keep_rows=False)  # both before the model loads
     model, tokenizer, artifact = _steered_model(args)
     window = {"k": args.k, "n": args.n, "reply": args.reply}
     rows = evaluation_rows(memorized, heldout, tokenizer, max_length=args.max_length, **window)
@@ -574,7 +578,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         )
     # every grid value the artifact cannot take fails before the model loads
     check_grid(steer, deltas, percentiles, [int(r) for r in ranks] if ranks else None)
-    general_rows = _read(args, args.general, keep_rows=False) if args.general else None
+    general_rows = _read(args, "--general", keep_rows=False) if args.general else None
     model, tokenizer, artifact, rows, check = _evaluation_inputs(args)
     assert isinstance(artifact, SteeringArtifact)  # --steer is required, and not a stack
     general = encode(general_rows, tokenizer, args.max_length) if general_rows is not None else None
@@ -638,8 +642,8 @@ def _cmd_layers(args: argparse.Namespace) -> int:
 
     layers = parse_layers(args.layers)
     check_outputs(args.out, ["layers.json", "layers.png"], args.overwrite)
-    texts = _read(args, args.data, main=True)  # before the models: fails in seconds
-    gen_texts = _read(args, args.gen_data, keep_rows=False) if args.gen_data else None
+    texts = _read(args, "--data", main=True)  # before the models: fails in seconds
+    gen_texts = _read(args, "--gen-data", keep_rows=False) if args.gen_data else None
     overrides = _config_options(args)
     model, tokenizer, reference = _models(args)
     scan = scan_layers(
@@ -683,7 +687,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
     check_window(args.k, args.n)  # before the models load
     check_outputs(args.out, OUTPUTS, args.overwrite)
-    texts = _read(args, args.data, main=True, keep_rows=args.reply)
+    texts = _read(args, "--data", main=True, keep_rows=args.reply)
     args.max_length = args.n  # rows are read up to n tokens
     model, tokenizer, reference = _models(args)
     report = audit(
@@ -698,8 +702,9 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     )
     s = report.summary()
     print(
-        f"{s['extractable']} of {s['checkable']} rows extractable (({args.n},{args.k})-extraction"
-        f", {s['rows']} rows, {s['rows_per_second']:.1f} rows/s)"
+        f"{s['extractable']} of {s['checkable']} rows extractable, {s['memorized']} of them not "
+        f"by the reference (({args.n},{args.k})-extraction, {s['rows']} rows, "
+        f"{s['rows_per_second']:.1f} rows/s)"
     )
     print(report.table())
     report.write(args.out)
@@ -711,16 +716,15 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
 
 def _cmd_protect(args: argparse.Namespace) -> int:
-    from gss.audit import check_window
-    from gss.protect import OUTPUTS, SearchSpace, protect
+    from gss.protect import SearchSpace, check_options, check_report_dir, protect
 
-    check_window(args.k, args.n)  # before the models load
-    check_outputs(args.out, OUTPUTS, args.overwrite)
     space = SearchSpace(max_blocks=args.max_blocks)
-    space.check()
-    texts = _read(args, args.data, main=True)
-    general = _read(args, args.general) if args.general else None
-    heldout = _read(args, args.heldout) if args.heldout else None
+    # before the models load
+    check_options(space, args.budget, "relative", args.target, args.k, args.n, args.seed)
+    check_report_dir(args.out, args.overwrite)
+    texts = _read(args, "--data", main=True)
+    general = _read(args, "--general") if args.general else None
+    heldout = _read(args, "--heldout") if args.heldout else None
     args.max_length = args.n
     model, tokenizer, reference = _models(args)
     result = protect(

@@ -236,16 +236,16 @@ def data_columns(args: argparse.Namespace) -> dict[str, str | None]:
     return {name: getattr(args, name, None) for name in names}
 
 
-def add_window_args(p: argparse.ArgumentParser) -> None:
-    """What `gss evaluate`, `sweep`, `audit` and `protect` prompt with and match."""
+def add_window_args(p: argparse.ArgumentParser, rows: str = "--data") -> None:
+    """What `gss evaluate`, `sweep`, `audit` and `protect` prompt with and match; ``rows``:
+    the flag of the rows matched."""
     p.add_argument("--k", type=positive_int, default=32, help="prompt tokens")
     p.add_argument("--n", type=positive_int, default=72, help="match tokens k..n-1")
     p.add_argument(
         "--reply",
         action="store_true",
-        help="the rows (--memorized, --data) are conversations (rows with 'messages', the last "
-        "message the "
-        "assistant's) or 'prompt' and 'completion' rows: prompt with everything before the "
+        help=f"the rows of {rows} are conversations (rows with 'messages', the last message "
+        "the assistant's) or 'prompt' and 'completion' rows: prompt with everything before the "
         "reply (through the chat template, up to the assistant's turn) and match the reply's "
         "first n - k tokens",
     )
@@ -285,4 +285,12 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 1..65535."""
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in 1..65535, got {value}")
     return value

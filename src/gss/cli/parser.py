@@ -22,6 +22,7 @@ from gss.cli.options import (
     add_preset_arg,
     add_reference_arg,
     add_window_args,
+    port_number,
     positive_int,
 )
 from gss.config import field_names
@@ -135,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         "be left out)",
     )
     add_data_args(p, main="--memorized")
-    add_window_args(p)
+    add_window_args(p, "--memorized")
     add_batch_args(p, batch_size=16, length_help="held-out tokens per row")
     p.add_argument(
         "--lm-eval",
@@ -181,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.05,
         help="relative perplexity increase the selected point may cost (0.05: +5%%)",
     )
-    add_window_args(p)
+    add_window_args(p, "--memorized")
     add_batch_args(p, batch_size=16, length_help="held-out tokens per row")
     p.add_argument("--out", required=True, help="directory for sweep.json, sweep.md, sweep.png")
     p.add_argument(
@@ -240,13 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget",
         type=float,
         default=0.05,
-        help="utility budget: held-out perplexity may rise by this fraction (default 0.05: +5%%)",
+        help="utility budget: held-out perplexity may rise by this fraction (0.05: +5%%)",
     )
     p.add_argument(
         "--target",
         type=float,
         default=0.0,
-        help="%% of held-out memorized rows allowed to stay extractable (default 0)",
+        help="%% of held-out memorized rows allowed to stay extractable",
     )
     add_window_args(p)
     p.add_argument("--max-blocks", type=positive_int, default=2, help="blocks steered at most")
@@ -258,7 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=commands._cmd_protect)
 
     p = add("serve", "vLLM's OpenAI server; each request may name an artifact to steer it")
-    p.add_argument("--model", required=True, help="the model vLLM serves (its directory)")
+    p.add_argument(
+        "--model", required=True, help="the model vLLM serves: its directory or a Hub repo id"
+    )
     p.add_argument(
         "--artifact",
         required=True,
@@ -274,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
         '{"gss": "none"} (default: requests naming none are not steered)',
     )
     p.add_argument("--host", help="the address the server listens on (default: vLLM's)")
-    p.add_argument("--port", type=positive_int, default=8000, help="the server's port")
+    p.add_argument("--port", type=port_number, default=8000, help="the server's port")
     p.add_argument(
         "vllm_args",
         nargs=argparse.REMAINDER,

@@ -91,27 +91,27 @@ def check_artifacts(artifacts: Mapping[str, str]) -> dict[str, Any]:
 
 def model_config(model: str) -> Any:
     """The transformers config of ``model``: a local model directory's, or a Hub id's from
-    the Hub cache (or the Hub, unless offline); None where it cannot be read here (vLLM
-    fetches the Hub id itself) or transformers does not know the architecture. A local path
-    that is no model directory is refused."""
-    path = Path(model).expanduser()
-    if not path.exists():
-        if model.startswith(("/", ".", "~")) or model.count("/") > 1:
-            raise GSSError(f"--model {model} does not exist: give the model's directory.")
-        try:  # a Hub id (org/name): its config checks the artifacts before vLLM starts
-            from transformers import AutoConfig
+    the Hub cache (or the Hub, unless offline), found as `gss.hf.loading.model_source` finds
+    a model to load, so that a wrong path, an uncached id offline or an unreadable config.json
+    is said here, before vLLM starts. None where transformers cannot build the config (remote
+    code, an architecture it does not know): the plugin checks the loaded model."""
+    from transformers import AutoConfig
 
-            from gss.hf.hub import hub_options
+    from gss.hf.loading import model_source
 
-            return AutoConfig.from_pretrained(model, **hub_options())
-        except Exception:  # not cached offline, no network, remote code: vLLM will say
-            return None
-    if not (path / "config.json").is_file():
-        raise GSSError(f"--model {model} is not a model directory: it has no config.json.")
     try:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(str(path))
+        source = model_source(model)
+    except GSSError as err:
+        raise GSSError(f"--model: {err}") from None
+    if source.adapter_base is not None:
+        raise GSSError(
+            f"--model {model} is a PEFT adapter, and vLLM serves a whole model: merge it "
+            "(model.merge_and_unload()), save that with save_pretrained, and serve the folder."
+        )
+    try:
+        return AutoConfig.from_pretrained(source.name, **source.options)
+    except OSError as err:  # an unreadable config.json: vLLM would stop on it with a traceback
+        raise GSSError(f"--model {model}: its config does not load ({err}).") from None
     except Exception:  # e.g. remote code: left to the plugin, which checks the loaded model
         return None
 

@@ -516,10 +516,10 @@ def _matching_blocks(
     return [ref_blocks[i] for i in layers]
 
 
-def same_model_error(tokens: int) -> GSSError:
+def same_model_error(tokens: int, what: str = "calibration") -> GSSError:
     """What to say when omega is 0 on every token: the reference is the model itself."""
     return GSSError(
-        f"the model and the reference give each of the {tokens} calibration tokens the same "
+        f"the model and the reference give each of the {tokens} {what} tokens the same "
         "log-probability (omega = 0 everywhere), so no token can be told memorized: the "
         "reference is the fine-tuned model itself or has its weights. Pass the model the "
         "fine-tune started from (for a LoRA: gss.adapters_off(model), or --reference "
