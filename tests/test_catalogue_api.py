@@ -439,6 +439,58 @@ NAN = float("nan")
 INF = float("inf")
 W = "w1 w2 w3"
 
+
+def _padded_rows_calibrate_as_unpadded(c: Ctx) -> None:
+    rows = c.ids[:, :10].tolist()
+    padded = [
+        {"input_ids": r + [0] * 4, "attention_mask": [1] * 10 + [0] * 4} for r in rows
+    ]  # right padding, then left padding
+    left = [{"input_ids": [0] * 4 + r, "attention_mask": [0] * 4 + [1] * 10} for r in rows]
+    plain = c.calibrate(rows)
+    for version in (padded, left):
+        art = c.calibrate(version)
+        assert art.provenance.token_counts == plain.provenance.token_counts
+        assert torch.equal(art.thresholds, plain.thresholds)
+
+
+def _numpy_options(c: Ctx) -> None:
+    import numpy as np
+
+    art = c.calibrate(layer=np.int64(1), rank=np.int64(2), delta=np.float32(2.0))
+    assert (art.layer, art.rank, art.config.delta) == (1, 2, 2.0)
+    assert type(art.config.layer) is int and type(art.config.delta) is float
+    json.dumps(art.config.to_dict())  # saved as JSON
+
+
+def _config_none(c: Ctx) -> None:
+    assert gss.calibrate(c.model, c.ref, c.ids, None, layer=1, rank=2, progress=False).config == (
+        c.calibrate().config
+    )
+
+
+def _sweep(c: Ctx, artifact: Any, **grid: Any) -> Any:
+    from gss.evaluate.sweep import steering_sweep
+
+    return steering_sweep(c.model, artifact, c.ids[:4].tolist(), c.ids[4:8].tolist(), **grid)
+
+
+def _thresholds_under_a_steer(c: Ctx) -> None:
+    with gss.steer(c.model, c.art):
+        gss.calibrate_thresholds(c.model, c.art, c.ids[:4])
+
+
+def _save_into_cwd(c: Ctx) -> None:
+    import os
+
+    here = Path.cwd()
+    (c.tmp / "empty").mkdir()
+    os.chdir(c.tmp / "empty")
+    try:
+        c.art.save_pretrained(".")
+    finally:
+        os.chdir(here)
+
+
 CASES: list[tuple[str, Callable[[Ctx], Any], Err | Warns | Ok]] = [
     # -- gss.calibrate: the config's fields -----------------------------------------------------
     ("rank 0", lambda c: c.calibrate(rank=0), Err(r"rank must be an integer >= 1, got 0")),
@@ -957,6 +1009,92 @@ CASES: list[tuple[str, Callable[[Ctx], Any], Err | Warns | Ok]] = [
         "signal statistics of padding only",
         lambda c: gss.signal_statistics(torch.full((2, 3), NAN)),
         Err(r"omega has no finite values"),
+    ),
+    # -- found by a reliability pass (2026-11-27) ---------------------------------------------
+    ("padding masked out of input_ids rows", _padded_rows_calibrate_as_unpadded, Ok()),
+    (
+        "a mask with holes",
+        lambda c: c.calibrate([{"input_ids": [5, 6, 7], "attention_mask": [1, 0, 1]}] * 4),
+        Err(r"masks tokens inside the sequence"),
+    ),
+    (
+        "a mask of another length",
+        lambda c: c.calibrate([{"input_ids": [5, 6, 7], "attention_mask": [1, 1]}] * 4),
+        Err(r"is not 3 0s and 1s, one per input_id"),
+    ),
+    ("NumPy scalars as options", _numpy_options, Ok()),
+    ("seed past 2^63", lambda c: c.calibrate(seed=2**64), Err(r"seed must be below 2\^63")),
+    ("config None is the default preset", _config_none, Ok()),
+    (
+        "reference None",
+        lambda c: gss.calibrate(c.model, None, c.ids, layer=1),
+        Err(r"the reference must be a torch.nn.Module"),
+    ),
+    (
+        "steer None",
+        lambda c: gss.steer(c.model, None).__enter__(),
+        Err(r"gss.protect found no steer"),
+    ),
+    (
+        "steer a path",
+        lambda c: gss.steer(c.model, str(c.saved)).__enter__(),
+        Err(r"expected a SteeringArtifact or SteeringStack, got str"),
+    ),
+    (
+        "explain None",
+        lambda c: gss.explain(c.model, None, [3, 4]),
+        Err(r"explain takes a SteeringArtifact"),
+    ),
+    (
+        "attach to a Linear",
+        lambda c: c.art.attach(nn.Linear(3, 3)),
+        Err(r"a steer attaches to a causal language model"),
+    ),
+    (
+        "sweep a stack",
+        lambda c: _sweep(c, gss.SteeringStack((c.art,))),
+        Err(r"a strength sweep takes one SteeringArtifact, got SteeringStack"),
+    ),
+    (
+        "sweep deltas a number",
+        lambda c: _sweep(c, c.art, deltas=2.0),
+        Err(r"deltas is a list of values"),
+    ),
+    (
+        "thresholds of a stack",
+        lambda c: gss.calibrate_thresholds(c.model, gss.SteeringStack((c.art,)), c.ids[:4]),
+        Err(r"calibrate_thresholds takes one SteeringArtifact"),
+    ),
+    (
+        "thresholds under a steer",
+        _thresholds_under_a_steer,
+        Warns(r"reads the steered hidden states"),
+    ),
+    (
+        "scan layers a number",
+        lambda c: _scan(c, layers=1),
+        Err(r"layers is a list of block indices"),
+    ),
+    (
+        "perplexity of an id past the vocabulary",
+        lambda c: gss.evaluate.perplexity(c.model, [[99, 3]]),
+        Err(r"token id 99 is outside the model's vocabulary"),
+    ),
+    (
+        "perplexity of strings",
+        lambda c: gss.evaluate.perplexity(c.model, ["w1 w2"]),
+        Err(r"holds a str"),
+    ),
+    (
+        "perplexity of nothing",
+        lambda c: gss.evaluate.perplexity(c.model, []),
+        Err(r"no row has a next-token target"),
+    ),
+    ("save into the working directory", _save_into_cwd, Err(r"is the current directory")),
+    (
+        "a figure into a folder",
+        lambda c: gss.report.save_figure(None, c.tmp),
+        Err(r"is a directory: give the figure a file name"),
     ),
 ]
 

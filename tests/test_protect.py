@@ -183,6 +183,9 @@ def test_protect_refuses_bad_options(memorizer):
         ({"search": SearchSpace(loop_tolerance=float("nan"))}, "loop_tolerance"),
         ({"search": SearchSpace(fluency_tolerance=-0.1)}, "fluency_tolerance"),
         ({"seed": 2**70}, r"seed must be an integer in \[0, 2\^63\)"),
+        ({"utility": lambda m: float("nan"), "k": 4, "n": 16}, r"returned nan, not a finite"),
+        ({"utility": lambda m: None, "k": 4, "n": 16}, r"returned None, not a finite"),
+        ({"search": SearchSpace(blocks=(9,)), "k": 4, "n": 16}, r"blocks \[9\] are out of"),
         ({"general": planted[:1].tolist()}, r"the general text has 1 row\(s\)"),
     ]:
         with pytest.raises(GSSError, match=message):
@@ -215,6 +218,21 @@ def test_protect_never_holds_out_a_copy_of_a_tuning_row(memorizer, tmp_path):
     result.write(tmp_path / "out")
     split = json.loads((tmp_path / "out" / "protect.json").read_text())["split"]
     assert split == {"tuning": result.tuning, "heldout": result.heldout}
+
+
+def test_a_relative_budget_on_a_negative_utility_allows_a_rise(memorizer):
+    """``-accuracy`` (the docstring's example) with the default relative budget: the limit is
+    the base raised by 5% of its size, not the base times 1.05 (which would lie below it)."""
+    model, reference, planted, general = memorizer
+    held = general[100:140].tolist()
+    space = SearchSpace(presets=("gss",), ranks=(1,), gates=("hard",), steps=2, max_blocks=1)
+    result = protect(
+        model, reference, torch.cat([planted, general[:26]]).tolist(), k=4, n=16,
+        utility=lambda m: -gss.evaluate.token_accuracy(m, held), search=space, progress=False,
+    )  # fmt: skip
+    base = result.budget["base"]
+    assert base < 0 and result.budget["limit"] == pytest.approx(base + 0.05 * abs(base))
+    assert result.steer is not None
 
 
 def test_audit_refuses_the_model_as_its_own_reference(memorizer):

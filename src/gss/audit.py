@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from gss.artifact.files import check_outputs
 from gss.config import RunOptions
 from gss.data import TextsOrIds, batches, count_batches, encode
 from gss.errors import GSSError, GSSWarning
@@ -42,7 +43,7 @@ from gss.hf.forward import (
     token_logprobs,
 )
 from gss.statistics.capture import calibration_mode
-from gss.statistics.collect import same_model_error
+from gss.statistics.collect import nonfinite_error, same_model_error
 
 
 @dataclass(frozen=True)
@@ -149,11 +150,12 @@ class AuditReport:
         ]
         return markdown_table(header, body)
 
-    def write(self, directory: str | Path) -> list[Path]:
+    def write(self, directory: str | Path, overwrite: bool = False) -> list[Path]:
         """``audit.jsonl`` (every row), ``audit.md`` (summary and the riskiest rows) and
         ``extractable.jsonl`` (the extractable rows' token ids, as `gss evaluate --memorized`
-        reads them)."""
+        reads them); an earlier audit's files there are replaced only with ``overwrite``."""
         out = Path(directory)
+        check_outputs(out, OUTPUTS, overwrite)
         out.mkdir(parents=True, exist_ok=True)
         (out / "audit.jsonl").write_text(
             "".join(
@@ -286,8 +288,12 @@ def audit(
             omega = token_logprobs(logits, ids).float().cpu()
             ref_logits = forward_logits(reference, ids, mask)
             ref_hits = ref_logits[:, :-1].argmax(-1).cpu() == ids[:, 1:].cpu()
-            omega -= token_logprobs(ref_logits, ids).float().cpu()
+            ref_lp = token_logprobs(ref_logits, ids).float().cpu()
             valid = target_mask(mask).cpu()
+            for name, lp in (("model", omega), ("reference", ref_lp)):
+                if not bool(torch.isfinite(lp[valid]).all()):  # else nothing looks memorized
+                    raise nonfinite_error(name, "audited")
+            omega -= ref_lp
             differs = differs or bool((omega[valid] != 0).any())
             tokens += int(valid.sum())
             for j, index in enumerate(batch.index.tolist()):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -144,6 +145,16 @@ class CalibrationConfig:
     )
 
     def __post_init__(self) -> None:
+        # NumPy's and torch's scalars (np.int64(2) from an arange, say) as Python's: the
+        # config is saved as JSON, and checked as Python numbers
+        for name, kind in _NUMERIC_FIELDS.items():
+            value = getattr(self, name)
+            if isinstance(value, (bool, str, int, float)):
+                continue
+            if kind is numbers.Integral and isinstance(value, numbers.Integral):
+                object.__setattr__(self, name, int(value))
+            elif kind is numbers.Real and isinstance(value, numbers.Real):
+                object.__setattr__(self, name, float(value))
         check_config(self)
 
     def replace(self, **changes: Any) -> CalibrationConfig:
@@ -172,6 +183,14 @@ def _finite(name: str, value: Any, fix: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise GSSError(f"{name} must be a finite number, got {value!r}: {fix}.")
     return float(value)
+
+
+# every numeric field, and the kind of number it holds
+_NUMERIC_FIELDS: dict[str, type] = {
+    f.name: numbers.Integral if "int" in str(f.type) else numbers.Real
+    for f in dataclasses.fields(CalibrationConfig)
+    if "int" in str(f.type) or "float" in str(f.type)
+}
 
 
 def _integer(name: str, value: Any, low: int, fix: str) -> None:
@@ -209,6 +228,8 @@ def check_config(c: CalibrationConfig) -> None:
         _integer("max_length", c.max_length, 2, "or leave it None (the model's context)")
     _integer("max_threshold_samples", c.max_threshold_samples, 1, "e.g. 65536")
     _integer("seed", c.seed, 0, "any non-negative integer")
+    if c.seed >= 2**63:
+        raise GSSError(f"seed must be below 2^63, got {c.seed}: any smaller non-negative integer.")
     if not isinstance(c.replies_only, bool):
         raise GSSError(f"replies_only must be True or False, got {c.replies_only!r}.")
     if c.block_path is not None and not isinstance(c.block_path, str):
@@ -266,10 +287,11 @@ RUN_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(RunOptions))
 def resolve(
     config: CalibrationConfig | str | None, overrides: dict[str, Any]
 ) -> tuple[CalibrationConfig, RunOptions]:
-    """The config and run options of a call: ``config`` (or a preset name, default ``"gss"``)
-    with the keyword ``overrides`` of either's fields applied, all checked before any work."""
+    """The config and run options of a call: ``config`` (or a preset name; None:
+    `DEFAULT_PRESET`) with the keyword ``overrides`` of either's fields applied, all checked
+    before any work."""
     if config is None:
-        config = "gss"
+        config = DEFAULT_PRESET
     if isinstance(config, str):
         config = preset(config)
     elif not isinstance(config, CalibrationConfig):

@@ -228,11 +228,34 @@ def chat_prompt(prompt: str, tokenizer: Any) -> str:
     return render([{"role": "user", "content": prompt}], tokenizer, "the prompt", True)
 
 
+def _unpadded(ids: list[int], mask: Any, name: str) -> list[int]:
+    """The tokens of ``ids`` its ``attention_mask`` keeps: padding on the left or on the right
+    is dropped; a mask with holes, of another length, or not of 0s and 1s is refused (the
+    rows gss reads are whole sequences)."""
+    keep = _id_row(mask, 0, f"the attention_mask of {name}")
+    if len(keep) != len(ids) or set(keep) - {0, 1}:
+        raise GSSError(
+            f"the attention_mask of {name} is not {len(ids)} 0s and 1s, one per input_id: "
+            "give the row's own mask, or leave it out."
+        )
+    first = keep.index(1) if 1 in keep else len(keep)
+    last = len(keep) - keep[::-1].index(1) if 1 in keep else first
+    if 0 in keep[first:last]:
+        raise GSSError(
+            f"the attention_mask of {name} masks tokens inside the sequence, not only padding at "
+            "its start or end: pass the tokens the model reads, one sequence per row."
+        )
+    return ids[first:last]
+
+
 def _id_row(x: Any, index: int, where: str | None = None) -> list[int]:
     """One sequence of token ids (or a row's ``input_ids``) as a list of ints; a GSSError for
     anything else, naming `where` it is (default: sequence `index`)."""
     if isinstance(x, Mapping):
-        return _id_row(x["input_ids"], index, where or f"the input_ids of sequence {index}")
+        ids = _id_row(x["input_ids"], index, where or f"the input_ids of sequence {index}")
+        if x.get("attention_mask") is None:
+            return ids
+        return _unpadded(ids, x["attention_mask"], where or f"sequence {index}")
     name = where or f"sequence {index}"
     if isinstance(x, Tensor) or hasattr(x, "__array__"):
         try:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from gss.config import DEFAULT_PRESET, CalibrationConfig, resolve
 from gss.data import TextsOrIds
-from gss.errors import GSSWarning
+from gss.errors import GSSError, GSSWarning
 from gss.hf.blocks import find_decoder_blocks
 from gss.solve.whitened import solve_probe_steer
 from gss.statistics.collect import run_pass, same_model_error
@@ -143,6 +143,8 @@ def scan_layers(
     play no part.
     """
     cfg, run = resolve(config, overrides)
+    if layers is not None and (isinstance(layers, str) or not isinstance(layers, Iterable)):
+        raise GSSError(f"layers is a list of block indices (e.g. [0, 2]), got {layers!r}.")
     started = time.perf_counter()
     wanted = range(len(find_decoder_blocks(model, cfg.block_path))) if layers is None else layers
     # run_pass refuses gradient="per-position" for several blocks rather than change it

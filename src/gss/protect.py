@@ -30,7 +30,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import random
+import shutil
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -94,6 +96,9 @@ class SearchSpace:
     fluency_tolerance: float = 0.25
 
     def check(self) -> None:
+        blocks = self.blocks or ()
+        if any(isinstance(b, bool) or not isinstance(b, numbers.Integral) for b in blocks):
+            raise GSSError(f"blocks must be block indices (integers), got {self.blocks}.")
         unknown = [p for p in self.presets if p not in PRESETS]
         if not self.presets or unknown:
             raise GSSError(f"presets must be among {sorted(PRESETS)}, got {self.presets}.")
@@ -282,6 +287,8 @@ class Protection:
         written = []
         if self.steer is not None:
             written.append(self.steer.save_pretrained(out / "steer", overwrite=overwrite))
+        elif (out / "steer").is_dir():  # an earlier run's steer (check_report_dir: gss's own)
+            shutil.rmtree(out / "steer")  # would outlive a report that says nothing was chosen
         data = {
             **self.summary(),
             "split": {"tuning": self.tuning, "heldout": self.heldout},  # audit row indices
@@ -339,7 +346,8 @@ class _Judge:
         members = steer.artifacts if isinstance(steer, SteeringStack) else (steer,)
         with self.replay.below(min(a.layer for a in members)), steer.attach(self.model):
             mem, match = self.memorized()
-            value = float(self.utility(self.model))
+            # a steer too strong may give NaN or inf: that point is out of the budget
+            value = _utility_value(self.utility, self.model, "the utility", finite=False)
         last = members[-1]
         trial = Trial(
             stage=stage,
@@ -443,12 +451,7 @@ def _candidate_blocks(
 ) -> list[int]:
     count = len(find_decoder_blocks(model))
     if space.blocks is not None:
-        bad = [b for b in space.blocks if not 0 <= b < count]
-        if bad:
-            raise GSSError(
-                f"blocks {bad} are out of range: the model has {count} (0..{count - 1})."
-            )
-        return list(space.blocks)
+        return _given_blocks(space.blocks, count)
     if count <= space.max_candidates:
         return list(range(count))
     from gss.layer_scan import scan_layers
@@ -464,6 +467,17 @@ def _candidate_blocks(
         for i in range(1, space.max_candidates // 2 + 1)
     ]
     return sorted(set(strongest) | {min(b, count - 1) for b in spaced})
+
+
+def _given_blocks(blocks: Sequence[int], count: int) -> list[int]:
+    """`SearchSpace.blocks` as indices 0..count-1 (negative ones count from the end)."""
+    bad = [b for b in blocks if not -count <= b < count]
+    if bad:
+        raise GSSError(
+            f"blocks {bad} are out of range: the model has {count} (0..{count - 1}, or "
+            f"-{count}..-1 from the end)."
+        )
+    return list(dict.fromkeys(int(b) % count for b in blocks))
 
 
 def reference_text(
@@ -558,7 +572,7 @@ def protect(
             the general text).
         utility: ``utility(model) -> float``, lower is better (e.g. ``lambda m: -accuracy(m)``);
             default: perplexity on ``heldout``. ``utility_name`` labels it in the report.
-        budget, budget_mode: the utility may rise to ``base * (1 + budget)`` ("relative", the
+        budget, budget_mode: the utility may rise to ``base + budget * |base|`` ("relative", the
             default: +5%) or ``base + budget`` ("absolute").
         target: % of held-out memorized rows allowed to stay extractable (default 0).
         k, n: (n, k)-extraction: prompted with k tokens, reproduce tokens k..n-1.
@@ -567,6 +581,8 @@ def protect(
     """
     space = search or SearchSpace()
     check_options(space, budget, budget_mode, target, k, n, seed)
+    if space.blocks is not None:  # in range, before any pass
+        _given_blocks(space.blocks, len(find_decoder_blocks(model)))
     if budget_mode == "relative" and budget > 1:
         warnings.warn(
             f"budget {budget:g} lets the utility rise by {100 * budget:.0f}%: a relative budget "
@@ -653,8 +669,10 @@ def protect(
         measure_name = "perplexity on " + ("heldout" if heldout is not None else "general text")
     else:
         measure_name = utility_name
-    base = float(utility(model))
-    limit = base * (1 + budget) if budget_mode == "relative" else base + budget
+    base = _utility_value(utility, model, measure_name)
+    # relative: by a share of the base's size, a negative utility (minus accuracy) too
+    rise = 1 + budget if base >= 0 else 1 - budget
+    limit = base * rise if budget_mode == "relative" else base + budget
     seconds["general_text"] = time.perf_counter() - started - seconds["audit"]
 
     bar = tqdm(desc="gss: protect", unit="point", disable=not progress)
@@ -768,6 +786,13 @@ def protect(
             model, reference, judge, target, tune_candidates, space, k, n, pad_id, batch_size
         )
     chosen_steer = None if best is None else judge.steer_of(best)
+    if chosen_steer is None:
+        warnings.warn(
+            f"protect: no steer stayed within the utility budget ({measure_name} at most "
+            f"{_g(limit)}, from {_g(base)}): nothing is chosen. Allow more (a larger budget).",
+            GSSWarning,
+            stacklevel=2,
+        )
     bar.close()
     seconds["search"] = time.perf_counter() - started - seconds["audit"] - seconds["general_text"]
 
@@ -833,6 +858,22 @@ def protect(
         seconds=seconds,
         replies=replies,
     )
+
+
+def _utility_value(utility: Utility, model: nn.Module, name: str, finite: bool = True) -> float:
+    """``utility(model)`` as a float (``finite``: a finite one), or a GSSError naming what it
+    returned: the unsteered model's NaN or infinity would make every point fail the budget, or
+    pass it."""
+    value = utility(model)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not number or (finite and not math.isfinite(value)):
+        raise GSSError(
+            f"the utility ({name}) returned {value!r:.60}, not a finite number: "
+            "utility(model) must return one float, lower is better."
+        )
+    return float(value)
 
 
 def _with_record(steer: Steer, record: dict[str, Any]) -> Steer:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gss.errors import GSSError
+
 
 def write_json(path: str | Path, data: Any) -> Path:
     p = Path(path)
@@ -96,8 +98,13 @@ def cpu_capability() -> str:
 
 
 def save_figure(fig: Any, path: str | Path) -> Path:
-    """Lay out, write (120 dpi, creating the folder) and close a figure."""
+    """Lay out, write (120 dpi, creating the folder) and close a figure; a path without a
+    suffix gets ``.png`` (what matplotlib writes then), a directory is refused."""
     p = Path(path)
+    if p.is_dir():
+        raise GSSError(f"{p} is a directory: give the figure a file name, e.g. {p / 'plot.png'}.")
+    if not p.suffix:
+        p = p.with_suffix(".png")
     p.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(p, dpi=120)

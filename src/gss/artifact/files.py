@@ -60,6 +60,11 @@ def check_target(directory: str | Path, overwrite: bool) -> Path:
     out = Path(directory)
     if out.exists() and not out.is_dir():
         raise GSSError(f"{out} is a file, not a directory: give a directory for the artifact.")
+    if out.absolute() == Path.cwd():  # it would be replaced by a rename: not the working dir
+        raise GSSError(
+            f"{directory} is the current directory: give the artifact a directory of its own, "
+            "e.g. ./artifact."
+        )
     if not out.is_dir():
         check_creatable(out)
         return out
@@ -138,8 +143,8 @@ def check_outputs(directory: str | Path | None, names: Iterable[str], overwrite:
     existing = [name for name in names if (out / name).exists()]
     if existing and not overwrite:
         raise GSSError(
-            f"{out} already holds {', '.join(existing)}: pass --overwrite to replace "
-            f"{'it' if len(existing) == 1 else 'them'}, or choose another --out."
+            f"{out} already holds {', '.join(existing)}: pass --overwrite (overwrite=True) to "
+            f"replace {'it' if len(existing) == 1 else 'them'}, or choose another --out."
         )
 
 

@@ -246,9 +246,21 @@ def load(
     return SteeringArtifact.from_pretrained(path)
 
 
+def check_steer(artifact: Any) -> None:
+    """Refuse what is not a steer (a path not yet loaded, the None of a `gss.protect` that
+    found nothing within its budget) before it fails as an AttributeError."""
+    if not isinstance(artifact, (SteeringArtifact, SteeringStack)):
+        raise GSSError(
+            f"expected a SteeringArtifact or SteeringStack, got {type(artifact).__name__}"
+            + (" (gss.protect found no steer within its budget?)" if artifact is None else "")
+            + ": load a saved one with gss.load(path)."
+        )
+
+
 @contextmanager
 def steer(model: nn.Module, artifact: Steer, **options: Any) -> Iterator[SteerHandle | StackHandle]:
     """``with gss.steer(model, artifact): ...`` steers inside the block(s) and never after."""
+    check_steer(artifact)
     handle = artifact.attach(model, **options)
     try:
         yield handle

@@ -283,6 +283,11 @@ class SteeringArtifact(hub.HubMixin):
     def check_model(self, model: nn.Module, strict: bool = True) -> None:
         """Refuse (or, with ``strict=False``, warn about) a model the artifact was not made for."""
         check_models(model)
+        if not callable(getattr(model, "get_input_embeddings", None)):
+            raise GSSError(
+                f"a steer attaches to a causal language model (a transformers model, with input "
+                f"embeddings and decoder blocks), got {type(model).__name__}."
+            )
         actual = model_fingerprint(model, self.config.block_path)
         diffs = fingerprint_differences(self.provenance.fingerprint, actual)
         if diffs:
@@ -518,6 +523,20 @@ def _read_format_1(raw: dict[str, Any], path: Path) -> tuple[CalibrationConfig, 
         raise GSSError(f"{path}: its format-1 config does not load: {e}") from None
     rest = {k: v for k, v in raw.items() if k not in (*_FORMAT_1_OPTIONS, "format_version")}
     return config, _provenance(rest, path)
+
+
+def require_artifact(value: Any, what: str) -> None:
+    """Refuse, in ``what``, anything but one `SteeringArtifact` (a stack's blocks are one at a
+    time: ``stack.artifacts[i]``)."""
+    if not isinstance(value, SteeringArtifact):
+        hint = (
+            "one of its artifacts, stack.artifacts[i]"
+            if hasattr(value, "artifacts")
+            else ("gss.load(path) loads a saved one")
+        )
+        raise GSSError(
+            f"{what} takes one SteeringArtifact, got {type(value).__name__}: give {hint}."
+        )
 
 
 def check_tensors(artifact: SteeringArtifact) -> None:

@@ -707,7 +707,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         f"{s['rows_per_second']:.1f} rows/s)"
     )
     print(report.table())
-    report.write(args.out)
+    report.write(args.out, overwrite=args.overwrite)
     print(
         f"wrote {args.out}: audit.jsonl, audit.md, audit.png, extractable.jsonl (gss evaluate "
         "--memorized)"

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from gss.artifact.steering_artifact import SteeringArtifact
+from gss.artifact.steering_artifact import SteeringArtifact, require_artifact
 from gss.errors import GSSError
 from gss.evaluate.suite import Candidates, EvaluationReport, evaluate_model
 
@@ -60,6 +60,10 @@ def check_grid(
 ) -> None:
     """Refuse a grid value no steer can take (a delta <= 0, a percentile outside (0, 100), a
     rank past the artifact's), before any point of the sweep runs."""
+    require_artifact(artifact, "a strength sweep")
+    for name, grid in (("deltas", deltas), ("percentiles", percentiles), ("ranks", ranks)):
+        if grid is not None and (isinstance(grid, str) or not isinstance(grid, Sequence)):
+            raise GSSError(f"{name} is a list of values (e.g. [0.25, 1, 4]), got {grid!r}.")
     for delta in deltas or ():
         artifact.with_options(delta=delta)
     for rank in ranks or ():

@@ -121,10 +121,11 @@ def vocab_size(model: nn.Module) -> int:
     return int(size)
 
 
-def check_models(model: Any, reference: Any = None) -> None:
-    """Refuse a model (or reference) that is not a torch module, e.g. a path not yet loaded."""
-    for what, m in (("model", model), ("reference", reference)):
-        if (what == "model" or reference is not None) and not isinstance(m, nn.Module):
+def check_models(model: Any, *reference: Any) -> None:
+    """Refuse a model (or the reference, when one is passed: None too) that is not a torch
+    module, e.g. a path not yet loaded."""
+    for what, m in (("model", model), *(("reference", r) for r in reference)):
+        if not isinstance(m, nn.Module):
             raise GSSError(
                 f"the {what} must be a torch.nn.Module (a causal LM), got {type(m).__name__}: "
                 "load it first, e.g. gss.hf.loading.load_model(path) or "

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from gss.artifact.steering_artifact import SteeringArtifact
+from gss.artifact.steering_artifact import SteeringArtifact, require_artifact
 from gss.config import CalibrationConfig, RunOptions
 from gss.data import TextsOrIds, batches, count_batches, encode
 from gss.errors import GSSError
@@ -24,6 +24,7 @@ from gss.hf.blocks import resolve_layer
 from gss.hf.forward import check_sequences, target_mask
 from gss.solve.condition import condition_threshold, with_condition
 from gss.statistics.capture import calibration_mode, layer_activations
+from gss.steering.attach import warn_if_steered
 
 
 @dataclass
@@ -187,6 +188,7 @@ def calibrate_thresholds(
 ) -> SteeringArtifact:
     """Re-set an artifact's gate thresholds from held-out (general) text."""
     # the rule and the model are checked before the pass over the text
+    require_artifact(artifact, "calibrate_thresholds")
     if gate_share is None and threshold_percentile is None:
         raise GSSError("give threshold_percentile (e.g. 95) or gate_share (e.g. 0.05).")
     percentile = artifact.config.threshold_percentile
@@ -195,6 +197,8 @@ def calibrate_thresholds(
         gate_share=gate_share,
     )
     artifact.check_model(model)
+    block = resolve_layer(model, artifact.layer, artifact.config.block_path)[1]
+    warn_if_steered(block, "setting thresholds")
     responses = probe_responses(
         model, artifact, texts, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length
     )

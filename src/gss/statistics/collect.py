@@ -49,6 +49,7 @@ from gss.statistics.accumulators import (
 )
 from gss.statistics.capture import Tap, block_outputs, calibration_mode, outputs, tapped
 from gss.statistics.gradients import per_position_gradients
+from gss.steering.attach import warn_if_steered
 
 # What the pass fixes: a statistics object can make artifacts that differ in anything else.
 COLLECT_FIELDS = (
@@ -214,6 +215,7 @@ def collect(
             "no layer given: pass layer=N (a decoder block; gss.scan_layers(...).best picks one)."
         )
     check_models(model, reference)
+    warn_if_steered(resolve_layer(model, cfg.layer, cfg.block_path)[1], "calibrating here")
     dim = residual_width(model)
     if cfg.rank > dim:  # known now: refused before the pass, not after it
         raise GSSError(
@@ -385,11 +387,7 @@ def run_pass(
             omega = lp_model.detach() - lp_ref.to(lp_model.device)
             if not bool(torch.isfinite(omega[valid]).all()):
                 bad = "model" if not bool(torch.isfinite(lp_model[valid]).all()) else "reference"
-                raise GSSError(
-                    f"the {bad} gives NaN or infinite log-probabilities on the calibration text, "
-                    "so omega is undefined: check its weights and dtype (float16 can overflow; "
-                    "try float32 or bfloat16)."
-                )
+                raise nonfinite_error(bad, "calibration")
             eligible = trained_targets(trained, batch, valid)
             replies.update(batch, omega, valid)
             mem = eligible & (omega > cut)
@@ -514,6 +512,16 @@ def _matching_blocks(
     if len(ref_blocks) != n_blocks or residual_width(reference) != residual_width(model):
         return []
     return [ref_blocks[i] for i in layers]
+
+
+def nonfinite_error(bad: str, what: str) -> GSSError:
+    """What to say when the ``bad`` model's log-probabilities on the ``what`` text are NaN or
+    infinite: omega, and all that rests on it, would be undefined."""
+    return GSSError(
+        f"the {bad} gives NaN or infinite log-probabilities on the {what} text, so omega is "
+        "undefined: check its weights and dtype (float16 can overflow; try float32 or "
+        "bfloat16)."
+    )
 
 
 def same_model_error(tokens: int, what: str = "calibration") -> GSSError:

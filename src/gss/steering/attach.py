@@ -165,6 +165,18 @@ def warn_if_steering(block: nn.Module, origin: object, doing: str) -> None:
         )
 
 
+def warn_if_steered(block: nn.Module, doing: str) -> None:
+    """Warn when some steer is attached at ``block``: ``doing`` would read the hidden states it
+    steered, not the model's own."""
+    if active_hooks(block):
+        warnings.warn(
+            f"a steer is attached at this block (a gss.steer or attach not yet removed): {doing} "
+            "reads the steered hidden states. Remove it first for the model's own.",
+            GSSWarning,
+            stacklevel=3,
+        )
+
+
 def active_hooks(block: nn.Module) -> list[Any]:
     """The hooks of the wrappers now steering ``block``, outermost first."""
     hooks = []

@@ -376,7 +376,13 @@ def explain(
     if max_new_tokens < 1:
         raise GSSError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
     single = isinstance(artifact, SteeringArtifact)
-    members = [artifact] if isinstance(artifact, SteeringArtifact) else list(artifact)
+    members = (
+        [artifact]
+        if isinstance(artifact, SteeringArtifact)
+        else list(artifact)
+        if isinstance(artifact, Iterable)
+        else []
+    )
     if not members or not all(isinstance(m, SteeringArtifact) for m in members):
         raise GSSError("explain takes a SteeringArtifact, or a stack of them (gss.load).")
     if options and not single:
