@@ -59,6 +59,24 @@ def test_runs_the_base_and_leaves_the_adapters_on(models):
     assert sum(p.numel() for p in off.parameters()) == sum(p.numel() for p in model.parameters())
 
 
+def test_a_steer_on_the_model_does_not_steer_its_adapters_off_reference(models):
+    """The reference shares the model's blocks: a steer attached to the model (protect's
+    second block is calibrated so) must leave the base model the reference is unsteered,
+    and steer the model again after each reference call."""
+    model, reference = models
+    ids = random_ids(8, 12, seed=3)
+    artifact = gss.calibrate(model, gss.adapters_off(model), ids, layer=1, rank=2, progress=False)
+    off = gss.adapters_off(model)
+    base = _logits(off, ids)
+    unsteered = _logits(model, ids)
+    with gss.steer(model, artifact.with_options(gate="none", delta=8.0)):
+        steered = _logits(model, ids)
+        assert not torch.allclose(steered, unsteered, atol=1e-3)  # the steer acts
+        assert torch.equal(_logits(off, ids), base)  # not on the reference
+        assert torch.equal(_logits(model, ids), steered)  # and again on the model after it
+    torch.testing.assert_close(base, _logits(reference, ids))
+
+
 def test_decoding_through_adapters_off_passes_the_cache_under_its_own_name(models):
     """Greedy decoding with the KV cache through the reference wrapper: the cache goes under the
     name the wrapped model's forward takes (transformers >= 5.24 warns on the old one), and the

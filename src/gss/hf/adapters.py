@@ -109,9 +109,12 @@ class AdaptersOff(nn.Module):
         position_ids: Tensor | None = None,
         **kwargs: Any,
     ) -> Any:
+        from gss.steering.attach import steers_paused
+
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
-        with self._off():
+        # the base model: no adapters, and no steer attached to the blocks it shares
+        with self._off(), steers_paused(self.model):
             return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
 

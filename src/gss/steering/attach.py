@@ -10,7 +10,8 @@ the block returned.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import Tensor, nn
@@ -64,7 +65,10 @@ class SteeredForward:
     new one would compile the model again on every attach.
     """
 
-    def __init__(self, block: nn.Module, hook: Callable[..., Any] = _unchanged) -> None:
+    def __init__(
+        self, block: nn.Module, hook: Callable[..., Any] = _unchanged, steer: bool = False
+    ) -> None:
+        self.steer = steer  # a steer's (`register`), not a calibration tap's: `steers_paused`
         self.install(block, hook)
 
     def install(self, block: nn.Module, hook: Callable[..., Any]) -> None:
@@ -90,8 +94,18 @@ class SteeredForward:
             return
         self.hook = _unchanged
         if block.__dict__.get("forward") is not self:
-            return  # wrapped again since: stay in the chain, steer nothing
+            return  # wrapped again since: stay in the chain, steer nothing, until it is on top
+        self._unlink(block)
+        # pass-throughs left below (steers removed while this one was on top) come off too:
+        # else each attach and out-of-order remove would leave one more for good
+        below = block.__dict__.get("forward")
+        while isinstance(below, SteeredForward) and below.hook is _unchanged:
+            below._unlink(block)
+            below = block.__dict__.get("forward")
+
+    def _unlink(self, block: nn.Module) -> None:
         if self._had_instance_forward:
+            assert self.forward is not None  # installed: it holds what it wrapped
             block.forward = self.forward
         else:
             del block.forward
@@ -146,8 +160,8 @@ def register(
     if isinstance(last, SteeredForward) and not last.installed:
         last.install(block, hook)  # the one compiled code knows
         return SteerHandle(hook, last)
-    wrapper = SteeredForward(block, hook)
-    # kept unless the last one still steers: a pass-through left in a chain never comes off
+    wrapper = SteeredForward(block, hook, steer=True)
+    # kept unless the last one still steers (it comes back when that one is removed)
     if not isinstance(last, SteeredForward) or last.hook is _unchanged:
         block.__dict__[_LAST_WRAPPER] = wrapper  # not nn.Module's setattr: no submodule
     return SteerHandle(hook, wrapper)
@@ -175,6 +189,26 @@ def warn_if_steered(block: nn.Module, doing: str) -> None:
             GSSWarning,
             stacklevel=3,
         )
+
+
+@contextmanager
+def steers_paused(model: nn.Module) -> Iterator[None]:
+    """Every steer on ``model``'s blocks passes its output through unchanged inside (the
+    taps that read blocks for calibration keep reading): for a reference that shares the
+    model's blocks (`gss.adapters_off`), which must be the base model, not the steered one."""
+    paused = []
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        while isinstance(forward, SteeredForward):
+            if forward.steer and forward.hook is not _unchanged:
+                paused.append((forward, forward.hook))
+                forward.hook = _unchanged
+            forward = forward.forward
+    try:
+        yield
+    finally:
+        for forward, hook in paused:
+            forward.hook = hook
 
 
 def active_hooks(block: nn.Module) -> list[Any]:
