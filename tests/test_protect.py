@@ -187,6 +187,7 @@ def test_protect_refuses_bad_options(memorizer):
         ({"utility": lambda m: None, "k": 4, "n": 16}, r"returned None, not a finite"),
         ({"search": SearchSpace(blocks=(9,)), "k": 4, "n": 16}, r"blocks \[9\] are out of"),
         ({"general": planted[:1].tolist()}, r"the general text has 1 row\(s\)"),
+        ({"heldout": [[99, 3, 4]]}, r"heldout: token id 99 is outside the model's vocabulary"),
     ]:
         with pytest.raises(GSSError, match=message):
             protect(model, reference, rows, progress=False, **kwargs)

@@ -139,7 +139,7 @@ def texts_of(rows: Iterable[tuple[str, str | dict[str, Any]]], keep_rows: bool) 
         if isinstance(row, str):
             out.append(row)
         elif keep_rows and "input_ids" in row:
-            _id_row(row, 0, where)
+            id_row(row, 0, where)
             out.append(row)
         else:
             text = record_text(row, where)
@@ -232,7 +232,7 @@ def _unpadded(ids: list[int], mask: Any, name: str) -> list[int]:
     """The tokens of ``ids`` its ``attention_mask`` keeps: padding on the left or on the right
     is dropped; a mask with holes, of another length, or not of 0s and 1s is refused (the
     rows gss reads are whole sequences)."""
-    keep = _id_row(mask, 0, f"the attention_mask of {name}")
+    keep = id_row(mask, 0, f"the attention_mask of {name}")
     if len(keep) != len(ids) or set(keep) - {0, 1}:
         raise GSSError(
             f"the attention_mask of {name} is not {len(ids)} 0s and 1s, one per input_id: "
@@ -248,11 +248,11 @@ def _unpadded(ids: list[int], mask: Any, name: str) -> list[int]:
     return ids[first:last]
 
 
-def _id_row(x: Any, index: int, where: str | None = None) -> list[int]:
+def id_row(x: Any, index: int, where: str | None = None) -> list[int]:
     """One sequence of token ids (or a row's ``input_ids``) as a list of ints; a GSSError for
     anything else, naming `where` it is (default: sequence `index`)."""
     if isinstance(x, Mapping):
-        ids = _id_row(x["input_ids"], index, where or f"the input_ids of sequence {index}")
+        ids = id_row(x["input_ids"], index, where or f"the input_ids of sequence {index}")
         if x.get("attention_mask") is None:
             return ids
         return _unpadded(ids, x["attention_mask"], where or f"sequence {index}")
@@ -298,7 +298,7 @@ def _token_lists(
     template), cut to ``max_length``; errors count the items from ``offset``."""
     texts = [_as_text(x, offset + i) for i, x in enumerate(items)]
     if all(t is None for t in texts):
-        seqs = [_id_row(x, offset + i) for i, x in enumerate(items)]
+        seqs = [id_row(x, offset + i) for i, x in enumerate(items)]
     elif any(t is None for t in texts):
         i = next(i for i, t in enumerate(texts) if t is None)
         kind = type(items[i]).__name__

@@ -56,6 +56,7 @@ from gss.evaluate._decode import greedy_generate, sample_generate
 from gss.evaluate.suite import EvaluationReport, evaluate_model
 from gss.evaluate.utility import perplexity, repetition
 from gss.hf.blocks import find_decoder_blocks
+from gss.hf.forward import check_sequences
 from gss.hf.prefix_replay import BlockPrefixReplay
 from gss.solve.thresholds import probe_responses, with_gates_set
 from gss.statistics.capture import calibration_mode
@@ -590,7 +591,12 @@ def protect(
             GSSWarning,
             stacklevel=2,
         )
+    # the texts given besides the data, read and checked before the audit
     general_rows = None if general is None else encode(general, tokenizer, None)
+    heldout_rows = None if heldout is None else encode(heldout, tokenizer, None)
+    for what, rows in (("general", general_rows), ("heldout", heldout_rows)):
+        if rows is not None:
+            check_sequences((model,), rows, what)
     if general_rows is not None and len(general_rows) < 2:
         raise GSSError(
             f"the general text has {len(general_rows)} row(s): give at least 2 (half set the "
@@ -652,9 +658,7 @@ def protect(
     # a source of one row (the reference's text, from as few rows) has nothing left to measure
     measure = {name: rows[1::2] for name, rows in sources.items() if len(rows) > 1}
     utility_rows = (
-        encode(heldout, tokenizer, None)
-        if heldout is not None
-        else [r for rows in measure.values() for r in rows]
+        heldout_rows if heldout_rows is not None else [r for rows in measure.values() for r in rows]
     )
     if utility is None and not utility_rows:
         raise GSSError(

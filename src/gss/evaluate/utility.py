@@ -11,13 +11,12 @@ all rows.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from gss.data import right_pad
+from gss.data import id_row, right_pad
 from gss.errors import GSSError
 from gss.evaluate._decode import RowsLike, as_rows, batch_starts, eval_mode
 from gss.hf.forward import check_sequences, forward_logits
@@ -35,7 +34,7 @@ def next_token_stats(
 ) -> tuple[int, int, float]:
     """(targets, argmax hits, summed NLL in nats) over the non-padding targets of `rows`;
     `starts`: each row's first token counted as a target (the length of its prompt)."""
-    all_rows = _token_ids(as_rows(rows, pad_id))
+    all_rows = [id_row(r, i, f"row {i}") for i, r in enumerate(as_rows(rows, pad_id))]
     check_sequences((model,), all_rows, "the rows")  # a GSSError, not an IndexError in torch
     if starts is None:
         starts = [1] * len(all_rows)
@@ -63,20 +62,6 @@ def next_token_stats(
             hits += int((lp.argmax(-1) == t).sum())
             nll -= float(lp.gather(1, t[:, None]).sum(dtype=torch.float64))
     return n, hits, nll
-
-
-def _token_ids(rows: list[list[int]]) -> list[list[int]]:
-    for i, row in enumerate(rows):
-        try:
-            rows[i] = [operator.index(t) for t in row]
-        except TypeError:
-            odd = next(t for t in row if not hasattr(t, "__index__"))
-            raise GSSError(
-                f"row {i} holds a {type(odd).__name__} ({odd!r:.20}) among its token ids: "
-                "these functions read token ids (encode texts first: gss.data.encode(texts, "
-                "tokenizer))."
-            ) from None
-    return rows
 
 
 def token_accuracy(
