@@ -1023,6 +1023,11 @@ CASES: list[tuple[str, Callable[[Ctx], Any], Err | Warns | Ok]] = [
         Err(r"is not 3 0s and 1s, one per input_id"),
     ),
     ("NumPy scalars as options", _numpy_options, Ok()),
+    (
+        "progress a string",
+        lambda c: c.calibrate(progress="no"),
+        Err(r"progress must be True or False"),
+    ),
     ("seed past 2^63", lambda c: c.calibrate(seed=2**64), Err(r"seed must be below 2\^63")),
     ("config None is the default preset", _config_none, Ok()),
     (

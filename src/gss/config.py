@@ -277,6 +277,8 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         _integer("batch_size", self.batch_size, 1, "e.g. 8")
+        if not isinstance(self.progress, bool):  # "no" would be read as True
+            raise GSSError(f"progress must be True or False, got {self.progress!r}.")
         if self.keep_general is not None:
             _integer("keep_general", self.keep_general, 0, "or leave it None")
 
