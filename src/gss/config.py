@@ -13,7 +13,7 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, get_args, get_type_hints
 
 from gss.errors import GSSError
 
@@ -185,11 +185,17 @@ def _finite(name: str, value: Any, fix: str) -> float:
     return float(value)
 
 
-# every numeric field, and the kind of number it holds
+def _number_kind(hint: Any) -> type | None:
+    """`numbers.Integral` for an int field (``int | None`` too), `numbers.Real` for a float."""
+    kinds = set(get_args(hint)) or {hint}
+    return numbers.Integral if int in kinds else numbers.Real if float in kinds else None
+
+
+# every numeric field, and the kind of number it holds (read from the type hints)
 _NUMERIC_FIELDS: dict[str, type] = {
-    f.name: numbers.Integral if "int" in str(f.type) else numbers.Real
-    for f in dataclasses.fields(CalibrationConfig)
-    if "int" in str(f.type) or "float" in str(f.type)
+    name: kind
+    for name, hint in get_type_hints(CalibrationConfig).items()
+    if (kind := _number_kind(hint)) is not None
 }
 
 
