@@ -184,6 +184,27 @@ def test_the_artifact_steers_the_merged_model_alike(models):
         torch.testing.assert_close(_logits(merged, ids), steered, rtol=1e-4, atol=1e-4)
 
 
+def test_an_artifact_of_the_fine_tune_is_refused_on_its_base(models):
+    """The fingerprint samples the weights the blocks compute with (base + adapter delta), so
+    an artifact calibrated with the adapters on fits the merged model (above), and not the base
+    model or the same model with its adapters off; one calibrated on the base does not fit the
+    fine-tune."""
+    model, base = models
+    rows = random_ids(12, 16, seed=4)
+    art = gss.calibrate(model, gss.adapters_off(model), rows, layer=1, rank=2, progress=False)
+    refused = pytest.raises(GSSError, match=r"another model: .*decoder block\(s\) \[0, 1, 2\]")
+    with refused, gss.steer(base, art):
+        pass
+    off = model.disable_adapter()
+    with off, pytest.raises(GSSError, match="another model"), gss.steer(model, art):
+        pass
+    with gss.steer(model, art):  # the model it was calibrated on
+        pass
+    on_base = gss.calibrate(base, model, rows, layer=1, rank=2, progress=False)
+    with pytest.raises(GSSError, match="another model"), gss.steer(model, on_base):
+        pass
+
+
 @pytest.mark.parametrize("mode", ["eval", "train"])
 def test_calibration_leaves_the_model_in_its_mode(models, mode):
     # the wrapper is a module of its own: restoring its mode must not flip the model's

@@ -82,18 +82,67 @@ def blocks_sample(model: nn.Module, block_path: str | None = None) -> list[dict[
     attaches to the same model quantized, and back."""
     out: list[dict[str, Any]] = []
     for block in find_decoder_blocks(model, block_path):
-        named = [(n, w) for n, w in block.named_parameters() if w.numel() >= _BLOCK_SAMPLE][:2]
+        named = [(n, w) for n, w in _block_weights(block) if w.numel() >= _BLOCK_SAMPLE][:2]
         entry: dict[str, Any] = {"names": [n for n, _ in named], "bits": []}
         for _, weight in named:
-            if weight.device.type == "meta" or is_quantized_weight(weight):
+            effective = _effective(block, weight)
+            if weight.device.type == "meta" or is_quantized_weight(weight) or effective is None:
                 entry = {"names": [], "bits": []}
                 break
-            flat = weight.detach().reshape(-1)
+            flat = effective.detach().reshape(-1)
             index = torch.linspace(0, flat.numel() - 1, _BLOCK_SAMPLE).long().to(flat.device)
             bits = flat[index].to(torch.bfloat16).view(torch.int16).cpu().tolist()
             entry["bits"].extend(int(b) for b in bits)
         out.append(entry)
     return out
+
+
+def _block_weights(block: nn.Module) -> list[tuple[str, Tensor]]:
+    """A block's parameters under the names of the merged model: inside a PEFT adapter layer
+    (LoRA, ...) its base layer's, ``q_proj.base_layer.weight`` read as ``q_proj.weight``, and
+    not the adapter's own; so a fine-tune with adapters and the same fine-tune merged sample
+    the same tensors."""
+    tuners = [name for name, module in block.named_modules() if _adapter_layer(module)]
+    out: list[tuple[str, Tensor]] = []
+    for name, weight in block.named_parameters():
+        owner = next((t for t in tuners if name.startswith(f"{t}.")), None)
+        if owner is None:
+            out.append((name, weight))
+        elif name.startswith(f"{owner}.base_layer."):
+            out.append((f"{owner}.{name[len(owner) + len('.base_layer.') :]}", weight))
+    return out
+
+
+def _adapter_layer(module: nn.Module) -> bool:
+    """A PEFT tuner layer (it wraps the model's own layer as ``base_layer``)."""
+    return hasattr(module, "base_layer") and hasattr(module, "active_adapters")
+
+
+def _effective(block: nn.Module, weight: Tensor) -> Tensor | None:
+    """`weight` as the block computes with it: a PEFT layer's base weight plus the deltas of
+    its active, unmerged adapters (switched off: the base weight). A fine-tune with a LoRA
+    then samples as its merged model does, and as its base model does not. None where an
+    active adapter has no weight delta to add (IA3 scales activations): nothing to compare."""
+    if weight.device.type == "meta" or is_quantized_weight(weight):
+        return weight
+    for module in block.modules():
+        if not _adapter_layer(module) or getattr(module.base_layer, "weight", None) is not weight:
+            continue
+        if getattr(module, "disable_adapters", False):
+            return weight
+        merged = set(getattr(module, "merged_adapters", ()))
+        delta = getattr(module, "get_delta_weight", None)
+        names = getattr(module, "adapter_layer_names", ())  # e.g. ("lora_A", "lora_B", ...)
+        own = getattr(module, names[0], {}) if names else {}
+        active: list[str] = list(getattr(module, "active_adapters", ()))
+        for adapter in active:
+            if adapter in merged or adapter not in own:
+                continue  # merged already, or not an adapter of this layer
+            if not callable(delta):
+                return None
+            weight = weight + delta(adapter).to(weight.dtype)
+        return weight
+    return weight
 
 
 def fingerprint_differences(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
