@@ -250,3 +250,36 @@ def test_prepare_keeps_one_slot_buffer_and_puts_the_steers_in_place(state):
         for _, hook in entries:
             assert torch.device("cpu") in hook._on
             assert not hook._fused or (torch.device("cpu"), torch.float32) in hook._fused_by
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_fill_slots_gives_each_token_its_requests_slot(state, device):
+    """What the runner patch writes before a forward: each scheduled token the slot of its
+    request (by ``query_start_loc``), in place in the one buffer, padding up to the
+    runner's token budget unsteered (on CUDA the copy goes through pinned memory)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    def params(name: str | None) -> Any:
+        return SimpleNamespace(extra_args=None if name is None else {vllm_plugin.EXTRA_ARG: name})
+
+    requests = {"r0": params("a"), "r1": params(None), "r2": params("b"), "r3": params("none")}
+    runner = SimpleNamespace(
+        device=torch.device(device),
+        max_num_tokens=12,
+        requests={rid: SimpleNamespace(sampling_params=p) for rid, p in requests.items()},
+    )
+    state.prepare(torch.device(device), torch.float32, 12)
+    slots = state.buffer(12, torch.device(device))
+    steps = [
+        (["r0", "r1", "r2", "r3"], [0, 3, 4, 8, 9], [0, 0, 0, -1, 1, 1, 1, 1, -1]),
+        (["r2", "r0"], [0, 1, 2], [1, 0]),  # decode: one token each, a new order
+    ]
+    for req_ids, starts, want in steps:
+        runner.input_batch = SimpleNamespace(num_reqs=len(req_ids), req_ids=req_ids)
+        runner.query_start_loc = SimpleNamespace(np=np.array(starts, dtype=np.int32))
+        vllm_plugin._fill_slots(runner)
+        assert state.buffer(12, torch.device(device)) is slots  # captured graphs read this one
+        expected = want + [vllm_plugin._NO_SLOT] * (12 - len(want))
+        assert slots.cpu().tolist() == expected

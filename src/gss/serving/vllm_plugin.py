@@ -465,7 +465,13 @@ def _fill_slots(runner: Any) -> None:
     per_token = np.repeat(per_req, np.diff(starts))
     n = per_token.shape[0]
     slots = _STATE.buffer(max(n, int(getattr(runner, "max_num_tokens", 1))), runner.device)
-    slots[:n].copy_(torch.from_numpy(per_token), non_blocking=True)
+    source = torch.from_numpy(per_token)
+    if slots.is_cuda:
+        # from pageable memory, CUDA may make the copy wait for the stream (its API's
+        # synchronization rules), which would stall vLLM's asynchronous scheduling; a block of
+        # torch's caching host allocator is pinned and not reused before its copy has run
+        source = source.pin_memory()
+    slots[:n].copy_(source, non_blocking=True)
     slots[n:].fill_(_NO_SLOT)  # padding tokens (CUDA graphs) and stale rows
 
 
