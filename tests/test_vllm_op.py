@@ -256,7 +256,8 @@ def test_prepare_keeps_one_slot_buffer_and_puts_the_steers_in_place(state):
 def test_fill_slots_gives_each_token_its_requests_slot(state, device):
     """What the runner patch writes before a forward: each scheduled token the slot of its
     request (by ``query_start_loc``), in place in the one buffer, padding up to the
-    runner's token budget unsteered (on CUDA the copy goes through pinned memory)."""
+    runner's token budget unsteered (on CUDA the copy goes through pinned memory); each
+    request's slot looked up once."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -272,6 +273,9 @@ def test_fill_slots_gives_each_token_its_requests_slot(state, device):
     )
     state.prepare(torch.device(device), torch.float32, 12)
     slots = state.buffer(12, torch.device(device))
+    looked_up: list[Any] = []
+    slot_of = state.slot_of
+    state.slot_of = lambda p: looked_up.append(p) or slot_of(p)
     steps = [
         (["r0", "r1", "r2", "r3"], [0, 3, 4, 8, 9], [0, 0, 0, -1, 1, 1, 1, 1, -1]),
         (["r2", "r0"], [0, 1, 2], [1, 0]),  # decode: one token each, a new order
@@ -283,3 +287,4 @@ def test_fill_slots_gives_each_token_its_requests_slot(state, device):
         assert state.buffer(12, torch.device(device)) is slots  # captured graphs read this one
         expected = want + [vllm_plugin._NO_SLOT] * (12 - len(want))
         assert slots.cpu().tolist() == expected
+    assert len(looked_up) == 4  # once a request: its slot is kept on it for its later steps
