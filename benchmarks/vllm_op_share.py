@@ -8,8 +8,12 @@ made, every request steered, with the runner's ``_model_forward`` and the op's w
 (``steered_block_output``, registered as ``gss::vllm_steer``'s CPU kernel, which vLLM's
 compiled graph calls as the eager model does) each wrapped in a timer. The share is op time /
 forward time, step by step, so the machine's drift falls on both alike. On a CPU both are
-synchronous, so the timers read the work itself; on a GPU they would read launch time only,
-so it refuses a GPU.
+synchronous, so the timers read the work itself. On a GPU the op runs inside CUDA graphs,
+where no timer reaches it: there each step's forward is timed on the device (CUDA events
+around ``_model_forward``) beside the host's time for the call, and an engine without the
+artifact (``--artifact plain``), run the same way, gives the forward to compare, step by step
+medians by phase (thousands of steps, where whole-engine throughput rounds on an H200 swung
+by 20%: docs/serving.md, "vLLM on an H200").
 
 Not in the op's time: the dispatcher's call into it, timed apart (``dispatch_us``: the op
 through ``torch.ops`` minus its body called directly, on one token that nothing steers), and
@@ -42,12 +46,27 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class Timers:
-    """Per forward: its tokens, sequences, wall seconds, and the seconds inside the op."""
+    """Per forward: its tokens, sequences, wall seconds, and the seconds inside the op; on a
+    GPU (``cuda``), the forward's device seconds from CUDA events, the host's wall seconds for
+    the call beside them, and no op time (`resolve` reads the events after a synchronize)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cuda: bool = False) -> None:
         self.steps: list[dict[str, Any]] = []
         self.op_s = 0.0
         self.recording = False
+        self.cuda = cuda
+        self.events: list[tuple[Any, Any]] = []
+
+    def resolve(self) -> None:
+        """Each step's device seconds from its events (on a GPU; after the work is done)."""
+        if not self.cuda:
+            return
+        import torch
+
+        torch.cuda.synchronize()
+        for step, (start, end) in zip(self.steps, self.events, strict=True):
+            step["forward_s"] = start.elapsed_time(end) / 1e3
+        self.events = []
 
     def wrap_op(self, body: Any) -> Any:
         def timed(*args: Any) -> Any:
@@ -62,6 +81,15 @@ class Timers:
     def wrap_forward(self, forward: Any) -> Any:
         def timed(runner: Any, *args: Any, **kwargs: Any) -> Any:
             self.op_s = 0.0
+            events = None
+            if self.cuda and self.recording:
+                import torch
+
+                events = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                events[0].record()
             start = time.perf_counter()
             try:
                 return forward(runner, *args, **kwargs)
@@ -70,9 +98,13 @@ class Timers:
                 if self.recording:
                     reqs = int(runner.input_batch.num_reqs)
                     tokens = int(runner.query_start_loc.np[reqs])
-                    self.steps.append(
-                        {"tokens": tokens, "seqs": reqs, "forward_s": wall, "op_s": self.op_s}
-                    )
+                    step: dict[str, Any] = {"tokens": tokens, "seqs": reqs, "host_s": wall}
+                    step["forward_s"] = wall  # on a GPU, the device's (`resolve`)
+                    step["op_s"] = None if self.cuda else self.op_s
+                    if events is not None:
+                        events[1].record()
+                        self.events.append(events)
+                    self.steps.append(step)
 
         return timed
 
@@ -90,11 +122,17 @@ def summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     for key in sorted({phase(s) for s in steps}):
         name = key[1]
         chosen = [s for s in steps if phase(s) == key]
-        shares = sorted(s["op_s"] / s["forward_s"] for s in chosen)
-        q = statistics.quantiles(shares, n=4) if len(shares) > 1 else shares * 3
         out[name] = {
             "steps": len(chosen),
             "forward_ms_median": 1e3 * statistics.median(s["forward_s"] for s in chosen),
+            "host_ms_median": 1e3
+            * statistics.median(s.get("host_s", s["forward_s"]) for s in chosen),
+        }
+        if any(s["op_s"] is None for s in chosen):  # a GPU: the op inside CUDA graphs
+            continue
+        shares = sorted(s["op_s"] / s["forward_s"] for s in chosen)
+        q = statistics.quantiles(shares, n=4) if len(shares) > 1 else shares * 3
+        out[name] |= {
             "op_ms_median": 1e3 * statistics.median(s["op_s"] for s in chosen),
             "share_median": statistics.median(shares),
             "share_quartiles": [q[0], q[2]],
@@ -132,8 +170,7 @@ def measure(args: argparse.Namespace) -> None:
     os.environ.pop("GSS_VLLM_ARTIFACTS", None)
     import torch
 
-    if torch.cuda.is_available():
-        raise SystemExit("vllm_op_share.py times the CPU build (GPU timers read launches only)")
+    cuda = torch.cuda.is_available()
     import vllm
     from gss.report import cpu_info
     from gss.serving import vllm_plugin
@@ -152,12 +189,14 @@ def measure(args: argparse.Namespace) -> None:
     llm = make_engine(shape, args.mode, {} if plain else {"a": artifact["dir"]})
     from vllm.v1.worker import gpu_model_runner
 
-    timers = Timers()
+    timers = Timers(cuda)
     runner_cls = gpu_model_runner.GPUModelRunner  # the CPU runner inherits its _model_forward
     runner_cls._model_forward = timers.wrap_forward(runner_cls._model_forward)
     hidden = json.loads((Path(info["model"]) / "config.json").read_text())["hidden_size"]
-    dispatch_us = dispatch_overhead_us(int(hidden))
-    vllm_plugin.vllm_steer.register_kernel("cpu", timers.wrap_op(vllm_plugin.steered_block_output))
+    dispatch_us = None if cuda else dispatch_overhead_us(int(hidden))
+    if not cuda:  # on a GPU the op's body runs inside CUDA graphs: no timer of its own
+        body = timers.wrap_op(vllm_plugin.steered_block_output)
+        vllm_plugin.vllm_steer.register_kernel("cpu", body)
     state = vllm_plugin._STATE
     sp = params(args, None if plain else "a", args.max_tokens)  # greedy, ignore_eos, steered by "a"
     prompts = [p[: args.prompt_len] for p in info["prompts"][: max(args.load, args.batch1)]]
@@ -177,7 +216,8 @@ def measure(args: argparse.Namespace) -> None:
 
     state.steer = counting  # type: ignore[method-assign]
     run(prompts[:2])  # warm-up outside the record
-    if steered == 0 and not plain:
+    replayed = cuda and args.mode == "compiled"  # CUDA graphs replay the op without Python
+    if steered == 0 and not plain and not replayed:
         raise SystemExit("the op steered no token in the warm-up: the plugin is not steering")
     state.steer = steer  # type: ignore[method-assign]
     timers.recording = True
@@ -187,12 +227,14 @@ def measure(args: argparse.Namespace) -> None:
             run([p])
         run(prompts[: args.load])
     wall = time.perf_counter() - start
+    timers.resolve()
     result = {
         "mode": args.mode,
         "gate": "plain (no artifact)" if plain else artifact["gate"],
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "cpu": "{cpu} ({cpu_capability}), {n} CPUs".format(n=os.cpu_count(), **cpu_info()),
+        "device": torch.cuda.get_device_name(0) if cuda else None,
         "command": "python benchmarks/vllm_op_share.py " + " ".join(sys.argv[1:]),
         "threads": {k: os.environ.get(k) for k in THREAD_ENV},
         "model": info["model_name"],
@@ -224,21 +266,31 @@ def table(out: Path) -> str:
     runs = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
     lines = [
         "The op's share of vLLM's forward (op seconds / forward seconds, per step), "
-        "every request steered (gate `plain`: an engine without the artifact, for its forward)",
+        "every request steered (gate `plain`: an engine without the artifact, for its forward). "
+        "On a GPU the forward is the device's time (CUDA events), the host's time for the call "
+        "beside it, and the op, inside CUDA graphs, is not timed (-).",
         "",
-        "| mode | gate | phase | steps | forward ms (median) | op ms (median) "
-        "| share: median [quartiles] | share: total |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | gate | phase | steps | forward ms (median) | host ms (median) "
+        "| op ms (median) | share: median [quartiles] | share: total |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
+        mode = run["mode"] + (f" ({run['device']})" if run.get("device") else "")
         for name, s in run["summary"].items():
-            lo, hi = s["share_quartiles"]
+            host = s.get("host_ms_median", s["forward_ms_median"])
+            if "share_median" in s:
+                lo, hi = s["share_quartiles"]
+                op = (
+                    f"{s['op_ms_median']:.2f} | {100 * s['share_median']:.2f}% "
+                    f"[{100 * lo:.2f}-{100 * hi:.2f}%] | {100 * s['share_total']:.2f}%"
+                )
+            else:
+                op = "- | - | -"
             lines.append(
-                f"| {run['mode']} | {run['gate']} | {name} | {s['steps']} "
-                f"| {s['forward_ms_median']:.1f} "
-                f"| {s['op_ms_median']:.2f} | {100 * s['share_median']:.2f}% "
-                f"[{100 * lo:.2f}-{100 * hi:.2f}%] | {100 * s['share_total']:.2f}% |"
+                f"| {mode} | {run['gate']} | {name} | {s['steps']} "
+                f"| {s['forward_ms_median']:.3f} | {host:.3f} | {op} |"
             )
+    lines += against_plain(runs)
     served = [run for run in runs if run["artifact"]]
     if served:
         r = served[0]
@@ -250,13 +302,49 @@ def table(out: Path) -> str:
             f"requests one at a time, then {r['workload']['load']} at once, "
             f"{r['workload']['prompt_len']}-token prompts, {r['workload']['max_tokens']} "
             "greedy tokens each.",
-            "",
-            "The op's dispatch, not in its time above (through `torch.ops` minus the body "
-            "called directly, one token): "
-            + ", ".join(f"{r['mode']} {r['gate']} {r['dispatch_us']:.1f} us" for r in runs)
-            + ".",
         ]
+        timed = [r for r in runs if r.get("dispatch_us") is not None]
+        if timed:
+            lines += [
+                "",
+                "The op's dispatch, not in its time above (through `torch.ops` minus the body "
+                "called directly, one token): "
+                + ", ".join(f"{r['mode']} {r['gate']} {r['dispatch_us']:.1f} us" for r in timed)
+                + ".",
+            ]
     return "\n".join(lines) + "\n"
+
+
+def against_plain(runs: list[dict[str, Any]]) -> list[str]:
+    """Per mode and phase: the engine without the artifact's median forward (and host) time
+    over the engine with it, where both ran: its speed, 1.0 for no cost."""
+    lines: list[str] = []
+    for run in runs:
+        plain = next((p for p in runs if p["mode"] == run["mode"] and not p["artifact"]), None)
+        if plain is None or not run["artifact"]:
+            continue
+        for name, s in run["summary"].items():
+            if name not in plain["summary"]:
+                continue
+            p = plain["summary"][name]
+            host = p.get("host_ms_median", p["forward_ms_median"]) / s.get(
+                "host_ms_median", s["forward_ms_median"]
+            )
+            lines.append(
+                f"| {run['mode']} | {run['gate']} | {name} "
+                f"| {p['forward_ms_median'] / s['forward_ms_median']:.4f} | {host:.4f} |"
+            )
+    if not lines:
+        return []
+    return [
+        "",
+        "Speed of the engine serving the artifact against the engine without it (median time "
+        "per step without / with, by phase; two engines, each timed once):",
+        "",
+        "| mode | gate | phase | forward | host |",
+        "|---|---|---|---|---|",
+        *lines,
+    ]
 
 
 def main() -> None:

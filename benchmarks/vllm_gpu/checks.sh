@@ -5,6 +5,8 @@
 #   prep            benchmarks/vllm_throughput.py prep on SmolLM2-135M's shape (random weights)
 #   bench-compiled  its bench, vLLM's default torch.compile + CUDA graphs (at most 240 s)
 #   bench-eager     the same with enforce_eager (at most 180 s)
+#   op-share        vllm_op_share.py, compiled: each step's forward timed on the device (CUDA
+#                   events), an engine without the artifact, then one serving it (~250 s)
 #   repeat          repeat.py: are unsteered log-probs bit-reproducible, compiled?
 #   tests-eager     tests/vllm's mixed steered/unsteered batch = transformers, eager
 #   tests-compiled  the same, torch.compile + CUDA graphs
@@ -12,8 +14,8 @@
 #                   requests bit-identical to vLLM without the plugin (CUDA compiled may not be
 #                   reproducible from engine to engine: read its log-prob differences)
 #
-# STAGES (default: all seven) names the stages to run, e.g. STAGES="bench-compiled tests-eager";
-# prep runs whenever a bench does. BENCH (default below) is the bench's workload: 64-token
+# STAGES (default: all eight) names the stages to run, e.g. STAGES="bench-compiled tests-eager";
+# prep runs whenever a bench or op-share does. BENCH (default below) is the bench's workload: 64-token
 # rounds (vllm_throughput.py's CPU default) were too short on an H200 to resolve 2% (per-round
 # ratios 0.64-1.51 on 2026-11-27), hence longer outputs, more load requests. COMPILED_S and
 # EAGER_S (240, 180) cap the two benches, engine starts included (~170 s compiled, ~40 s eager).
@@ -25,9 +27,9 @@
 set -uo pipefail
 out=${OUT:-gpu-out}
 deadline=${DEADLINE:-560}
-stages=" ${STAGES:-prep bench-compiled bench-eager repeat tests-eager tests-compiled tests-bf16} "
+stages=" ${STAGES:-prep bench-compiled bench-eager op-share repeat tests-eager tests-compiled tests-bf16} "
 bench_args=${BENCH:---batch1 4 --load 48 --max-tokens 256 --max-tokens-cap 256}
-[[ $stages == *" bench-"* ]] && stages+="prep "
+[[ $stages == *" bench-"* || $stages == *" op-share "* ]] && stages+="prep "
 work=/tmp/serve-bench
 mkdir -p "$out" "$work"
 exec > >(tee -a "$out/log.txt") 2>&1
@@ -60,6 +62,13 @@ fits prep 40 && python3 benchmarks/vllm_throughput.py prep --work "$work" \
     --model benchmarks/configs/smollm2-135m && cp "$work/prep.json" "$out/"
 [ -f "$work/prep.json" ] && fits bench-compiled 150 && bench compiled "${COMPILED_S:-240}"
 [ -f "$work/prep.json" ] && fits bench-eager 120 && bench eager "${EAGER_S:-180}"
+if [ -f "$work/prep.json" ] && fits op-share 250; then
+    for artifact in plain hard; do
+        timeout $((deadline - SECONDS)) python3 benchmarks/vllm_op_share.py --mode compiled \
+            --work "$work" --artifact $artifact --rounds 4 --batch1 2 --load 16 \
+            --max-tokens 256 --out "$out/op-share"
+    done
+fi
 fits repeat 200 && timeout $((deadline - SECONDS)) python3 benchmarks/vllm_gpu/repeat.py --out "$out"
 fits tests-eager 80 && tests eager "matches_transformers and eager"
 fits tests-compiled 120 && tests compiled "matches_transformers and compiled"
