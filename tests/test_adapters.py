@@ -205,6 +205,20 @@ def test_an_artifact_of_the_fine_tune_is_refused_on_its_base(models):
         pass
 
 
+def test_a_dora_fine_tunes_artifact_still_attaches_to_its_merged_model():
+    """DoRA rescales the merged weight, so its blocks are not sampled (nothing compared): no
+    false refusal of the merged model."""
+    config = peft.LoraConfig(r=4, target_modules=TARGETS, use_dora=True, lora_dropout=0.0)
+    model = peft.get_peft_model(tiny_model("llama", layers=3), config)
+    _randomise_lora(model)
+    model.eval()
+    rows = random_ids(12, 16, seed=4)
+    art = gss.calibrate(model, gss.adapters_off(model), rows, layer=1, rank=2, progress=False)
+    merged = model.merge_and_unload()
+    with gss.steer(merged, art):
+        pass
+
+
 @pytest.mark.parametrize("mode", ["eval", "train"])
 def test_calibration_leaves_the_model_in_its_mode(models, mode):
     # the wrapper is a module of its own: restoring its mode must not flip the model's

@@ -122,7 +122,8 @@ def _effective(block: nn.Module, weight: Tensor) -> Tensor | None:
     """`weight` as the block computes with it: a PEFT layer's base weight plus the deltas of
     its active, unmerged adapters (switched off: the base weight). A fine-tune with a LoRA
     then samples as its merged model does, and as its base model does not. None where an
-    active adapter has no weight delta to add (IA3 scales activations): nothing to compare."""
+    active adapter is not merged by adding a delta (IA3 scales activations, DoRA rescales the
+    sum): nothing to compare."""
     if weight.device.type == "meta" or is_quantized_weight(weight):
         return weight
     for module in block.modules():
@@ -138,8 +139,8 @@ def _effective(block: nn.Module, weight: Tensor) -> Tensor | None:
         for adapter in active:
             if adapter in merged or adapter not in own:
                 continue  # merged already, or not an adapter of this layer
-            if not callable(delta):
-                return None
+            if not callable(delta) or adapter in getattr(module, "lora_variant", {}):
+                return None  # merged otherwise than by adding a delta (DoRA, ...)
             weight = weight + delta(adapter).to(weight.dtype)
         return weight
     return weight
