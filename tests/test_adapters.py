@@ -205,6 +205,34 @@ def test_an_artifact_of_the_fine_tune_is_refused_on_its_base(models):
         pass
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # gpt2: Conv1D weights, fan_in_fan_out
+def test_the_sampled_adapter_weights_are_the_merged_weights(arch):
+    """The fingerprint reads a LoRA's delta at the sampled entries only; they equal the merged
+    model's weights there."""
+    from gss.artifact.steering_artifact import _block_weights, _plus_adapters
+    from gss.hf.blocks import find_decoder_blocks
+
+    targets = ["c_attn", "c_fc"] if arch == "gpt2" else TARGETS
+    config = peft.LoraConfig(r=4, target_modules=targets, lora_dropout=0.0)
+    config.fan_in_fan_out = arch == "gpt2"
+    model = peft.get_peft_model(tiny_model(arch, layers=2), config)
+    _randomise_lora(model)
+    sampled = []
+    for i, block in enumerate(find_decoder_blocks(model)):
+        for name, weight, layer in _block_weights(block):
+            if layer is not None:
+                index = torch.randperm(weight.numel(), generator=torch.Generator().manual_seed(i))
+                index = index[:16]
+                base = weight.detach().reshape(-1)[index]
+                sampled.append((i, name, index, base, _plus_adapters(layer, weight, index, base)))
+    assert len(sampled) == 2 * len(targets)
+    blocks = [dict(b.named_parameters()) for b in find_decoder_blocks(model.merge_and_unload())]
+    for i, name, index, base, values in sampled:
+        merged = blocks[i][name].detach().reshape(-1)[index]
+        assert not torch.allclose(merged, base)  # the adapter changed these entries
+        torch.testing.assert_close(values, merged, rtol=1e-5, atol=1e-6)
+
+
 def test_a_dora_fine_tunes_artifact_still_attaches_to_its_merged_model():
     """DoRA rescales the merged weight, so its blocks are not sampled (nothing compared): no
     false refusal of the merged model."""

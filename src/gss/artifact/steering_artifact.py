@@ -82,34 +82,39 @@ def blocks_sample(model: nn.Module, block_path: str | None = None) -> list[dict[
     attaches to the same model quantized, and back."""
     out: list[dict[str, Any]] = []
     for block in find_decoder_blocks(model, block_path):
-        named = [(n, w) for n, w in _block_weights(block) if w.numel() >= _BLOCK_SAMPLE][:2]
-        entry: dict[str, Any] = {"names": [n for n, _ in named], "bits": []}
-        for _, weight in named:
-            effective = _effective(block, weight)
-            if weight.device.type == "meta" or is_quantized_weight(weight) or effective is None:
+        named = [w for w in _block_weights(block) if w[1].numel() >= _BLOCK_SAMPLE][:2]
+        entry: dict[str, Any] = {"names": [n for n, _, _ in named], "bits": []}
+        for _, weight, adapters in named:
+            if weight.device.type == "meta" or is_quantized_weight(weight):
                 entry = {"names": [], "bits": []}
                 break
-            flat = effective.detach().reshape(-1)
-            index = torch.linspace(0, flat.numel() - 1, _BLOCK_SAMPLE).long().to(flat.device)
-            bits = flat[index].to(torch.bfloat16).view(torch.int16).cpu().tolist()
+            index = torch.linspace(0, weight.numel() - 1, _BLOCK_SAMPLE).long().to(weight.device)
+            plain = weight.detach().reshape(-1)[index]
+            values = plain if adapters is None else _plus_adapters(adapters, weight, index, plain)
+            if values is None:
+                entry = {"names": [], "bits": []}
+                break
+            bits = values.to(torch.bfloat16).view(torch.int16).cpu().tolist()
             entry["bits"].extend(int(b) for b in bits)
         out.append(entry)
     return out
 
 
-def _block_weights(block: nn.Module) -> list[tuple[str, Tensor]]:
-    """A block's parameters under the names of the merged model: inside a PEFT adapter layer
-    (LoRA, ...) its base layer's, ``q_proj.base_layer.weight`` read as ``q_proj.weight``, and
-    not the adapter's own; so a fine-tune with adapters and the same fine-tune merged sample
-    the same tensors."""
-    tuners = [name for name, module in block.named_modules() if _adapter_layer(module)]
-    out: list[tuple[str, Tensor]] = []
+def _block_weights(block: nn.Module) -> list[tuple[str, Tensor, Any]]:
+    """A block's parameters under the names of the merged model, each with the PEFT adapter
+    layer (LoRA, ...) that wraps it, or None: inside such a layer its base layer's,
+    ``q_proj.base_layer.weight`` read as ``q_proj.weight``, and not the adapter's own; so a
+    fine-tune with adapters and the same fine-tune merged sample the same tensors."""
+    tuners = {name: m for name, m in block.named_modules() if _adapter_layer(m)}
+    out: list[tuple[str, Tensor, Any]] = []
     for name, weight in block.named_parameters():
         owner = next((t for t in tuners if name.startswith(f"{t}.")), None)
         if owner is None:
-            out.append((name, weight))
+            out.append((name, weight, None))
         elif name.startswith(f"{owner}.base_layer."):
-            out.append((f"{owner}.{name[len(owner) + len('.base_layer.') :]}", weight))
+            layer = tuners[owner]
+            wrapped = layer if getattr(layer.base_layer, "weight", None) is weight else None
+            out.append((f"{owner}.{name[len(owner) + len('.base_layer.') :]}", weight, wrapped))
     return out
 
 
@@ -118,32 +123,47 @@ def _adapter_layer(module: nn.Module) -> bool:
     return hasattr(module, "base_layer") and hasattr(module, "active_adapters")
 
 
-def _effective(block: nn.Module, weight: Tensor) -> Tensor | None:
-    """`weight` as the block computes with it: a PEFT layer's base weight plus the deltas of
-    its active, unmerged adapters (switched off: the base weight). A fine-tune with a LoRA
-    then samples as its merged model does, and as its base model does not. None where an
-    active adapter is not merged by adding a delta (IA3 scales activations, DoRA rescales the
-    sum): nothing to compare."""
-    if weight.device.type == "meta" or is_quantized_weight(weight):
-        return weight
-    for module in block.modules():
-        if not _adapter_layer(module) or getattr(module.base_layer, "weight", None) is not weight:
-            continue
-        if getattr(module, "disable_adapters", False):
-            return weight
-        merged = set(getattr(module, "merged_adapters", ()))
-        delta = getattr(module, "get_delta_weight", None)
-        names = getattr(module, "adapter_layer_names", ())  # e.g. ("lora_A", "lora_B", ...)
-        own = getattr(module, names[0], {}) if names else {}
-        active: list[str] = list(getattr(module, "active_adapters", ()))
-        for adapter in active:
-            if adapter in merged or adapter not in own:
-                continue  # merged already, or not an adapter of this layer
-            if not callable(delta) or adapter in getattr(module, "lora_variant", {}):
-                return None  # merged otherwise than by adding a delta (DoRA, ...)
-            weight = weight + delta(adapter).to(weight.dtype)
-        return weight
-    return weight
+@torch.no_grad()
+def _plus_adapters(layer: Any, weight: Tensor, index: Tensor, values: Tensor) -> Tensor | None:
+    """`values` (`weight` at the flat `index`) as the block computes them: plus the delta
+    of each active, unmerged adapter of its PEFT `layer` (switched off: as they are). A
+    fine-tune with a LoRA then samples as its merged model does, and as its base model does
+    not. A plain LoRA's delta ``scale * B @ A`` is read at the sampled entries alone (B's rows
+    dotted with A's columns): the whole product would cost a matrix of the weight's size per
+    block at every attach. None where an active adapter is not merged by adding a delta (IA3
+    scales activations, DoRA rescales the sum): nothing to compare."""
+    if getattr(layer, "disable_adapters", False):
+        return values
+    merged = set(getattr(layer, "merged_adapters", ()))
+    names = getattr(layer, "adapter_layer_names", ())  # e.g. ("lora_A", "lora_B", ...)
+    own = getattr(layer, names[0], {}) if names else {}
+    active: list[str] = list(getattr(layer, "active_adapters", ()))
+    for adapter in active:
+        if adapter in merged or adapter not in own:
+            continue  # merged already, or not an adapter of this layer
+        if adapter in getattr(layer, "lora_variant", {}):
+            return None  # merged otherwise than by adding a delta (DoRA, ...)
+        a, b = _lora_weight(layer, "lora_A", adapter), _lora_weight(layer, "lora_B", adapter)
+        if weight.dim() == 2 and a is not None and b is not None and a.dim() == b.dim() == 2:
+            rows, cols = index // weight.shape[1], index % weight.shape[1]
+            if getattr(layer, "fan_in_fan_out", False):  # weight stored (in, out)
+                rows, cols = cols, rows
+            delta = (b.float()[rows] * a.float()[:, cols].T).sum(-1) * layer.scaling[adapter]
+        elif callable(getattr(layer, "get_delta_weight", None)):
+            delta = layer.get_delta_weight(adapter).reshape(-1)[index]
+        else:
+            return None  # no delta to add (IA3, ...)
+        values = values + delta.to(values.dtype)
+    return values
+
+
+def _lora_weight(layer: Any, name: str, adapter: str) -> Tensor | None:
+    """The weight of `layer`'s LoRA matrix `name` (``lora_A``/``lora_B``) for `adapter`."""
+    modules = getattr(layer, name, None)
+    if modules is None or adapter not in modules:
+        return None
+    weight = getattr(modules[adapter], "weight", None)
+    return weight if isinstance(weight, Tensor) else None
 
 
 def fingerprint_differences(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
