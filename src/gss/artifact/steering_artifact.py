@@ -141,7 +141,8 @@ def _plus_adapters(layer: Any, weight: Tensor, index: Tensor, values: Tensor) ->
     for adapter in active:
         if adapter in merged or adapter not in own:
             continue  # merged already, or not an adapter of this layer
-        if adapter in getattr(layer, "lora_variant", {}):
+        variant = adapter in getattr(layer, "lora_variant", {})  # newer peft
+        if variant or getattr(layer, "use_dora", {}).get(adapter, False):  # older peft: DoRA
             return None  # merged otherwise than by adding a delta (DoRA, ...)
         a, b = _lora_weight(layer, "lora_A", adapter), _lora_weight(layer, "lora_B", adapter)
         if weight.dim() == 2 and a is not None and b is not None and a.dim() == b.dim() == 2:
