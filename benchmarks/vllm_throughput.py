@@ -229,7 +229,7 @@ def run_arm(
 
 def bench(args: argparse.Namespace) -> None:
     gpu = args.gpu_memory_utilization is not None
-    if gpu:  # gss refuses Model Runner V2 (vLLM's CUDA default): every engine runs V1 alike
+    if gpu:  # the V1 runner, as gss serve picks (vLLM's CUDA default is V2): every engine alike
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     else:
         for key, value in THREAD_ENV.items():

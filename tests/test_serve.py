@@ -217,21 +217,17 @@ def test_serve_runs_vllms_server(served: Path, vllm_here: Exec, capsys: Any) -> 
     assert "the default artifact (--default) 'other' is not one the server serves" in line
 
 
-@pytest.mark.parametrize("value", ["1", "true", ""])
-def test_serve_refuses_model_runner_v2(
+@pytest.mark.parametrize("value", ["1", "0"])
+def test_serve_keeps_the_model_runner_asked_for(
     served: Path, vllm_here: Exec, monkeypatch: pytest.MonkeyPatch, value: str, capsys: Any
 ) -> None:
-    """VLLM_USE_V2_MODEL_RUNNER other than 0 asks for the runner the plugin does not steer:
-    refused before vLLM starts; 0 is kept."""
+    """VLLM_USE_V2_MODEL_RUNNER set by the user (1: Model Runner V2, which the plugin steers
+    too) is left to vLLM as it is; gss serve sets it only when it is not set."""
     args = ["serve", "--model", str(served / "model"), "--artifact", f"t={served / 'artifact'}"]
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
-    assert main(args) == 2
-    line = _one_error_line(capsys.readouterr().err)
-    assert "not Model Runner V2" in line and "unset it" in line
-    assert vllm_here.argv is None
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     assert main(args) == 0 and vllm_here.argv is not None
     assert "gss serve: VLLM_USE_V2_MODEL_RUNNER" not in capsys.readouterr().err  # nothing set
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == value
 
 
 def test_serve_takes_an_artifact_by_hub_repo_id(
@@ -361,8 +357,9 @@ def test_vllm_cli_answers_vllms_version_on_the_cpu_build(
 
 def test_plugin_refuses_layouts_that_split_the_batch(tmp_path: Path) -> None:
     """Micro-batching, prefill context parallelism and the sequence-parallelism pass hand each
-    forward part of the batch, whose tokens' slots the op cannot find: refused at start-up
-    (the runner's load_model), with artifacts configured; supported layouts pass."""
+    forward part of the batch, and Model Runner V2's adaptive verification re-lays speculative
+    drafts on the device: the op cannot find those tokens' slots, so refused at start-up (the
+    runner's load_model), with artifacts configured; supported layouts pass."""
     from types import SimpleNamespace as NS
 
     from gss.serving import vllm_plugin
@@ -371,20 +368,28 @@ def test_plugin_refuses_layouts_that_split_the_batch(tmp_path: Path) -> None:
         passes = NS(enable_sp=parallel.pop("sp", False), fuse_gemm_comms=False)
         layout = {"use_ubatching": False, "prefill_context_parallel_size": 1}
         layout["tensor_parallel_size"] = parallel.pop("tp", 1)
+        adaptive = parallel.pop("adaptive", False)
         return NS(
             parallel_config=NS(**{**layout, **parallel}),
             compilation_config=NS(pass_config=passes),
             additional_config={"gss_artifacts": {"tiny": str(tmp_path)}},
+            speculative_config=NS(enable_adaptive_verification=adaptive),
+            use_v2_model_runner=parallel.pop("v2", False) or adaptive,
         )
 
     assert vllm_plugin.unsupported_layout(config()) is None
     assert vllm_plugin.unsupported_layout(config(tp=2)) is None
     assert vllm_plugin.unsupported_layout(config(sp=True)) is None  # SP needs TP > 1: off
     assert vllm_plugin.unsupported_layout(NS()) is None  # fields this vLLM lacks: supported
+    assert vllm_plugin.unsupported_layout(config(v2=True)) is None
+    adaptive_v1 = config(adaptive=True)
+    adaptive_v1.use_v2_model_runner = False  # V1 does not re-lay drafts
+    assert vllm_plugin.unsupported_layout(adaptive_v1) is None
     for bad, named in (
         (config(use_ubatching=True), "micro-batching"),
         (config(prefill_context_parallel_size=2), "prefill context parallelism"),
         (config(sp=True, tp=2), "sequence parallelism"),
+        (config(adaptive=True), "adaptive verification"),
     ):
         assert named in (vllm_plugin.unsupported_layout(bad) or "")
         runner = NS(model=NS(), vllm_config=bad)
@@ -397,7 +402,7 @@ def test_plugin_refuses_a_vllm_whose_runner_it_cannot_hook(
 ) -> None:
     """The patches find vLLM's methods by name: a vLLM that renamed one would load the steer
     and serve it unsteered, so install refuses it, naming what is missing; a runner with all
-    of them passes the check."""
+    of them passes the check, V1's or Model Runner V2's."""
     from types import ModuleType
     from types import SimpleNamespace as NS
 
@@ -433,3 +438,13 @@ def test_plugin_refuses_a_vllm_whose_runner_it_cannot_hook(
     stripped = Runner()
     del stripped.query_start_loc
     assert "'query_start_loc'" in (vllm_plugin.missing_hooks(stripped) or "")
+
+    def runner_v2(*hooks: str) -> Any:  # Model Runner V2 with these methods, patched
+        cls = type("RunnerV2", (), {name: lambda self, *a: None for name in hooks})
+        vllm_plugin._patch_v2_runner_class(cls)
+        return cls()
+
+    every = vllm_plugin._V2_HOOKS
+    assert vllm_plugin.missing_hooks(runner_v2(*every)) is None
+    renamed = runner_v2(*(name for name in every if name != "prepare_inputs"))
+    assert "Model Runner V2 has no prepare_inputs" in (vllm_plugin.missing_hooks(renamed) or "")

@@ -288,3 +288,60 @@ def test_fill_slots_gives_each_token_its_requests_slot(state, device):
         expected = want + [vllm_plugin._NO_SLOT] * (12 - len(want))
         assert slots.cpu().tolist() == expected
     assert len(looked_up) == 4  # once a request: its slot is kept on it for its later steps
+
+
+def test_model_runner_v2_keeps_each_requests_slot_from_add_to_remove(state):
+    """vLLM's Model Runner V2 has no ``requests`` dict and no ``_model_forward``: the patch
+    looks a request's slot up when ``add_requests`` adds it (a resumed request comes back as
+    new), drops it in ``_remove_request``, writes the batch's slots after ``prepare_inputs``
+    (its ``req_ids`` in order, ``query_start_loc_np``), and resets them when ``execute_model``
+    returns, so dummy runs (warm-up, CUDA-graph capture) steer nothing."""
+    from types import SimpleNamespace as NS
+
+    import numpy as np
+
+    def new(req_id: str, name: str | None) -> Any:
+        extra = None if name is None else {vllm_plugin.EXTRA_ARG: name}
+        return NS(req_id=req_id, sampling_params=NS(extra_args=extra))
+
+    class Runner:  # V2's methods the patch wraps, as stand-ins
+        def __init__(self) -> None:
+            self.model = NS(_gss_installed=True)
+            self.device, self.max_num_tokens = torch.device("cpu"), 10
+            self.removed: list[str] = []
+            self.seen: list[list[int]] = []
+
+        def load_model(self) -> None: ...
+
+        def add_requests(self, scheduler_output: Any) -> None: ...
+
+        def _remove_request(self, req_id: str) -> bool:
+            self.removed.append(req_id)
+            return True
+
+        def prepare_inputs(self, req_ids: list[str], starts: list[int]) -> Any:
+            return NS(num_reqs=len(req_ids), req_ids=req_ids, query_start_loc_np=np.array(starts))
+
+        def execute_model(self, req_ids: list[str], starts: list[int]) -> None:
+            self.prepare_inputs(req_ids, starts)
+            assert state.slots is not None
+            self.seen.append(state.slots.tolist())  # what the forward reads
+
+    vllm_plugin._patch_v2_runner_class(Runner)
+    assert Runner._gss_v2  # type: ignore[attr-defined]
+    runner = Runner()
+    state.prepare(runner.device, torch.float32, 10)
+    runner.add_requests(NS(scheduled_new_reqs=[new("x", "a"), new("y", None), new("z", "b")]))
+    runner.execute_model(["z", "x", "y"], [0, 2, 5, 6])  # chunked prefill, then a decode
+    runner.add_requests(NS(scheduled_new_reqs=[new("w", "none")]))
+    runner._remove_request("x")
+    runner.execute_model(["y", "w", "z"], [0, 1, 2, 3])
+    no = vllm_plugin._NO_SLOT
+    assert runner.seen == [
+        [1, 1, 0, 0, 0, no, no, no, no, no],
+        [no, no, 1, no, no, no, no, no, no, no],
+    ]
+    assert runner.removed == ["x"] and "x" not in runner._gss_slots
+    assert state.slots.tolist() == [no] * 10  # reset after each execute_model
+    with pytest.raises(KeyError):  # a batch with a request never added: loud, not unsteered
+        runner.execute_model(["x"], [0, 1])

@@ -10,11 +10,13 @@
 #   repeat          repeat.py: are unsteered log-probs bit-reproducible, compiled?
 #   tests-eager     tests/vllm's mixed steered/unsteered batch = transformers, eager
 #   tests-compiled  the same, torch.compile + CUDA graphs
+#   tests-v2        the same mixed batch through Model Runner V2, eager and compiled (175 s on
+#                   the 2-core CPU; not yet timed on a GPU)
 #   tests-bf16      the mixed batch in bfloat16 (FA3 on Hopper), eager and compiled: unsteered
 #                   requests bit-identical to vLLM without the plugin (CUDA compiled may not be
 #                   reproducible from engine to engine: read its log-prob differences)
 #
-# STAGES (default: all eight) names the stages to run, e.g. STAGES="bench-compiled tests-eager";
+# STAGES (default: all nine) names the stages to run, e.g. STAGES="bench-compiled tests-eager";
 # prep runs whenever a bench or op-share does. BENCH (default below) is the bench's workload: 64-token
 # rounds (vllm_throughput.py's CPU default) were too short on an H200 to resolve 2% (per-round
 # ratios 0.64-1.51 on 2026-11-27), hence longer outputs, more load requests. COMPILED_S and
@@ -27,7 +29,7 @@
 set -uo pipefail
 out=${OUT:-gpu-out}
 deadline=${DEADLINE:-560}
-stages=" ${STAGES:-prep bench-compiled bench-eager op-share repeat tests-eager tests-compiled tests-bf16} "
+stages=" ${STAGES:-prep bench-compiled bench-eager op-share repeat tests-eager tests-compiled tests-v2 tests-bf16} "
 bench_args=${BENCH:---batch1 4 --load 48 --max-tokens 256 --max-tokens-cap 256}
 [[ $stages == *" bench-"* || $stages == *" op-share "* ]] && stages+="prep "
 work=/tmp/serve-bench
@@ -54,7 +56,7 @@ tests() {  # tests NAME KEYWORDS
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 bash benchmarks/vllm_gpu/install_on_device.sh || exit 3
-# V1 runner (gss refuses V2 with artifacts); the bundle has no flashinfer (a pip-installed vllm
+# V1 runner (tests-v2 asks for V2 per engine); the bundle has no flashinfer (a pip-installed vllm
 # brings it), whose top-k/top-p sampler vLLM's CUDA runner otherwise imports at start-up
 export PYTHONPATH=/tmp/site VLLM_USE_V2_MODEL_RUNNER=0 VLLM_USE_FLASHINFER_SAMPLER=0
 python3 -c "from vllm import LLM; import vllm.v1.engine.core" || exit 4  # fail fast
@@ -70,7 +72,8 @@ if [ -f "$work/prep.json" ] && fits op-share 250; then
     done
 fi
 fits repeat 200 && timeout $((deadline - SECONDS)) python3 benchmarks/vllm_gpu/repeat.py --out "$out"
-fits tests-eager 80 && tests eager "matches_transformers and eager"
-fits tests-compiled 120 && tests compiled "matches_transformers and compiled"
+fits tests-eager 80 && tests eager "matches_transformers and eager and not v2"
+fits tests-compiled 120 && tests compiled "matches_transformers and compiled and not v2"
+fits tests-v2 200 && tests v2 "model_runner_v2"
 fits tests-bf16 200 && tests bf16 "bfloat16"
 echo "=== done at +${SECONDS} s"

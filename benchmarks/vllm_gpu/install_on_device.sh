@@ -9,21 +9,24 @@ SITE=${SITE:-/tmp/site}
 PY=${PY:-python3}
 tmp=$(mktemp -d /tmp/vllm-bundle.XXXX)
 
+got=$(cat "$PARTS"/part-* | sha256sum | cut -d' ' -f1)
 if [ -f "$PARTS/bundle.sha256" ]; then
-    got=$(cat "$PARTS"/part-* | sha256sum | cut -d' ' -f1)
     [ "$got" = "$(cat "$PARTS/bundle.sha256")" ] || {
         echo "bundle checksum differs: parts missing or damaged ($(ls "$PARTS"))" >&2; exit 1; }
 fi
-# xz (bundle.sh), unpacked by Python's lzma: the image need not have the xz tool
-cat "$PARTS"/part-* | "$PY" -c 'import lzma, shutil, sys
+if [ "$(cat "$SITE/.bundle.sha256" 2>/dev/null)" = "$got" ]; then
+    echo "vLLM from this bundle is already in $SITE (a later call on the same machine)"
+else
+    # xz (bundle.sh), unpacked by Python's lzma: the image need not have the xz tool
+    cat "$PARTS"/part-* | "$PY" -c 'import lzma, shutil, sys
 shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer, 1 << 20)' | tar -xf - -C "$tmp"
-mkdir -p "$SITE"
-pip_install() { "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --upgrade --target "$SITE" "$@"; }
-pip_install "$tmp"/wheels/*.whl
-for whl in "$tmp"/wheels-if-older/*.whl; do  # only where the image's copy is older
-    name=$(basename "$whl" | cut -d- -f1); want=$(basename "$whl" | cut -d- -f2)
-    if ! "$PY" - "$name" "$want" <<'EOF'
+    mkdir -p "$SITE"
+    pip_install() { "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target "$SITE" "$@"; }
+    pip_install "$tmp"/wheels/*.whl
+    for whl in "$tmp"/wheels-if-older/*.whl; do  # only where the image's copy is older
+        name=$(basename "$whl" | cut -d- -f1); want=$(basename "$whl" | cut -d- -f2)
+        if ! "$PY" - "$name" "$want" <<'EOF'
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from packaging.version import Version
@@ -32,11 +35,13 @@ try:
 except PackageNotFoundError:
     sys.exit(1)
 EOF
-    then
-        pip_install "$whl"
-    fi
-done
-cp -a "$tmp"/site/. "$SITE"/  # vllm/ and vllm-0.26.0.dist-info/ (entry_points.txt kept)
+        then
+            pip_install "$whl"
+        fi
+    done
+    cp -a "$tmp"/site/. "$SITE"/  # vllm/ and vllm-0.26.0.dist-info/ (entry_points.txt kept)
+    echo "$got" > "$SITE/.bundle.sha256"
+fi
 rm -rf "$tmp"
 
 # gss: its package and a dist-info carrying pyproject's name, version and entry points

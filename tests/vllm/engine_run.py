@@ -10,11 +10,45 @@ itself; calling it twice is harmless. It does nothing unless GSS_VLLM_ARTIFACTS 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 from gss.serving import vllm_plugin
 
+INTERPRET_ENV = "GSS_TEST_TRITON_INTERPRET"
+"""Set to 1 (test_vllm_plugin.py does, for Model Runner V2 on a machine without CUDA): vLLM's
+Triton kernels run in Triton's interpreter, on the CPU."""
+
+
+def run_triton_kernels_on_the_cpu() -> None:
+    """Model Runner V2 prepares each step's inputs with Triton kernels, and the CPU build of
+    vLLM enables it only where Triton has a CPU backend (triton-cpu, not on PyPI). Triton's own
+    interpreter (``TRITON_INTERPRET=1``) runs the same kernels on CPU tensors: vLLM is told a
+    CPU backend exists while it checks (``triton.backends.backends["cpu"]``, read once, when
+    ``vllm.triton_utils`` is imported), and every kernel launch goes to the interpreter. The
+    entry is removed again, or torch's inductor would take it for a Triton it can compile
+    for. Test harness only: the plugin is unchanged."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton.backends
+
+    class Driver:
+        @staticmethod
+        def is_active() -> bool:
+            return True
+
+    backends = triton.backends.backends
+    backends["cpu"] = triton.backends.Backend(
+        compiler=next(iter(backends.values())).compiler, driver=Driver
+    )
+    try:
+        import vllm.triton_utils  # noqa: F401  (HAS_TRITON, from the backends above)
+    finally:
+        del backends["cpu"]
+
+
+if os.environ.get(INTERPRET_ENV) == "1":  # before vLLM is imported, in every process
+    run_triton_kernels_on_the_cpu()
 vllm_plugin.register()
 
 

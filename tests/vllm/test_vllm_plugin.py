@@ -40,6 +40,8 @@ import torch
 
 import gss
 
+from .engine_run import INTERPRET_ENV
+
 HERE = Path(__file__).resolve().parent
 VOCAB, HIDDEN, HEADS, LAYERS = 512, 256, 4, 2
 MAX_TOKENS = 12
@@ -157,8 +159,11 @@ def run_engine(
     tag: str,
     enforce_eager: bool = True,
     artifact: str = "artifact",
+    runner_v2: bool = False,
     **options: Any,
 ) -> dict[str, Any]:
+    """One engine's greedy run (``engine_run.py``); ``runner_v2``: with vLLM's Model Runner V2
+    (without CUDA, its Triton kernels in Triton's interpreter), else its V1 runner."""
     job = {
         **options,
         "model": str(root / "model"),
@@ -176,6 +181,9 @@ def run_engine(
         from gss.serving import vllm_plugin
 
         env[vllm_plugin.ENV] = json.dumps({STEER_NAME: str(root / artifact)})
+    env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner_v2 else "0"
+    if runner_v2 and not torch.cuda.is_available():
+        env[INTERPRET_ENV] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -230,20 +238,16 @@ def test_steer_changes_greedy_output(setup: dict[str, Any]) -> None:
     assert any(changed), "the artifact changes no steered prompt's greedy output: no test"
 
 
-@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
-def test_vllm_plugin_matches_transformers(setup: dict[str, Any], enforce_eager: bool) -> None:
+def check_mixed_batch(setup: dict[str, Any], tag: str, **options: Any) -> None:
+    """The mixed batch equals transformers token for token (steered: ``gss.steer``), and its
+    unsteered requests equal an engine without the plugin bit for bit, log-probs included
+    (CUDA compiled: within vLLM's own spread)."""
     root, prompts = setup["root"], setup["prompts"]
-    tag = "eager" if enforce_eager else "compiled"
-    with_plugin, expected = run_mixed(setup, f"gss-{tag}", enforce_eager=enforce_eager)
+    with_plugin, expected = run_mixed(setup, f"gss-{tag}", **options)
     assert with_plugin["tokens"] == expected
 
     without = run_engine(
-        root,
-        prompts,
-        [None] * len(prompts),
-        plugin=False,
-        tag=f"plain-{tag}",
-        enforce_eager=enforce_eager,
+        root, prompts, [None] * len(prompts), plugin=False, tag=f"plain-{tag}", **options
     )
     assert without["tokens"] == setup["plain"]
     unsteered = [i for i, (_, on) in enumerate(PROMPTS) if not on]
@@ -251,7 +255,8 @@ def test_vllm_plugin_matches_transformers(setup: dict[str, Any], enforce_eager: 
         assert with_plugin["tokens"][i] == without["tokens"][i]
     # bit for bit, log-probabilities included (CUDA compiled: within vLLM's own spread); the
     # message says by how much they differ
-    spread = CUDA_COMPILED_SPREAD if torch.cuda.is_available() and not enforce_eager else 0.0
+    compiled = not options.get("enforce_eager", True)
+    spread = CUDA_COMPILED_SPREAD if torch.cuda.is_available() and compiled else 0.0
     differ = [d for d in logprob_differences(with_plugin, without, unsteered) if abs(d[2]) > spread]
     assert not differ, (
         f"{len(differ)} of {sum(len(without['logprobs'][i]) for i in unsteered)} log-probs of "
@@ -259,6 +264,20 @@ def test_vllm_plugin_matches_transformers(setup: dict[str, Any], enforce_eager: 
         f"at most by {max(abs(d) for *_, d in differ):.3g} (request, token, difference): "
         f"{differ[:8]}"
     )
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+def test_vllm_plugin_matches_transformers(setup: dict[str, Any], enforce_eager: bool) -> None:
+    check_mixed_batch(setup, "eager" if enforce_eager else "compiled", enforce_eager=enforce_eager)
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+def test_model_runner_v2_matches_transformers(setup: dict[str, Any], enforce_eager: bool) -> None:
+    """The same with vLLM's Model Runner V2 (its default on CUDA where Triton is installed),
+    whose requests, batch layout and forward the plugin follows through other methods than
+    V1's. Without CUDA its Triton kernels run in Triton's interpreter (``engine_run.py``)."""
+    tag = "v2-eager" if enforce_eager else "v2-compiled"
+    check_mixed_batch(setup, tag, enforce_eager=enforce_eager, runner_v2=True)
 
 
 def greedy_gaps(model: Any, prompt: list[int], tokens: list[int]) -> tuple[list[float], float]:
@@ -598,8 +617,8 @@ def test_gss_serve_openai_server(
     command += ["--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager", "--seed", "0"]
     command += ["--max-model-len", "128", "--max-num-batched-tokens", "32", *processes]
     env = dict(os.environ)
-    for name in ("GSS_VLLM_ARTIFACTS", "VLLM_PLUGINS"):
-        env.pop(name, None)
+    for name in ("GSS_VLLM_ARTIFACTS", "VLLM_PLUGINS", "VLLM_USE_V2_MODEL_RUNNER"):
+        env.pop(name, None)  # the runner: gss serve's choice
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -639,21 +658,3 @@ def test_gss_serve_openai_server(
     assert text.count("gss steers decoder layer(s) [1]") == engines
     if processes:
         assert "Started 2 API server processes" in text
-
-
-def test_model_runner_v2_is_refused_at_start_up() -> None:
-    """vLLM's Model Runner V2 (its CUDA default) is not steered yet: with artifacts configured
-    its load_model raises the plugin's message, so a server never runs without its steer; with
-    none it is left alone."""
-    from types import SimpleNamespace
-
-    from gss.serving import vllm_plugin
-
-    vllm_plugin.register()
-    import vllm.v1.worker.gpu.model_runner as v2
-
-    asked = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={"gss_artifacts": {}}))
-    asked.vllm_config.additional_config["gss_artifacts"]["tiny"] = "/nowhere"
-    with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
-        v2.GPUModelRunner.load_model(asked)
-    assert v2.GPUModelRunner.load_model.__name__ == "refusing_load_model"

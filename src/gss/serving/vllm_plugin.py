@@ -38,6 +38,9 @@ How it works (see the notes of issue 40):
   runner's batch (``input_batch.req_ids`` in order, ``query_start_loc``) is turned into one
   artifact slot per token in a persistent buffer the op reads; after the forward it is reset.
   Under continuous batching and chunked prefill every token gets its own request's slot.
+  Model Runner V2 (vLLM's default on CUDA) has neither: there the slots follow its requests
+  (``add_requests`` / ``_remove_request``) and the batch its ``prepare_inputs`` returns, and
+  are reset when ``execute_model`` returns (`_patch_v2_runner_class`).
 * A request naming an unknown artifact is refused where vLLM validates its parameters
   (``InputProcessor._validate_params``, in the frontend), before it reaches the engine.
 * The steer itself is `gss.steering.gated.GatedSteer.steer_hidden`, the same arithmetic as
@@ -83,9 +86,10 @@ NO_STEER = "none"
 _RUNNER_MODULES = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.cpu_model_runner")
 _REQUEST_MODULE = "vllm.v1.request"
 _INPUT_MODULE = "vllm.v1.engine.input_processor"
-# vLLM's Model Runner V2 (the default on CUDA where Triton is installed): not steered yet, so an
-# engine that would use it with artifacts configured is refused at start-up, never run unsteered
+# vLLM's Model Runner V2 (the default on CUDA where Triton is installed; the CPU build's V2
+# runner subclasses it), and the methods of it the plugin wraps
 _V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+_V2_HOOKS = ("load_model", "add_requests", "_remove_request", "prepare_inputs", "execute_model")
 _PATCHED_MODULES = (*_RUNNER_MODULES, _REQUEST_MODULE, _INPUT_MODULE, _V2_RUNNER_MODULE)
 _NO_SLOT = -1
 
@@ -336,7 +340,8 @@ def unsupported_layout(vllm_config: Any) -> str | None:
     The slot buffer holds one slot per token of the whole batch, in the runner's order; a
     forward that sees only part of the batch (micro-batches, tokens split across ranks by
     prefill context parallelism or by the sequence-parallelism compile pass) would read the
-    wrong tokens' slots, so such an engine is refused at start-up instead."""
+    wrong tokens' slots, as would Model Runner V2 re-laying speculative drafts on the device
+    (adaptive verification), so such an engine is refused at start-up instead."""
     parallel = getattr(vllm_config, "parallel_config", None)
     if getattr(parallel, "use_ubatching", False):
         return "micro-batching (--enable-dbo / --ubatch-size)"
@@ -346,6 +351,11 @@ def unsupported_layout(vllm_config: Any) -> str | None:
     split = getattr(passes, "enable_sp", False) or getattr(passes, "fuse_gemm_comms", False)
     if split and int(getattr(parallel, "tensor_parallel_size", 1) or 1) > 1:
         return "sequence parallelism (compilation pass_config enable_sp / fuse_gemm_comms)"
+    speculative = getattr(vllm_config, "speculative_config", None)
+    if getattr(vllm_config, "use_v2_model_runner", False) and getattr(
+        speculative, "enable_adaptive_verification", False
+    ):  # V2 then re-lays the drafts' tokens on the device, past the host's batch layout
+        return "adaptive verification of speculative drafts in Model Runner V2"
     return None
 
 
@@ -365,9 +375,10 @@ def install(runner: Any) -> bool:
         from gss.errors import GSSError
 
         raise GSSError(
-            f"gss's vLLM plugin does not steer an engine with {layout}: each forward would "
-            "see only part of the batch and steer the wrong tokens. Start the engine "
-            "without it to serve gss artifacts (docs/serving.md, Limits)."
+            f"gss's vLLM plugin does not steer an engine with {layout}: its forwards lay "
+            "tokens out otherwise than the scheduled batch, so the plugin would steer the "
+            "wrong tokens. Start the engine without it to serve gss artifacts "
+            "(docs/serving.md, Limits)."
         )
     missing = missing_hooks(runner)
     if missing:
@@ -411,16 +422,21 @@ def install(runner: Any) -> bool:
 
 
 def missing_hooks(runner: Any) -> str | None:
-    """What of vLLM's V1 runner the plugin steers through this vLLM lacks (None: nothing).
+    """What of vLLM's model runner the plugin steers through this vLLM lacks (None: nothing).
     The patches find their methods by name and skip a class without them, so a vLLM that
     renamed one would load the steer and never fill its slots, or share steered requests'
     prefix cache with unsteered ones: checked where the steer is installed, before serving."""
-    forward = getattr(type(runner), "_model_forward", None)
-    if not getattr(forward, "_gss_fills_slots", False):
-        return "its model runner has no _model_forward the plugin could wrap"
-    for name in ("input_batch", "query_start_loc", "requests"):
-        if not hasattr(runner, name):
-            return f"its model runner keeps no {name!r}"
+    if getattr(type(runner), "_gss_v2", False):
+        for name in _V2_HOOKS:
+            if not getattr(getattr(type(runner), name, None), "_gss_hook", False):
+                return f"its Model Runner V2 has no {name} the plugin could wrap"
+    else:
+        forward = getattr(type(runner), "_model_forward", None)
+        if not getattr(forward, "_gss_fills_slots", False):
+            return "its model runner has no _model_forward the plugin could wrap"
+        for name in ("input_batch", "query_start_loc", "requests"):
+            if not hasattr(runner, name):
+                return f"its model runner keeps no {name!r}"
     request = getattr(importlib.import_module(_REQUEST_MODULE), "Request", None)
     if not getattr(request, "_gss_patched", False):
         return "its Request has no from_engine_core_request to salt steered requests' cache"
@@ -453,16 +469,25 @@ def _mark_compile_key(vllm_config: Any) -> None:
 
 
 def _fill_slots(runner: Any) -> None:
+    """Before a forward of the V1 runner: each scheduled token's slot, from its request's."""
     import numpy as np
 
     batch = runner.input_batch
     num_reqs = int(batch.num_reqs)
-    starts = runner.query_start_loc.np[: num_reqs + 1]
     requests, ids = runner.requests, batch.req_ids[:num_reqs]
     try:  # every request's slot kept on it since its first step
         per_req = np.fromiter((requests[r]._gss_slot for r in ids), np.int32, count=num_reqs)
     except AttributeError:  # a request's first step: look its slot up
         per_req = np.fromiter((_request_slot(requests[r]) for r in ids), np.int32, count=num_reqs)
+    _write_slots(runner, per_req, runner.query_start_loc.np[: num_reqs + 1])
+
+
+def _write_slots(runner: Any, per_req: Any, starts: Any) -> None:
+    """Write ``per_req`` (one slot per request, in batch order) once per token of each request
+    (``starts``: where each request's tokens begin, and the end) into the buffer the op reads;
+    every later row (padding tokens under CUDA graphs, stale rows) gets no slot."""
+    import numpy as np
+
     per_token = np.repeat(per_req, np.diff(starts))
     n = per_token.shape[0]
     slots = _STATE.buffer(max(n, int(getattr(runner, "max_num_tokens", 1))), runner.device)
@@ -607,7 +632,7 @@ def _patch_module(module: ModuleType) -> None:
     if module.__name__ == _V2_RUNNER_MODULE:
         v2 = getattr(module, "GPUModelRunner", None)
         if isinstance(v2, type):
-            _refuse_v2(v2)
+            _patch_v2_runner_class(v2)
         return
     for name in ("GPUModelRunner", "CPUModelRunner"):
         cls = getattr(module, name, None)
@@ -616,27 +641,61 @@ def _patch_module(module: ModuleType) -> None:
 
 
 V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
-"""vLLM's switch between its model runners (``0``: the V1 runner, which the plugin steers)."""
-V2_MESSAGE = (
-    "gss's vLLM plugin steers through vLLM's V1 model runner, and this engine uses Model Runner "
-    "V2 (vLLM's default on CUDA with Triton), where the steer would not run: start it with "
-    f"{V2_ENV}=0 (gss serve sets it; docs/serving.md)."
-)
+"""vLLM's switch between its model runners (``0``: the V1 runner, ``1``: Model Runner V2)."""
 
 
-def _refuse_v2(cls: type) -> None:
-    """Model Runner V2's ``load_model`` raises when artifacts are configured: a server that
-    was asked to steer never starts without its steer."""
-    if cls.__dict__.get("_gss_patched") or "load_model" not in cls.__dict__:
+def _patch_v2_runner_class(cls: type) -> None:
+    """Model Runner V2 (vLLM's default on CUDA with Triton) keeps no ``requests`` dict and no
+    ``_model_forward``: each request's slot is looked up when the request is added
+    (``add_requests``: its new requests' sampling parameters; a resumed request comes back as
+    new) and dropped with it (``_remove_request``); the buffer is filled from the batch that
+    ``prepare_inputs`` returns (``req_ids`` in order, ``query_start_loc_np``) and reset when
+    ``execute_model``, whose forward reads it, returns."""
+    if cls.__dict__.get("_gss_patched"):
         return
-    load_model = cls.__dict__["load_model"]
+    original: dict[str, Any] = {name: cls.__dict__.get(name) for name in _V2_HOOKS}
 
-    def refusing_load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if artifact_paths(getattr(self, "vllm_config", None)):
-            raise RuntimeError(V2_MESSAGE)
-        return load_model(self, *args, **kwargs)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original["load_model"](self, *args, **kwargs)
+        install(self)
+        return result
 
-    setattr(cls, "load_model", refusing_load_model)  # noqa: B010
+    def add_requests(self: Any, scheduler_output: Any) -> Any:
+        result = original["add_requests"](self, scheduler_output)
+        if getattr(self.model, "_gss_installed", False):
+            slots = self.__dict__.setdefault("_gss_slots", {})
+            for new in scheduler_output.scheduled_new_reqs:
+                slots[new.req_id] = _STATE.slot_of(new.sampling_params)
+        return result
+
+    def _remove_request(self: Any, req_id: str) -> Any:
+        self.__dict__.get("_gss_slots", {}).pop(req_id, None)
+        return original["_remove_request"](self, req_id)
+
+    def prepare_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
+        batch = original["prepare_inputs"](self, *args, **kwargs)
+        if getattr(self.model, "_gss_installed", False):
+            import numpy as np
+
+            num_reqs = int(batch.num_reqs)
+            slots = self._gss_slots
+            per_req = np.fromiter((slots[r] for r in batch.req_ids[:num_reqs]), np.int32, num_reqs)
+            _write_slots(self, per_req, batch.query_start_loc_np[: num_reqs + 1])
+        return batch
+
+    def execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original["execute_model"](self, *args, **kwargs)
+        finally:
+            if _STATE.slots is not None:
+                _STATE.slots.fill_(_NO_SLOT)
+
+    hooks: tuple[Any, ...] = (load_model, add_requests, _remove_request, prepare_inputs)
+    for hook in (*hooks, execute_model):
+        if original[hook.__name__] is not None:  # a vLLM without it: `missing_hooks` says so
+            hook._gss_hook = True
+            setattr(cls, hook.__name__, hook)
+    setattr(cls, "_gss_v2", True)  # noqa: B010
     setattr(cls, "_gss_patched", True)  # noqa: B010
 
 
