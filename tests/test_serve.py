@@ -446,5 +446,9 @@ def test_plugin_refuses_a_vllm_whose_runner_it_cannot_hook(
 
     every = vllm_plugin._V2_HOOKS
     assert vllm_plugin.missing_hooks(runner_v2(*every)) is None
+    on_cuda, on_cpu, v1 = runner_v2(*every), runner_v2(*every), Runner()
+    on_cuda.device, on_cpu.device, v1.device = "cuda", "cpu", "cuda"
+    assert vllm_plugin.untested_runner(on_cuda) == vllm_plugin.V2_ON_CUDA  # logged at install
+    assert vllm_plugin.untested_runner(on_cpu) is None and vllm_plugin.untested_runner(v1) is None
     renamed = runner_v2(*(name for name in every if name != "prepare_inputs"))
     assert "Model Runner V2 has no prepare_inputs" in (vllm_plugin.missing_hooks(renamed) or "")

@@ -410,7 +410,8 @@ def install(runner: Any) -> bool:
     model._gss_installed = True
     from vllm.logger import init_logger
 
-    init_logger("vllm.gss").info(
+    logger = init_logger("vllm.gss")
+    logger.info(
         "gss steers decoder layer(s) %s for the artifact(s) %s (SamplingParams.extra_args / "
         "vllm_xargs {%r: name}); a request naming none: %s",
         sorted(_STATE.by_layer),
@@ -418,7 +419,17 @@ def install(runner: Any) -> bool:
         EXTRA_ARG,
         "not steered" if default is None else f"steered by {default!r} ({NO_STEER!r} opts out)",
     )
+    untested = untested_runner(runner)
+    if untested:
+        logger.warning(untested)
     return True
+
+
+def untested_runner(runner: Any) -> str | None:
+    """A warning for a runner the plugin steers but has not been run with on its device
+    (Model Runner V2 on CUDA); None for the others."""
+    v2 = getattr(type(runner), "_gss_v2", False)
+    return V2_ON_CUDA if v2 and torch.device(runner.device).type == "cuda" else None
 
 
 def missing_hooks(runner: Any) -> str | None:
@@ -642,6 +653,11 @@ def _patch_module(module: ModuleType) -> None:
 
 V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 """vLLM's switch between its model runners (``0``: the V1 runner, ``1``: Model Runner V2)."""
+V2_ON_CUDA = (
+    "gss steers this engine through vLLM's Model Runner V2, which it has been tested with on "
+    f"vLLM's CPU build only; its V1 runner ({V2_ENV}=0, what gss serve sets) has run on a GPU "
+    "(docs/serving.md, Limits)."
+)
 
 
 def _patch_v2_runner_class(cls: type) -> None:
