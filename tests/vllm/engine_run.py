@@ -47,9 +47,10 @@ def run_triton_kernels_on_the_cpu() -> None:
         del backends["cpu"]
 
 
-if os.environ.get(INTERPRET_ENV) == "1":  # before vLLM is imported, in every process
-    run_triton_kernels_on_the_cpu()
-vllm_plugin.register()
+if __name__ in ("__main__", "__mp_main__"):  # run, or re-imported by a spawned process
+    if os.environ.get(INTERPRET_ENV) == "1":  # before vLLM is imported
+        run_triton_kernels_on_the_cpu()
+    vllm_plugin.register()
 
 
 def main() -> None:
