@@ -7,10 +7,12 @@ That is Python and NumPy on the host, outside the op's timings in ``vllm_op.py``
 its critical path, it adds to the op's cost. This times it on a stand-in runner (the attributes
 vLLM's ``GPUModelRunner`` has), per batch shape, two ways: a request's first step, when its slot
 is looked up from its sampling parameters, and every later step, when the slot kept on the
-request is read. Beside each shape, where ``results/serve-cuda-op`` has it, the H200's
-CUDA-graph forward of SmolLM2-135M's shape at that shape and the op's cost there: the fill's
-share of that forward is an estimate across two machines (the fill timed on this CPU, a host
-CPU usually faster than this one; the forward on the H200).
+request is read; and, for vLLM's Model Runner V2, every step after ``prepare_inputs`` (the
+slots kept by request id since ``add_requests``). Beside each shape, where
+``results/serve-cuda-op`` has it, the H200's CUDA-graph forward of SmolLM2-135M's shape at that
+shape and the op's cost there: the fill's share of that forward is an estimate across two
+machines (the fill timed on this CPU, a host CPU usually faster than this one; the forward on
+the H200).
 
     .venv/bin/python benchmarks/vllm_fill_slots.py --out results/serve-fill-slots
 """
@@ -55,6 +57,57 @@ def runner(sequences: int, tokens: int) -> Any:
     )
 
 
+class RunnerV2:
+    """A stand-in for Model Runner V2 at one step, patched as the plugin patches V2: its
+    ``prepare_inputs`` returns the step's batch, ``execute_model`` prepares it (the plugin
+    fills the slots there) and, patched, resets them."""
+
+    def __init__(self, sequences: int, tokens: int) -> None:
+        self.device = torch.device("cpu")
+        self.max_num_tokens = max(512, sequences * tokens)
+        self.model = SimpleNamespace(_gss_installed=True)
+        ids = [f"r{i}" for i in range(sequences)]
+        self.batch = SimpleNamespace(
+            num_reqs=sequences,
+            req_ids=ids,
+            query_start_loc_np=np.arange(0, (sequences + 1) * tokens, tokens, dtype=np.int32),
+        )
+        extra = {vllm_plugin.EXTRA_ARG: "a"}
+        new = [
+            SimpleNamespace(
+                req_id=r, sampling_params=SimpleNamespace(extra_args=extra if i % 2 else None)
+            )
+            for i, r in enumerate(ids)
+        ]
+        self.add_requests(SimpleNamespace(scheduled_new_reqs=new))
+
+    def load_model(self) -> None: ...
+
+    def add_requests(self, scheduler_output: Any) -> None: ...
+
+    def _remove_request(self, req_id: str) -> None: ...
+
+    def prepare_inputs(self) -> Any:
+        return self.batch
+
+    def execute_model(self) -> None:
+        self.prepare_inputs()
+
+
+def v2_step_us(sequences: int, tokens: int, steps: int, rounds: int) -> list[float]:
+    """Microseconds per Model Runner V2 step (the fill after ``prepare_inputs``, the reset
+    when ``execute_model`` returns), per round; the requests added before."""
+    runner = RunnerV2(sequences, tokens)
+    out = []
+    for _ in range(rounds):
+        runner.execute_model()  # warm
+        started = time.perf_counter()
+        for _ in range(steps):
+            runner.execute_model()
+        out.append((time.perf_counter() - started) / steps * 1e6)
+    return out
+
+
 def step_us(make: Any, fresh: bool, steps: int, rounds: int) -> list[float]:
     """Microseconds per step (the fill and the reset after the forward), per round."""
     state = vllm_plugin._STATE
@@ -94,6 +147,7 @@ def main() -> None:
     state = vllm_plugin._State()
     state.names, state.loaded = {"a": 0}, True
     vllm_plugin._STATE = state
+    vllm_plugin._patch_v2_runner_class(RunnerV2)
     torch.set_num_threads(1)
     gpu = cuda_forward()
     rows = []
@@ -106,6 +160,9 @@ def main() -> None:
             )
             row[name] = statistics.median(times)
             row[name.replace("_us", "_rounds_us")] = times
+        times = v2_step_us(sequences, tokens, args.steps, args.rounds)
+        row["v2_step_us"] = statistics.median(times)
+        row["v2_step_rounds_us"] = times
         if (sequences, tokens) in gpu:
             forward = gpu[(sequences, tokens)]
             row["h200_graph_forward_ms"] = forward["forward_ms"]
@@ -114,7 +171,7 @@ def main() -> None:
         rows.append(row)
         print(
             f"{sequences} x {tokens}: first step {row['first_step_us']:.1f} us, later steps "
-            f"{row['later_step_us']:.1f} us",
+            f"{row['later_step_us']:.1f} us, Model Runner V2 {row['v2_step_us']:.1f} us",
             flush=True,
         )
     args.out.mkdir(parents=True, exist_ok=True)
@@ -139,19 +196,21 @@ def write_table(path: Path, rows: list[dict[str, Any]], args: argparse.Namespace
         f"`benchmarks/vllm_fill_slots.py --steps {args.steps} --rounds {args.rounds}` on this "
         "machine (2 CPU cores, one torch thread); a stand-in runner, every other request "
         "steered; medians of the rounds. A request's first step looks its slot up; later steps "
-        "read the slot kept on the request. H200 columns: `results/serve-cuda-op` (CUDA-graph "
+        "read the slot kept on the request; Model Runner V2: every step, the slots kept by "
+        "request id since the request was added (a stand-in V2 runner patched as the plugin "
+        "patches V2). H200 columns: `results/serve-cuda-op` (CUDA-graph "
         "forward of SmolLM2-135M's shape, bfloat16, and the hard-gated op's cost in it); the "
         "share is this CPU's later-step fill over that forward, an estimate across machines.",
         "",
-        "| sequences x tokens | first step (us) | later steps (us) | H200 forward (ms) "
-        "| op's cost there | fill / forward | op + fill |",
-        "|---|---|---|---|---|---|---|",
+        "| sequences x tokens | first step (us) | later steps (us) | Model Runner V2 (us) "
+        "| H200 forward (ms) | op's cost there | fill / forward | op + fill |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         gpu = "h200_graph_forward_ms" in r
         lines.append(
             f"| {r['sequences']} x {r['tokens_each']} | {r['first_step_us']:.1f} "
-            f"| {r['later_step_us']:.1f} "
+            f"| {r['later_step_us']:.1f} | {r['v2_step_us']:.1f} "
             + (
                 f"| {r['h200_graph_forward_ms']:.2f} | {100 * r['h200_op_cost']:.2f}% "
                 f"| {100 * r['fill_share_of_h200_forward']:.2f}% "
@@ -172,8 +231,9 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
     labels = [f"{r['sequences']}x{r['tokens_each']}" for r in rows]
     x = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.bar(x - 0.2, [r["first_step_us"] for r in rows], 0.4, label="first step (slot looked up)")
-    ax.bar(x + 0.2, [r["later_step_us"] for r in rows], 0.4, label="later steps (slot kept)")
+    ax.bar(x - 0.27, [r["first_step_us"] for r in rows], 0.27, label="first step (slot looked up)")
+    ax.bar(x, [r["later_step_us"] for r in rows], 0.27, label="later steps (slot kept)")
+    ax.bar(x + 0.27, [r["v2_step_us"] for r in rows], 0.27, label="Model Runner V2, a step")
     ax.set_xticks(x, labels)
     ax.set_xlabel("sequences x tokens each")
     ax.set_ylabel("us per step (this CPU)")
