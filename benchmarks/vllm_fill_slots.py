@@ -118,8 +118,7 @@ def step_us(make: Any, fresh: bool, steps: int, rounds: int) -> list[float]:
         started = time.perf_counter()
         for r in runners:
             vllm_plugin._fill_slots(r)
-            assert state.slots is not None
-            state.slots.fill_(vllm_plugin._NO_SLOT)
+            state.clear()
         out.append((time.perf_counter() - started) / steps * 1e6)
     return out
 

@@ -221,6 +221,12 @@ class _State:
             self.slots = slots
         return slots
 
+    def clear(self) -> None:
+        """No slot for any token: after a forward, so that a dummy run (warm-up, CUDA-graph
+        capture) between steps steers nothing."""
+        if self.slots is not None:
+            self.slots.fill_(_NO_SLOT)
+
     def steer(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor | None]:
         """``h`` (tokens x hidden, or 1 x tokens x hidden where vLLM runs a transformers
         model through its Transformers backend) with each token steered by its slot's
@@ -546,8 +552,7 @@ def _patch_runner_class(cls: type) -> None:
             try:
                 return model_forward(self, *args, **kwargs)
             finally:
-                if _STATE.slots is not None:
-                    _STATE.slots.fill_(_NO_SLOT)
+                _STATE.clear()
 
         patched_model_forward._gss_fills_slots = True  # type: ignore[attr-defined]
         setattr(cls, "_model_forward", patched_model_forward)  # noqa: B010
@@ -703,8 +708,7 @@ def _patch_v2_runner_class(cls: type) -> None:
         try:
             return original["execute_model"](self, *args, **kwargs)
         finally:
-            if _STATE.slots is not None:
-                _STATE.slots.fill_(_NO_SLOT)
+            _STATE.clear()
 
     hooks: tuple[Any, ...] = (load_model, add_requests, _remove_request, prepare_inputs)
     for hook in (*hooks, execute_model):
