@@ -218,6 +218,52 @@ def test_a_hub_id_not_in_the_cache_offline_says_so():
         read_data("gss-tests/no-such-dataset", progress=False)
 
 
+@pytest.fixture
+def online(monkeypatch, tmp_path):
+    """Offline mode off (the socket still refuses to connect), an empty Hub cache, and a
+    stand-in `load_dataset` that records its calls."""
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    calls = []
+
+    def load_dataset(path, *args, **kwargs):
+        calls.append(path)
+        return _table()
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return calls
+
+
+def test_a_hub_id_without_a_network_fails_at_once_without_datasets_retries(online):
+    # datasets retries a Hub id that does not resolve for ~25 s; one request says it at once
+    with pytest.raises(GSSError, match="the Hub cannot be reached to look for it as a dataset"):
+        read_data("gss-tests/no-such-dataset", progress=False)
+    assert online == []
+
+
+def test_a_hub_id_the_hub_does_not_have_is_said_before_datasets_loads(online, monkeypatch):
+    from types import SimpleNamespace
+
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    def dataset_info(self, name, **kwargs):
+        response = SimpleNamespace(headers={}, request=None, status_code=404)
+        raise RepositoryNotFoundError("the Hub said no", response=response)
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", dataset_info)
+    with pytest.raises(GSSError, match="nope is neither a local file or directory nor a Hub"):
+        read_data("nope", progress=False)
+    assert online == []
+
+
+def test_a_hub_dataset_in_the_cache_goes_to_datasets_unasked(online, tmp_path):
+    # datasets loads a cached dataset when the Hub is down: no request may stop it first
+    (tmp_path / "hub" / "datasets--someone--forum-posts").mkdir(parents=True)
+    read_data("someone/forum-posts", text_column="body", progress=False)
+    assert online == ["someone/forum-posts"]
+
+
 def test_cli_signal_on_a_parquet_column_prints_what_the_jsonl_gives(tmp_path, models, capsys):
     """--data rows.parquet --text-column body is --data rows.jsonl with a text column; the
     columns apply to --normal-data where it has them (a saved dataset here), not to a .txt."""

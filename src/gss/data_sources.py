@@ -257,6 +257,10 @@ def _load(datasets: Any, name: str, path: Path, split: str | None) -> Any:
                 f"{name} has no split {wanted!r}: its splits are {list(loaded)} (--split)."
             )
         return loaded[wanted]
+    if not path.is_dir():
+        from gss.hf.hub import check_dataset
+
+        check_dataset(name)
     return _call(
         datasets.load_dataset, name, str(path) if path.is_dir() else name, split=split or "train"
     )

@@ -26,6 +26,7 @@ from gss.errors import GSSError
 __all__ = [
     "ModelSource",
     "cache_dir",
+    "check_dataset",
     "hub_environment",
     "hub_error",
     "hub_id",
@@ -196,6 +197,55 @@ def _cached_repo(repo_id: str) -> bool:
     """Whether the cache holds anything of ``repo_id`` (so a missing config.json there may
     be an adapter repo's, cached without one)."""
     return (Path(cache_dir()) / ("models--" + repo_id.replace("/", "--"))).is_dir()
+
+
+def check_dataset(name: str) -> None:
+    """Before ``datasets`` loads the Hub dataset ``name``: one request, without retries, so
+    that a wrong path or id, or a Hub that cannot be reached, is said in a second (datasets
+    retries for ~25 s first, where a name does not resolve). Nothing is asked offline or for a
+    dataset the cache holds: datasets falls back to the cache when the Hub is down."""
+    if offline() or _cached_dataset(name):
+        return
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+
+    try:
+        HfApi().dataset_info(name, timeout=10)
+    except (RepositoryNotFoundError, HFValidationError):
+        raise GSSError(
+            f"{name} is neither a local file or directory nor a Hub dataset you can read: "
+            "check the path or the dataset id; for a private dataset, log in (`hf auth login`, "
+            "or set HF_TOKEN)."
+        ) from None
+    except HfHubHTTPError:
+        return  # gated, rate-limited, a server error: datasets says what
+    except Exception as e:
+        if not _network_error(e):
+            return
+        raise GSSError(
+            f"{name} is not a local file or directory, and the Hub cannot be reached to look "
+            f"for it as a dataset ({type(e).__name__}: {first_line(e)}): check the path; for a "
+            "Hub dataset, check the network (or HF_ENDPOINT), or set HF_HUB_OFFLINE=1 to load "
+            "it from your cache."
+        ) from None
+
+
+def _cached_dataset(name: str) -> bool:
+    """Whether the Hub cache holds files of the dataset ``name``, or datasets' cache a table
+    made from it (where datasets loads it from when the Hub is down)."""
+    if (Path(cache_dir()) / ("datasets--" + name.replace("/", "--"))).is_dir():
+        return True
+    try:
+        from datasets import config
+    except ImportError:
+        return False
+    return (Path(config.HF_DATASETS_CACHE) / name.replace("/", "___")).is_dir()
+
+
+def _network_error(e: BaseException) -> bool:
+    """Whether ``e`` says the connection failed (requests', httpx's or the socket's errors)."""
+    names = {"TransportError", "TimeoutException", "ConnectionError", "Timeout"}
+    return isinstance(e, OSError) or any(kind.__name__ in names for kind in type(e).__mro__)
 
 
 def hub_error(e: Exception, repo_id: str, revision: str | None, what: str = "model") -> str:
