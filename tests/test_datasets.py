@@ -223,7 +223,9 @@ def online(monkeypatch, tmp_path):
     """Offline mode off (the socket still refuses to connect), an empty Hub cache, and a
     stand-in `load_dataset` that records its calls."""
     monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False, raising=False)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     calls = []
 
@@ -257,11 +259,14 @@ def test_a_hub_id_the_hub_does_not_have_is_said_before_datasets_loads(online, mo
     assert online == []
 
 
-def test_a_hub_dataset_in_the_cache_goes_to_datasets_unasked(online, tmp_path):
+def test_a_hub_dataset_in_the_cache_goes_to_datasets_unasked(online, tmp_path, monkeypatch):
     # datasets loads a cached dataset when the Hub is down: no request may stop it first
     (tmp_path / "hub" / "datasets--someone--forum-posts").mkdir(parents=True)
     read_data("someone/forum-posts", text_column="body", progress=False)
     assert online == ["someone/forum-posts"]
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # datasets' own offline switch: nothing asked
+    read_data("someone/other-posts", text_column="body", progress=False)
+    assert online == ["someone/forum-posts", "someone/other-posts"]
 
 
 def test_cli_signal_on_a_parquet_column_prints_what_the_jsonl_gives(tmp_path, models, capsys):

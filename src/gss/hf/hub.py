@@ -202,9 +202,10 @@ def _cached_repo(repo_id: str) -> bool:
 def check_dataset(name: str) -> None:
     """Before ``datasets`` loads the Hub dataset ``name``: one request, without retries, so
     that a wrong path or id, or a Hub that cannot be reached, is said in a second (datasets
-    retries for ~25 s first, where a name does not resolve). Nothing is asked offline or for a
-    dataset the cache holds: datasets falls back to the cache when the Hub is down."""
-    if offline() or _cached_dataset(name):
+    retries for ~25 s first, where a name does not resolve). Nothing is asked offline (for
+    datasets too: ``HF_DATASETS_OFFLINE``) or for a dataset the cache holds: datasets falls
+    back to the cache when the Hub is down."""
+    if offline() or _datasets_offline() or _cached_dataset(name):
         return
     from huggingface_hub import HfApi
     from huggingface_hub.utils import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
@@ -228,6 +229,19 @@ def check_dataset(name: str) -> None:
             "Hub dataset, check the network (or HF_ENDPOINT), or set HF_HUB_OFFLINE=1 to load "
             "it from your cache."
         ) from None
+
+
+def _datasets_offline() -> bool:
+    """Whether datasets loads offline: ``HF_DATASETS_OFFLINE`` read now, else its flag as
+    datasets set it at its import (or as a program set it since)."""
+    env = os.environ.get("HF_DATASETS_OFFLINE")
+    if env:
+        return env.strip().upper() in _TRUE
+    try:
+        from datasets import config
+    except ImportError:
+        return False
+    return bool(getattr(config, "HF_HUB_OFFLINE", False))
 
 
 def _cached_dataset(name: str) -> bool:
