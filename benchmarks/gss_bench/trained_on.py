@@ -9,6 +9,7 @@ reproduces them on an AVX-512 CPU), so AVX2 keeps the cache keys from before thi
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -66,3 +67,29 @@ def other_cpu(record: dict[str, Any]) -> str | None:
     and threads still train other weights on some other CPUs: docs/benchmarks.md), else None."""
     named = (record.get("trained_on") or {}).get("cpu")
     return named if named and named != cpu_info()["cpu"] else None
+
+
+def same_numerics(named: dict[str, Any], threads: int) -> bool:
+    """Whether a model's ``trained_on`` record names this machine's numerics at ``threads``
+    threads: the same device, CPU, vector instructions and thread count (a field the record
+    lacks is not held against it)."""
+    here = {"device": "cpu", **cpu_info(), "threads": threads}
+    return all(named.get(field, value) == value for field, value in here.items())
+
+
+def describe_numerics(named: dict[str, Any], threads: int | None = None) -> str:
+    """A ``trained_on`` record (or this machine's `cpu_info` with ``threads``) in words; its
+    thread count left out where it is ``threads``."""
+    count = named.get("threads")
+    at = f", {count} threads" if count and count != threads else ""
+    return f"{named.get('cpu', 'an unnamed CPU')} ({named.get('cpu_capability', '?')}{at})"
+
+
+def numerics_slug(threads: int) -> str:
+    """This machine's numerics as a folder-name suffix: its CPU's name (``amd-epyc``), then
+    ``-avx512`` or ``-t4`` where they are not the committed models' AVX2 and 2 threads."""
+    name = re.sub(r"\((r|tm)\)", "", cpu_info()["cpu"].lower())
+    slug = re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cpu"
+    capability = cpu_capability()
+    slug += "" if capability == KEY_CPU_CAPABILITY else f"-{capability.lower()}"
+    return slug + ("" if threads == KEY_THREADS else f"-t{threads}")

@@ -59,6 +59,40 @@ def test_quick_benchmark_writes_table_json_and_figures(tmp_path, cache, setting,
     assert ("ATEN_CPU_CAPABILITY=avx2 reproduces them" in printed) == other
 
 
+def test_a_table_of_another_cpus_models_is_left_as_it_is(tmp_path, cache, monkeypatch, capsys):
+    """The same seeds train other weights on another CPU: `make bench` there (no --out) writes
+    its own table beside the committed one rather than mixing the two and overwriting its
+    figures; an explicit --out joins the table, with a warning."""
+    from gss_bench.trained_on import numerics_slug
+
+    monkeypatch.chdir(tmp_path)
+    args = ["--quick", "--methods", "GSS", "--deltas", "0.1", "--threads", "2"]
+    args += ["--cache-dir", str(cache), "--no-progress"]
+    assert main(args) == 0
+    table = tmp_path / "results" / "tinymem-quick"
+    results = json.loads((table / "results.json").read_text())
+    for model in results["runs"][0]["models"].values():
+        model["trained_on"]["cpu"] = "Another CPU"
+    (table / "results.json").write_text(json.dumps(results))
+    before = {p.name: p.read_bytes() for p in table.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert main(args) == 0
+    assert {p.name: p.read_bytes() for p in table.iterdir() if p.is_file()} == before
+    apart = tmp_path / "results" / f"tinymem-quick-{numerics_slug(2)}"
+    (run,) = json.loads((apart / "results.json").read_text())["runs"]
+    assert run["models"]["memorizing"]["trained_on"]["cpu"] == cpu_info()["cpu"]
+    assert (apart / "signal_math_noise_seed0.png").is_file()
+    printed = capsys.readouterr().out
+    assert "holds models trained on Another CPU (" in printed and apart.name in printed
+    # asked for by name, the table is joined (the other CPU's run is replaced: same seed)
+    assert main([*args, "--out", str(table), "--settings", "math_backdoor"]) == 0
+    assert "warning: " + str(table) + " holds models trained on Another CPU" in (
+        capsys.readouterr().out
+    )
+    runs = json.loads((table / "results.json").read_text())["runs"]
+    assert [r["setting"] for r in runs] == ["math_noise", "math_backdoor"]
+
+
 def test_baselines_join_the_table_with_their_grids(tmp_path, cache):
     out = tmp_path / "out"
     args = ["--quick", "--methods", "GSS", "--deltas", "0.1", "--out", str(out)]

@@ -21,7 +21,7 @@ import torch
 
 from gss import GSSError, __version__
 from gss.protect import SearchSpace
-from gss.report import cpu_capability, machine_info, markdown_table, write_json
+from gss.report import cpu_capability, cpu_info, machine_info, markdown_table, write_json
 from gss_bench import baseline_names, transformers_bars_off
 from gss_bench.baselines import get_method
 from gss_bench.tinymem import methods as M
@@ -29,7 +29,13 @@ from gss_bench.tinymem.data import SETTINGS
 from gss_bench.tinymem.paper import PAPER
 from gss_bench.tinymem.protection import protect_row, share_on
 from gss_bench.tinymem.train import default_cache_dir, get_models, get_preset
-from gss_bench.trained_on import KEY_CPU_CAPABILITY, KEY_THREADS
+from gss_bench.trained_on import (
+    KEY_CPU_CAPABILITY,
+    KEY_THREADS,
+    describe_numerics,
+    numerics_slug,
+    same_numerics,
+)
 
 # Calibration passes shared by the methods: the presets (gss.config.PRESETS) they start from.
 CALIBRATIONS: dict[str, str] = {
@@ -201,6 +207,25 @@ def _models_of(record: dict[str, Any]) -> dict[str, Any]:
     them or trained them."""
     models = record.get("models") or {}
     return {role: {k: v for k, v in m.items() if k != "loaded"} for role, m in models.items()}
+
+
+def _other_numerics(out: Path, threads: int) -> list[str]:
+    """The numerics (CPU, vector instructions, threads) that trained the models of the table
+    in `out` when they are not this machine's at `threads`: the same seeds train other weights
+    there, and their runs and this machine's would mix in one table, this run's figures
+    written over theirs. Empty when `out` has no table or this machine's models alone."""
+    import json
+
+    path = out / "results.json"
+    if not path.is_file():
+        return []
+    named = [
+        model["trained_on"]
+        for run in json.loads(path.read_text()).get("runs", [])
+        for model in (run.get("models") or {}).values()
+        if model.get("trained_on")
+    ]
+    return sorted({describe_numerics(t, threads) for t in named if not same_numerics(t, threads)})
 
 
 def _settings(text: str) -> list[str]:
@@ -836,6 +861,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{threads} thread(s) a process: the committed tables' models were trained on "
             f"{KEY_THREADS}, and another count trains other weights (--threads {KEY_THREADS}, "
             "as make bench runs it, with --jobs 1)."
+        )
+    others = [] if args.merge or args.fresh else _other_numerics(out, threads)
+    if others and args.out is None:
+        apart = out.with_name(f"{out.name}-{numerics_slug(threads)}")
+        _log(
+            f"{out} holds models trained on {'; '.join(others)}; this machine, "
+            f"{describe_numerics({**cpu_info(), 'threads': threads})}, trains other weights from "
+            f"the same seeds, so its table goes to {apart} rather than into that one "
+            f"(--out {out} --fresh replaces that table)"
+        )
+        out = apart
+    elif others:
+        _log(
+            f"warning: {out} holds models trained on {'; '.join(others)}, which this machine "
+            "does not train from the same seeds: this run joins their table (its 'Models "
+            "trained on' line names each CPU); --fresh starts the table anew"
         )
     if args.merge:
         records = _merged_from(args.merge, out)
