@@ -853,7 +853,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _log(
             f"torch's CPU kernels use {cpu_capability()} here; the committed tables' models were "
             "trained with AVX2, and these train other weights from the same seeds. "
-            "ATEN_CPU_CAPABILITY=avx2 reproduces them (make bench sets it)."
+            "ATEN_CPU_CAPABILITY=avx2 reproduces them on the CPU that trained them (make bench "
+            "sets it)."
         )
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     if not args.merge and threads != KEY_THREADS:
