@@ -46,9 +46,12 @@ def key_suffix(device: str | torch.device = "cpu") -> str:
     return suffix + ("" if threads == KEY_THREADS else f"-t{threads}")
 
 
-def trained_elsewhere(record: dict[str, Any], device: str | torch.device = "cpu") -> bool:
-    """Whether a cached record names other numerics than this run's (a model cached before its
-    key held them); a record that names none is trusted."""
+def trained_elsewhere(
+    record: dict[str, Any], device: str | torch.device = "cpu", threads: int | None = None
+) -> bool:
+    """Whether a cached record names other numerics than this run's on ``threads`` threads
+    (default: torch's count now; a model cached before its key held them); a record that
+    names none is trusted."""
     named = record.get("trained_on")
     if not named:
         return False
@@ -57,8 +60,8 @@ def trained_elsewhere(record: dict[str, Any], device: str | torch.device = "cpu"
         return True
     if kind != "cpu":
         return False
-    threads = named.get("threads")
-    other_threads = threads is not None and threads != torch.get_num_threads()
+    here = torch.get_num_threads() if threads is None else threads
+    other_threads = named.get("threads") is not None and named["threads"] != here
     return named.get("cpu_capability") != cpu_capability() or other_threads
 
 
@@ -71,10 +74,9 @@ def other_cpu(record: dict[str, Any]) -> str | None:
 
 def same_numerics(named: dict[str, Any], threads: int) -> bool:
     """Whether a model's ``trained_on`` record names this machine's numerics at ``threads``
-    threads: the same device, CPU, vector instructions and thread count (a field the record
-    lacks is not held against it)."""
-    here = {"device": "cpu", **cpu_info(), "threads": threads}
-    return all(named.get(field, value) == value for field, value in here.items())
+    threads: the same device, vector instructions, thread count and CPU."""
+    record = {"trained_on": named}
+    return not trained_elsewhere(record, threads=threads) and other_cpu(record) is None
 
 
 def describe_numerics(named: dict[str, Any], threads: int | None = None) -> str:

@@ -193,10 +193,10 @@ def resolve(repo_id: str, revision: str | None = None) -> ModelSource:
     return ModelSource(repo_id, True, revision, source.options, str(base) if base else None)
 
 
-def _cached_repo(repo_id: str) -> bool:
-    """Whether the cache holds anything of ``repo_id`` (so a missing config.json there may
-    be an adapter repo's, cached without one)."""
-    return (Path(cache_dir()) / ("models--" + repo_id.replace("/", "--"))).is_dir()
+def _cached_repo(repo_id: str, kind: str = "model") -> bool:
+    """Whether the cache holds anything of the ``kind`` repo ``repo_id`` (so a missing
+    config.json there may be an adapter repo's, cached without one)."""
+    return (Path(cache_dir()) / f"{kind}s--{repo_id.replace('/', '--')}").is_dir()
 
 
 def check_dataset(name: str) -> None:
@@ -247,7 +247,7 @@ def _datasets_offline() -> bool:
 def _cached_dataset(name: str) -> bool:
     """Whether the Hub cache holds files of the dataset ``name``, or datasets' cache a table
     made from it (where datasets loads it from when the Hub is down)."""
-    if (Path(cache_dir()) / ("datasets--" + name.replace("/", "--"))).is_dir():
+    if _cached_repo(name, "dataset"):
         return True
     try:
         from datasets import config
