@@ -51,6 +51,21 @@ def test_matches_a_direct_computation(make_model):
     assert not model.training and all(p.requires_grad for p in model.parameters())
 
 
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_callers_no_grad_does_not_reach_the_gradients(make_model, mode):
+    """Inference code often runs under no_grad: M's gradients are taken all the same."""
+    model, ref = make_model("llama", seed=0), make_model("llama", seed=1)
+    ids = random_ids(12, 10)
+    expected = gss.calibrate(model, ref, ids, layer=0, rank=2, progress=False)
+    with mode():
+        art = gss.calibrate(model, ref, ids, layer=0, rank=2, progress=False)
+        scan = gss.scan_layers(model, ref, ids, rank=2, progress=False)
+    assert torch.equal(art.probe, expected.probe) and torch.equal(art.steer, expected.steer)
+    assert len(scan.strengths) == 2
+    with gss.steer(model, art):  # usable outside the caller's mode
+        model(ids[:2]).logits.sum().backward()
+
 def test_gate_share_sets_the_union_open_share(make_model):
     model, ref = make_model("llama", seed=0), make_model("llama", seed=1)
     art = gss.calibrate(

@@ -120,6 +120,9 @@ def test_a_chat_prompt_ends_with_the_assistants_turn(chat_tokenizer):
         ([torch.rand(4)], "sequence 0 is a 1-d torch.float32 array"),
         ([torch.ones(2, 3, dtype=torch.long)], "sequence 0 is a 2-d torch.int64 array"),
         (torch.rand(2, 3), "must hold integers, got torch.float32"),
+        (torch.ones(2, 3, dtype=torch.bool), "must hold integers, got torch.bool"),
+        ([torch.ones(3, dtype=torch.bool)], "sequence 0 is a 1-d torch.bool array"),
+        ({"text": ["w1"]}, "the texts are one dict: .* or a tokenizer's batch"),
         ([{"input": "w1"}], r"sequence 0 \(a dict\) has keys \['input'\]"),
         ([[3, 4], "w5"], "all texts or all token ids; sequence 0 is a list among texts"),
         ([3, 4, 5], r"wrap it in a list \(\[ids\]\)"),
@@ -162,10 +165,22 @@ def test_ids_outside_the_vocabulary_are_refused_before_any_forward(make_model, b
         evaluate_model(model, rows[:1], rows[:1], k=2, n=6, pad_id=99, progress=False)
 
 
-def test_float_input_ids_are_refused_by_the_signal(make_model):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_input_ids_that_are_not_integers_are_refused_by_the_signal(make_model, dtype):
     model, ref = make_model("llama"), make_model("llama", seed=1)
-    with pytest.raises(GSSError, match=r"input_ids must hold integers, got torch\.float32"):
-        gss.memorization_signal(model, ref, random_ids(2, 6).float())
+    with pytest.raises(GSSError, match=rf"input_ids must hold integers, got {dtype}"):
+        gss.memorization_signal(model, ref, random_ids(2, 6).to(dtype))
+
+
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+@pytest.mark.parametrize("tensors", [None, "pt"])
+def test_a_tokenizers_batch_is_its_rows_without_the_padding(padding_side, tensors):
+    tok = _tokenizer()
+    tok.padding_side = padding_side
+    texts = ["w1 w2 w3 w4", "w5 w6", "w7 w8 w9"]
+    batch = tok(texts, padding=True, return_tensors=tensors)
+    assert encode(batch) == encode(texts, tok) == [tok(t)["input_ids"] for t in texts]
+    assert [row.tolist() for row in encode_compact(batch)] == encode(texts, tok)
 
 
 def test_the_command_line_calibrates_on_conversations_and_prompts_through_the_template(

@@ -248,6 +248,11 @@ def _unpadded(ids: list[int], mask: Any, name: str) -> list[int]:
     return ids[first:last]
 
 
+def holds_ids(dtype: torch.dtype) -> bool:
+    """Whether a tensor of ``dtype`` can hold token ids (an integer type; bool is a mask)."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def id_row(x: Any, index: int, where: str | None = None) -> list[int]:
     """One sequence of token ids (or a row's ``input_ids``) as a list of ints; a GSSError for
     anything else, naming `where` it is (default: sequence `index`)."""
@@ -264,7 +269,7 @@ def id_row(x: Any, index: int, where: str | None = None) -> list[int]:
             raise GSSError(
                 f"{name} is an array of {getattr(x, 'dtype', 'objects')}, not of token ids."
             ) from None
-        if t.ndim != 1 or t.dtype.is_floating_point or t.dtype.is_complex:
+        if t.ndim != 1 or not holds_ids(t.dtype):
             raise GSSError(
                 f"{name} is a {t.ndim}-d {t.dtype} array; a sequence of token ids "
                 "is 1-d and of an integer type."
@@ -444,15 +449,17 @@ def sequence_items(data: TextsOrIds, max_length: int | None) -> Iterable[Any]:
             "character a sequence): pass a list of texts, e.g. [text] or "
             "gss.data.read_texts(path)."
         )
-    if isinstance(data, dict):
+    if isinstance(data, Mapping):
+        if "input_ids" in data:  # a tokenizer's batch (BatchEncoding): its rows, padding dropped
+            return _row_dicts(data)
         raise GSSError(
-            "the texts are one dict: pass a list of rows (dicts with 'text', 'messages', "
-            "'prompt' and 'completion', or 'input_ids')."
+            f"the texts are one {type(data).__name__}: pass a list of rows (dicts with 'text', "
+            "'messages', 'prompt' and 'completion', or 'input_ids'), or a tokenizer's batch."
         )
     if isinstance(data, Tensor):
         if data.ndim != 2:
             raise GSSError(f"a tensor of token ids must be (N, T), got {tuple(data.shape)}.")
-        if data.dtype.is_floating_point or data.dtype.is_complex:
+        if not holds_ids(data.dtype):
             raise GSSError(f"a tensor of token ids must hold integers, got {data.dtype}.")
         items: Sequence[Any] = list(data[:, :max_length] if max_length is not None else data)
     elif isinstance(data, Sequence):

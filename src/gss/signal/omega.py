@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gss.data import holds_ids
 from gss.errors import GSSError
 from gss.hf.forward import (
     check_same_vocab,
@@ -47,7 +48,7 @@ def memorization_signal(
         raise GSSError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}.")
     if input_ids.shape[1] < 2:
         raise GSSError("sequences need at least 2 tokens to have a next-token target.")
-    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex:
+    if not holds_ids(input_ids.dtype):
         raise GSSError(f"input_ids must hold integers, got {input_ids.dtype}.")
     check_sequences((model, reference), input_ids, "input_ids")
     if attention_mask is None:

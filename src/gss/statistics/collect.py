@@ -260,6 +260,9 @@ class Pass:
     norm: list[float] | None = None
 
 
+# gradients are part of the statistics: a caller's no_grad or inference_mode must not reach them
+@torch.inference_mode(False)
+@torch.enable_grad()
 def run_pass(
     model: nn.Module,
     reference: nn.Module,
