@@ -1,3 +1,4 @@
+import copy
 import math
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 from gss import GSSError, memorization_signal, signal_statistics
 
 from .helpers import random_ids
+from .test_cli import _tokenizer
 
 
 def _logprob(model, row):
@@ -50,6 +52,19 @@ def test_refuses_different_vocabularies(make_model):
     with pytest.raises(GSSError, match="vocabulary"):
         memorization_signal(model, ref, random_ids(1, 5))
 
+
+
+def test_rows_padded_past_the_tokenizer_take_no_probability(make_model):
+    """A copy of the model whose embeddings are padded past the tokenizer's 48 ids is the same
+    model on those ids: omega is 0, not the share of probability the padded rows would take."""
+    model = make_model("llama")
+    padded = copy.deepcopy(model)
+    padded.resize_token_embeddings(48, pad_to_multiple_of=64, mean_resizing=False)
+    ids = random_ids(3, 10)
+    for ref in (padded, model):
+        omega = memorization_signal(model, ref, ids, tokenizer=_tokenizer())
+        assert torch.equal(omega, torch.zeros_like(omega))
+    assert not torch.equal(padded(ids).logits[..., 48:], torch.zeros(3, 10, 16))
 
 def test_pilot_statistics_on_a_hand_built_signal():
     nan = float("nan")

@@ -247,7 +247,7 @@ def audit(
     reproduces the first ``n - k`` tokens of its reply, the reply given the conversation."""
     check_window(k, n)
     RunOptions(batch_size=batch_size)  # checks it
-    check_same_vocab(model, reference, tokenizer)
+    vocab = check_same_vocab(model, reference, tokenizer)
     starts: list[int] | None = None
     if isinstance(texts, Sequence) and texts and all(is_pair(r) for r in texts):
         pairs = [([int(t) for t in p], [int(t) for t in c]) for p, c in cast(Any, texts)]
@@ -285,10 +285,10 @@ def audit(
             ids, mask = batch.input_ids, batch.attention_mask
             logits = forward_logits(model, ids, mask)
             hits = logits[:, :-1].argmax(-1).cpu() == ids[:, 1:].cpu()  # (B, T-1)
-            omega = token_logprobs(logits, ids).float().cpu()
+            omega = token_logprobs(logits, ids, vocab).float().cpu()
             ref_logits = forward_logits(reference, ids, mask)
             ref_hits = ref_logits[:, :-1].argmax(-1).cpu() == ids[:, 1:].cpu()
-            ref_lp = token_logprobs(ref_logits, ids).float().cpu()
+            ref_lp = token_logprobs(ref_logits, ids, vocab).float().cpu()
             valid = target_mask(mask).cpu()
             for name, lp in (("model", omega), ("reference", ref_lp)):
                 if not bool(torch.isfinite(lp[valid]).all()):  # else nothing looks memorized

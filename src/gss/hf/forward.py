@@ -133,8 +133,10 @@ def check_models(model: Any, *reference: Any) -> None:
             )
 
 
-def check_same_vocab(model: nn.Module, reference: nn.Module, tokenizer: Any = None) -> None:
-    """Refuse a reference that cannot score the model's token ids.
+def check_same_vocab(model: nn.Module, reference: nn.Module, tokenizer: Any = None) -> int | None:
+    """Refuse a reference that cannot score the model's token ids; return the logit count both
+    share where their counts differ (None where they do not): log-probabilities are taken over
+    it, so that padded rows, which only one model has, take no probability from its tokens.
 
     Both must give a log-probability to every id the tokenizer makes. Their logit counts may
     differ where one pads its embedding matrix past the tokenizer (``resize_token_embeddings(
@@ -145,7 +147,7 @@ def check_same_vocab(model: nn.Module, reference: nn.Module, tokenizer: Any = No
     check_models(model, reference)
     a, b = vocab_size(model), vocab_size(reference)
     if a == b:
-        return
+        return None
     words = len(tokenizer) if callable(tokenizer) and hasattr(tokenizer, "__len__") else None
     if words is None:
         raise GSSError(
@@ -165,6 +167,7 @@ def check_same_vocab(model: nn.Module, reference: nn.Module, tokenizer: Any = No
             "the fine-tune started from, with the tokens the fine-tune added "
             "(resize_token_embeddings(len(tokenizer)))."
         )
+    return min(a, b)
 
 
 def _token_id_limit(model: nn.Module) -> int | None:
@@ -333,8 +336,9 @@ def target_mask(attention_mask: Tensor) -> Tensor:
     return m[:, 1:] & m[:, :-1]
 
 
-def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
-    """float32 log p(x_t | x_<t) for t = 1..T-1, shape (B, T-1)."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+def token_logprobs(logits: Tensor, input_ids: Tensor, vocab: int | None = None) -> Tensor:
+    """float32 log p(x_t | x_<t) for t = 1..T-1, shape (B, T-1), normalised over the first
+    ``vocab`` logits (default: all; `check_same_vocab` says how many two models share)."""
+    logp = torch.log_softmax(logits[:, :-1, :vocab].float(), dim=-1)
     targets = input_ids[:, 1:].to(logp.device)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -43,7 +43,7 @@ def memorization_signal(
     one the ids come from, lets one model pad its logits past it where the other does not
     (`gss.hf.forward.check_same_vocab`).
     """
-    check_same_vocab(model, reference, tokenizer)
+    vocab = check_same_vocab(model, reference, tokenizer)
     if input_ids.ndim != 2:
         raise GSSError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}.")
     if input_ids.shape[1] < 2:
@@ -63,8 +63,8 @@ def memorization_signal(
     for start in range(0, input_ids.shape[0], step):
         ids = input_ids[start : start + step]
         mask = attention_mask[start : start + step]
-        lp_model = token_logprobs(forward_logits(model, ids, mask), ids).cpu()
-        lp_ref = token_logprobs(forward_logits(reference, ids, mask), ids).cpu()
+        lp_model = token_logprobs(forward_logits(model, ids, mask), ids, vocab).cpu()
+        lp_ref = token_logprobs(forward_logits(reference, ids, mask), ids, vocab).cpu()
         omega = lp_model - lp_ref
         chunks.append(omega.masked_fill(~target_mask(mask).cpu(), float("nan")))
     return torch.cat(chunks)

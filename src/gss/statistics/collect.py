@@ -117,17 +117,22 @@ class GeneralFlags:
 
 
 def objective(
-    target: str, logits: Tensor, lp_model: Tensor, ref_logits: Tensor | None, mem: Tensor
+    target: str,
+    logits: Tensor,
+    lp_model: Tensor,
+    ref_logits: Tensor | None,
+    mem: Tensor,
+    vocab: int | None = None,
 ) -> Tensor:
-    """Sum over memorized targets of the quantity whose gradient defines g."""
+    """Sum over memorized targets of the quantity whose gradient defines g (distributions over
+    the first ``vocab`` logits, those both models share)."""
     if target == "loglik":
         per_token = lp_model
     else:  # toward-reference: log p(x_t) - sum_y p_ref(y) log p(y); logits grad e_x - p_ref
         assert ref_logits is not None
-        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-        p_ref = torch.softmax(ref_logits[:, :-1].float(), dim=-1)
-        shared = min(logp.shape[-1], p_ref.shape[-1])  # one may pad past the tokenizer
-        per_token = lp_model - (p_ref[..., :shared] * logp[..., :shared]).sum(-1)
+        logp = torch.log_softmax(logits[:, :-1, :vocab].float(), dim=-1)
+        p_ref = torch.softmax(ref_logits[:, :-1, :vocab].float(), dim=-1)
+        per_token = lp_model - (p_ref * logp).sum(-1)
     return (per_token * mem).sum()
 
 
@@ -284,7 +289,7 @@ def run_pass(
     omega_threshold, memorized_quantile = cfg.omega_threshold, cfg.memorized_quantile
     target, gradient, replies_only = cfg.target, cfg.gradient, cfg.replies_only
     batch_size, keep_general, progress = run.batch_size, run.keep_general, run.progress
-    check_same_vocab(model, reference, tokenizer)
+    vocab = check_same_vocab(model, reference, tokenizer)
     resolved = sorted({resolve_layer(model, layer, block_path)[0] for layer in layers})
     if not resolved:
         raise GSSError("no layer to read: give at least one block index.")
@@ -339,7 +344,7 @@ def run_pass(
 
     def logprobs(m: nn.Module, batch: Batch) -> Tensor:
         return token_logprobs(
-            forward_logits(m, batch.input_ids, batch.attention_mask), batch.input_ids
+            forward_logits(m, batch.input_ids, batch.attention_mask), batch.input_ids, vocab
         )
 
     with calibration_mode(model, reference):
@@ -377,7 +382,7 @@ def run_pass(
                         stack.enter_context(tapped(rb, stop=False, leaf=False)) for rb in ref_blocks
                     ]
                     ref_logits = forward_logits(reference, batch.input_ids, batch.attention_mask)
-                lp_ref = token_logprobs(ref_logits, batch.input_ids)
+                lp_ref = token_logprobs(ref_logits, batch.input_ids, vocab)
             # gradients stop at the lowest block: the ones above it are read on the way
             with torch.set_grad_enabled(summed), ExitStack() as stack:
                 taps = [
@@ -385,7 +390,7 @@ def run_pass(
                     for i, block in enumerate(blocks)
                 ]
                 logits = forward_logits(model, batch.input_ids, batch.attention_mask)
-            lp_model = token_logprobs(logits, batch.input_ids)
+            lp_model = token_logprobs(logits, batch.input_ids, vocab)
             valid = target_mask(batch.attention_mask).to(lp_model.device)
             omega = lp_model.detach() - lp_ref.to(lp_model.device)
             if not bool(torch.isfinite(omega[valid]).all()):
@@ -410,7 +415,7 @@ def run_pass(
                 if ref_logits is not None:
                     ref_logits = ref_logits.to(logits.device)
                 if summed:
-                    total = objective(target, logits, lp_model, ref_logits, mem)
+                    total = objective(target, logits, lp_model, ref_logits, mem, vocab)
                     grads = torch.autograd.grad(total, hiddens)
                     pairs = []
                     for hidden, grad in zip(hiddens, grads, strict=True):
@@ -428,6 +433,7 @@ def run_pass(
                             positions.cpu(),
                             target,
                             ref_logits,
+                            vocab,
                         )
                     ]
                 for (h_mem, g_mem), m_acc, mem_mean in zip(pairs, m_accs, mem_means, strict=True):

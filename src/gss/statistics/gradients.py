@@ -47,13 +47,15 @@ def per_position_gradients(
     positions: Tensor,
     target: str = "loglik",
     ref_logits: Tensor | None = None,
+    vocab: int | None = None,
     chunk: int = 16,
 ) -> tuple[Tensor, Tensor]:
     """Hidden states and exact own-token gradients at (row, position) pairs.
 
     ``positions[i]`` indexes the hidden state that predicts token ``positions[i] + 1`` of row
     ``rows[i]``. Returns ``(h, g)``, both (N, d). ``ref_logits`` (B, T, V) is needed for the
-    ``toward-reference`` target. The model's weights must be frozen (no weight gradients).
+    ``toward-reference`` target; ``vocab`` the logits both models share (default: all). The
+    model's weights must be frozen (no weight gradients).
     """
     hs, gs = [], []
     for start in range(0, rows.shape[0], chunk):
@@ -69,16 +71,15 @@ def per_position_gradients(
         assert tap.leaf is not None
         idx = torch.arange(r.shape[0], device=logits.device)
         p_dev = p.to(logits.device)
-        logp = torch.log_softmax(logits[idx, p_dev].float(), dim=-1)
+        logp = torch.log_softmax(logits[idx, p_dev, :vocab].float(), dim=-1)
         next_tokens = input_ids[r.cpu(), p.cpu() + 1].to(logits.device)
         objective = logp.gather(-1, next_tokens.unsqueeze(-1)).squeeze(-1)
         if target == "toward-reference":
             assert ref_logits is not None
             p_ref = torch.softmax(
-                ref_logits[r.to(ref_logits.device), p.to(ref_logits.device)].float(), -1
+                ref_logits[r.to(ref_logits.device), p.to(ref_logits.device), :vocab].float(), -1
             ).to(logp.device)
-            shared = min(logp.shape[-1], p_ref.shape[-1])  # one may pad past the tokenizer
-            objective = objective - (p_ref[..., :shared] * logp[..., :shared]).sum(-1)
+            objective = objective - (p_ref * logp).sum(-1)
         (grad,) = torch.autograd.grad(objective.sum(), tap.leaf)
         hs.append(tap.leaf.detach())
         gs.append(grad)
