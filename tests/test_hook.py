@@ -9,6 +9,7 @@ from torch import nn
 
 import gss
 from gss import GSSError
+from gss.evaluate import perplexity
 from gss.steering.attach import SteeredForward, register
 from gss.steering.gated import GatedSteer
 
@@ -174,6 +175,31 @@ def test_gate_counters(make_model):
     assert 0 <= stats["any_open_share"] <= 1 and len(stats["open_share"]) == 2
     assert stats["any_open_share"] >= max(stats["open_share"])
 
+
+
+def test_gate_counters_skip_padding(make_model):
+    """Shares over real tokens: the same however the rows are batched and padded, and while
+    generating from a left-padded batch (the mask's last positions are the block's)."""
+    model = make_model("llama")
+    art = _artifact_for(model, make_model)
+    rows = [random_ids(1, n, seed=n)[0].tolist() for n in (3, 9, 5, 12)]
+    shares = []
+    with art.attach(model, track_gates=True) as handle:
+        for size in (1, 4):
+            handle.reset_stats()
+            perplexity(model, rows, batch_size=size)
+            shares.append(handle.gate_stats())
+        assert shares[0] == shares[1] and shares[0]["tokens"] == sum(map(len, rows))
+        ids = torch.zeros(2, 6, dtype=torch.long)
+        ids[0], ids[1, 3:] = random_ids(1, 6)[0], random_ids(1, 3)[0]
+        mask = torch.tensor([[1] * 6, [0] * 3 + [1] * 3])
+        handle.reset_stats()
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0
+            )
+        assert handle.gate_stats()["tokens"] == (6 + 3) + 2 * 3  # the last new token is not read
+    assert not model._forward_pre_hooks  # removed with the steer
 
 def test_hidden_size_mismatch_is_refused():
     hook = GatedSteer(torch.ones(1, 4), torch.ones(1, 4), torch.zeros(1))

@@ -33,7 +33,7 @@ from gss.hf.blocks import find_decoder_blocks, residual_width, resolve_layer
 from gss.hf.forward import check_models, input_embedding_values, vocab_size
 from gss.hf.quantization import is_quantized_weight
 from gss.steering.attach import SteerHandle, register, warn_if_steering
-from gss.steering.gated import GatedSteer
+from gss.steering.gated import GatedSteer, count_real_tokens
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -393,7 +393,10 @@ class SteeringArtifact(hub.HubMixin):
         warn_if_steering(block, self.probe, "attaching it again")
         hook = artifact.make_hook(track_gates=track_gates)
         hook.origin = self.probe  # kept alive by the hook, so `is` cannot match another
-        return register(block, hook, model)
+        handle = register(block, hook, model)
+        if track_gates:  # counted on real tokens only: shares that do not depend on padding
+            handle.remove_with(count_real_tokens(model, hook))
+        return handle
 
     def save_pretrained(self, directory: str | Path, overwrite: bool = False) -> Path:
         """Write ``gss_config.json``, ``gss_tensors.safetensors`` and the model card

@@ -121,6 +121,11 @@ class SteerHandle:
     def __init__(self, hook: Any, handle: SteeredForward) -> None:
         self.hook = hook
         self._handle: SteeredForward | None = handle
+        self._also: list[Any] = []  # more to remove with it (hooks that feed the steer)
+
+    def remove_with(self, removable: Any) -> None:
+        """Remove ``removable`` (anything with ``remove()``) when this steer is removed."""
+        self._also.append(removable)
 
     @property
     def active(self) -> bool:
@@ -130,6 +135,8 @@ class SteerHandle:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        while self._also:
+            self._also.pop().remove()
 
     def gate_stats(self) -> dict[str, Any]:
         """Gate counters of a :class:`GatedSteer` with ``track_gates`` ({} for other hooks)."""

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from gss.config import COEFFICIENTS, GATES, Coefficient, Gate
 from gss.errors import GSSError
@@ -190,8 +191,11 @@ class GatedSteer:
         self._fast_failed = False
         self._track_gates = track_gates
         self.open_counts: Tensor | None = None
-        self.token_count = 0
+        self.token_count: Tensor | int = 0
         self.any_open_count: Tensor | None = None
+        # the (B, S) attention mask of the model's current forward, when `count_real_tokens`
+        # reads it: the counters then skip padding, so shares do not depend on the batching
+        self.count_mask: Tensor | None = None
         # what the steer was made from (the artifact's probe): tells an artifact attached twice
         self.origin: object | None = None
 
@@ -332,8 +336,19 @@ class GatedSteer:
 
     def _count(self, is_open: Tensor) -> None:
         flat = is_open.reshape(-1, is_open.shape[-1])
-        counts = flat.sum(0)
-        any_open = flat.any(-1).sum()
+        real = flat.new_ones(flat.shape[0])
+        mask = self.count_mask
+        if (
+            mask is not None
+            and is_open.ndim == 3
+            and mask.ndim == 2
+            and mask.shape[0] == is_open.shape[0]
+            and mask.shape[1] >= is_open.shape[1]
+        ):  # the block's positions are the mask's last ones (earlier ones are in the KV cache)
+            real = (mask[:, -is_open.shape[1] :] != 0).to(flat.device).reshape(-1)
+        # products, not indexing: no shape that depends on the data, so no wait for the device
+        counts = (flat & real[:, None]).sum(0)
+        any_open = (flat.any(-1) & real).sum()
         if (
             self.open_counts is None
             or self.any_open_count is None  # always set together with open_counts
@@ -341,16 +356,16 @@ class GatedSteer:
         ):
             self.open_counts = torch.zeros_like(counts)
             self.any_open_count = torch.zeros_like(any_open)
-            self.token_count = 0
+            self.token_count = torch.zeros_like(any_open)
         self.open_counts += counts
         self.any_open_count += any_open
-        self.token_count += flat.shape[0]  # known on the host: no device copy
+        self.token_count += real.sum()
 
     def gate_stats(self) -> dict[str, Any]:
         """Share of tokens on which each direction's gate (and any gate) opened."""
-        if self.open_counts is None or self.any_open_count is None or not self.token_count:
+        n = int(self.token_count)
+        if self.open_counts is None or self.any_open_count is None or not n:
             return {"tokens": 0, "open_share": [], "any_open_share": 0.0}
-        n = self.token_count
         return {
             "tokens": n,
             "open_share": (self.open_counts.double() / n).tolist(),
@@ -360,3 +375,14 @@ class GatedSteer:
     def reset_stats(self) -> None:
         self.open_counts = self.any_open_count = None
         self.token_count = 0
+
+
+def count_real_tokens(model: nn.Module, steer: GatedSteer) -> RemovableHandle:
+    """Hand ``steer`` the ``attention_mask`` of each forward of ``model`` (a forward pre-hook),
+    so that its gate counters skip padding; remove the returned handle to stop."""
+
+    def read_mask(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        mask = kwargs.get("attention_mask")
+        steer.count_mask = mask if isinstance(mask, Tensor) else None
+
+    return model.register_forward_pre_hook(read_mask, with_kwargs=True)
