@@ -68,6 +68,18 @@ def test_recording_changes_no_token(steered, options):
         assert list(e.prompt_ids) == prompt
 
 
+
+def test_a_model_left_in_training_mode_is_explained_without_dropout(make_model):
+    model = make_model("gpt2")  # dropout 0.1
+    art = gss.calibrate(model, make_model("gpt2", seed=1), random_ids(12, 10), layer=0, progress=False)
+    prompt = random_ids(1, 5, seed=5)[0].tolist()
+    expected = gss.explain(model.eval(), art, prompt, max_new_tokens=NEW, pad_token_id=0)
+    model.train()
+    for _ in range(2):
+        e = gss.explain(model, art, prompt, max_new_tokens=NEW, pad_token_id=0)
+        assert e.generated_ids == expected.generated_ids
+    assert model.training
+
 def test_unsteered_tokens_differ_so_the_check_means_something(steered):
     model, art = steered
     prompt = random_ids(1, 7, seed=5)[0].tolist()

@@ -398,7 +398,9 @@ def explain(
     configured = [m.with_options(**options) if options else m for m in members]
     handles: list[SteerHandle] = []
     recorders: list[_Recorder] = []
+    training = model.training  # greedy decoding is deterministic only without dropout
     try:
+        model.eval()
         for original, member in zip(members, configured, strict=True):
             member.check_model(model, strict=strict)
             _, block = resolve_layer(model, member.layer, member.config.block_path)
@@ -420,6 +422,7 @@ def explain(
     finally:
         for handle in reversed(handles):
             handle.remove()
+        model.train(training)
     generated = [int(i) for i in out[0, len(ids) :].tolist()]
     return _explanation(ids, generated, configured, recorders, tokenizer)
 
