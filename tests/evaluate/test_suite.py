@@ -1,8 +1,10 @@
 """evaluate_model and the deviation score: exact answers from a lookup-table LM."""
 
+import json
 import math
 
 import pytest
+import torch
 
 from gss.errors import GSSError
 from gss.evaluate import perplexity
@@ -67,6 +69,19 @@ def test_bad_windows_say_what_to_change(table_lm):
     with pytest.raises(GSSError, match="held-out"):
         evaluate_model(model, [[1, 2, 3, 4]], [[1]], k=2, n=4)
 
+
+
+def test_rows_as_tensors_give_a_report_of_plain_numbers_and_texts_are_refused(table_lm):
+    model = table_lm([[1, 2, 3, 4, 5, 6]], VOCAB, default=0)
+    rows = torch.tensor([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 0]])
+    report = evaluate_model(model, rows, rows, k=2, n=6, progress=False).to_dict()
+    lists = evaluate_model(model, rows.tolist(), rows.tolist(), k=2, n=6, progress=False)
+    assert {**report, "seconds": 0} == {**lists.to_dict(), "seconds": 0}
+    json.dumps(report)  # no tensor in it
+    with pytest.raises(GSSError, match=r"heldout row 0 is a text.*gss\.data\.encode"):
+        evaluate_model(model, rows, ["w1 w2"], k=2, n=6, progress=False)
+    with pytest.raises(GSSError, match=r"memorized row 1 holds a float"):
+        evaluate_model(model, [[1, 2, 3], [1.5, 2, 3]], rows, k=2, n=6, progress=False)
 
 def test_progress_bars_count_the_batches_of_each_part_and_can_be_turned_off(table_lm, capsys):
     model = table_lm([[1, 2, 3, 4, 5, 6]], VOCAB, default=0)

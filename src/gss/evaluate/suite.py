@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from gss.data import id_row
 from gss.errors import GSSError
 from gss.evaluate._decode import forced_argmax, greedy_generate
 from gss.evaluate.utility import next_token_stats
@@ -120,6 +121,19 @@ def _windows(
     return index, prompts, targets
 
 
+def _ids(row: Any, index: int, what: str) -> Any:
+    """A row (or a pair's two parts) as lists of ints: tensors become numbers a report can
+    hold, and texts are refused by name rather than failing inside torch."""
+    if isinstance(row, str):
+        raise GSSError(
+            f"{what} row {index} is a text; evaluate_model takes token ids: encode the texts "
+            "first, gss.data.encode(texts, tokenizer)."
+        )
+    if is_pair(row):
+        return tuple(id_row(part, index, f"{what} pair {index}") for part in row)
+    return id_row(row, index, f"{what} row {index}")
+
+
 def evaluate_model(
     model: torch.nn.Module,
     memorized: Candidates,
@@ -146,6 +160,8 @@ def evaluate_model(
     """
     if not 1 <= k < n:
         raise GSSError(f"need 1 <= k < n (prompt k tokens, match up to token n); got k={k}, n={n}.")
+    memorized = [_ids(r, i, "memorized") for i, r in enumerate(memorized)]
+    heldout = [_ids(r, i, "heldout") for i, r in enumerate(heldout)]
     windows = [[*p, *t] for p, t in (_prompt_and_target(r, k, n) for r in memorized)]
     for what, rows in (("memorized", windows), ("heldout", heldout), ("pad_id", [[pad_id]])):
         check_sequences((model,), rows, what)
