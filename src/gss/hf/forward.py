@@ -247,11 +247,19 @@ def check_sequences(
     for model in models:
         found = context_length(model)
         if found is not None and len(rows[longest]) + new_tokens > found[0]:
+            limit, where = found
+            if new_tokens:
+                raise GSSError(
+                    f"{what}: sequence {longest} has {len(rows[longest])} tokens, and "
+                    f"{new_tokens} more to generate make {len(rows[longest]) + new_tokens}, more "
+                    f"than the {limit} positions the model takes (config.{where}): shorten it or "
+                    "generate fewer tokens (max_new_tokens=, --max-new-tokens)."
+                )
             raise GSSError(
-                f"{what}: sequence {longest} has {len(rows[longest]) + new_tokens} tokens, "
-                "more than the "
-                f"{found[0]} positions the model takes (config.{found[1]}). Cut the sequences "
-                "with max_length= (--max-length on the command line) or split long texts."
+                f"{what}: sequence {longest} has {len(rows[longest])} tokens, more than the "
+                f"{limit} positions the model takes (config.{where}). Cut the sequences with "
+                f"max_length={limit} or less (--max-length on the command line) or split long "
+                "texts."
             )
     limits = [n for n in map(_token_id_limit, models) if n is not None]
     if not limits:
