@@ -25,6 +25,9 @@ def test_round_trip(tmp_path, calibrated):
     for name in ("probe", "steer", "thresholds", "offset"):
         assert torch.equal(getattr(loaded, name), getattr(art, name))
     assert loaded.config == art.config and loaded.provenance == art.provenance
+    assert loaded == art and [art].index(loaded) == 0 and hash(loaded) != hash(art)
+    assert loaded != art.with_options(delta=2.0) and art != art.with_options(rank=1)
+    assert gss.SteeringStack((loaded, art)) == gss.SteeringStack((art, loaded))
     ids = random_ids(2, 8, seed=9)
     with torch.no_grad():
         with gss.steer(model, art, gate="none"):

@@ -217,6 +217,18 @@ class Provenance:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return (
+            isinstance(a, Tensor)
+            and isinstance(b, Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bool(torch.equal(a.cpu(), b.cpu()))
+        )
+    return bool(a == b)
+
+
 @dataclass(frozen=True)
 class SteeringArtifact(hub.HubMixin):
     """A calibrated gated subspace steer for one layer of one model.
@@ -259,6 +271,17 @@ class SteeringArtifact(hub.HubMixin):
 
     def __repr__(self) -> str:  # one line, not the tensors
         return summary.short_repr(self)
+
+    def __eq__(self, other: object) -> bool:
+        """The same fields, each tensor of the same dtype and shape with equal values (the
+        generated ``==`` would ask a tensor for its truth value)."""
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(
+            _same(getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)
+        )
+
+    __hash__ = object.__hash__  # by identity: equal artifacts may hold distinct tensors
 
     def describe(self) -> str:
         """A report for a person: the model it was made for, the block and strength, the
