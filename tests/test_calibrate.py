@@ -228,6 +228,8 @@ def test_unsound_statistics_are_said_and_recorded(make_model):
     assert "WARNING: Sigma_gen rests on 14 general tokens" in art.describe()
     with pytest.warns(gss.GSSWarning, match="memorized tokens for 4 directions"):
         gss.calibrate(model, ref, random_ids(3, 6), layer=1, rank=4, progress=False)
+    with pytest.raises(gss.GSSError, match="all but one of the .* marked memorized.*quantile"):
+        gss.calibrate(model, ref, ids, layer=1, memorized_quantile=0.999, progress=False)
     share = r"9\d\.\d% of the calibration tokens were marked memorized and the rest"
     with pytest.warns(gss.GSSWarning, match=share):
         gss.calibrate(model, ref, ids, layer=1, rank=2, memorized_quantile=0.95, progress=False)

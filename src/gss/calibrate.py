@@ -216,10 +216,15 @@ def _check_counts(counts: dict[str, Any], n_mem: int, rank: int) -> None:
             "memorized_quantile, include the text the model memorized, or check that the "
             "reference model is not the fine-tuned model itself."
         )
-    if counts["general"] == 0:
+    if counts["general"] < 2:  # a covariance of one token is 0
+        which = (
+            "every calibration token was"
+            if counts["general"] == 0
+            else f"all but one of the {counts['tokens']} calibration tokens were"
+        )
         raise GSSError(
-            "every calibration token was marked memorized, so Sigma_gen has no data. Raise "
-            "omega_threshold or pass gen_texts (held-out text)."
+            f"{which} marked memorized, so Sigma_gen has no data. Raise omega_threshold, "
+            "lower memorized_quantile, or pass gen_texts (held-out text)."
         )
     if n_mem < rank:
         raise GSSError(
