@@ -122,6 +122,7 @@ def test_a_chat_prompt_ends_with_the_assistants_turn(chat_tokenizer):
         (torch.rand(2, 3), "must hold integers, got torch.float32"),
         (torch.ones(2, 3, dtype=torch.bool), "must hold integers, got torch.bool"),
         ([torch.ones(3, dtype=torch.bool)], "sequence 0 is a 1-d torch.bool array"),
+        ([[3, True]], r"sequence 0 holds a bool \(True\) among its token ids"),
         ({"text": ["w1"]}, "the texts are one dict: .* or a tokenizer's batch"),
         ([{"input": "w1"}], r"sequence 0 \(a dict\) has keys \['input'\]"),
         ([[3, 4], "w5"], "all texts or all token ids; sequence 0 is a list among texts"),

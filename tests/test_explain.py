@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -209,6 +210,12 @@ def test_bad_input_is_refused(steered):
         gss.explain(model, art, [3, 400])
     with pytest.raises(gss.GSSError, match="another model"):
         gss.explain(tiny_model("llama", seed=99), art, [3, 4])
+    with pytest.raises(gss.GSSError, match="the prompt is a 1-d torch.float32 array"):
+        gss.explain(model, art, torch.tensor([3.0, 4.0]))
+    with pytest.raises(gss.GSSError, match=r"the prompt holds a list \(\[3, 4\]\)"):
+        gss.explain(model, art, [[3, 4]])
+    as_array = gss.explain(model, art, np.array([3, 4]), max_new_tokens=2)
+    assert as_array.generated_ids == gss.explain(model, art, [3, 4], max_new_tokens=2).generated_ids
     block = gss.find_decoder_blocks(model)[art.layer]
     assert "forward" not in block.__dict__  # nothing left attached after a refusal
 

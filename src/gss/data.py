@@ -277,9 +277,11 @@ def id_row(x: Any, index: int, where: str | None = None) -> list[int]:
         return t.long().tolist()
     if isinstance(x, (list, tuple)):
         try:
+            if any(v.__class__ is bool for v in x):  # True is an int to Python, not an id
+                raise TypeError
             return [operator.index(v) for v in x]
         except TypeError:
-            odd = next(v for v in x if not hasattr(v, "__index__"))
+            odd = next(v for v in x if not hasattr(v, "__index__") or v.__class__ is bool)
             raise GSSError(
                 f"{name} holds a {type(odd).__name__} ({odd!r:.40}) among its token "
                 "ids; ids are integers (texts are strings, conversations lists of "

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from gss.artifact.steering_artifact import SteeringArtifact
+from gss.data import id_row
 from gss.errors import GSSError
 from gss.hf.blocks import resolve_layer
 from gss.hf.forward import check_sequences, model_device
@@ -309,25 +310,20 @@ def _prompt_ids(prompt: str | Sequence[int] | Tensor, tokenizer: Any | None) -> 
     if isinstance(prompt, str):
         if tokenizer is None:
             raise GSSError("explain: a prompt given as text needs tokenizer=...; or pass ids.")
-        ids: Any = tokenizer(prompt)["input_ids"]
-    elif isinstance(prompt, Tensor):
-        if prompt.ndim == 2 and prompt.shape[0] == 1:
+        prompt = tokenizer(prompt)["input_ids"]
+    elif isinstance(prompt, Tensor) or hasattr(prompt, "__array__"):
+        shape = tuple(getattr(prompt, "shape", ()))
+        if len(shape) == 2 and shape[0] == 1:
             prompt = prompt[0]
-        if prompt.ndim != 1:
+        elif len(shape) != 1:
             raise GSSError(
-                f"explain takes one prompt: ids of shape (T,) or (1, T), got "
-                f"{tuple(prompt.shape)}. Explain each prompt on its own."
+                f"explain takes one prompt: ids of shape (T,) or (1, T), got {shape}. Explain "
+                "each prompt on its own."
             )
-        if prompt.is_floating_point() or prompt.is_complex():
-            raise GSSError("explain: prompt ids must be integers.")
-        ids = prompt.tolist()
-    else:
-        ids = list(prompt)
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise GSSError("explain: prompt ids must be integers (one prompt: a flat list).")
+    ids = id_row(prompt, 0, "explain: the prompt")
     if not ids:
         raise GSSError("explain: the prompt has no tokens: give the text to continue.")
-    return [int(i) for i in ids]
+    return ids
 
 
 def _pieces(ids: Sequence[int], tokenizer: Any | None) -> list[str | None]:
