@@ -51,7 +51,6 @@ def test_matches_a_direct_computation(make_model):
     assert not model.training and all(p.requires_grad for p in model.parameters())
 
 
-
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
 def test_a_callers_no_grad_does_not_reach_the_gradients(make_model, mode):
     """Inference code often runs under no_grad: M's gradients are taken all the same."""
@@ -65,6 +64,7 @@ def test_a_callers_no_grad_does_not_reach_the_gradients(make_model, mode):
     assert len(scan.strengths) == 2
     with gss.steer(model, art):  # usable outside the caller's mode
         model(ids[:2]).logits.sum().backward()
+
 
 def test_gate_share_sets_the_union_open_share(make_model):
     model, ref = make_model("llama", seed=0), make_model("llama", seed=1)
@@ -228,7 +228,7 @@ def test_unsound_statistics_are_said_and_recorded(make_model):
     assert "WARNING: Sigma_gen rests on 14 general tokens" in art.describe()
     with pytest.warns(gss.GSSWarning, match="memorized tokens for 4 directions"):
         gss.calibrate(model, ref, random_ids(3, 6), layer=1, rank=4, progress=False)
-    with pytest.raises(gss.GSSError, match="all but one of the .* marked memorized.*quantile"):
+    with pytest.raises(gss.GSSError, match=r"all but one of the .* marked memorized.*quantile"):
         gss.calibrate(model, ref, ids, layer=1, memorized_quantile=0.999, progress=False)
     share = r"9\d\.\d% of the calibration tokens were marked memorized and the rest"
     with pytest.warns(gss.GSSWarning, match=share):

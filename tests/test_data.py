@@ -269,7 +269,9 @@ def test_sequences_longer_than_the_context_are_refused_with_the_fix(make_model):
     with pytest.raises(GSSError, match="heldout: " + message):
         evaluate_model(model, ids[:, :8].tolist(), ids.tolist(), k=2, n=6, progress=False)
     art = gss.calibrate(model, ref, ids[:, :20], layer=0, progress=False)
-    with pytest.raises(GSSError, match=r"has 120 tokens, and 10 more to generate make 130.*--max-new"):
+    with pytest.raises(
+        GSSError, match=r"has 120 tokens, and 10 more to generate make 130.*--max-new"
+    ):
         gss.explain(model, art, ids[0, :120], max_new_tokens=10)
     # cut to the context they run; evaluation only runs the candidates' first n tokens
     gss.calibrate(model, ref, ids, layer=0, max_length=128, progress=False)

@@ -69,10 +69,11 @@ def test_recording_changes_no_token(steered, options):
         assert list(e.prompt_ids) == prompt
 
 
-
 def test_a_model_left_in_training_mode_is_explained_without_dropout(make_model):
     model = make_model("gpt2")  # dropout 0.1
-    art = gss.calibrate(model, make_model("gpt2", seed=1), random_ids(12, 10), layer=0, progress=False)
+    art = gss.calibrate(
+        model, make_model("gpt2", seed=1), random_ids(12, 10), layer=0, progress=False
+    )
     prompt = random_ids(1, 5, seed=5)[0].tolist()
     expected = gss.explain(model.eval(), art, prompt, max_new_tokens=NEW, pad_token_id=0)
     model.train()
@@ -80,6 +81,7 @@ def test_a_model_left_in_training_mode_is_explained_without_dropout(make_model):
         e = gss.explain(model, art, prompt, max_new_tokens=NEW, pad_token_id=0)
         assert e.generated_ids == expected.generated_ids
     assert model.training
+
 
 def test_unsteered_tokens_differ_so_the_check_means_something(steered):
     model, art = steered
@@ -210,7 +212,7 @@ def test_bad_input_is_refused(steered):
         gss.explain(model, art, [3, 400])
     with pytest.raises(gss.GSSError, match="another model"):
         gss.explain(tiny_model("llama", seed=99), art, [3, 4])
-    with pytest.raises(gss.GSSError, match="the prompt is a 1-d torch.float32 array"):
+    with pytest.raises(gss.GSSError, match=r"the prompt is a 1-d torch\.float32 array"):
         gss.explain(model, art, torch.tensor([3.0, 4.0]))
     with pytest.raises(gss.GSSError, match=r"the prompt holds a list \(\[3, 4\]\)"):
         gss.explain(model, art, [[3, 4]])

@@ -176,7 +176,6 @@ def test_gate_counters(make_model):
     assert stats["any_open_share"] >= max(stats["open_share"])
 
 
-
 def test_gate_counters_skip_padding(make_model):
     """Shares over real tokens: the same however the rows are batched and padded, and while
     generating from a left-padded batch (the mask's last positions are the block's)."""
@@ -196,10 +195,15 @@ def test_gate_counters_skip_padding(make_model):
         handle.reset_stats()
         with torch.no_grad():
             model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=4,
+                do_sample=False,
+                pad_token_id=0,
             )
         assert handle.gate_stats()["tokens"] == (6 + 3) + 2 * 3  # the last new token is not read
     assert not model._forward_pre_hooks  # removed with the steer
+
 
 def test_hidden_size_mismatch_is_refused():
     hook = GatedSteer(torch.ones(1, 4), torch.ones(1, 4), torch.zeros(1))

@@ -53,7 +53,6 @@ def test_refuses_different_vocabularies(make_model):
         memorization_signal(model, ref, random_ids(1, 5))
 
 
-
 def test_rows_padded_past_the_tokenizer_take_no_probability(make_model):
     """A copy of the model whose embeddings are padded past the tokenizer's 48 ids is the same
     model on those ids: omega is 0, not the share of probability the padded rows would take."""
@@ -65,6 +64,7 @@ def test_rows_padded_past_the_tokenizer_take_no_probability(make_model):
         omega = memorization_signal(model, ref, ids, tokenizer=_tokenizer())
         assert torch.equal(omega, torch.zeros_like(omega))
     assert not torch.equal(padded(ids).logits[..., 48:], torch.zeros(3, 10, 16))
+
 
 def test_pilot_statistics_on_a_hand_built_signal():
     nan = float("nan")

@@ -70,7 +70,6 @@ def test_bad_windows_say_what_to_change(table_lm):
         evaluate_model(model, [[1, 2, 3, 4]], [[1]], k=2, n=4)
 
 
-
 def test_rows_as_tensors_give_a_report_of_plain_numbers_and_texts_are_refused(table_lm):
     model = table_lm([[1, 2, 3, 4, 5, 6]], VOCAB, default=0)
     rows = torch.tensor([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 0]])
@@ -82,6 +81,7 @@ def test_rows_as_tensors_give_a_report_of_plain_numbers_and_texts_are_refused(ta
         evaluate_model(model, rows, ["w1 w2"], k=2, n=6, progress=False)
     with pytest.raises(GSSError, match=r"memorized row 1 holds a float"):
         evaluate_model(model, [[1, 2, 3], [1.5, 2, 3]], rows, k=2, n=6, progress=False)
+
 
 def test_progress_bars_count_the_batches_of_each_part_and_can_be_turned_off(table_lm, capsys):
     model = table_lm([[1, 2, 3, 4, 5, 6]], VOCAB, default=0)

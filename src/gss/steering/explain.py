@@ -306,7 +306,8 @@ class _Recorder:
         return steered
 
 
-def _prompt_ids(prompt: str | Sequence[int] | Tensor, tokenizer: Any | None) -> list[int]:
+def _prompt_ids(given: str | Sequence[int] | Tensor, tokenizer: Any | None) -> list[int]:
+    prompt: Any = given
     if isinstance(prompt, str):
         if tokenizer is None:
             raise GSSError("explain: a prompt given as text needs tokenizer=...; or pass ids.")
