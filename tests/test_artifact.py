@@ -293,3 +293,39 @@ def test_a_fine_tune_of_the_same_base_is_refused(calibrated):
         art.attach(other)
     for dtype in (torch.bfloat16, torch.float16):
         art.attach(copy.deepcopy(model).to(dtype)).remove()  # the same weights: accepted
+
+
+def test_a_save_stopped_between_its_two_renames_puts_the_old_artifact_back(
+    tmp_path, calibrated, monkeypatch
+):
+    from pathlib import Path
+
+    _, _, art = calibrated
+    art.save_pretrained(tmp_path / "a")
+    rename, calls = Path.rename, []
+
+    def stop_at_the_second(self, target):
+        calls.append(target)
+        if len(calls) == 2:  # the old one moved aside, the new one not yet in place
+            raise KeyboardInterrupt
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", stop_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        art.with_options(delta=9.0).save_pretrained(tmp_path / "a", overwrite=True)
+    monkeypatch.undo()
+    assert gss.load(tmp_path / "a").config.delta == art.config.delta
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
+def test_a_link_is_saved_through_and_a_link_to_nothing_is_refused(tmp_path, calibrated):
+    _, _, art = calibrated
+    art.save_pretrained(tmp_path / "a")
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    art.with_options(delta=9.0).save_pretrained(tmp_path / "link", overwrite=True)
+    assert (tmp_path / "link").is_symlink() and gss.load(tmp_path / "a").config.delta == 9.0
+    (tmp_path / "nowhere").symlink_to(tmp_path / "missing")
+    with pytest.raises(GSSError, match="is a link to .*missing, which does not exist"):
+        art.save_pretrained(tmp_path / "nowhere")
+    with pytest.raises(GSSError, match="directory to save into is empty"):
+        art.save_pretrained("")

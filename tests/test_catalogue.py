@@ -211,6 +211,7 @@ def _cases():
             "omega = 0 everywhere",
         ),
         "out is a file": ([*calibrate, "--out", d], "is a file, not a directory"),
+        "out is empty": ([*calibrate, "--out", ""], "argument --out: is empty: give a directory"),
         # show
         "show a missing folder": (["show", "{root}/nope"], "is not a gss artifact directory"),
         "show a file": (["show", d], "is not a gss artifact directory"),

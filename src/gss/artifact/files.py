@@ -52,12 +52,30 @@ def check_creatable(path: Path, flag: str = "") -> None:
         return
 
 
+def through_link(path: Path, flag: str = "") -> Path:
+    """``path``, or where it links to: a link to a directory is written through, as ``cp``
+    would (a rename would replace the link and leave the old files where it pointed); a link
+    to nothing is refused."""
+    if not path.is_symlink():
+        return path
+    target = Path(os.path.realpath(path))
+    if not target.exists():
+        name = f"{flag} {path}".strip()
+        raise GSSError(
+            f"{name} is a link to {target}, which does not exist: create it, or give "
+            "another directory."
+        )
+    return target
+
+
 def check_target(directory: str | Path, overwrite: bool) -> Path:
     """Refuse a directory that saving an artifact would damage, before any work is done:
     one with files that are not an artifact's, or an artifact when ``overwrite`` is False."""
     if not isinstance(directory, (str, os.PathLike)):
         raise GSSError(f"give a directory path to save into, got {type(directory).__name__}.")
-    out = Path(directory)
+    if not str(directory):
+        raise GSSError("the directory to save into is empty: give a path, e.g. ./artifact.")
+    out = through_link(Path(directory))
     if out.exists() and not out.is_dir():
         raise GSSError(f"{out} is a file, not a directory: give a directory for the artifact.")
     if out.absolute() == Path.cwd():  # it would be replaced by a rename: not the working dir
@@ -117,6 +135,8 @@ def write_atomically(
                 out.rmdir()
         tmp.rename(out)
     finally:
+        if old is not None and not out.exists():  # stopped between the renames: put it back
+            (old / "artifact").rename(out)
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
         if old is not None:
@@ -129,7 +149,9 @@ def check_outputs(directory: str | Path | None, names: Iterable[str], overwrite:
     ``directory`` unless ``overwrite``."""
     if directory is None:
         return
-    out = Path(directory)
+    if not str(directory):
+        raise GSSError("--out is empty: give a directory for the results.")
+    out = through_link(Path(directory), "--out")
     if out.exists() and not out.is_dir():
         raise GSSError(f"--out {out} is a file, not a directory: give a directory.")
     if not out.is_dir():

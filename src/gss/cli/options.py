@@ -99,7 +99,7 @@ def add_model_args(p: argparse.ArgumentParser, reference: bool = False) -> None:
 
 def add_out_args(p: argparse.ArgumentParser, what: str, required: bool = False) -> None:
     """``--out`` (``what`` it holds) and ``--overwrite``: results are never replaced unasked."""
-    p.add_argument("--out", required=required, help=what)
+    p.add_argument("--out", type=directory, required=required, help=what)
     p.add_argument(
         "--overwrite", action="store_true", help="replace what an earlier run wrote in --out"
     )
@@ -275,6 +275,14 @@ def parse_layers(text: str) -> list[int] | None:
     if not layers:
         raise GSSError(f"--layers takes 'all' or block indices like 4,8,12; got {text!r}.")
     return layers
+
+
+def directory(text: str) -> str:
+    """An argparse type: a path that is not empty (an empty one would mean the current
+    directory to some writers and no output to others)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give a directory")
+    return text
 
 
 def positive_int(text: str) -> int:

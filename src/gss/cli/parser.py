@@ -22,6 +22,7 @@ from gss.cli.options import (
     add_preset_arg,
     add_reference_arg,
     add_window_args,
+    directory,
     port_number,
     positive_int,
 )
@@ -184,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_window_args(p, "--memorized")
     add_batch_args(p, batch_size=16, length_help="held-out tokens per row")
-    p.add_argument("--out", required=True, help="directory for sweep.json, sweep.md, sweep.png")
+    p.add_argument(
+        "--out", type=directory, required=True, help="directory for sweep.json, sweep.md, sweep.png"
+    )
     p.add_argument(
         "--save",
         metavar="DIR",
