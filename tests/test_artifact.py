@@ -325,7 +325,7 @@ def test_a_link_is_saved_through_and_a_link_to_nothing_is_refused(tmp_path, cali
     art.with_options(delta=9.0).save_pretrained(tmp_path / "link", overwrite=True)
     assert (tmp_path / "link").is_symlink() and gss.load(tmp_path / "a").config.delta == 9.0
     (tmp_path / "nowhere").symlink_to(tmp_path / "missing")
-    with pytest.raises(GSSError, match="is a link to .*missing, which does not exist"):
+    with pytest.raises(GSSError, match=r"is a link to .*missing, which does not exist"):
         art.save_pretrained(tmp_path / "nowhere")
     with pytest.raises(GSSError, match="directory to save into is empty"):
         art.save_pretrained("")
