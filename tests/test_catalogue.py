@@ -56,6 +56,14 @@ def root(tmp_path_factory):
     (root / "protect_out" / "steer").mkdir(parents=True)
     (root / "protect_out" / "steer" / "notes.txt").write_text("mine")
     (root / "figure_folder" / "audit.md").mkdir(parents=True)
+    (root / "truncated").mkdir()  # weights cut short, as by an interrupted download
+    for name in ("config.json", "model.safetensors"):
+        (root / "truncated" / name).write_bytes((root / "model" / name).read_bytes()[:1000])
+    _tokenizer().save_pretrained(root / "truncated")
+    (root / "more_words").mkdir()  # the model beside a tokenizer with words past its vocabulary
+    for name in ("config.json", "model.safetensors"):
+        (root / "more_words" / name).write_bytes((root / "model" / name).read_bytes())
+    _tokenizer([*WORDS, "x1"]).save_pretrained(root / "more_words")
     (root / "broken_model").mkdir()
     (root / "broken_model" / "config.json").write_text("{bad")
     # artifacts whose config was edited by hand into something no artifact holds
@@ -121,6 +129,14 @@ def _cases():
         ),
         "cuda on a CPU build": ([*calibrate, *out, "--device", "cuda:0"], "sees no CUDA GPU"),
         "not a device": ([*calibrate, *out, "--device", "gpu"], "is not a torch device"),
+        "a device this torch cannot use": (
+            [*calibrate, *out, "--device", "mps"],
+            "cannot run on mps here; use --device cpu",
+        ),
+        "truncated weights": (
+            ["calibrate", "--model", "{root}/truncated", *calibrate[3:], *out],
+            "truncated (SafetensorError: Error while deserializing header",
+        ),
         "layer out of range": (
             [*calibrate[:-1], "7", *out],
             "layer 7 is out of range",
@@ -291,6 +307,10 @@ def _cases():
         "generate missing steer": (
             ["generate", "--model", m, "--steer", "{root}/nope", "--prompt", "w1"],
             "is not a gss artifact directory",
+        ),
+        "generate a prompt past the vocabulary": (
+            ["generate", "--model", "{root}/more_words", "--steer", "{root}/art", "--prompt", "x1"],
+            "--prompt 'x1': token id 48 is outside the model's vocabulary",
         ),
         "generate another model": (
             ["generate", "--model", r, "--steer", "{root}/art", "--prompt", "w1"],
@@ -564,6 +584,18 @@ def test_ctrl_c_is_one_line(monkeypatch, capsys):
     assert main(["show", "anything"]) == 130
     assert capsys.readouterr().err == "gss: interrupted\n"
 
+
+
+def test_a_reader_that_leaves_is_no_error(monkeypatch, capsys):
+    """`gss ... | head -1`: the pipe closes under the command, which stops without a trace."""
+    import gss.cli.commands as commands
+
+    def reader_left(_):
+        raise BrokenPipeError
+
+    monkeypatch.setattr(commands, "_cmd_show", reader_left)
+    assert main(["show", "anything"]) == 141
+    assert capsys.readouterr().err == ""
 
 def _works(root, capsys, argv: list[str]) -> str:
     code = _run([a.format(root=root) for a in argv])

@@ -7,6 +7,8 @@ library, no logic of their own.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -51,6 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback from wherever it landed
         print("gss: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `gss ... | head`: the reader left; nothing more to say
+        with contextlib.suppress(OSError, ValueError):  # stdout may have no descriptor
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 141
     finally:
         if quiet:  # `main` called in-process: leave transformers' bars as they were
             transformers_logging.enable_progress_bar()

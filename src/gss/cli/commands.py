@@ -250,7 +250,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from gss.artifact.stack import load
     from gss.data import chat_prompt
-    from gss.hf.forward import context_length
+    from gss.hf.forward import check_sequences, context_length
 
     if any(not prompt.strip() for prompt in args.prompt):
         raise GSSError("--prompt is empty: give the text to continue.")
@@ -286,6 +286,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 f"pass the model's context ({limit[0]} positions, {limit[1]}): shorten the "
                 "prompt or generate fewer tokens."
             )
+        check_sequences((model,), enc["input_ids"], f"--prompt {prompt!r}")  # ids it has rows for
         return enc.to(args.device)
 
     encoded = [encode(prompt) for prompt in prompts]  # every prompt checked before any runs

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from safetensors import SafetensorError
+
 from gss.errors import GSSError
 
 __all__ = [
@@ -362,5 +364,6 @@ def load_error(source: ModelSource, what: str, call: Callable[[], T]) -> T:
         KeyError,
         TypeError,
         AttributeError,
+        SafetensorError,  # a damaged weights file
     ) as e:
         raise load_failure(source, what, e) from e

@@ -189,6 +189,13 @@ def check_device(device: str | torch.device) -> torch.device:
             f"--device {device}: this torch ({torch.__version__}) sees no CUDA GPU; use --device "
             "cpu, or install a CUDA build of torch on a machine with a GPU."
         )
+    backend = getattr(torch, dev.type, None)  # torch.mps, torch.xpu, ...
+    available = getattr(backend, "is_available", None)
+    if dev.type not in ("cpu", "cuda", "meta") and not (callable(available) and available()):
+        raise GSSError(
+            f"--device {device}: this torch ({torch.__version__}) cannot run on {dev.type} here; "
+            "use --device cpu, or cuda on a machine with a GPU."
+        )
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise GSSError(
             f"--device {device}: there are {torch.cuda.device_count()} CUDA devices here."
