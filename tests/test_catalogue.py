@@ -585,7 +585,6 @@ def test_ctrl_c_is_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err == "gss: interrupted\n"
 
 
-
 def test_a_reader_that_leaves_is_no_error(monkeypatch, capsys):
     """`gss ... | head -1`: the pipe closes under the command, which stops without a trace."""
     import gss.cli.commands as commands
@@ -596,6 +595,7 @@ def test_a_reader_that_leaves_is_no_error(monkeypatch, capsys):
     monkeypatch.setattr(commands, "_cmd_show", reader_left)
     assert main(["show", "anything"]) == 141
     assert capsys.readouterr().err == ""
+
 
 def _works(root, capsys, argv: list[str]) -> str:
     code = _run([a.format(root=root) for a in argv])
