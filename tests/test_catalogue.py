@@ -64,6 +64,9 @@ def root(tmp_path_factory):
     for name in ("config.json", "model.safetensors"):
         (root / "more_words" / name).write_bytes((root / "model" / name).read_bytes())
     _tokenizer([*WORDS, "x1"]).save_pretrained(root / "more_words")
+    (root / "no_tokenizer").mkdir()  # weights saved without their tokenizer
+    for name in ("config.json", "model.safetensors"):
+        (root / "no_tokenizer" / name).write_bytes((root / "model" / name).read_bytes())
     (root / "broken_model").mkdir()
     (root / "broken_model" / "config.json").write_text("{bad")
     # artifacts whose config was edited by hand into something no artifact holds
@@ -132,6 +135,10 @@ def _cases():
         "a device this torch cannot use": (
             [*calibrate, *out, "--device", "mps"],
             "cannot run on mps here; use --device cpu",
+        ),
+        "a model folder without its tokenizer": (
+            ["calibrate", "--model", "{root}/no_tokenizer", *calibrate[3:], *out],
+            "no_tokenizer",
         ),
         "truncated weights": (
             ["calibrate", "--model", "{root}/truncated", *calibrate[3:], *out],

@@ -352,7 +352,12 @@ def predictable(seqs: list[T]) -> list[T]:
     """The sequences with at least one next-token target; an error if none has."""
     kept = [s for s in seqs if len(s) >= 2]
     if not kept:
-        raise GSSError("every sequence is shorter than 2 tokens; nothing to predict.")
+        longest = max(map(len, seqs), default=0)
+        raise GSSError(
+            f"every sequence is shorter than 2 tokens (the longest of {len(seqs)} has "
+            f"{longest}); nothing to predict. Check that the rows hold text, that max_length is "
+            "at least 2, and that the tokenizer makes tokens of the text."
+        )
     return kept
 
 

@@ -316,10 +316,19 @@ def load_tokenizer(path: Source, revision: str | None = None) -> Any:
     source = model_source(path, revision)
     base = source.adapter_base
     try:
-        return AutoTokenizer.from_pretrained(source.name, **source.options)
+        tokenizer = AutoTokenizer.from_pretrained(source.name, **source.options)
     except (OSError, ValueError) as e:
         if base is None:
             raise load_failure(source, "the tokenizer", e) from e
+    else:
+        if len(tokenizer) > 1:
+            return tokenizer
+        if base is None:  # transformers 5 builds an empty one where no tokenizer files are
+            raise GSSError(
+                f"{source.name} holds no tokenizer (the one transformers built from it has "
+                f"{len(tokenizer)} token): save the model's tokenizer beside it "
+                "(tokenizer.save_pretrained(path)), or give the directory that has it."
+            )
     repo = hub_id(base) is not None
     options = hub_options() if repo else {"local_files_only": True}
     return load_error(
