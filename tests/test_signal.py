@@ -79,3 +79,15 @@ def test_pilot_statistics_on_a_hand_built_signal():
     assert math.isclose(stats.burst_single_share, 3 / 5)
     assert stats.tokens == 12
     assert stats.share_above_mean == pytest.approx(8 / 12)
+
+
+def test_a_model_with_nan_weights_is_said_to_be_so(make_model):
+    from gss.evaluate import perplexity
+
+    model, ref = make_model("llama"), make_model("llama", seed=1)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    with pytest.raises(GSSError, match="the model gives NaN or infinite log-probabilities"):
+        memorization_signal(model, ref, random_ids(2, 6))
+    with pytest.raises(GSSError, match="model gives NaN or infinite log-probabilities on the rows"):
+        perplexity(model, random_ids(2, 6).tolist())

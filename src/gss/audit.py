@@ -42,8 +42,9 @@ from gss.hf.forward import (
     target_mask,
     token_logprobs,
 )
+from gss.signal.omega import nonfinite_error
 from gss.statistics.capture import calibration_mode
-from gss.statistics.collect import nonfinite_error, same_model_error
+from gss.statistics.collect import same_model_error
 
 
 @dataclass(frozen=True)

@@ -56,5 +56,8 @@ def test_secrets_must_be_one_list_of_strings_per_prompt(table_lm):
 
 def test_prompts_the_model_cannot_run_are_refused_before_decoding(make_model):
     model = make_model("gpt2")  # 128 learned positions
-    with pytest.raises(GSSError, match="sequence 0 has 130 tokens, more than the 128 positions"):
+    with pytest.raises(
+        GSSError,
+        match="sequence 0 has 120 tokens, and 10 more to generate make 130, more than the 128",
+    ):
         secrets_said(model, _tokenizer(), [[5] * 120], [["w1"]], max_new_tokens=10)

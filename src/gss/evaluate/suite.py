@@ -197,7 +197,7 @@ def evaluate_model(
     try:
         tokens, _, nll = next_token_stats(model, heldout, None, batch_size, progress)
     except ValueError as err:
-        raise GSSError(f"held-out text: {err}.") from None
+        raise GSSError(f"held-out text: {str(err).rstrip('.')}.") from None
     ppl_seconds = time.perf_counter() - started
     return EvaluationReport(
         memorized=100.0 * sum(exact) / len(exact),

@@ -61,6 +61,12 @@ def next_token_stats(
             n += int(t.numel())
             hits += int((lp.argmax(-1) == t).sum())
             nll -= float(lp.gather(1, t[:, None]).sum(dtype=torch.float64))
+    if not math.isfinite(nll):
+        raise GSSError(
+            "the model gives NaN or infinite log-probabilities on the rows, so their perplexity "
+            "is undefined: check its weights and dtype (float16 can overflow; try float32 or "
+            "bfloat16)."
+        )
     return n, hits, nll
 
 

@@ -26,6 +26,16 @@ from gss.hf.forward import (
 )
 
 
+def nonfinite_error(bad: str, what: str) -> GSSError:
+    """What to say when the ``bad`` model's log-probabilities on the ``what`` text are NaN or
+    infinite: omega, and all that rests on it, would be undefined."""
+    return GSSError(
+        f"the {bad} gives NaN or infinite log-probabilities on the {what} text, so omega is "
+        "undefined: check its weights and dtype (float16 can overflow; try float32 or "
+        "bfloat16)."
+    )
+
+
 @torch.no_grad()
 def memorization_signal(
     model: nn.Module,
@@ -65,8 +75,12 @@ def memorization_signal(
         mask = attention_mask[start : start + step]
         lp_model = token_logprobs(forward_logits(model, ids, mask), ids, vocab).cpu()
         lp_ref = token_logprobs(forward_logits(reference, ids, mask), ids, vocab).cpu()
+        valid = target_mask(mask).cpu()
+        for bad, lp in (("model", lp_model), ("reference", lp_ref)):
+            if not bool(torch.isfinite(lp[valid]).all()):  # else NaN reads as padding
+                raise nonfinite_error(bad, "given")
         omega = lp_model - lp_ref
-        chunks.append(omega.masked_fill(~target_mask(mask).cpu(), float("nan")))
+        chunks.append(omega.masked_fill(~valid, float("nan")))
     return torch.cat(chunks)
 
 

@@ -40,6 +40,7 @@ from gss.hf.forward import (
     token_logprobs,
 )
 from gss.hf.quantization import check_backward
+from gss.signal.omega import nonfinite_error
 from gss.signal.replies import ReplySignal, warn_if_replies_alone
 from gss.signal.tokens import encode_trained, reply_masks, trained_targets
 from gss.statistics.accumulators import (
@@ -521,16 +522,6 @@ def _matching_blocks(
     if len(ref_blocks) != n_blocks or residual_width(reference) != residual_width(model):
         return []
     return [ref_blocks[i] for i in layers]
-
-
-def nonfinite_error(bad: str, what: str) -> GSSError:
-    """What to say when the ``bad`` model's log-probabilities on the ``what`` text are NaN or
-    infinite: omega, and all that rests on it, would be undefined."""
-    return GSSError(
-        f"the {bad} gives NaN or infinite log-probabilities on the {what} text, so omega is "
-        "undefined: check its weights and dtype (float16 can overflow; try float32 or "
-        "bfloat16)."
-    )
 
 
 def same_model_error(tokens: int, what: str = "calibration") -> GSSError:
