@@ -67,6 +67,9 @@ def root(tmp_path_factory):
     (root / "no_tokenizer").mkdir()  # weights saved without their tokenizer
     for name in ("config.json", "model.safetensors"):
         (root / "no_tokenizer" / name).write_bytes((root / "model" / name).read_bytes())
+    (root / "protected" / "steer").mkdir(parents=True)  # as gss protect --out writes
+    for name in ("gss_config.json", "gss_tensors.safetensors"):
+        (root / "protected" / "steer" / name).write_bytes((root / "art" / name).read_bytes())
     (root / "broken_model").mkdir()
     (root / "broken_model" / "config.json").write_text("{bad")
     # artifacts whose config was edited by hand into something no artifact holds
@@ -318,6 +321,10 @@ def _cases():
         "generate a prompt past the vocabulary": (
             ["generate", "--model", "{root}/more_words", "--steer", "{root}/art", "--prompt", "x1"],
             "--prompt 'x1': token id 48 is outside the model's vocabulary",
+        ),
+        "generate with protect's folder": (
+            ["generate", "--model", m, "--steer", "{root}/protected", "--prompt", "w1"],
+            "Did you mean {root}/protected/steer?",
         ),
         "generate another model": (
             ["generate", "--model", r, "--steer", "{root}/art", "--prompt", "w1"],

@@ -537,3 +537,19 @@ def test_a_secret_inside_the_prompt_is_said_to_be_uncountable(workdir, capsys):
     assert main(args) == 0
     err = capsys.readouterr().err
     assert "gss: warning: 3 of 3 rows with secrets have a secret inside their first k=4" in err
+
+
+def test_negative_numbers_in_scientific_notation_are_values():
+    from gss.cli.parser import build_parser
+
+    argv = ["calibrate", "--model", "m", "--reference", "r", "--data", "d", "--layer", "1"]
+    argv += ["--out", "o"]
+    for text, value in (("-1e-3", -1e-3), ("-0.5", -0.5), ("-2", -2.0), ("-.5E+1", -5.0)):
+        args = build_parser().parse_args([*argv, "--omega-threshold", text])
+        assert args.omega_threshold == value
+
+
+def test_an_unknown_baseline_family_is_refused(capsys):
+    pytest.importorskip("gss_bench")
+    assert main(["baselines", "--family", "nope"]) == 2
+    assert "--family 'nope' has no method: one of" in capsys.readouterr().err

@@ -307,3 +307,14 @@ def test_a_rope_scaling_that_stretches_the_context_raises_the_limit(scaling, con
     length, key = context_length(model)
     assert length == context
     assert key.startswith("max_position_embeddings") and (" x RoPE" in key) == (context != 128)
+
+
+def test_rows_of_token_ids_are_kept_where_texts_are_read(tmp_path):
+    """A .jsonl of input_ids rows has no text to read: every command takes its rows as ids
+    (gss audit and evaluate --heldout read texts, and refused them)."""
+    from gss.data import read_texts
+
+    path = tmp_path / "ids.jsonl"
+    path.write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n" + json.dumps({"text": "w1"}) + "\n")
+    assert read_texts(path) == [{"input_ids": [5, 6, 7]}, "w1"]
+    assert encode(read_texts(path)[:1]) == [[5, 6, 7]]

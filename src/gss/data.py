@@ -138,7 +138,7 @@ def texts_of(rows: Iterable[tuple[str, str | dict[str, Any]]], keep_rows: bool) 
     for where, row in rows:
         if isinstance(row, str):
             out.append(row)
-        elif keep_rows and "input_ids" in row:
+        elif "input_ids" in row:  # token ids have no text: the row is kept as it is
             id_row(row, 0, where)
             out.append(row)
         else:

@@ -479,9 +479,12 @@ class SteeringArtifact(hub.HubMixin):
         if not cfg_path.is_file() or not tensors_path.is_file():
             missing = [p.name for p in (cfg_path, tensors_path) if not p.is_file()]
             lacks = "" if len(missing) == 2 or not path.is_dir() else f" ({missing[0]} is missing)"
+            inner = path / "steer"  # gss protect's --out holds its artifact there
+            hint = f" Did you mean {inner}?" if (inner / CONFIG_NAME).is_file() else ""
+            hint = f" Did you mean {inner} (a stack)?" if (inner / STACK_NAME).is_file() else hint
             raise GSSError(
                 f"{path} is not a gss artifact directory{lacks}: expected {CONFIG_NAME} and "
-                f"{TENSORS_NAME} in it (written by SteeringArtifact.save_pretrained)."
+                f"{TENSORS_NAME} in it (written by SteeringArtifact.save_pretrained).{hint}"
             )
         try:
             raw = json.loads(cfg_path.read_text(encoding="utf-8"))

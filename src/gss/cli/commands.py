@@ -801,7 +801,11 @@ def _cmd_baselines(args: argparse.Namespace) -> int:
     _require_gss_bench("baselines")
     from gss_bench.baselines import get_method, method_names
 
-    for name in method_names(args.family):
+    names = method_names(args.family)
+    if not names:
+        families = sorted({get_method(n).family for n in method_names()})
+        raise GSSError(f"--family {args.family!r} has no method: one of {', '.join(families)}.")
+    for name in names:
         method = get_method(name)
         grid = "; ".join(", ".join(f"{k}={v}" for k, v in g.items()) for g in method.grid)
         print(f"{name} [{method.family}]: {method.summary}\n    default grid: {grid}")

