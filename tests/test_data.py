@@ -318,3 +318,23 @@ def test_rows_of_token_ids_are_kept_where_texts_are_read(tmp_path):
     path.write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n" + json.dumps({"text": "w1"}) + "\n")
     assert read_texts(path) == [{"input_ids": [5, 6, 7]}, "w1"]
     assert encode(read_texts(path)[:1]) == [[5, 6, 7]]
+
+
+def test_a_byte_order_mark_an_upper_case_suffix_and_a_pipe_are_read_as_text(tmp_path):
+    import os
+    import threading
+
+    from gss.data_sources import read_data
+
+    (tmp_path / "bom.TXT").write_bytes("\ufeffw1 w2\nw3\n".encode())
+    assert read_data(tmp_path / "bom.TXT") == ["w1 w2", "w3"]
+    os.mkfifo(tmp_path / "pipe")
+
+    def write() -> None:
+        with open(tmp_path / "pipe", "w") as f:
+            f.write("w4 w5\n\nw6\n")
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert read_data(tmp_path / "pipe") == ["w4 w5", "w6"]
+    writer.join()

@@ -90,17 +90,18 @@ def read_rows(path: str | Path) -> list[str | dict[str, Any]]:
 def numbered_rows(path: str | Path) -> list[tuple[str, str | dict[str, Any]]]:
     """`read_rows` with each row's place ("file:line") for error messages."""
     p = Path(path)
-    if not p.is_file():
+    if not p.exists() or p.is_dir():  # a pipe or /dev/stdin is read as a .txt file
         raise GSSError(f"data file {p} does not exist.")
     rows: list[tuple[str, str | dict[str, Any]]]
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark is not text
     except UnicodeDecodeError as err:
         raise GSSError(
             f"{p} is not UTF-8 text (byte {err.start} cannot be decoded): convert it, e.g. "
             f"iconv -f latin1 -t utf-8 {p.name}."
         ) from None
-    if p.suffix == ".jsonl":
+    suffix = p.suffix.lower() if p.is_file() else ""
+    if suffix == ".jsonl":
         rows = []
         for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
@@ -112,7 +113,7 @@ def numbered_rows(path: str | Path) -> list[tuple[str, str | dict[str, Any]]]:
             if not isinstance(record, dict):
                 raise GSSError(f"{p}:{number} is not a JSON object; expected {FORMATS}.")
             rows.append((f"{p}:{number}", record))
-    elif p.suffix in (".txt", ""):
+    elif suffix in (".txt", ""):
         lines = text.splitlines()
         rows = [(f"{p}:{n}", line) for n, line in enumerate(lines, 1) if line.strip()]
     else:

@@ -140,7 +140,8 @@ def read_data(
             "the data path is empty: give a .txt or .jsonl file, a table file, a saved dataset "
             "directory or a dataset id on the Hub."
         )
-    path = Path(source).expanduser()
+    path = Path("/dev/stdin" if name == "-" else source).expanduser()  # -: lines piped in
+    stream = path.exists() and not path.is_dir() and not path.is_file()  # a pipe, a device
     if path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("*.bin"))):
         raise GSSError(
             f"{name} holds weights (a model's or a steering artifact's directory), not data: "
@@ -156,7 +157,7 @@ def read_data(
             f"{name} is a text file, one sequence a line: it has no columns to name "
             "(--text-column, ...). Leave them out, or give a .jsonl or table file."
         )
-    if path.is_file() and path.suffix in LINE_FORMATS:
+    if stream or (path.is_file() and path.suffix.lower() in LINE_FORMATS):
         rows = numbered_rows(path)
         if columns.named:
             rows = [
