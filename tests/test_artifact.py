@@ -109,6 +109,12 @@ def test_same_model_in_another_dtype_is_accepted(calibrated):
     model.float()
 
 
+def test_a_delta_whose_probes_overflow_is_refused_by_name(calibrated):
+    _, _, art = calibrated
+    with pytest.raises(GSSError, match=r"delta=1e\+308 is too large for this artifact"):
+        art.with_options(delta=1e308)
+
+
 def test_delta_rescaling_equals_recalibration(make_model):
     model, ref = make_model("gpt2", seed=0), make_model("gpt2", seed=1)
     ids = random_ids(12, 12)

@@ -313,6 +313,12 @@ class SteeringArtifact(hub.HubMixin):
             factor = (config.delta / self.config.delta) ** 0.5
             for name in ("probe", "thresholds", "offset"):
                 tensors[name] = tensors[name] * factor
+            if not all(bool(torch.isfinite(tensors[n]).all()) for n in ("probe", "offset")):
+                raise GSSError(
+                    f"delta={config.delta:g} is too large for this artifact: its probes, scaled "
+                    f"by sqrt(delta / {self.config.delta:g}), overflow {self.probe.dtype}. Give "
+                    "a smaller delta."
+                )
         if "rank" in updates:
             tensors = {name: t[: config.rank] for name, t in tensors.items()}
         provenance = self.provenance
