@@ -252,6 +252,11 @@ def _cases():
             "already holds signal.json: pass --overwrite",
         ),
         "signal out is a file": ([*signal, "--out", d], "--out {root}/data.txt is a file"),
+        "signal out is the model's folder": (
+            [*signal, "--out", "{root}/ref"],
+            "--out {root}/ref holds a model: results go into a directory of their own",
+        ),
+        "signal out is an artifact": ([*signal, "--out", "{root}/art"], "holds a gss artifact"),
         "signal batch size abc": ([*signal, "--batch-size", "abc"], "must be a positive integer"),
         "signal data not UTF-8": (
             ["signal", "--model", m, "--reference", r, "--data", "{root}/latin1.txt"],

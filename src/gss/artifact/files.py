@@ -154,6 +154,20 @@ def check_outputs(directory: str | Path | None, names: Iterable[str], overwrite:
     out = through_link(Path(directory), "--out")
     if out.exists() and not out.is_dir():
         raise GSSError(f"--out {out} is a file, not a directory: give a directory.")
+    if out.is_dir():
+        holds = (
+            "a gss artifact"
+            if any((out / n).is_file() for n in (CONFIG_NAME, STACK_NAME))
+            else "a model"
+            if (out / "config.json").is_file()
+            and (any(out.glob("*.safetensors")) or any(out.glob("*.bin")))
+            else None
+        )
+        if holds:  # results beside its files would be taken for its own, or block its save
+            raise GSSError(
+                f"--out {out} holds {holds}: results go into a directory of their own; choose "
+                "another --out."
+            )
     if not out.is_dir():
         check_creatable(out, "--out")
     folders = [name for name in names if "." in name and (out / name).is_dir()]
