@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import importlib
 import json
+import warnings
 
 import pytest
 import torch
 
 import gss
-from gss import GSSError
+from gss import GSSError, GSSWarning
 from gss.cli import main
 from gss.protect import SearchSpace, protect
 
@@ -326,6 +327,17 @@ def test_strength_search_raises_a_range_the_budget_does_not_bound():
     assert _strength_points(limit=1e9, memorized_above=1e9, delta_ceiling=1e5) == pytest.approx(
         [100.0, 1e4, 1e5]
     )
+
+
+def test_general_text_made_of_the_memorized_rows_is_warned_about(protected, memorizer):
+    result, _, texts = protected
+    memorized = [texts[r.index] for r in result.audit.memorized]
+    general = memorizer[3][20:40].tolist()
+    with pytest.warns(GSSWarning, match=r"\d+ of the \d+ general rows are rows the model repro"):
+        protect_module._warn_if_general_is_memorized([*memorized, *general], result.audit, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GSSWarning)
+        protect_module._warn_if_general_is_memorized(general, result.audit, 16)
 
 
 def test_protect_replays_the_blocks_below_each_steer_to_the_same_result(memorizer, monkeypatch):

@@ -616,6 +616,7 @@ def protect(
         progress=progress,
     )
     seconds["audit"] = time.perf_counter() - started
+    _warn_if_general_is_memorized(general_rows, report, n)
     # each distinct window once: a copy of a tuning row held out would not be unseen
     firsts: dict[Any, int] = {}
     for r in report.memorized:
@@ -894,6 +895,26 @@ def _with_record(steer: Steer, record: dict[str, Any]) -> Steer:
 
 
 Candidate = list[int] | tuple[list[int], list[int]]  # a row, or a (prompt, reply) pair
+
+
+def _warn_if_general_is_memorized(
+    general_rows: list[list[int]] | None, report: AuditReport, n: int
+) -> None:
+    """Warn when the general text is largely rows the model memorized (``--general`` given
+    the fine-tuning data): thresholds and utility would then be measured on memorized text."""
+    if not general_rows or not report.memorized:
+        return
+    memorized = {tuple(report.ids[r.index][:n]) for r in report.memorized}
+    shared = sum(tuple(row[:n]) in memorized for row in general_rows)
+    if 10 * shared >= len(general_rows):
+        warnings.warn(
+            f"{shared} of the {len(general_rows)} general rows are rows the model reproduces "
+            f"(their first {n} tokens are memorized rows'): the gates' thresholds and the "
+            "utility are then measured on memorized text. Give as general text what the model "
+            "will serve but was not fine-tuned on.",
+            GSSWarning,
+            stacklevel=3,
+        )
 
 
 def _window(c: Candidate, k: int, n: int) -> tuple[tuple[int, ...], ...]:
