@@ -104,6 +104,16 @@ def test_audit_command(tmp_path, capsys):
     audited = (tmp_path / "out" / "audit.jsonl").read_text().splitlines()
     assert len(audited) == 6 and all(json.loads(r)["tokens"] == 5 + 8 for r in audited)
     assert all(json.loads(r)["window_tokens"] == 8 for r in audited)  # the reply's 12 - 4
+    # a one-word line (nothing to predict: not audited) and a blank one before the rest: each
+    # row still names its line, and shows its text
+    (tmp_path / "data.txt").write_text("w1\n\n" + "\n".join(lines) + "\n")
+    args[args.index(str(tmp_path / "chat.jsonl"))] = str(tmp_path / "data.txt")
+    assert main([*args, "--overwrite"]) == 0
+    audited = [json.loads(r) for r in (tmp_path / "out" / "audit.jsonl").read_text().splitlines()]
+    assert [(r["index"], r["row"]) for r in audited] == [(i, i + 1) for i in range(6)]
+    assert [r["source"] for r in audited] == [f"{tmp_path / 'data.txt'}:{i + 3}" for i in range(6)]
+    assert [r["text"] for r in audited] == lines
+    assert "data.txt:3 | " in (tmp_path / "out" / "audit.md").read_text()
 
 
 def test_audit_shows_how_many_tokens_each_row_was_checked_on(memorizer):

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from gss.artifact.files import check_outputs
 from gss.config import RunOptions
-from gss.data import TextsOrIds, batches, count_batches, encode
+from gss.data import TextsOrIds, batches, count_batches, predictable, sequence_items, token_chunks
 from gss.errors import GSSError, GSSWarning
 from gss.evaluate.suite import is_pair
 from gss.hf.forward import (
@@ -82,6 +82,20 @@ class AuditReport:
     ids: list[list[int]] = field(repr=False, default_factory=list)
     # where each row's window starts, for (prompt, reply) pairs (None: at k for every row)
     starts: list[int] | None = field(repr=False, default=None)
+    # each row's place among the texts given (rows under 2 tokens are not audited, so a row's
+    # `index` can be smaller); None: the same
+    positions: list[int] | None = field(repr=False, default=None)
+    # each text's origin, by its place among the texts given (e.g. "data.txt:12"), when known
+    sources: list[str] | None = field(repr=False, default=None)
+    # each row's text up to n tokens, decoded, when the audit had the tokenizer
+    texts: list[str] | None = field(repr=False, default=None)
+
+    def position(self, row: AuditRow) -> int:
+        """Where ``row`` was among the texts given (its line in a file, blank lines aside)."""
+        return row.index if self.positions is None else self.positions[row.index]
+
+    def source(self, row: AuditRow) -> str | None:
+        return None if self.sources is None else self.sources[self.position(row)]
 
     def candidate(self, index: int) -> list[int] | tuple[list[int], list[int]]:
         """Row ``index`` as `gss.evaluate.evaluate_model` reads it: its ids, or for a pair
@@ -135,9 +149,10 @@ class AuditReport:
 
         header = ["row", "extractable", "window tokens", "% matched", "longest run"]
         header += ["omega mean", "omega max", "omega burst", "reference extracts"]
+        header += ["text"] if self.texts is not None else []
         body = [
             [
-                str(r.index),
+                self.source(r) or str(self.position(r)),
                 {True: "yes", False: "no", None: "too short"}[r.extractable],
                 str(self.window_tokens(r)),
                 f"{100 * r.matched:.1f}",
@@ -146,6 +161,7 @@ class AuditReport:
                 f"{r.omega_max:.2f}",
                 str(r.omega_burst),
                 {True: "yes", False: "no", None: "-"}[r.reference_extractable],
+                *([] if self.texts is None else [_preview(self.texts[r.index])]),
             ]
             for r in self.ranked()[:top]
         ]
@@ -160,7 +176,8 @@ class AuditReport:
         out.mkdir(parents=True, exist_ok=True)
         (out / "audit.jsonl").write_text(
             "".join(
-                json.dumps({**asdict(r), "window_tokens": self.window_tokens(r)}) + "\n"
+                json.dumps({**asdict(r), **self._origin(r), "window_tokens": self.window_tokens(r)})
+                + "\n"
                 for r in self.rows
             )
         )
@@ -176,6 +193,16 @@ class AuditReport:
         )
         self.plot(out / "audit.png")
         return [out / name for name in OUTPUTS]
+
+    def _origin(self, row: AuditRow) -> dict[str, Any]:
+        """Where ``row`` came from, for ``audit.jsonl``: its place among the texts given, its
+        file and line when known, and its text when the audit had the tokenizer."""
+        origin: dict[str, Any] = {"row": self.position(row)}
+        if self.sources is not None:
+            origin["source"] = self.source(row)
+        if self.texts is not None:
+            origin["text"] = self.texts[row.index]
+        return origin
 
     def plot(self, path: str | Path) -> Path:
         """Two histograms over the rows: the share of the window the model reproduces, and
@@ -256,6 +283,7 @@ def audit(
             raise GSSError("every (prompt, reply) pair needs a non-empty prompt and reply.")
         starts = [len(p) for p, _ in pairs]
         seqs = [p + c[: n - k] for p, c in pairs]
+        positions = None
     else:
         limit = min((c[0] for c in map(context_length, (model, reference)) if c), default=None)
         if limit is not None and n > limit:  # rows are cut to n: n is what must fit
@@ -263,7 +291,12 @@ def audit(
                 f"n = {n} passes the model's context ({limit} positions): lower n (--n) to "
                 f"{limit} or less."
             )
-        seqs = encode(texts, tokenizer, n)
+        given = [
+            s for _, part in token_chunks(sequence_items(texts, n), tokenizer, n) for s in part
+        ]
+        seqs = predictable(given)  # rows under 2 tokens have nothing to check
+        kept = [i for i, s in enumerate(given) if len(s) >= 2]
+        positions = kept if len(kept) < len(given) else None
     check_sequences((model, reference), seqs, "the texts")
     if all(len(s) <= (k if starts is None else starts[i]) for i, s in enumerate(seqs)):
         warnings.warn(
@@ -326,7 +359,17 @@ def audit(
         n=n,
         seconds=time.perf_counter() - started,
         ids=[[int(t) for t in s] for s in seqs],
+        positions=positions,
+        texts=None
+        if tokenizer is None
+        else list(tokenizer.batch_decode(seqs, skip_special_tokens=True)),
     )
+
+
+def _preview(text: str, width: int = 60) -> str:
+    """``text`` on one line, for a Markdown table cell: at most ``width`` characters."""
+    one_line = " ".join(text.split()).replace("|", "\\|")
+    return one_line if len(one_line) <= width else one_line[: width - 1] + "…"
 
 
 __all__: Sequence[str] = ("AuditReport", "AuditRow", "audit")

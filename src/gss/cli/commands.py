@@ -683,6 +683,19 @@ def _replies(rows: Any, tokenizer: Any, args: argparse.Namespace) -> Any:
     return encode_replies(rows, tokenizer, max_reply=args.n - args.k)
 
 
+def _lines_of(data: str, rows: int) -> list[str] | None:
+    """Each row's "file:line" where ``data`` is a .txt or .jsonl file of ``rows`` rows, so
+    that a report names the line a leak is on; None for other data."""
+    from gss.data import numbered_rows
+    from gss.data_sources import LINE_FORMATS
+
+    path = Path(data)
+    if not path.is_file() or path.suffix.lower() not in LINE_FORMATS:
+        return None
+    places = [where for where, _ in numbered_rows(path)]
+    return places if len(places) == rows else None
+
+
 def _cmd_audit(args: argparse.Namespace) -> int:
     from gss.audit import OUTPUTS, audit, check_window
 
@@ -701,6 +714,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         progress=not args.no_progress,
     )
+    report.sources = _lines_of(args.data, len(texts))
     s = report.summary()
     print(
         f"{s['extractable']} of {s['checkable']} rows extractable, {s['memorized']} of them not "
