@@ -4,8 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from gss.errors import GSSError
+from gss.errors import GSSError, GSSWarning
 from gss.evaluate import SweepPoint, pareto_front, select_point
+from gss.evaluate.sweep import check_tolerance
 
 
 def _points(*grid: tuple[float, float, float]) -> list[SweepPoint]:
@@ -47,6 +48,10 @@ def test_select_point_refuses_what_it_cannot_read():
         select_point(points, 100.0, secrets_said=[float("nan")])
     with pytest.raises(GSSError, match="tolerance must be >= 0"):
         select_point(points, 100.0, tolerance=-0.1)
+    with pytest.raises(GSSError, match="tolerance must be >= 0"):
+        check_tolerance(float("nan"))
+    with pytest.warns(GSSWarning, match="tolerance 5 lets perplexity rise by 500%"):
+        check_tolerance(5)
 
 
 def test_pareto_front_drops_dominated_points():

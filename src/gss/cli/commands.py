@@ -531,7 +531,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from gss.artifact.steering_artifact import SteeringArtifact
     from gss.data import encode
     from gss.evaluate.compare import sweep_and_select
-    from gss.evaluate.sweep import check_grid, select_point
+    from gss.evaluate.sweep import check_grid, check_tolerance
     from gss.report import write_json
 
     check_outputs(args.out, ["sweep.json", "sweep.md", "sweep.png"], args.overwrite)
@@ -554,7 +554,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                 f"--save {save} already holds a gss artifact: pass --overwrite to replace it, "
                 "or choose another directory."
             )
-    select_point([], 1.0, tolerance=args.tolerance)  # a bad --tolerance fails before any work
+    check_tolerance(args.tolerance)  # a bad --tolerance fails before any work
     steer = load(args.steer)
     if isinstance(steer, SteeringStack):
         raise GSSError(

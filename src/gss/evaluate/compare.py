@@ -20,7 +20,7 @@ from gss.artifact.steering_artifact import SteeringArtifact
 from gss.evaluate.inputs import EvaluationRows
 from gss.evaluate.leaks import LeakReport
 from gss.evaluate.suite import EvaluationReport, evaluate_model
-from gss.evaluate.sweep import check_grid, select_point, steering_sweep
+from gss.evaluate.sweep import check_grid, check_tolerance, select_point, steering_sweep
 from gss.evaluate.tables import SteeringEvaluation, SweepResult
 
 __all__ = ["evaluate_steering", "sweep_and_select"]
@@ -90,7 +90,7 @@ def sweep_and_select(
     all teacher-forced; ``secrets``: run on the unsteered model and on each point, when given.
     The selected point is `select_point`'s within ``tolerance``, the secrets said and the rows
     saying another's deciding too when the rows carry secrets."""
-    select_point([], 1.0, tolerance=tolerance)  # a bad tolerance fails before any work
+    check_tolerance(tolerance)  # a bad tolerance fails before any work
     check_grid(artifact, deltas, percentiles, ranks)  # and so does a bad grid value
     common: dict[str, Any] = {
         "k": rows.k,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gss.artifact.steering_artifact import SteeringArtifact, require_artifact
-from gss.errors import GSSError
+from gss.errors import GSSError, GSSWarning
 from gss.evaluate.suite import Candidates, EvaluationReport, evaluate_model
 
 __all__ = [
@@ -145,6 +146,19 @@ def pareto_front(points: Sequence[SweepPoint]) -> list[SweepPoint]:
         if not dominated:
             front.append(p)
     return sorted(front, key=lambda p: p.report.memorized)
+
+
+def check_tolerance(tolerance: float) -> None:
+    """Refuse a tolerance `select_point` cannot use, before any work; warn when it reads as
+    a percentage (100 would allow +10000% perplexity)."""
+    select_point([], 1.0, tolerance=tolerance)
+    if tolerance > 1:
+        warnings.warn(
+            f"tolerance {tolerance:g} lets perplexity rise by {100 * tolerance:.0f}%: it is a "
+            "fraction (0.05 = +5%).",
+            GSSWarning,
+            stacklevel=3,
+        )
 
 
 def select_point(
