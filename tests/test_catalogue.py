@@ -13,6 +13,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from gss.cli import main
 
@@ -70,6 +71,11 @@ def root(tmp_path_factory):
     (root / "protected" / "steer").mkdir(parents=True)  # as gss protect --out writes
     for name in ("gss_config.json", "gss_tensors.safetensors"):
         (root / "protected" / "steer" / name).write_bytes((root / "art" / name).read_bytes())
+    nan = tiny_model("llama", seed=0)  # the model with one NaN weight past the steered block
+    with torch.no_grad():
+        nan.model.layers[-1].mlp.down_proj.weight[0, 0] = float("nan")
+    nan.save_pretrained(root / "nan_model")
+    _tokenizer().save_pretrained(root / "nan_model")
     (root / "broken_model").mkdir()
     (root / "broken_model" / "config.json").write_text("{bad")
     # artifacts whose config was edited by hand into something no artifact holds
@@ -330,6 +336,10 @@ def _cases():
         "generate with protect's folder": (
             ["generate", "--model", m, "--steer", "{root}/protected", "--prompt", "w1"],
             "Did you mean {root}/protected/steer?",
+        ),
+        "generate on NaN weights": (
+            ["generate", "--model", "{root}/nan_model", "--steer", "{root}/art", "--prompt", "w1"],
+            "the steered model gives NaN or infinite scores after --prompt 'w1'",
         ),
         "generate another model": (
             ["generate", "--model", r, "--steer", "{root}/art", "--prompt", "w1"],

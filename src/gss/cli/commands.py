@@ -308,6 +308,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return out
 
     options = {"delta": args.delta} if args.delta is not None else {}
+    with artifact.attach(model, **options), torch.no_grad():  # NaN would decode as padding
+        for prompt, enc in zip(prompts, encoded, strict=True):
+            scores = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"])
+            if not bool(torch.isfinite(scores.logits[:, -1]).all()):
+                raise GSSError(
+                    f"the steered model gives NaN or infinite scores after --prompt {prompt!r}: "
+                    "check the model's weights and dtype (float16 can overflow), or give a "
+                    "smaller --delta."
+                )
     explanations = []
     if args.explain or explain_out is not None:
         # the same generation, recorded token by token (the same tokens: gss.explain)
