@@ -360,10 +360,14 @@ def audit(
         seconds=time.perf_counter() - started,
         ids=[[int(t) for t in s] for s in seqs],
         positions=positions,
-        texts=None
-        if tokenizer is None
-        else list(tokenizer.batch_decode(seqs, skip_special_tokens=True)),
+        texts=_decoded(tokenizer, seqs),
     )
+
+
+def _decoded(tokenizer: Any, seqs: list[list[int]]) -> list[str] | None:
+    """Each row's text, for the report to show (None without a tokenizer that decodes)."""
+    decode = getattr(tokenizer, "batch_decode", None)
+    return None if decode is None else list(decode(seqs, skip_special_tokens=True))
 
 
 def _preview(text: str, width: int = 60) -> str:
