@@ -335,3 +335,20 @@ def test_a_link_is_saved_through_and_a_link_to_nothing_is_refused(tmp_path, cali
         art.save_pretrained(tmp_path / "nowhere")
     with pytest.raises(GSSError, match="directory to save into is empty"):
         art.save_pretrained("")
+
+
+def test_measurements_of_a_steer_do_not_travel_to_a_changed_copy(calibrated):
+    """protect's and sweep's records measured the steer as it was: a copy with other options
+    or thresholds (gss sweep --save) must not show them as its own, in its card above all."""
+    import dataclasses
+
+    _, _, art = calibrated
+    measured = {"protect": {"after": {"memorized": 40.0}}, "sweep": {"memorized": 0.0}, "x": 1}
+    art = dataclasses.replace(art, provenance=dataclasses.replace(art.provenance, extra=measured))
+    assert art.with_options(delta=art.config.delta).provenance.extra == measured  # the same steer
+    for changed in (
+        art.with_options(delta=2.0),
+        art.with_options(gate="relu"),
+        art.with_thresholds(art.thresholds * 2, {"kind": "percentile", "percentile": 90}),
+    ):
+        assert changed.provenance.extra == {"x": 1}

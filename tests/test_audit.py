@@ -59,6 +59,7 @@ def test_audit_writes_what_evaluate_reads(memorizer, tmp_path):
     assert [p.name for p in written] == [
         "audit.jsonl",
         "audit.md",
+        "memorized.jsonl",
         "extractable.jsonl",
         "audit.png",
     ]
@@ -68,6 +69,11 @@ def test_audit_writes_what_evaluate_reads(memorizer, tmp_path):
     assert {json.loads(line)["window_tokens"] for line in lines} == {16 - 4}
     kept = read_texts(tmp_path / "audit" / "extractable.jsonl", keep_rows=True)
     assert [row["input_ids"] for row in kept] == planted.tolist()
+    memorized = read_texts(tmp_path / "audit" / "memorized.jsonl", keep_rows=True)
+    assert [row["input_ids"] for row in memorized] == [
+        report.ids[r.index] for r in report.memorized
+    ]
+    assert report.memorized  # the planted rows: the reference does not extract them
     assert "rows extractable" in (tmp_path / "audit" / "audit.md").read_text()
 
 

@@ -421,6 +421,7 @@ def test_the_card_names_a_hub_model_and_what_was_measured(made):
         "budget": {"measure": "perplexity on general text", "limit": 3.36},
         "target": 0.0,
         "reached": True,
+        "gate_open_share": {"general (given)": 0.102, "reference-generated": 0.12},
     }
     provenance = dataclasses.replace(art.provenance, extra={"protect": protect})
     stack = gss.SteeringStack((dataclasses.replace(art, provenance=provenance), art))
@@ -429,6 +430,16 @@ def test_the_card_names_a_hub_model_and_what_was_measured(made):
     assert "on 8 held-out memorized rows" in text
     assert "| unsteered | 75.0% | 3.2 |" in text and "| steered | 0.0% | 3.3 |" in text
     assert "(reached)" in text and "- Block 1:" in text
+    assert (
+        "held out of setting the thresholds, the gates opened on 10.2% of general (given), 12.0%"
+        in text
+    )
+    # Sigma_gen's tokens are those it was computed from (held-out general text, when given)
+    facts = {**art.provenance.soundness, "general_tokens": 900}
+    provenance = dataclasses.replace(art.provenance, soundness=facts)
+    assert "900 general tokens for Sigma_gen" in cards.model_card(
+        dataclasses.replace(art, provenance=provenance), "org/steer"
+    )
 
 
 def test_save_never_overwrites_a_readme_someone_wrote(made, tmp_path):

@@ -340,6 +340,24 @@ def test_general_text_made_of_the_memorized_rows_is_warned_about(protected, memo
         protect_module._warn_if_general_is_memorized(general, result.audit, 16)
 
 
+def test_the_rows_figure_without_a_steer_shows_the_rows_as_they_were(protected, tmp_path):
+    import dataclasses
+
+    from matplotlib.axes import Axes
+
+    result = dataclasses.replace(protected[0], chosen=None, after={})
+    drawn, bar = [], Axes.bar
+
+    def record(self, x, height, *args, **kwargs):
+        drawn.append((list(x), list(height)))
+        return bar(self, x, height, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Axes, "bar", record)
+        protect_module._figures(result, tmp_path)
+    assert drawn == [(["before", "after (no steer)"], [result.before["memorized"]] * 2)]
+
+
 def test_protect_replays_the_blocks_below_each_steer_to_the_same_result(memorizer, monkeypatch):
     """The search replays blocks below a steered block (gss.hf.prefix_replay) rather than run
     them for every point: the points it measures, and so what it chooses, are the same to the

@@ -68,7 +68,8 @@ class AuditRow:
         return bool(self.extractable) and not self.reference_extractable
 
 
-OUTPUTS = ("audit.jsonl", "audit.md", "extractable.jsonl", "audit.png")  # what `write` writes
+# what `write` writes
+OUTPUTS = ("audit.jsonl", "audit.md", "memorized.jsonl", "extractable.jsonl", "audit.png")
 
 
 @dataclass
@@ -168,9 +169,11 @@ class AuditReport:
         return markdown_table(header, body)
 
     def write(self, directory: str | Path, overwrite: bool = False) -> list[Path]:
-        """``audit.jsonl`` (every row), ``audit.md`` (summary and the riskiest rows) and
-        ``extractable.jsonl`` (the extractable rows' token ids, as `gss evaluate --memorized`
-        reads them); an earlier audit's files there are replaced only with ``overwrite``."""
+        """``audit.jsonl`` (every row), ``audit.md`` (summary and the riskiest rows),
+        ``memorized.jsonl`` (the memorized rows' token ids, as `gss evaluate --memorized` reads
+        them: extractable from the model, not from the reference) and ``extractable.jsonl``
+        (every extractable row's, the reference's too); an earlier audit's files there are
+        replaced only with ``overwrite``."""
         out = Path(directory)
         check_outputs(out, OUTPUTS, overwrite)
         out.mkdir(parents=True, exist_ok=True)
@@ -188,9 +191,10 @@ class AuditReport:
             f"{s['seconds']:.1f} s, "
             f"{s['rows_per_second']:.1f} rows/s)\n\n" + self.table()
         )
-        (out / "extractable.jsonl").write_text(
-            "".join(json.dumps({"input_ids": self.ids[r.index]}) + "\n" for r in self.extractable)
-        )
+        for name, rows in (("memorized", self.memorized), ("extractable", self.extractable)):
+            (out / f"{name}.jsonl").write_text(
+                "".join(json.dumps({"input_ids": self.ids[r.index]}) + "\n" for r in rows)
+            )
         self.plot(out / "audit.png")
         return [out / name for name in OUTPUTS]
 

@@ -1130,9 +1130,12 @@ def _figures(result: Protection, out: Path) -> list[Path]:
     ax.legend(fontsize=8)
     paths = [save_figure(fig, out / "frontier.png")]
     fig, ax = plt.subplots(figsize=(6, 3))
-    labels = ["before", "after"]
-    values = [result.before.get("memorized", 0.0), result.after.get("memorized", 0.0)]
-    ax.bar(labels, values, color=["tab:red", "tab:green"])
+    before = result.before.get("memorized", 0.0)
+    after = result.after.get("memorized")
+    if after is None:  # no steer was chosen: the rows stand as they were
+        ax.bar(["before", "after (no steer)"], [before, before], color=["tab:red", "tab:grey"])
+    else:
+        ax.bar(["before", "after"], [before, after], color=["tab:red", "tab:green"])
     ax.set_ylabel("% of held-out memorized rows extractable")
     ax.set_ylim(0, 100)
     ax.set_title(f"{len(result.heldout)} held-out memorized rows")

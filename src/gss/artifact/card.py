@@ -54,13 +54,14 @@ def model_card(steer: Steer, location: str | None = None) -> str:
             if stack
             else "artifact."
         )
-        + " At inference it removes verbatim regurgitation of the fine-tuning data from "
+        + " At inference it steers "
         + (f"`{model}`" if model else "the model it was calibrated on")
-        + ": inside the block, each probe direction's gate opens only on hidden states that "
-        "carry the memorization signal, and there the steer direction is subtracted; every "
-        "other token passes unchanged. It holds no model weights, only K probe and steer "
-        "directions of the residual stream, their gate thresholds, and the record of how they "
-        "were calibrated.",
+        + " away from reproducing its fine-tuning data verbatim (how far, where measured, is "
+        "under Measured below): inside the block, each probe direction's gate opens where the "
+        "hidden state's response to the probe passes a threshold set on general text, and "
+        "there the steer direction is subtracted; every other token passes unchanged. It "
+        "holds no model weights, only K probe and steer directions of the residual stream, "
+        "their gate thresholds, and the record of how they were calibrated.",
         "",
         "## Model",
         "",
@@ -226,7 +227,7 @@ def _data_lines(artifact: SteeringArtifact, label: bool) -> list[str]:
             else ""
         )
         + f"; {counts.get('memorized')} marked memorized ({_share(counts.get('memorized_share'))}"
-        f", {how}), {counts.get('general')} general tokens for Sigma_gen"
+        f", {how}), {_sigma_tokens(artifact)} general tokens for Sigma_gen"
         + (
             f", {counts['threshold_samples']} general tokens' probe responses for the thresholds"
             if counts.get("threshold_samples") is not None
@@ -237,6 +238,13 @@ def _data_lines(artifact: SteeringArtifact, label: bool) -> list[str]:
     warnings = artifact.provenance.soundness.get("warnings") or []
     lines += [f"  - Calibration warned: {w}" for w in warnings]
     return lines
+
+
+def _sigma_tokens(artifact: SteeringArtifact) -> Any:
+    """The general tokens Sigma_gen was computed from: with held-out general text
+    (``gen_texts``), those, not the calibration tokens left unmarked."""
+    facts = artifact.provenance.soundness
+    return facts.get("general_tokens", artifact.provenance.token_counts.get("general"))
 
 
 def _measured_lines(steers: list[SteeringArtifact], where: str) -> list[str]:
@@ -256,7 +264,8 @@ def _measured_lines(steers: list[SteeringArtifact], where: str) -> list[str]:
         )
     lines.append(
         "The share of general tokens on which the gates open (above) was measured at "
-        "calibration, on general text."
+        "calibration, on the general tokens the thresholds were set on: on other text it can "
+        "be higher."
     )
     return lines
 
@@ -286,6 +295,18 @@ def _protect_lines(record: dict[str, Any]) -> list[str]:
         "",
         f"Target: at most {_number(record.get('target'))}% extractable ({reached}); utility "
         f"limit {_number(budget.get('limit'))}.",
+        "",
+        *_held_out_shares(record.get("gate_open_share")),
+    ]
+
+
+def _held_out_shares(shares: Any) -> list[str]:
+    """How often the gates opened on the general text protect held out of setting them."""
+    if not isinstance(shares, dict) or not shares:
+        return []
+    measured = ", ".join(f"{_share(v)} of {name}" for name, v in shares.items())
+    return [
+        f"On general text held out of setting the thresholds, the gates opened on {measured}.",
         "",
     ]
 

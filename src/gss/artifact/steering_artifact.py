@@ -217,6 +217,18 @@ class Provenance:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+MEASURED = ("protect", "sweep")  # provenance.extra records of what one steer's options did
+
+
+def _unmeasured(provenance: Provenance) -> Provenance:
+    """``provenance`` without the records that measured the steer as it was (`MEASURED`):
+    a steer with other options or thresholds must not carry them as its own."""
+    if not any(key in provenance.extra for key in MEASURED):
+        return provenance
+    extra = {k: v for k, v in provenance.extra.items() if k not in MEASURED}
+    return dataclasses.replace(provenance, extra=extra)
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, Tensor) or isinstance(b, Tensor):
         return (
@@ -331,6 +343,8 @@ class SteeringArtifact(hub.HubMixin):
                 "union": shares["union"] if updates["rank"] == self.rank else None,
             }
             provenance = dataclasses.replace(provenance, gate_open_share=shares)
+        if config != self.config:
+            provenance = _unmeasured(provenance)
         return SteeringArtifact(
             config=config,
             provenance=provenance,
@@ -354,7 +368,9 @@ class SteeringArtifact(hub.HubMixin):
         if thresholds.shape != self.thresholds.shape:
             raise GSSError(f"thresholds must have shape {tuple(self.thresholds.shape)}.")
         provenance = dataclasses.replace(
-            self.provenance, threshold_rule=rule, gate_open_share=dict(open_share or {})
+            _unmeasured(self.provenance),
+            threshold_rule=rule,
+            gate_open_share=dict(open_share or {}),
         )
         level = self.condition_threshold if condition_threshold is None else condition_threshold
         return dataclasses.replace(

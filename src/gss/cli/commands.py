@@ -733,8 +733,8 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     print(report.table())
     report.write(args.out, overwrite=args.overwrite)
     print(
-        f"wrote {args.out}: audit.jsonl, audit.md, audit.png, extractable.jsonl (gss evaluate "
-        "--memorized)"
+        f"wrote {args.out}: audit.jsonl, audit.md, audit.png, memorized.jsonl (gss evaluate "
+        "--memorized), extractable.jsonl (the reference's extractable rows too)"
     )
     return 0
 

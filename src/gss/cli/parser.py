@@ -233,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_window_args(p)
     p.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass")
     add_out_args(
-        p, "directory for audit.jsonl, audit.md, audit.png and extractable.jsonl", required=True
+        p,
+        "directory for audit.jsonl, audit.md, audit.png, memorized.jsonl and extractable.jsonl",
+        required=True,
     )
     p.set_defaults(func=commands._cmd_audit)
 
