@@ -274,7 +274,9 @@ def test_evaluate_compares_steered_with_unsteered(workdir, steer, capsys):
     assert base["DS_0.1"] == pytest.approx(base["memorized"])  # against itself: no degradation
     assert steered["perplexity"] != base["perplexity"]  # the steer was attached
     assert 0.0 <= steered["gate_open_share"] <= 1.0
-    assert "DS 0.05" in (out / "evaluation.md").read_text()
+    written = (out / "evaluation.md").read_text()
+    assert "DS 0.05" in written and written.startswith("(10,4)-memorization of 20 sequences")
+    assert "\n\n(the gate opened on" in written  # what was printed, the share apart from the table
     # without --steer: the unsteered run alone; bad windows are a message
     assert main(args) == 0
     assert "steered" not in capsys.readouterr().out.replace("unsteered", "")

@@ -443,14 +443,17 @@ def _report(args: argparse.Namespace, result: Any, headline: str, stem: str) -> 
     from gss.report import write_json
 
     table = result.table()
-    print(headline)
-    print(table)
-    if result.gate_open_share is not None:
-        print(f"(the gate opened on {100 * result.gate_open_share:.1f}% of positions)")
+    gates = (
+        ""
+        if result.gate_open_share is None
+        else f"(the gate opened on {100 * result.gate_open_share:.1f}% of positions)\n"
+    )
+    text = f"{headline}\n\n{table}" + (f"\n{gates}" if gates else "")
+    print(text, end="")
     if args.out:
         out = Path(args.out)
         write_json(out / f"{stem}.json", result.record(args.model, args.steer))
-        (out / f"{stem}.md").write_text(table)
+        (out / f"{stem}.md").write_text(text)  # what was printed
         print(f"wrote {out}/{stem}.json and {stem}.md")
 
 
