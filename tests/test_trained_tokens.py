@@ -149,9 +149,10 @@ def test_cli_calibrate_reads_labels_and_replies_only(tmp_path, chat_tokenizer):
     # 3 x (3 + 4 reply tokens, EOS included) and 3 x 4: every reply token, no other
     assert config["token_counts"]["trained"] == 3 * 7 + 3 * 4
     assert "; of the 33 trained on, the only ones that could be)" in load(out).describe()
-    layers = ["layers", *args[1:5], "--data", str(data), "--replies-only", "--out", str(out)]
+    scan = tmp_path / "scan"
+    layers = ["layers", *args[1:5], "--data", str(data), "--replies-only", "--out", str(scan)]
     assert cli_main([*layers, "--no-progress", "--device", "cpu"]) == 0
     assert (
         config["token_counts"]["memorized"]
-        == json.loads((out / "layers.json").read_text())["memorized_tokens"]
+        == json.loads((scan / "layers.json").read_text())["memorized_tokens"]
     )
