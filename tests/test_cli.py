@@ -274,8 +274,10 @@ def test_evaluate_compares_steered_with_unsteered(workdir, steer, capsys):
     assert base["DS_0.1"] == pytest.approx(base["memorized"])  # against itself: no degradation
     assert steered["perplexity"] != base["perplexity"]  # the steer was attached
     assert 0.0 <= steered["gate_open_share"] <= 1.0
+    assert record["options"] == {"delta": 50.0}  # the numbers are the steer's at --delta
     written = (out / "evaluation.md").read_text()
     assert "DS 0.05" in written and written.startswith("(10,4)-memorization of 20 sequences")
+    assert "; steered with delta 50\n" in written
     assert "\n\n(the gate opened on" in written  # what was printed, the share apart from the table
     # without --steer: the unsteered run alone; bad windows are a message
     assert main(args) == 0

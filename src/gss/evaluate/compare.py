@@ -61,13 +61,17 @@ def evaluate_steering(
 
     runs = {"unsteered": measure("unsteered")}
     gates: dict[str, Any] = {}
+    options: dict[str, Any] = {"delta": delta} if delta is not None else {}
     if artifact is not None:
-        options: dict[str, Any] = {"delta": delta} if delta is not None else {}
         with artifact.attach(model, track_gates=True, **options) as handle:
             runs["steered"] = measure("steered")
             gates = handle.gate_stats()
     return SteeringEvaluation(
-        runs, leaks, gates["any_open_share"] if gates else None, reply=rows.reply
+        runs,
+        leaks,
+        gates["any_open_share"] if gates else None,
+        reply=rows.reply,
+        options=options if artifact is not None else {},
     )
 
 

@@ -29,13 +29,15 @@ class SteeringEvaluation:
     `runs`: "unsteered", then "steered" when there is an artifact; `leaks`: per run, what the
     secrets check found (empty when the rows carry no secrets); `gate_open_share`: the share of
     positions where the steered run's gate opened (None without a steered run); `reply`:
-    whether the candidates were conversations whose replies were matched.
+    whether the candidates were conversations whose replies were matched; `options`: the
+    artifact's options the steered run overrode (its ``delta``), recorded with the numbers.
     """
 
     runs: dict[str, EvaluationReport]
     leaks: dict[str, LeakReport] = field(default_factory=dict)
     gate_open_share: float | None = None
     reply: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def base(self) -> EvaluationReport:
@@ -51,7 +53,10 @@ class SteeringEvaluation:
             if self.reply
             else f"({base.n},{base.k})-memorization of {base.rows} sequences"
         )
-        return f"{what}, perplexity on {base.heldout_tokens} held-out tokens"
+        steered = ", ".join(f"{k} {v:g}" for k, v in self.options.items())
+        return f"{what}, perplexity on {base.heldout_tokens} held-out tokens" + (
+            f"; steered with {steered}" if steered else ""
+        )
 
     def table(self) -> str:
         """One Markdown row per run: memorization, the secrets said (with secrets in the rows),
@@ -84,6 +89,8 @@ class SteeringEvaluation:
         base = self.base
         record: dict[str, Any] = {"model": model, "steer": steer, "k": base.k, "n": base.n}
         record["reply"] = self.reply
+        if self.options:
+            record["options"] = dict(self.options)
         for name, report in self.runs.items():
             record[name] = {**report.to_dict(), **report.deviation_scores(base)}
             if name in self.leaks:
