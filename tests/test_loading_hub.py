@@ -47,6 +47,11 @@ def hub(tmp_path_factory):
         tiny_model("llama", seed=seed).save_pretrained(root / name)
         _tokenizer().save_pretrained(root / name)
         _publish(cache, f"gss-test/tiny-{name}", root / name)
+    weights = root / "weights-only"  # a repo whose tokenizer files were never fetched
+    weights.mkdir()
+    for file in ("config.json", "model.safetensors"):
+        shutil.copy(root / "model" / file, weights / file)
+    _publish(cache, "gss-test/no-tokenizer", weights)
     lines = [" ".join(f"w{(i * 7 + j * 3) % 44}" for j in range(12)) for i in range(20)]
     (root / "data.txt").write_text("\n".join(lines) + "\n")
     return root
@@ -108,6 +113,7 @@ def test_python_api_by_hub_id(offline):
         (["--model", "gss-test/not-cached"], "not in the local Hub cache"),
         (["--model", "gss-test/tiny-model", "--model-revision", OTHER_COMMIT], "holds part of"),
         (["--model", "{root}/model", "--model-revision", COMMIT], "is a local directory"),
+        (["--model", "gss-test/no-tokenizer"], "gss-test/no-tokenizer"),  # no traceback
         (["--model", "{root}/nope"], "model path {root}/nope does not exist"),
         (["--model", "{root}/model", "--device", "cpu", "--device-map", "cpu"], "give one"),
         (["--model", "{root}/model", "--device-map", "{bad"], "is not a JSON object"),

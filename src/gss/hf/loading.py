@@ -27,6 +27,7 @@ import torch
 from gss.errors import GSSError
 from gss.hf.hub import (
     ModelSource,
+    cache_dir,
     hub_id,
     hub_options,
     load_error,
@@ -323,7 +324,16 @@ def load_tokenizer(path: Source, revision: str | None = None) -> Any:
     else:
         if len(tokenizer) > 1:
             return tokenizer
-        if base is None:  # transformers 5 builds an empty one where no tokenizer files are
+        if base is None and source.repo:  # transformers 5 builds an empty one from no files
+            fetch = f"hf download {source.name}" + (
+                f" --revision {source.revision}" if source.revision else ""
+            )
+            raise GSSError(
+                f"{source.describe()} has no tokenizer files here (in the Hub cache, "
+                f"{cache_dir()}): run `{fetch}` to fetch the whole repo, or give the model's "
+                "directory."
+            )
+        if base is None:
             raise GSSError(
                 f"{source.name} holds no tokenizer (the one transformers built from it has "
                 f"{len(tokenizer)} token): save the model's tokenizer beside it "

@@ -105,8 +105,9 @@ class CovarianceAccumulator:
     def _require(self) -> None:
         if self.count == 0:
             raise GSSError(
-                "no generalization tokens were seen, so Sigma_gen is undefined. Lower the "
-                "memorized-token cut, add text, or pass gen_texts (held-out text)."
+                "no generalization tokens were seen, so Sigma_gen is undefined. Raise the "
+                "memorized-token cut (omega_threshold, or a smaller memorized_quantile), add "
+                "text, or pass gen_texts (held-out text)."
             )
 
 
