@@ -219,8 +219,9 @@ def test_arguments_that_would_break_the_comparison_are_refused(steered, tasks_di
     for bad in ({"use_cache": "cache"}, {"limit": 3}):
         with pytest.raises(GSSError, match="evaluate_args may not set"):
             run_lm_eval(model, selected, tokenizer=tokenizer, evaluate_args=bad)
-    with pytest.raises(GSSError, match="lm-eval limit must be a number > 0"):
-        run_lm_eval(model, selected, tokenizer=tokenizer, limit=0)
+    for limit in (0, float("inf"), float("nan")):
+        with pytest.raises(GSSError, match="lm-eval limit must be a number > 0"):
+            run_lm_eval(model, selected, tokenizer=tokenizer, limit=limit)
     with pytest.raises(GSSError, match="few-shot count must be an integer >= 0"):
         run_lm_eval(model, selected, tokenizer=tokenizer, num_fewshot=-1)
 

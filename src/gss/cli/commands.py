@@ -511,10 +511,10 @@ def _lm_eval_tasks(args: argparse.Namespace) -> Any:
                 "or leave it out."
             )
         return None
+    check_settings(args.lm_eval_limit, args.lm_eval_fewshot)  # before int(): inf, NaN
     limit = args.lm_eval_limit
     if limit is not None and limit >= 1 and limit == int(limit):
         args.lm_eval_limit = int(limit)  # a count of documents, recorded as one
-    check_settings(args.lm_eval_limit, args.lm_eval_fewshot)
     return lm_eval_tasks(args.lm_eval, args.lm_eval_include)
 
 

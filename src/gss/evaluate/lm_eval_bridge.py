@@ -157,7 +157,9 @@ def lm_eval_tasks(
 def check_settings(limit: float | None, num_fewshot: int | None) -> None:
     """A bad ``limit`` or ``num_fewshot`` fails before any model loads or runs."""
     if limit is not None and (
-        isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0
+        isinstance(limit, bool)
+        or not isinstance(limit, (int, float))
+        or not 0 < limit < float("inf")
     ):
         raise GSSError(
             f"the lm-eval limit must be a number > 0 (documents per task, or a share of them "
