@@ -263,6 +263,7 @@ def _cases():
             "--out {root}/ref holds a model: results go into a directory of their own",
         ),
         "signal out is an artifact": ([*signal, "--out", "{root}/art"], "holds a gss artifact"),
+        "signal plot without out": ([*signal, "--plot"], "--plot writes signal.png into --out"),
         "signal batch size abc": ([*signal, "--batch-size", "abc"], "must be a positive integer"),
         "signal data not UTF-8": (
             ["signal", "--model", m, "--reference", r, "--data", "{root}/latin1.txt"],

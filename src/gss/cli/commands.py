@@ -365,6 +365,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_signal(args: argparse.Namespace) -> int:
     from gss.evaluate.signal_report import omega_all_zero, omega_of_texts, signal_report
 
+    if args.plot and not args.out:  # before any model loads
+        raise GSSError("--plot writes signal.png into --out: give --out DIR.")
     written = ["signal.json", *(["signal.png"] if args.plot else [])]
     check_outputs(args.out, written, args.overwrite)
     if args.out and not args.plot and (Path(args.out) / "signal.png").exists():
