@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from gss.artifact.files import check_outputs
 from gss.config import RunOptions
-from gss.data import TextsOrIds, batches, count_batches, predictable, sequence_items, token_chunks
+from gss.data import TextsOrIds, batches, count_batches, encode_every, predictable
 from gss.errors import GSSError, GSSWarning
 from gss.evaluate.suite import is_pair
 from gss.hf.forward import (
@@ -295,9 +295,7 @@ def audit(
                 f"n = {n} passes the model's context ({limit} positions): lower n (--n) to "
                 f"{limit} or less."
             )
-        given = [
-            s for _, part in token_chunks(sequence_items(texts, n), tokenizer, n) for s in part
-        ]
+        given = encode_every(texts, tokenizer, n)
         seqs = predictable(given)  # rows under 2 tokens have nothing to check
         kept = [i for i, s in enumerate(given) if len(s) >= 2]
         positions = kept if len(kept) < len(given) else None

@@ -526,9 +526,17 @@ def token_chunks(
 def encode(
     data: TextsOrIds, tokenizer: Any | None = None, max_length: int | None = None
 ) -> list[list[int]]:
-    """Token ids of each sequence: strings go through ``tokenizer``; ids pass through."""
+    """Token ids of each sequence: strings go through ``tokenizer``; ids pass through. The
+    sequences under 2 tokens are left out (`encode_every` keeps them)."""
+    return predictable(encode_every(data, tokenizer, max_length))
+
+
+def encode_every(
+    data: TextsOrIds, tokenizer: Any | None = None, max_length: int | None = None
+) -> list[list[int]]:
+    """`encode` without leaving any sequence out: one per item, in order."""
     items = sequence_items(data, max_length)
-    return predictable([s for _, part in token_chunks(items, tokenizer, max_length) for s in part])
+    return [s for _, part in token_chunks(items, tokenizer, max_length) for s in part]
 
 
 def encode_compact(
