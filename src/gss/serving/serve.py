@@ -168,7 +168,8 @@ def runner_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """What to add to the server's environment: ``VLLM_USE_V2_MODEL_RUNNER=0`` when it is not
     set, so that vLLM loads the model with its V1 model runner, the one gss's plugin has been
     run with on a GPU (on CUDA vLLM would otherwise pick Model Runner V2, which the plugin
-    steers too, tested on vLLM's CPU build only: docs/serving.md). Set, it is left as it is."""
+    steers too, with one question open on a GPU: docs/serving.md, Limits). Set, it is left as
+    it is."""
     return {} if V2_ENV in environ else {V2_ENV: "0"}
 
 
