@@ -1,18 +1,19 @@
 """What the vLLM plugin's runner patch costs the CPU on every step (issue 40, point 5).
 
 Before each forward the patch writes every scheduled token's slot (which artifact steers it, or
-none) into the buffer the op reads, and resets it after (``gss.serving.vllm_plugin._fill_slots``).
-That is Python and NumPy on the host, outside the op's timings in ``vllm_op.py`` and
-``vllm_op_share.py``; on a GPU, where a small model's step is short and the host's work is on
-its critical path, it adds to the op's cost. This times it on a stand-in runner (the attributes
-vLLM's ``GPUModelRunner`` has), per batch shape, two ways: a request's first step, when its slot
-is looked up from its sampling parameters, and every later step, when the slot kept on the
-request is read; and, for vLLM's Model Runner V2, every step after ``prepare_inputs`` (the
-slots kept by request id since ``add_requests``). Beside each shape, where
+none) into the buffer the op reads (``gss.serving.vllm_plugin._fill_slots``), where the buffer
+does not hold them already. That is Python and NumPy on the host, outside the op's timings in
+``vllm_op.py``; on a GPU, where a small model's step is short and the host's work is on its
+critical path, it adds to the op's cost (``vllm_op_share.py`` on an H200 found it there). This
+times it on a stand-in runner (the attributes vLLM's ``GPUModelRunner`` has), per batch shape,
+three ways for the V1 runner: a request's first step, when its slot is looked up from its
+sampling parameters; a later step, when the slot kept on the request is read, whose slots the
+buffer did not hold; and a later step whose slots it did (a steady decode batch); and, for
+vLLM's Model Runner V2, every step after ``prepare_inputs`` (the slots kept by request id since
+``add_requests``, written, and reset when ``execute_model`` returns). Beside each shape, where
 ``results/serve-cuda-op`` has it, the H200's CUDA-graph forward of SmolLM2-135M's shape at that
 shape and the op's cost there: the fill's share of that forward is an estimate across two
-machines (the fill timed on this CPU, a host CPU usually faster than this one; the forward on
-the H200).
+machines (the fill timed on this CPU without the CUDA calls, the forward on the H200).
 
     .venv/bin/python benchmarks/vllm_fill_slots.py --out results/serve-fill-slots
 """
@@ -34,6 +35,11 @@ import torch
 from gss.serving import vllm_plugin
 
 SHAPES = [(1, 1), (16, 1), (64, 1), (256, 1), (1, 512), (16, 32)]  # (sequences, tokens each)
+ARMS = [  # V1 steps: (name, a request's first step, the buffer held other slots)
+    ("first_step_us", True, True),
+    ("later_step_us", False, True),
+    ("steady_step_us", False, False),
+]
 CUDA_OP = Path(__file__).resolve().parents[1] / "results/serve-cuda-op/results.json"
 
 
@@ -108,8 +114,11 @@ def v2_step_us(sequences: int, tokens: int, steps: int, rounds: int) -> list[flo
     return out
 
 
-def step_us(make: Any, fresh: bool, steps: int, rounds: int) -> list[float]:
-    """Microseconds per step (the fill and the reset after the forward), per round."""
+def step_us(make: Any, fresh: bool, changed: bool, steps: int, rounds: int) -> list[float]:
+    """Microseconds per V1 step (what the patch does before the forward), per round: a
+    request's first step (``fresh``: new requests, whose slots are looked up) or a later one;
+    ``changed``: the buffer held other slots (forgotten before each step, so the step writes
+    its own), else the last step's own (a steady decode batch: nothing to write)."""
     state = vllm_plugin._STATE
     out = []
     for _ in range(rounds):
@@ -117,8 +126,9 @@ def step_us(make: Any, fresh: bool, steps: int, rounds: int) -> list[float]:
         vllm_plugin._fill_slots(runners[0])  # warm (and, not fresh, the slots kept)
         started = time.perf_counter()
         for r in runners:
+            if changed:
+                state.held = b""
             vllm_plugin._fill_slots(r)
-            state.clear()
         out.append((time.perf_counter() - started) / steps * 1e6)
     return out
 
@@ -153,9 +163,9 @@ def main() -> None:
     for sequences, tokens in SHAPES:
         state.buffer(max(512, sequences * tokens), torch.device("cpu"))
         row: dict[str, Any] = {"sequences": sequences, "tokens_each": tokens}
-        for name, fresh in (("first_step_us", True), ("later_step_us", False)):
+        for name, fresh, changed in ARMS:
             times = step_us(
-                lambda s=sequences, t=tokens: runner(s, t), fresh, args.steps, args.rounds
+                lambda s=sequences, t=tokens: runner(s, t), fresh, changed, args.steps, args.rounds
             )
             row[name] = statistics.median(times)
             row[name.replace("_us", "_rounds_us")] = times
@@ -170,7 +180,8 @@ def main() -> None:
         rows.append(row)
         print(
             f"{sequences} x {tokens}: first step {row['first_step_us']:.1f} us, later steps "
-            f"{row['later_step_us']:.1f} us, Model Runner V2 {row['v2_step_us']:.1f} us",
+            f"{row['later_step_us']:.1f} us, unchanged {row['steady_step_us']:.1f} us, "
+            f"Model Runner V2 {row['v2_step_us']:.1f} us",
             flush=True,
         )
     args.out.mkdir(parents=True, exist_ok=True)
@@ -194,22 +205,27 @@ def write_table(path: Path, rows: list[dict[str, Any]], args: argparse.Namespace
         "",
         f"`benchmarks/vllm_fill_slots.py --steps {args.steps} --rounds {args.rounds}` on this "
         "machine (2 CPU cores, one torch thread); a stand-in runner, every other request "
-        "steered; medians of the rounds. A request's first step looks its slot up; later steps "
-        "read the slot kept on the request; Model Runner V2: every step, the slots kept by "
-        "request id since the request was added (a stand-in V2 runner patched as the plugin "
-        "patches V2). H200 columns: `results/serve-cuda-op` (CUDA-graph "
-        "forward of SmolLM2-135M's shape, bfloat16, and the hard-gated op's cost in it); the "
-        "share is this CPU's later-step fill over that forward, an estimate across machines.",
+        "steered; medians of the rounds. V1 runner, what the patch does before a forward: a "
+        "request's first step looks its slot up and writes the batch's slots; a later step "
+        "reads the slot kept on the request and writes them; unchanged: a later step whose "
+        "slots the buffer holds already (a steady decode batch), which writes nothing; Model "
+        "Runner V2: every step, the slots kept by request id since the request was added, "
+        "written, and reset after the forward (a stand-in V2 runner patched as the plugin "
+        "patches V2). H200 columns: `results/serve-cuda-op` (CUDA-graph forward of "
+        "SmolLM2-135M's shape, bfloat16, and the hard-gated op's cost in it); the share is "
+        "this CPU's later step (written) over that forward, an estimate across machines that "
+        "leaves out the CUDA calls (on a GPU a written step adds one copy to the device).",
         "",
-        "| sequences x tokens | first step (us) | later steps (us) | Model Runner V2 (us) "
-        "| H200 forward (ms) | op's cost there | fill / forward | op + fill |",
-        "|---|---|---|---|---|---|---|---|",
+        "| sequences x tokens | first step (us) | later steps (us) | unchanged (us) "
+        "| Model Runner V2 (us) | H200 forward (ms) | op's cost there | fill / forward "
+        "| op + fill |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         gpu = "h200_graph_forward_ms" in r
         lines.append(
             f"| {r['sequences']} x {r['tokens_each']} | {r['first_step_us']:.1f} "
-            f"| {r['later_step_us']:.1f} | {r['v2_step_us']:.1f} "
+            f"| {r['later_step_us']:.1f} | {r['steady_step_us']:.1f} | {r['v2_step_us']:.1f} "
             + (
                 f"| {r['h200_graph_forward_ms']:.2f} | {100 * r['h200_op_cost']:.2f}% "
                 f"| {100 * r['fill_share_of_h200_forward']:.2f}% "
@@ -230,13 +246,18 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
     labels = [f"{r['sequences']}x{r['tokens_each']}" for r in rows]
     x = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.bar(x - 0.27, [r["first_step_us"] for r in rows], 0.27, label="first step (slot looked up)")
-    ax.bar(x, [r["later_step_us"] for r in rows], 0.27, label="later steps (slot kept)")
-    ax.bar(x + 0.27, [r["v2_step_us"] for r in rows], 0.27, label="Model Runner V2, a step")
+    bars = [
+        ("first_step_us", "first step (slot looked up)"),
+        ("later_step_us", "later steps (slot kept)"),
+        ("steady_step_us", "unchanged slots (nothing written)"),
+        ("v2_step_us", "Model Runner V2, a step"),
+    ]
+    for i, (key, label) in enumerate(bars):
+        ax.bar(x + 0.2 * (i - 1.5), [r[key] for r in rows], 0.2, label=label)
     ax.set_xticks(x, labels)
     ax.set_xlabel("sequences x tokens each")
     ax.set_ylabel("us per step (this CPU)")
-    ax.set_title("vLLM plugin: slot fill + reset per step")
+    ax.set_title("vLLM plugin: the slot fill per step")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

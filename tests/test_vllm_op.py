@@ -289,6 +289,60 @@ def test_fill_slots_gives_each_token_its_requests_slot(state, device):
         assert slots.cpu().tolist() == expected
     assert len(looked_up) == 4  # once a request: its slot is kept on it for its later steps
 
+    # the same batch again (a steady decode): the buffer already holds its slots, so nothing is
+    # written (a row changed behind the plugin's back stays as it is); after a clear, all again
+    slots[5] = 7
+    vllm_plugin._fill_slots(runner)
+    assert slots.cpu().tolist()[:6] == [1, 0, -1, -1, -1, 7]
+    state.clear()
+    assert slots.cpu().tolist() == [vllm_plugin._NO_SLOT] * 12
+    vllm_plugin._fill_slots(runner)
+    assert slots.cpu().tolist() == [1, 0] + [vllm_plugin._NO_SLOT] * 10
+
+
+def test_v1_runner_keeps_the_slots_between_forwards_and_clears_them_for_a_dummy_run(state):
+    """The V1 runner patch: each forward reads its batch's slots; they stay in the buffer
+    after it (the next step rewrites only what changed), and a dummy run (warm-up, CUDA-graph
+    capture, an idle data-parallel rank) reads none."""
+    from types import SimpleNamespace as NS
+
+    import numpy as np
+
+    no = vllm_plugin._NO_SLOT
+    sampling = NS(extra_args={vllm_plugin.EXTRA_ARG: "b"})
+
+    class Runner:  # the V1 runner's methods and fields the patch uses, as stand-ins
+        def __init__(self) -> None:
+            self.model = NS(_gss_installed=True)
+            self.device, self.max_num_tokens = torch.device("cpu"), 4
+            self.requests = {"r": NS(sampling_params=sampling), "s": NS(sampling_params=None)}
+            self.seen: list[list[int]] = []
+
+        def step(self, req_ids: list[str], starts: list[int]) -> None:
+            self.input_batch = NS(num_reqs=len(req_ids), req_ids=req_ids)
+            self.query_start_loc = NS(np=np.array(starts, dtype=np.int32))
+            self._model_forward()
+
+        def read(self) -> None:  # what the model's op reads
+            assert state.slots is not None
+            self.seen.append(state.slots.tolist())
+
+        def _model_forward(self) -> None:
+            self.read()
+
+        def _dummy_run(self) -> None:  # the model, called outside _model_forward
+            self.read()
+
+    vllm_plugin._patch_runner_class(Runner)
+    runner = Runner()
+    state.prepare(runner.device, torch.float32, 4)
+    runner.step(["r", "s"], [0, 2, 3])
+    runner.step(["r", "s"], [0, 1, 2])
+    assert state.slots.tolist() == [1, no, no, no]  # kept after the forward, for the next step
+    runner._dummy_run()
+    runner.step(["r"], [0, 1])
+    assert runner.seen == [[1, 1, no, no], [1, no, no, no], [no] * 4, [1, no, no, no]]
+
 
 def test_model_runner_v2_keeps_each_requests_slot_from_add_to_remove(state):
     """vLLM's Model Runner V2 has no ``requests`` dict and no ``_model_forward``: the patch

@@ -8,6 +8,7 @@
 #   op-share        vllm_op_share.py, compiled: each step's forward timed on the device (CUDA
 #                   events), an engine without the artifact, then one serving it (~250 s)
 #   repeat          repeat.py: are unsteered log-probs bit-reproducible, compiled?
+#   repeat-v2       repeat.py --eager --v2: the same through Model Runner V2, eager (~150 s?)
 #   tests-eager     tests/vllm's mixed steered/unsteered batch = transformers, eager
 #   tests-compiled  the same, torch.compile + CUDA graphs
 #   tests-v2        the same mixed batch through Model Runner V2, eager and compiled (175 s on
@@ -16,7 +17,7 @@
 #                   requests bit-identical to vLLM without the plugin (CUDA compiled may not be
 #                   reproducible from engine to engine: read its log-prob differences)
 #
-# STAGES (default: all nine) names the stages to run, e.g. STAGES="bench-compiled tests-eager";
+# STAGES (default: all ten) names the stages to run, e.g. STAGES="bench-compiled tests-eager";
 # prep runs whenever a bench or op-share does. BENCH (default below) is the bench's workload: 64-token
 # rounds (vllm_throughput.py's CPU default) were too short on an H200 to resolve 2% (per-round
 # ratios 0.64-1.51 on 2026-11-27), hence longer outputs, more load requests. COMPILED_S and
@@ -29,7 +30,7 @@
 set -uo pipefail
 out=${OUT:-gpu-out}
 deadline=${DEADLINE:-560}
-stages=" ${STAGES:-prep bench-compiled bench-eager op-share repeat tests-eager tests-compiled tests-v2 tests-bf16} "
+stages=" ${STAGES:-prep bench-compiled bench-eager op-share repeat repeat-v2 tests-eager tests-compiled tests-v2 tests-bf16} "
 bench_args=${BENCH:---batch1 4 --load 48 --max-tokens 256 --max-tokens-cap 256}
 [[ $stages == *" bench-"* || $stages == *" op-share "* ]] && stages+="prep "
 work=/tmp/serve-bench
@@ -72,6 +73,8 @@ if [ -f "$work/prep.json" ] && fits op-share 250; then
     done
 fi
 fits repeat 200 && timeout $((deadline - SECONDS)) python3 benchmarks/vllm_gpu/repeat.py --out "$out"
+fits repeat-v2 150 && timeout $((deadline - SECONDS)) python3 benchmarks/vllm_gpu/repeat.py \
+    --eager --v2 --out "$out"
 fits tests-eager 80 && tests eager "matches_transformers and eager and not v2"
 fits tests-compiled 120 && tests compiled "matches_transformers and compiled and not v2"
 fits tests-v2 200 && tests v2 "model_runner_v2"

@@ -12,7 +12,10 @@ first, request by request:
   place in the compiled graph alone move them?
 * ``plugin-mixed``: tests/vllm's mixed batch: do the steered neighbours move them?
 
-    PYTHONPATH=/tmp/site python3 benchmarks/vllm_gpu/repeat.py [--eager] [--out DIR]
+``--v2``: every engine through vLLM's Model Runner V2 (on the H200, 2026-11-28, V2 eager gave
+the mixed batch's unsteered requests log-probs up to 5.2e-5 off the engine without the plugin).
+
+    PYTHONPATH=/tmp/site python3 benchmarks/vllm_gpu/repeat.py [--eager] [--v2] [--out DIR]
 """
 
 from __future__ import annotations
@@ -52,26 +55,25 @@ def compare(base: dict[str, Any], other: dict[str, Any], which: list[int]) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
-    parser.add_argument("--out", default=".", help="where repeat-<mode>.json goes")
+    parser.add_argument("--v2", action="store_true", help="through Model Runner V2 (default: V1)")
+    parser.add_argument("--out", default=".", help="where repeat-<mode>[-v2].json goes")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="gss-repeat-"))
     _, prompts = save_tiny(root, {"artifact": 1})
     nobody: list[str | None] = [None] * len(prompts)
     mixed = [STEER_NAME if on else None for _, on in PROMPTS]
-    eager = args.eager
+    options = {"enforce_eager": args.eager, "runner_v2": args.v2}
     runs = {
-        "plain-a": run_engine(root, prompts, nobody, plugin=False, tag="a", enforce_eager=eager),
-        "plain-b": run_engine(root, prompts, nobody, plugin=False, tag="b", enforce_eager=eager),
-        "plugin-unsteered": run_engine(
-            root, prompts, nobody, plugin=True, tag="u", enforce_eager=eager
-        ),
-        "plugin-mixed": run_engine(root, prompts, mixed, plugin=True, tag="m", enforce_eager=eager),
+        "plain-a": run_engine(root, prompts, nobody, plugin=False, tag="a", **options),
+        "plain-b": run_engine(root, prompts, nobody, plugin=False, tag="b", **options),
+        "plugin-unsteered": run_engine(root, prompts, nobody, plugin=True, tag="u", **options),
+        "plugin-mixed": run_engine(root, prompts, mixed, plugin=True, tag="m", **options),
     }
     everyone = list(range(len(prompts)))
     unsteered = [i for i, (_, on) in enumerate(PROMPTS) if not on]
     base = runs["plain-a"]
     found = {
-        "mode": "eager" if eager else "compiled",
+        "mode": ("eager" if args.eager else "compiled") + ("-v2" if args.v2 else ""),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "plain-b vs plain-a": compare(base, runs["plain-b"], everyone),
         "plugin-unsteered vs plain-a": compare(base, runs["plugin-unsteered"], everyone),

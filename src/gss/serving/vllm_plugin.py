@@ -36,7 +36,9 @@ How it works (see the notes of issue 40):
   steered layers are written into ``additional_config``, which keys vLLM's compile cache.
 * Before every forward (``GPUModelRunner._model_forward``, which the CPU runner inherits) the
   runner's batch (``input_batch.req_ids`` in order, ``query_start_loc``) is turned into one
-  artifact slot per token in a persistent buffer the op reads; after the forward it is reset.
+  artifact slot per token in a persistent buffer the op reads, rewritten only where a step's
+  slots differ from the last step's (a steady decode batch costs the host no device call); a
+  dummy run (``_dummy_run``: warm-up, CUDA-graph capture) clears it first, so it steers nothing.
   Under continuous batching and chunked prefill every token gets its own request's slot.
   Model Runner V2 (vLLM's default on CUDA) has neither: there the slots follow its requests
   (``add_requests`` / ``_remove_request``) and the batch its ``prepare_inputs`` returns, and
@@ -63,6 +65,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -164,6 +167,12 @@ class _State:
         self.default = _NO_SLOT  # the slot of a request that names no artifact
         self.by_layer: dict[int, list[tuple[int, Any]]] = {}  # layer -> [(slot, GatedSteer)]
         self.slots: Tensor | None = None  # (max tokens,) int32: the slot of each token
+        # the slots `slots` holds in its first rows, as int32 bytes (every later row: none),
+        # so that a step whose tokens keep their slots (a steady decode batch) writes nothing
+        self.held = b""
+        self.rows: np.ndarray | None = None  # host rows written into: `slots` itself on a CPU
+        self.staging: Tensor | None = None  # on CUDA: `rows` as a pinned tensor, copied from
+        self.copied: Any = None  # on CUDA: an event after the last copy out of `staging`
         self.loaded = False
         self.lock = threading.Lock()
 
@@ -218,14 +227,46 @@ class _State:
         slots = self.slots
         if slots is None or slots.shape[0] < size or slots.device != device:
             slots = torch.full((max(size, 1),), _NO_SLOT, dtype=torch.int32, device=device)
-            self.slots = slots
+            self.slots, self.held = slots, b""
+            if slots.is_cuda:  # made here, never inside a step (nor a CUDA-graph capture)
+                self.staging = torch.empty(slots.shape, dtype=torch.int32, pin_memory=True)
+                self.rows, self.copied = self.staging.numpy(), torch.cuda.Event()
+            else:
+                self.staging, self.rows, self.copied = None, slots.numpy(), None
         return slots
 
+    def write(self, per_token: np.ndarray, size: int, device: torch.device) -> None:
+        """Put ``per_token`` (each scheduled token's slot, in the runner's order, int32) in the
+        buffer the op reads, every later row no slot. Nothing to do where the buffer holds
+        them already (a decode batch whose requests did not change); else NumPy writes the
+        rows, and on CUDA one copy takes them from pinned memory to the device. A copy from
+        pageable memory may wait for the stream (CUDA's synchronization rules), which would
+        stall vLLM's asynchronous scheduling; a pinned block made per step cost the host
+        ~0.1 ms a step on an H200's host (results/serve-op-share-cuda)."""
+        per_token = per_token.astype(np.int32, copy=False)
+        n = per_token.shape[0]
+        slots = self.buffer(max(n, size), device)
+        key = per_token.tobytes()  # comparing bytes: 0.05 us where np.array_equal takes 1.8
+        if key == self.held:
+            return
+        end = max(n, len(self.held) // 4)  # the rows that held slots until now get none
+        if self.copied is not None:
+            self.copied.synchronize()  # the last copy out of the pinned rows has run
+        rows = self.rows
+        assert rows is not None
+        rows[:n] = per_token
+        rows[n:end] = _NO_SLOT
+        if self.staging is not None:
+            slots[:end].copy_(self.staging[:end], non_blocking=True)
+            self.copied.record()
+        self.held = key
+
     def clear(self) -> None:
-        """No slot for any token: after a forward, so that a dummy run (warm-up, CUDA-graph
-        capture) between steps steers nothing."""
-        if self.slots is not None:
+        """No slot for any token: before a dummy run (warm-up, CUDA-graph capture, an idle
+        data-parallel rank's step), which then steers nothing."""
+        if self.slots is not None and self.held:
             self.slots.fill_(_NO_SLOT)
+            self.held = b""
 
     def steer(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor | None]:
         """``h`` (tokens x hidden, or 1 x tokens x hidden where vLLM runs a transformers
@@ -487,8 +528,6 @@ def _mark_compile_key(vllm_config: Any) -> None:
 
 def _fill_slots(runner: Any) -> None:
     """Before a forward of the V1 runner: each scheduled token's slot, from its request's."""
-    import numpy as np
-
     batch = runner.input_batch
     num_reqs = int(batch.num_reqs)
     requests, ids = runner.requests, batch.req_ids[:num_reqs]
@@ -503,19 +542,8 @@ def _write_slots(runner: Any, per_req: Any, starts: Any) -> None:
     """Write ``per_req`` (one slot per request, in batch order) once per token of each request
     (``starts``: where each request's tokens begin, and the end) into the buffer the op reads;
     every later row (padding tokens under CUDA graphs, stale rows) gets no slot."""
-    import numpy as np
-
     per_token = np.repeat(per_req, np.diff(starts))
-    n = per_token.shape[0]
-    slots = _STATE.buffer(max(n, int(getattr(runner, "max_num_tokens", 1))), runner.device)
-    source = torch.from_numpy(per_token)
-    if slots.is_cuda:
-        # from pageable memory, CUDA may make the copy wait for the stream (its API's
-        # synchronization rules), which would stall vLLM's asynchronous scheduling; a block of
-        # torch's caching host allocator is pinned and not reused before its copy has run
-        source = source.pin_memory()
-    slots[:n].copy_(source, non_blocking=True)
-    slots[n:].fill_(_NO_SLOT)  # padding tokens (CUDA graphs) and stale rows
+    _STATE.write(per_token, int(getattr(runner, "max_num_tokens", 1)), runner.device)
 
 
 def _request_slot(request: Any) -> int:
@@ -547,15 +575,22 @@ def _patch_runner_class(cls: type) -> None:
         model_forward = cls.__dict__["_model_forward"]
 
         def patched_model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # the slots stay in the buffer after the forward: the next step rewrites only
+            # what changed, and a dummy run clears them first (below)
             if getattr(self.model, "_gss_installed", False):
                 _fill_slots(self)
-            try:
-                return model_forward(self, *args, **kwargs)
-            finally:
-                _STATE.clear()
+            return model_forward(self, *args, **kwargs)
 
         patched_model_forward._gss_fills_slots = True  # type: ignore[attr-defined]
         setattr(cls, "_model_forward", patched_model_forward)  # noqa: B010
+    if "_dummy_run" in cls.__dict__:  # the one other caller of the model in V1's runner
+        dummy_run = cls.__dict__["_dummy_run"]
+
+        def patched_dummy_run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            _STATE.clear()
+            return dummy_run(self, *args, **kwargs)
+
+        setattr(cls, "_dummy_run", patched_dummy_run)  # noqa: B010
     setattr(cls, "_gss_patched", True)  # noqa: B010
 
 
@@ -697,8 +732,6 @@ def _patch_v2_runner_class(cls: type) -> None:
     def prepare_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
         batch = original["prepare_inputs"](self, *args, **kwargs)
         if getattr(self.model, "_gss_installed", False):
-            import numpy as np
-
             num_reqs = int(batch.num_reqs)
             slots = self._gss_slots
             per_req = np.fromiter((slots[r] for r in batch.req_ids[:num_reqs]), np.int32, num_reqs)
