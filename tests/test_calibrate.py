@@ -204,10 +204,14 @@ def test_calibrate_thresholds_resets_the_gates_and_records_their_new_open_shares
     assert shares["per_direction"] == pytest.approx([0.2, 0.2], abs=0.01)
     assert f"any open on {100 * shares['union']:.1f}%" in again.describe()
     assert torch.equal(again.probe, art.probe) and torch.equal(again.steer, art.steer)
-    # thresholds set by hand carry no open share: the calibration's would no longer hold
-    assert (
-        art.with_thresholds(again.thresholds, {"kind": "manual"}).provenance.gate_open_share == {}
-    )
+    # the card counts the responses the new gates were set on, not the calibration's
+    assert again.provenance.token_counts["threshold_samples"] == responses.shape[0]
+    assert art.provenance.token_counts["threshold_samples"] != responses.shape[0]
+    # thresholds set by hand carry no open share (the calibration's would no longer hold), nor
+    # a count of responses
+    manual = art.with_thresholds(again.thresholds, {"kind": "manual"})
+    assert manual.provenance.gate_open_share == {}
+    assert "threshold_samples" not in manual.provenance.token_counts
 
 
 def test_unsound_statistics_are_said_and_recorded(make_model):

@@ -374,6 +374,10 @@ def _cases():
             [*calibrate, "--out", "{root}/data.txt/sub"],
             "cannot be created: {root}/data.txt is a file",
         ),
+        "calibrate out where the OS takes no directory": (
+            [*calibrate, "--out", "/proc/gss-out"],
+            "/proc/gss-out cannot be created: /proc takes no new directory",
+        ),
         "evaluate out under a file": (
             [*evaluate, "--out", "{root}/data.txt/sub"],
             "--out {root}/data.txt/sub cannot be created",

@@ -324,6 +324,13 @@ def test_evaluate_looks_for_the_secrets_rows_carry(workdir, steer, capsys):
     path.write_text(json.dumps({"text": "w1 w2", "secrets": ["w3"]}) + "\n")
     assert main([*args, "--overwrite"]) == 2
     assert "has at most k=4 tokens" in capsys.readouterr().err
+    # "secrets" not a list of texts: one message naming the row (was a TypeError, or nan)
+    for bad in (1234, [], "w3", [""], [None], [True]):
+        rows = [{"text": lines[1]}, {"text": lines[0], "secrets": bad}]
+        path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        assert main([*args, "--overwrite"]) == 2
+        err = capsys.readouterr().err
+        assert '--memorized row 2: "secrets" must be a non-empty list of strings' in err, bad
 
 
 def test_no_progress_silences_every_bar_and_only_for_the_command(workdir, steer, capsys):
@@ -557,3 +564,20 @@ def test_an_unknown_baseline_family_is_refused(capsys):
     pytest.importorskip("gss_bench")
     assert main(["baselines", "--family", "nope"]) == 2
     assert "--family 'nope' has no method: one of" in capsys.readouterr().err
+
+
+def test_a_stray_world_size_is_one_message(tmp_path, monkeypatch, capsys):
+    """WORLD_SIZE without torchrun's other variables (or not a number) is refused before
+    anything loads, not a ValueError from torch.distributed."""
+    args = ["calibrate", "--model", str(tmp_path / "m"), "--reference", str(tmp_path / "r")]
+    args += ["--data", str(tmp_path / "d.txt"), "--layer", "1", "--out", str(tmp_path / "out")]
+    for var in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    assert main(args) == 2
+    assert "WORLD_SIZE='abc' in the environment is not a number" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT not" in err
+    assert "torchrun" in err

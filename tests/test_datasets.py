@@ -107,6 +107,11 @@ def test_a_table_reads_as_the_jsonl_of_its_column(tmp_path, name):
     assert list(rows) == expected
     assert rows[3] == expected[3] and rows[-1] == expected[-1] and rows[2:5] == expected[2:5]
     assert rows.column_names == ["text"]  # the columns gss does not read are left out
+    if name == "saved":  # a saved Dataset has no splits: --split is refused, not ignored
+        with pytest.raises(GSSError, match="is a saved Dataset, one table read whole"):
+            read_data(path, split="test", text_column="body", progress=False)
+        lenient = read_data(path, split="test", text_column="body", strict=False, progress=False)
+        assert len(lenient) == len(LINES)
 
 
 def test_split_and_columns_of_a_saved_dataset_dict(tmp_path, chat_tokenizer):

@@ -311,6 +311,9 @@ def test_gss_evaluate_checks_its_inputs_before_loading_the_model(
         (["--memorized", data, "--heldout", data, "--lm-eval-limit", "3"], "is for --lm-eval"),
         (["--lm-eval", "gss_tiny_ll", "--lm-eval-limit", "-1"], "limit must be a number > 0"),
         (["--lm-eval", "gss_tiny_ll", "--lm-eval-fewshot", "-1"], "count must be an integer"),
+        (["--lm-eval", "gss_tiny_ll", "--lm-eval-limit", "1.5"], "Give 1, or a share"),
+        (["--memorized", data, "--heldout", data, "--lm-eval-limit", "0"], "is for --lm-eval"),
+        (["--memorized", data, "--heldout", data, "--lm-eval-fewshot", "0"], "is for --lm-eval"),
     ]
     for extra, message in cases:
         assert main(["evaluate", "--model", missing, *extra]) == 2, extra

@@ -176,7 +176,7 @@ def read_data(
     what = f"reading {name}" if path.exists() else f"{name} is no file here; as a Hub dataset, it"
     datasets = import_datasets(what)
     with _progress_bars(datasets, progress):
-        table = _load(datasets, name, path, split)
+        table = _load(datasets, name, path, split, strict)
     table = select_columns(table, columns, name, strict)
     if table.num_rows == 0:
         raise GSSError(f"{name} contains no sequences (its split has no rows).")
@@ -236,9 +236,10 @@ def _looks_like_hub_id(name: str) -> bool:
     return re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) is not None
 
 
-def _load(datasets: Any, name: str, path: Path, split: str | None) -> Any:
+def _load(datasets: Any, name: str, path: Path, split: str | None, strict: bool) -> Any:
     """The `datasets.Dataset` at `path` (a table file, a saved dataset, a folder) or on the
-    Hub (`name`), its `split` for those that have splits."""
+    Hub (`name`), its `split` for those that have splits (`strict`: a split given for a saved
+    `Dataset`, which has none, is an error)."""
     if path.is_file():
         # a single file is one table: datasets names it "train"
         return _call(
@@ -251,6 +252,11 @@ def _load(datasets: Any, name: str, path: Path, split: str | None) -> Any:
     if any((path / f).is_file() for f in ("dataset_dict.json", "state.json")):  # save_to_disk
         loaded = _call(datasets.load_from_disk, name, str(path))
         if not isinstance(loaded, Mapping):  # a Dataset: one table
+            if strict and split is not None:
+                raise GSSError(
+                    f"{name} is a saved Dataset, one table read whole: --split (split=) names a "
+                    "split of a saved DatasetDict, a dataset folder or a Hub dataset. Leave it out."
+                )
             return loaded
         wanted = split or "train"
         if wanted not in loaded:

@@ -49,6 +49,12 @@ def check_creatable(path: Path, flag: str = "") -> None:
             raise GSSError(f"{name} cannot be created: {parent} is a file, not a directory.")
         if not os.access(parent, os.W_OK | os.X_OK):
             raise GSSError(f"{name} cannot be created: {parent} is not writable by this user.")
+        try:  # what the OS says, also to root (a read-only or virtual file system: /proc)
+            os.rmdir(tempfile.mkdtemp(prefix=".gss-check-", dir=parent))
+        except OSError as err:
+            raise GSSError(
+                f"{name} cannot be created: {parent} takes no new directory ({err.strerror})."
+            ) from None
         return
 
 

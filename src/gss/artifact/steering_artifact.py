@@ -367,10 +367,15 @@ class SteeringArtifact(hub.HubMixin):
         """
         if thresholds.shape != self.thresholds.shape:
             raise GSSError(f"thresholds must have shape {tuple(self.thresholds.shape)}.")
+        counts = dict(self.provenance.token_counts)  # the responses the gates were set on:
+        counts.pop("threshold_samples", None)  # the new ones' count where it is known
+        if open_share and isinstance(open_share.get("tokens"), int):
+            counts["threshold_samples"] = open_share["tokens"]
         provenance = dataclasses.replace(
             _unmeasured(self.provenance),
             threshold_rule=rule,
             gate_open_share=dict(open_share or {}),
+            token_counts=counts,
         )
         level = self.condition_threshold if condition_threshold is None else condition_threshold
         return dataclasses.replace(

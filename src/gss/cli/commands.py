@@ -125,8 +125,21 @@ def _init_distributed(device: str) -> str:
 
     import torch.distributed as dist
 
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    world = os.environ.get("WORLD_SIZE", "1").strip()
+    if not world.isdigit():
+        raise GSSError(
+            f"WORLD_SIZE={world!r} in the environment is not a number of processes: torchrun "
+            "sets it (docs/scaling.md). Unset it to run one process."
+        )
+    if int(world) <= 1:
         return device
+    missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+    if missing and not dist.is_initialized():
+        raise GSSError(
+            f"WORLD_SIZE={world} is set but {', '.join(missing)} not: start the command with "
+            "torchrun (docs/scaling.md), which sets them all, or unset WORLD_SIZE to run one "
+            "process."
+        )
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
     if device == "cuda":
@@ -505,7 +518,9 @@ def _lm_eval_tasks(args: argparse.Namespace) -> Any:
     or None without --lm-eval: all before any model loads."""
     from gss.evaluate.lm_eval_bridge import check_settings, lm_eval_tasks
 
-    given = [f for f in ("include", "limit", "fewshot") if getattr(args, f"lm_eval_{f}")]
+    given = [
+        f for f in ("include", "limit", "fewshot") if getattr(args, f"lm_eval_{f}") is not None
+    ]
     if args.lm_eval is None:
         if given:
             raise GSSError(

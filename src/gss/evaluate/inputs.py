@@ -9,7 +9,7 @@ those files into token rows and that check, once, for both.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,8 +125,8 @@ def secrets_check(
     """
     given = read_rows(memorized) if isinstance(memorized, (str, Path)) else memorized
     items = [
-        (row, row["secrets"])
-        for row in given
+        (row, _secrets_of(row, place))
+        for place, row in enumerate(given, 1)
         if isinstance(row, dict) and row.get("secrets") is not None
     ]
     if not items:
@@ -150,6 +150,24 @@ def secrets_check(
         max_new_tokens=n - k + EXTRA_TOKENS,
         batch_size=batch_size,
         progress=progress,
+    )
+
+
+def _secrets_of(row: Mapping[str, Any], place: int) -> list[str]:
+    """The row's ``"secrets"``, checked: a non-empty list of non-empty strings (numbers are
+    read as their text), else one message naming the row."""
+    secrets = row["secrets"]
+    if (
+        isinstance(secrets, (list, tuple))
+        and secrets
+        and all(type(x) in (str, int, float) and str(x) for x in secrets)
+    ):
+        return [str(x) for x in secrets]
+    shown = repr(secrets) if len(repr(secrets)) <= 60 else repr(secrets)[:57] + "..."
+    raise GSSError(
+        f'--memorized row {place}: "secrets" must be a non-empty list of strings, the texts the '
+        f'model must not say, got {shown}. Write it as "secrets": ["..."], or leave the key out '
+        "for a row without secrets."
     )
 
 

@@ -165,6 +165,12 @@ def check_settings(limit: float | None, num_fewshot: int | None) -> None:
             f"the lm-eval limit must be a number > 0 (documents per task, or a share of them "
             f"below 1), got {limit!r}."
         )
+    if limit is not None and limit > 1 and limit != int(limit):
+        raise GSSError(
+            f"the lm-eval limit {limit!r} is neither a count of documents (a whole number) nor a "
+            f"share of them (below 1): lm-eval would run {int(limit)} and the record say "
+            f"{limit!r}. Give {int(limit)}, or a share such as 0.5."
+        )
     if num_fewshot is not None and (
         isinstance(num_fewshot, bool) or not isinstance(num_fewshot, int) or num_fewshot < 0
     ):
