@@ -33,14 +33,19 @@ def _data(quantile: bool) -> tuple:
     return _conversations(13), {"tokenizer": tokenizer}
 
 
+def _extra(quantile: bool) -> dict:
+    """The quantile rule's run also caps the threshold sample below the general tokens
+    (the cap then binds over both ranks' rows together)."""
+    return {"memorized_quantile": 0.3, "max_threshold_samples": 20} if quantile else {}
+
+
 def _worker(rank: int, init_file: str, out: str, quantile: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         model, ref = tiny_model("gpt2", seed=0), tiny_model("gpt2", seed=1)
-        extra = {"memorized_quantile": 0.3} if quantile else {}
         texts, tokenizer = _data(quantile)
-        art = gss.calibrate(model, ref, texts, **KW, **extra, **tokenizer)
+        art = gss.calibrate(model, ref, texts, **KW, **_extra(quantile), **tokenizer)
         if rank == 0:
             art.save_pretrained(out)
     finally:
@@ -58,9 +63,8 @@ def _run(tmp_path, quantile: bool):
                 process.kill()
             pytest.fail(f"the two ranks did not finish in {DEADLINE} s")
     model, ref = tiny_model("gpt2", seed=0), tiny_model("gpt2", seed=1)
-    extra = {"memorized_quantile": 0.3} if quantile else {}
     texts, tokenizer = _data(quantile)
-    single = gss.calibrate(model, ref, texts, **KW, **extra, **tokenizer)
+    single = gss.calibrate(model, ref, texts, **KW, **_extra(quantile), **tokenizer)
     return gss.load(out), single
 
 
@@ -68,7 +72,12 @@ def _run(tmp_path, quantile: bool):
 def test_two_ranks_equal_one_process(tmp_path):
     for quantile in (False, True):
         multi, single = _run(tmp_path, quantile)
-        for name in ("probe", "steer", "thresholds", "singular_values"):
+        counts = multi.provenance.token_counts, single.provenance.token_counts
+        # a capped sample: as many responses as one process keeps, another random subset of
+        # them (so other thresholds); below the cap, the same responses
+        assert counts[0]["threshold_samples"] == counts[1]["threshold_samples"]
+        assert counts[0]["threshold_samples"] == (20 if quantile else counts[1]["general"])
+        for name in ("probe", "steer", "singular_values", *(() if quantile else ("thresholds",))):
             assert torch.allclose(
                 getattr(multi, name).double(), getattr(single, name).double(), rtol=1e-4, atol=1e-5
             ), name

@@ -320,6 +320,21 @@ def test_gss_evaluate_checks_its_inputs_before_loading_the_model(
         assert message in capsys.readouterr().err, extra
 
 
+def test_the_delta_of_the_steered_run_is_recorded(steered, tasks_dir, comparison):
+    model, artifact, tokenizer = steered
+    result = lm_eval_steering(
+        model,
+        artifact,
+        "gss_tiny_ll",
+        tokenizer=tokenizer,
+        include_path=tasks_dir,
+        delta=0.5,
+        **FAST,
+    )
+    assert result.record()["options"] == {"delta": 0.5}
+    assert "options" not in comparison.record()  # the artifact's own delta: nothing overridden
+
+
 def test_a_steering_stack_is_attached_whole(steered, tasks_dir, comparison):
     model, artifact, tokenizer = steered
     stack = gss.SteeringStack((artifact,))

@@ -145,7 +145,10 @@ def _build(
     timings["solve"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    reservoir = ThresholdSample(cfg.max_threshold_samples, torch.Generator().manual_seed(seed))
+    # each rank draws its own keys (rank 0's are one process's), and the cap is applied to all
+    # ranks' rows together: a sample of the same size as one process's
+    keys = torch.Generator().manual_seed(seed + 1_000_003 * distributed.rank())
+    reservoir = ThresholdSample(cfg.max_threshold_samples, keys)
     kept = stats.general_sample
     if kept is not None:  # every general token's hidden state: no second pass needed
         reservoir.add(torch.cat([part.to(device) @ readers.T for part in kept]) - shift)
@@ -160,8 +163,7 @@ def _build(
             hidden = layer_activations(model, block, batch)
             rows = hidden[:, :-1][mask.to(hidden.device)].float().to(device)
             reservoir.add(rows @ readers.T - shift)
-    local = reservoir.rows if reservoir.rows is not None else torch.zeros(0, readers.shape[0])
-    samples = distributed.gather_rows(local)
+    samples = reservoir.gathered(readers.shape[0])
     thresholds, level, info = gate_levels(
         samples, rank, cfg.gate, condition is not None, cfg.threshold_percentile, cfg.gate_share
     )

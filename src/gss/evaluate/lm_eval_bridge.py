@@ -361,7 +361,8 @@ class LMEvalComparison:
 
     `unsteered`, `steered`: lm-eval's result dicts (`run_lm_eval`; `steered` None without a
     steer); `gate_open_share`: the share of positions where the steered run's gate opened;
-    `settings`: how the runs were made (tasks, limit, few-shot, batch size, lm-eval's version).
+    `settings`: how the runs were made (the steer's options the steered run overrode, its
+    ``delta``; limit, few-shot, batch size, lm-eval's version).
     """
 
     tasks: tuple[str, ...]
@@ -485,6 +486,7 @@ def lm_eval_steering(
             steered = run()
             share = handle.gate_stats()["any_open_share"]
     settings = {
+        **({"options": options} if artifact is not None and options else {}),  # the delta
         "limit": limit,
         "num_fewshot": num_fewshot,
         "batch_size": batch_size,

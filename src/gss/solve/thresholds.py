@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from gss import distributed
 from gss.artifact.steering_artifact import SteeringArtifact, require_artifact
 from gss.config import CalibrationConfig, RunOptions
 from gss.data import TextsOrIds, batches, count_batches, encode
@@ -44,10 +45,23 @@ class ThresholdSample:
         if self.rows is not None and self.keys is not None:
             rows = torch.cat([self.rows, rows])
             keys = torch.cat([self.keys, keys])
-        if rows.shape[0] > self.cap:
-            keep = torch.topk(keys, self.cap, largest=False).indices
-            rows, keys = rows[keep], keys[keep]
-        self.rows, self.keys = rows, keys
+        self.rows, self.keys = self._capped(rows, keys)
+
+    def _capped(self, rows: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
+        if rows.shape[0] <= self.cap:
+            return rows, keys
+        keep = torch.topk(keys, self.cap, largest=False).indices
+        return rows[keep], keys[keep]
+
+    def gathered(self, width: int) -> Tensor:
+        """Every rank's rows together (under torchrun), capped over all of them: the rows
+        with the smallest keys of any rank. One process: its own rows (``width`` columns)."""
+        rows = self.rows if self.rows is not None else torch.zeros(0, width)
+        keys = self.keys if self.keys is not None else torch.zeros(0)
+        if not distributed.is_distributed():
+            return rows
+        rows, keys = distributed.gather_rows(rows), distributed.gather_rows(keys[:, None])[:, 0]
+        return self._capped(rows, keys)[0]
 
 
 def thresholds_from_responses(
