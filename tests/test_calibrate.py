@@ -104,6 +104,11 @@ def test_each_centering_meets_its_own_budget(make_model, centering):
         progress=False,
     )
     assert art.provenance.memorized_rule["sigma_from"] == "gen_texts"
+    # describe() calls the calibration tokens left unmarked what they are, apart from the
+    # held-out tokens Sigma_gen rests on (24 x 15 of them)
+    text = art.describe()
+    assert "not memorized (Sigma_gen: the held-out general text's tokens, below)" in text
+    assert "statistics: 360 general tokens" in text
     s = probe_responses(model, art, held_out).double()
     measured = s.var(0, correction=0) if centering == "covariance" else (s**2).mean(0)
     assert torch.allclose(measured, torch.full((2,), delta, dtype=torch.float64), rtol=1e-3)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gss.artifact.files import holds_weights
 from gss.data import FORMATS, DatasetRows, numbered_rows, texts_of
 from gss.errors import GSSError
 
@@ -142,7 +143,7 @@ def read_data(
         )
     path = Path("/dev/stdin" if name == "-" else source).expanduser()  # -: lines piped in
     stream = path.exists() and not path.is_dir() and not path.is_file()  # a pipe, a device
-    if path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("*.bin"))):
+    if path.is_dir() and holds_weights(path):
         raise GSSError(
             f"{name} holds weights (a model's or a steering artifact's directory), not data: "
             "give the data file (.txt, .jsonl, ...) or a saved dataset directory."

@@ -128,7 +128,12 @@ def describe(artifact: SteeringArtifact) -> str:
                 if counts.get("trained", counts.get("tokens")) != counts.get("tokens")
                 else ")"
             )
-            + f", {counts.get('general')} general"
+            + (
+                f", {counts.get('general')} not memorized (Sigma_gen: the held-out general "
+                "text's tokens, below)"
+                if m.soundness.get("general_from_calibration") is False
+                else f", {counts.get('general')} general"
+            )
         )
         lines += _reply_lines(counts.get("replies"))
     lines += _threshold_lines(artifact)

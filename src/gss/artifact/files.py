@@ -58,6 +58,12 @@ def check_creatable(path: Path, flag: str = "") -> None:
         return
 
 
+def holds_weights(directory: Path) -> bool:
+    """Whether ``directory`` holds weight files (a model's or an artifact's), which must not
+    be read as data nor have results written beside them."""
+    return any(directory.glob("*.safetensors")) or any(directory.glob("*.bin"))
+
+
 def through_link(path: Path, flag: str = "") -> Path:
     """``path``, or where it links to: a link to a directory is written through, as ``cp``
     would (a rename would replace the link and leave the old files where it pointed); a link
@@ -165,8 +171,7 @@ def check_outputs(directory: str | Path | None, names: Iterable[str], overwrite:
             "a gss artifact"
             if any((out / n).is_file() for n in (CONFIG_NAME, STACK_NAME))
             else "a model"
-            if (out / "config.json").is_file()
-            and (any(out.glob("*.safetensors")) or any(out.glob("*.bin")))
+            if (out / "config.json").is_file() and holds_weights(out)
             else None
         )
         if holds:  # results beside its files would be taken for its own, or block its save
