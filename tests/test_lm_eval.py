@@ -380,3 +380,29 @@ def test_the_docs_lm_eval_example_runs(steered, tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out
     assert "| task | metric | unsteered | steered | difference | better |" in printed
     assert "| my_task | acc |" in printed
+
+
+def test_a_task_whose_data_cannot_load_is_one_message(saved, tasks_dir, tmp_path, capsys):
+    """A local task whose data file is gone (or, offline, a task whose data is not cached):
+    one line naming the task's data and what to do, not a traceback from datasets."""
+    missing = tmp_path / "tasks"
+    missing.mkdir()
+    body = 'output_type: loglikelihood\ndoc_to_text: "{{context}}"\ndoc_to_target: "{{target}}"\n'
+    (missing / "gone.yaml").write_text(
+        _task("gss_tiny_gone", tmp_path / "nowhere.jsonl", tmp_path / "cache", body)
+    )
+    args = ["evaluate", "--model", str(saved / "model"), "--lm-eval", "gss_tiny_gone"]
+    args += ["--lm-eval-include", str(missing), "--no-progress", "--out", str(tmp_path / "out")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "lm-eval could not load the data of gss_tiny_gone" in err, err
+
+
+@pytest.mark.heavy  # lm-eval indexes its ~15,000 own tasks: seconds
+def test_one_of_lm_evals_own_tasks_offline_and_not_cached_is_one_message(saved, tmp_path, capsys):
+    """hellaswag's data is not in a fresh machine's datasets cache (CI's): offline, one line."""
+    args = ["evaluate", "--model", str(saved / "model"), "--lm-eval", "hellaswag"]
+    args += ["--lm-eval-limit", "2", "--no-progress", "--out", str(tmp_path / "out")]
+    assert main(args) == 2  # HF_HUB_OFFLINE / HF_DATASETS_OFFLINE (autouse fixture)
+    err = capsys.readouterr().err
+    assert "lm-eval could not load the data of hellaswag" in err, err

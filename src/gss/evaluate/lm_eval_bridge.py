@@ -255,14 +255,22 @@ def run_lm_eval(
             lm = HFLM(
                 pretrained=model, tokenizer=tokenizer, batch_size=batch_size, **(model_args or {})
             )
-        results = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=list(selected.names),
-            task_manager=selected.manager,
-            limit=limit,
-            num_fewshot=num_fewshot,
-            **extra,
-        )
+        try:
+            results = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=list(selected.names),
+                task_manager=selected.manager,
+                limit=limit,
+                num_fewshot=num_fewshot,
+                **extra,
+            )
+        except (FileNotFoundError, ConnectionError) as err:  # datasets, loading a task's data
+            raise GSSError(
+                f"lm-eval could not load the data of {', '.join(selected.names)}: {err}. A local "
+                "task's data_files must exist; a Hub dataset must be reachable, or, offline "
+                "(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE), in your datasets cache: run it once "
+                "online."
+            ) from None
     if results is None:  # a rank other than 0 of a distributed run
         raise GSSError("lm-eval returned no results: run it in one process.")
     return dict(results)
