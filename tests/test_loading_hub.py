@@ -52,6 +52,10 @@ def hub(tmp_path_factory):
     for file in ("config.json", "model.safetensors"):
         shutil.copy(root / "model" / file, weights / file)
     _publish(cache, "gss-test/no-tokenizer", weights)
+    model, ref = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    steer = gss.calibrate(model, ref, random_ids(8, 12), layer=1, rank=2, progress=False)
+    steer.save_pretrained(root / "steer-repo")
+    _publish(cache, "gss-test/tiny-steer", root / "steer-repo")  # an artifact, not a model
     lines = [" ".join(f"w{(i * 7 + j * 3) % 44}" for j in range(12)) for i in range(20)]
     (root / "data.txt").write_text("\n".join(lines) + "\n")
     return root
@@ -114,6 +118,7 @@ def test_python_api_by_hub_id(offline):
         (["--model", "gss-test/tiny-model", "--model-revision", OTHER_COMMIT], "holds part of"),
         (["--model", "{root}/model", "--model-revision", COMMIT], "is a local directory"),
         (["--model", "gss-test/no-tokenizer"], "gss-test/no-tokenizer"),  # no traceback
+        (["--model", "gss-test/tiny-steer"], "is a gss steering artifact, not a model"),
         (["--model", "{root}/nope"], "model path {root}/nope does not exist"),
         (["--model", "{root}/model", "--device", "cpu", "--device-map", "cpu"], "give one"),
         (["--model", "{root}/model", "--device-map", "{bad"], "is not a JSON object"),

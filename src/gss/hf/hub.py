@@ -176,8 +176,17 @@ def resolve(repo_id: str, revision: str | None = None) -> ModelSource:
                 return source
             # no config.json: a PEFT adapter repo names its base model instead
             adapter_file = fetch("adapter_config.json")
+            # nor that: a gss artifact's repo, given where a model goes?
+            steer = adapter_file is None and any(
+                fetch(name) is not None for name in ("gss_config.json", "gss_stack.json")
+            )
     except Exception as e:  # huggingface_hub's and the HTTP client's errors, said in one line
         raise GSSError(hub_error(e, repo_id, revision)) from None
+    if steer:
+        raise GSSError(
+            f"the Hub repo {source.describe()} is a gss steering artifact, not a model: give it "
+            "with --steer (gss.load), and the model it was calibrated on with --model."
+        )
     if adapter_file is None and missing_here:
         fetch_cmd = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
         raise GSSError(
