@@ -256,10 +256,13 @@ def test_gss_evaluate_lm_eval_alone_writes_its_files(saved, tasks_dir, compariso
     args = ["evaluate", "--model", str(saved / "model"), "--steer", str(saved / "steer")]
     args += ["--lm-eval", TASKS, "--lm-eval-include", str(tasks_dir), "--lm-eval-limit", "6"]
     args += ["--batch-size", "4", "--no-progress", "--out", str(out)]
+    capsys.readouterr()  # what the fixtures printed
     start = time.perf_counter()
     assert main(args) == 0, capsys.readouterr().err
-    print(f"gss evaluate --lm-eval: {time.perf_counter() - start:.2f} s")
-    printed = capsys.readouterr().out
+    took = time.perf_counter() - start
+    printed, err = capsys.readouterr()
+    print(f"gss evaluate --lm-eval: {took:.2f} s")
+    assert "%|" not in err and "it/s]" not in err  # --no-progress: lm-eval's bars too
     assert "| task | metric | unsteered | steered | difference | better |" in printed
     assert sorted(p.name for p in out.iterdir()) == ["lm_eval.json", "lm_eval.md"]
     record = json.loads((out / "lm_eval.json").read_text())

@@ -550,6 +550,7 @@ def _cmd_lm_eval(
         num_fewshot=args.lm_eval_fewshot,
         batch_size=args.batch_size,
         delta=args.delta,
+        progress=not args.no_progress,
     )
     _report(args, result, f"lm-eval: {', '.join(result.tasks)}", "lm_eval")
     return 0

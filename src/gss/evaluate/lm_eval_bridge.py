@@ -210,6 +210,47 @@ def _quiet_hflm() -> Iterator[None]:
         logger.setLevel(level)
 
 
+# lm-eval's modules that draw progress bars with the tqdm they import
+_BAR_MODULES = ("lm_eval.api.task", "lm_eval.api.model")
+
+
+@contextmanager
+def _bars(progress: bool) -> Iterator[None]:
+    """With ``progress`` False, lm-eval's progress bars (and those of `datasets`, loading the
+    tasks' data) off while it runs: lm-eval has no switch for them, so the ``tqdm`` its modules
+    imported, and the package's own (imported inside its bootstrap), is one that is disabled,
+    for the run only."""
+    if progress:
+        yield
+        return
+    import importlib
+
+    import datasets
+    import tqdm
+
+    modules = [importlib.import_module(m) for m in (*_BAR_MODULES, "lm_eval.models.huggingface")]
+    saved = [(m, m.tqdm) for m in (*modules, tqdm) if hasattr(m, "tqdm")]
+
+    def quiet(bar: Any) -> Any:  # a subclass: code may subclass or isinstance-check tqdm
+        class Quiet(bar):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **{**kwargs, "disable": True})
+
+        return Quiet
+
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    for module, bar in saved:
+        module.tqdm = quiet(bar)
+    try:
+        yield
+    finally:
+        for module, bar in saved:
+            module.tqdm = bar
+        if shown:
+            datasets.enable_progress_bars()
+
+
 def run_lm_eval(
     model: torch.nn.Module,
     tasks: str | Sequence[str] | LMEvalTasks,
@@ -222,6 +263,7 @@ def run_lm_eval(
     bootstrap_iters: int | None = None,
     model_args: Mapping[str, Any] | None = None,
     evaluate_args: Mapping[str, Any] | None = None,
+    progress: bool = True,
 ) -> dict[str, Any]:
     """One lm-eval run of ``model`` as it is now (inside ``gss.steer(model, artifact)`` it runs
     steered): lm-eval's ``simple_evaluate`` on ``HFLM(pretrained=model, tokenizer=...)``.
@@ -231,7 +273,8 @@ def run_lm_eval(
     ``bootstrap_iters``: None for lm-eval's default (100,000 resamples for the stderr of
     metrics that are not means; 0 skips them); ``model_args``: more ``HFLM`` arguments
     (``max_length``, ``add_bos_token``, ...); ``evaluate_args``: more ``simple_evaluate``
-    arguments (``apply_chat_template``, ``gen_kwargs``, ...), never ``use_cache``.
+    arguments (``apply_chat_template``, ``gen_kwargs``, ...), never ``use_cache``;
+    ``progress``: False turns lm-eval's progress bars off for the run.
     Returns lm-eval's result dict (``results``, ``higher_is_better``, ``n-samples``, ...)."""
     lm_eval = import_lm_eval()
     try:
@@ -256,14 +299,15 @@ def run_lm_eval(
                 pretrained=model, tokenizer=tokenizer, batch_size=batch_size, **(model_args or {})
             )
         try:
-            results = lm_eval.simple_evaluate(
-                model=lm,
-                tasks=list(selected.names),
-                task_manager=selected.manager,
-                limit=limit,
-                num_fewshot=num_fewshot,
-                **extra,
-            )
+            with _bars(progress):
+                results = lm_eval.simple_evaluate(
+                    model=lm,
+                    tasks=list(selected.names),
+                    task_manager=selected.manager,
+                    limit=limit,
+                    num_fewshot=num_fewshot,
+                    **extra,
+                )
         except (FileNotFoundError, ConnectionError) as err:  # datasets, loading a task's data
             raise GSSError(
                 f"lm-eval could not load the data of {', '.join(selected.names)}: {err}. A local "
@@ -458,6 +502,7 @@ def lm_eval_steering(
     bootstrap_iters: int | None = None,
     model_args: Mapping[str, Any] | None = None,
     evaluate_args: Mapping[str, Any] | None = None,
+    progress: bool = True,
 ) -> LMEvalComparison:
     """lm-eval ``tasks`` on ``model`` unsteered, then with ``artifact`` (a `SteeringArtifact`
     or a `SteeringStack`; None: the unsteered run alone) attached at strength ``delta`` (None:
@@ -484,6 +529,7 @@ def lm_eval_steering(
             bootstrap_iters=bootstrap_iters,
             model_args=model_args,
             evaluate_args=evaluate_args,
+            progress=progress,
         )
 
     unsteered = run()
