@@ -8,7 +8,8 @@
 #   op-share        vllm_op_share.py, compiled: each step's forward timed on the device (CUDA
 #                   events), an engine without the artifact, then one serving it (~250 s)
 #   repeat          repeat.py: are unsteered log-probs bit-reproducible, compiled?
-#   repeat-v2       repeat.py --eager --v2: the same through Model Runner V2, eager (~150 s?)
+#   repeat-v2       repeat.py --eager --v2: the same through Model Runner V2, eager (200 s on
+#                   the 2-core CPU build, where all its log-probs are equal; not timed on a GPU)
 #   tests-eager     tests/vllm's mixed steered/unsteered batch = transformers, eager
 #   tests-compiled  the same, torch.compile + CUDA graphs
 #   tests-v2        the same mixed batch through Model Runner V2, eager and compiled (175 s on
