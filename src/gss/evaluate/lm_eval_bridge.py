@@ -211,7 +211,7 @@ def _quiet_hflm() -> Iterator[None]:
 
 
 # lm-eval's modules that draw progress bars with the tqdm they import
-_BAR_MODULES = ("lm_eval.api.task", "lm_eval.api.model")
+_BAR_MODULES = ("lm_eval.api.task", "lm_eval.api.model", "lm_eval.models.huggingface")
 
 
 @contextmanager
@@ -228,7 +228,7 @@ def _bars(progress: bool) -> Iterator[None]:
     import datasets
     import tqdm
 
-    modules = [importlib.import_module(m) for m in (*_BAR_MODULES, "lm_eval.models.huggingface")]
+    modules = [importlib.import_module(m) for m in _BAR_MODULES]
     saved = [(m, m.tqdm) for m in (*modules, tqdm) if hasattr(m, "tqdm")]
 
     def quiet(bar: Any) -> Any:  # a subclass: code may subclass or isinstance-check tqdm

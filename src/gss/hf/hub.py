@@ -140,6 +140,19 @@ class ModelSource:
         return self.name + (f" (revision {self.revision!r})" if self.revision else "")
 
 
+def artifact_files() -> tuple[str, str]:
+    """The files that mark a gss artifact's (or stack's) repo; imported here, not at the top:
+    gss.artifact imports this module."""
+    from gss.artifact.files import CONFIG_NAME, STACK_NAME
+
+    return CONFIG_NAME, STACK_NAME
+
+
+def download_command(repo_id: str, revision: str | None = None) -> str:
+    """The command that puts the whole repo ``repo_id`` (at ``revision``) in the Hub cache."""
+    return f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
+
+
 def resolve(repo_id: str, revision: str | None = None) -> ModelSource:
     """The Hub model ``repo_id`` at ``revision``: its ``config.json`` (or, for a PEFT adapter,
     ``adapter_config.json``) fetched into the cache, or found there offline, so that every
@@ -178,7 +191,7 @@ def resolve(repo_id: str, revision: str | None = None) -> ModelSource:
             adapter_file = fetch("adapter_config.json")
             # nor that: a gss artifact's repo, given where a model goes?
             steer = adapter_file is None and any(
-                fetch(name) is not None for name in ("gss_config.json", "gss_stack.json")
+                fetch(name) is not None for name in artifact_files()
             )
     except Exception as e:  # huggingface_hub's and the HTTP client's errors, said in one line
         raise GSSError(hub_error(e, repo_id, revision)) from None
@@ -188,12 +201,11 @@ def resolve(repo_id: str, revision: str | None = None) -> ModelSource:
             "with --steer (gss.load), and the model it was calibrated on with --model."
         )
     if adapter_file is None and missing_here:
-        fetch_cmd = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
         raise GSSError(
             f"the Hub cache ({cache_dir()}) holds part of {source.describe()} only (neither its "
             f"config.json nor an adapter_config.json), and the Hub cannot be asked "
-            f"({'HF_HUB_OFFLINE is set' if offline() else 'no network'}): run `{fetch_cmd}` once "
-            "online, or give the model's directory."
+            f"({'HF_HUB_OFFLINE is set' if offline() else 'no network'}): run "
+            f"`{download_command(repo_id, revision)}` once online, or give the model's directory."
         )
     if adapter_file is None:
         raise GSSError(
@@ -285,7 +297,7 @@ def hub_error(e: Exception, repo_id: str, revision: str | None, what: str = "mod
     )
 
     at = repo_id + (f" (revision {revision!r})" if revision else "")
-    fetch = f"`hf download {repo_id}" + (f" --revision {revision}" if revision else "") + "`"
+    fetch = f"`{download_command(repo_id, revision)}`"
     if isinstance(e, RevisionNotFoundError):
         return (
             f"the Hub repo {repo_id} has no revision {revision!r}: give a branch, tag or commit "
@@ -346,8 +358,7 @@ def load_failure(source: ModelSource, what: str, e: BaseException) -> GSSError:
     hint = ""
     # transformers 4.x meets a cache without the weights with an AttributeError, 5.x an OSError
     if source.repo and offline() and isinstance(e, (OSError, AttributeError)):
-        fetch = f"hf download {source.name}"
-        fetch += f" --revision {source.revision}" if source.revision else ""
+        fetch = download_command(source.name, source.revision)
         hint = (
             f" With HF_HUB_OFFLINE set, every file must be in the Hub cache ({cache_dir()}), "
             f"which may hold part of the repo only: run `{fetch}` once online."

@@ -28,6 +28,7 @@ from gss.errors import GSSError
 from gss.hf.hub import (
     ModelSource,
     cache_dir,
+    download_command,
     hub_id,
     hub_options,
     load_error,
@@ -325,9 +326,7 @@ def load_tokenizer(path: Source, revision: str | None = None) -> Any:
         if len(tokenizer) > 1:
             return tokenizer
         if base is None and source.repo:  # transformers 5 builds an empty one from no files
-            fetch = f"hf download {source.name}" + (
-                f" --revision {source.revision}" if source.revision else ""
-            )
+            fetch = download_command(source.name, source.revision)
             raise GSSError(
                 f"{source.describe()} has no tokenizer files here (in the Hub cache, "
                 f"{cache_dir()}): run `{fetch}` to fetch the whole repo, or give the model's "

@@ -251,14 +251,14 @@ class _State:
         if key == self.held:
             return
         end = max(n, len(self.held) // 4)  # the rows that held slots until now get none
-        if self.copied is not None:
-            self.copied.synchronize()  # the last copy out of the pinned rows has run
-        rows = self.rows
+        staging, rows = self.staging, self.rows
         assert rows is not None
+        if staging is not None:
+            self.copied.synchronize()  # the last copy out of the pinned rows has run
         rows[:n] = per_token
         rows[n:end] = _NO_SLOT
-        if self.staging is not None:
-            slots[:end].copy_(self.staging[:end], non_blocking=True)
+        if staging is not None:
+            slots[:end].copy_(staging[:end], non_blocking=True)
             self.copied.record()
         self.held = key
 
