@@ -9,8 +9,8 @@ times it on a stand-in runner (the attributes vLLM's ``GPUModelRunner`` has), pe
 three ways for the V1 runner: a request's first step, when its slot is looked up from its
 sampling parameters; a later step, when the slot kept on the request is read, whose slots the
 buffer did not hold; and a later step whose slots it did (a steady decode batch); and, for
-vLLM's Model Runner V2, every step after ``prepare_inputs`` (the slots kept by request id since
-``add_requests``, written, and reset when ``execute_model`` returns). Beside each shape, where
+vLLM's Model Runner V2, a step after ``prepare_inputs`` (the slots kept by request id since
+``add_requests``), written or unchanged as for V1. Beside each shape, where
 ``results/serve-cuda-op`` has it, the H200's CUDA-graph forward of SmolLM2-135M's shape at that
 shape and the op's cost there: the fill's share of that forward is an estimate across two
 machines (the fill timed on this CPU without the CUDA calls, the forward on the H200).
@@ -66,7 +66,7 @@ def runner(sequences: int, tokens: int) -> Any:
 class RunnerV2:
     """A stand-in for Model Runner V2 at one step, patched as the plugin patches V2: its
     ``prepare_inputs`` returns the step's batch, ``execute_model`` prepares it (the plugin
-    fills the slots there) and, patched, resets them."""
+    fills the slots there)."""
 
     def __init__(self, sequences: int, tokens: int) -> None:
         self.device = torch.device("cpu")
@@ -100,15 +100,18 @@ class RunnerV2:
         self.prepare_inputs()
 
 
-def v2_step_us(sequences: int, tokens: int, steps: int, rounds: int) -> list[float]:
-    """Microseconds per Model Runner V2 step (the fill after ``prepare_inputs``, the reset
-    when ``execute_model`` returns), per round; the requests added before."""
+def v2_step_us(sequences: int, tokens: int, changed: bool, steps: int, rounds: int) -> list[float]:
+    """Microseconds per Model Runner V2 step (the fill after ``prepare_inputs``), per round;
+    the requests added before. ``changed`` as in `step_us`."""
     runner = RunnerV2(sequences, tokens)
+    state = vllm_plugin._STATE
     out = []
     for _ in range(rounds):
         runner.execute_model()  # warm
         started = time.perf_counter()
         for _ in range(steps):
+            if changed:
+                state.held = b""
             runner.execute_model()
         out.append((time.perf_counter() - started) / steps * 1e6)
     return out
@@ -169,9 +172,10 @@ def main() -> None:
             )
             row[name] = statistics.median(times)
             row[name.replace("_us", "_rounds_us")] = times
-        times = v2_step_us(sequences, tokens, args.steps, args.rounds)
-        row["v2_step_us"] = statistics.median(times)
-        row["v2_step_rounds_us"] = times
+        for name, changed in (("v2_step_us", True), ("v2_steady_us", False)):
+            times = v2_step_us(sequences, tokens, changed, args.steps, args.rounds)
+            row[name] = statistics.median(times)
+            row[name.replace("_us", "_rounds_us")] = times
         if (sequences, tokens) in gpu:
             forward = gpu[(sequences, tokens)]
             row["h200_graph_forward_ms"] = forward["forward_ms"]
@@ -181,7 +185,7 @@ def main() -> None:
         print(
             f"{sequences} x {tokens}: first step {row['first_step_us']:.1f} us, later steps "
             f"{row['later_step_us']:.1f} us, unchanged {row['steady_step_us']:.1f} us, "
-            f"Model Runner V2 {row['v2_step_us']:.1f} us",
+            f"Model Runner V2 {row['v2_step_us']:.1f} us, unchanged {row['v2_steady_us']:.1f} us",
             flush=True,
         )
     args.out.mkdir(parents=True, exist_ok=True)
@@ -209,23 +213,24 @@ def write_table(path: Path, rows: list[dict[str, Any]], args: argparse.Namespace
         "request's first step looks its slot up and writes the batch's slots; a later step "
         "reads the slot kept on the request and writes them; unchanged: a later step whose "
         "slots the buffer holds already (a steady decode batch), which writes nothing; Model "
-        "Runner V2: every step, the slots kept by request id since the request was added, "
-        "written, and reset after the forward (a stand-in V2 runner patched as the plugin "
+        "Runner V2: a step, the slots kept by request id since the request was added, "
+        "written, or unchanged as above (a stand-in V2 runner patched as the plugin "
         "patches V2). H200 columns: `results/serve-cuda-op` (CUDA-graph forward of "
         "SmolLM2-135M's shape, bfloat16, and the hard-gated op's cost in it); the share is "
         "this CPU's later step (written) over that forward, an estimate across machines that "
         "leaves out the CUDA calls (on a GPU a written step adds one copy to the device).",
         "",
         "| sequences x tokens | first step (us) | later steps (us) | unchanged (us) "
-        "| Model Runner V2 (us) | H200 forward (ms) | op's cost there | fill / forward "
-        "| op + fill |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| V2, written (us) | V2, unchanged (us) | H200 forward (ms) | op's cost there "
+        "| fill / forward | op + fill |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         gpu = "h200_graph_forward_ms" in r
         lines.append(
             f"| {r['sequences']} x {r['tokens_each']} | {r['first_step_us']:.1f} "
             f"| {r['later_step_us']:.1f} | {r['steady_step_us']:.1f} | {r['v2_step_us']:.1f} "
+            f"| {r['v2_steady_us']:.1f} "
             + (
                 f"| {r['h200_graph_forward_ms']:.2f} | {100 * r['h200_op_cost']:.2f}% "
                 f"| {100 * r['fill_share_of_h200_forward']:.2f}% "
@@ -250,10 +255,11 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
         ("first_step_us", "first step (slot looked up)"),
         ("later_step_us", "later steps (slot kept)"),
         ("steady_step_us", "unchanged slots (nothing written)"),
-        ("v2_step_us", "Model Runner V2, a step"),
+        ("v2_step_us", "Model Runner V2, written"),
+        ("v2_steady_us", "Model Runner V2, unchanged"),
     ]
     for i, (key, label) in enumerate(bars):
-        ax.bar(x + 0.2 * (i - 1.5), [r[key] for r in rows], 0.2, label=label)
+        ax.bar(x + 0.16 * (i - 2), [r[key] for r in rows], 0.16, label=label)
     ax.set_xticks(x, labels)
     ax.set_xlabel("sequences x tokens each")
     ax.set_ylabel("us per step (this CPU)")

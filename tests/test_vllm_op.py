@@ -348,8 +348,9 @@ def test_model_runner_v2_keeps_each_requests_slot_from_add_to_remove(state):
     """vLLM's Model Runner V2 has no ``requests`` dict and no ``_model_forward``: the patch
     looks a request's slot up when ``add_requests`` adds it (a resumed request comes back as
     new), drops it in ``_remove_request``, writes the batch's slots after ``prepare_inputs``
-    (its ``req_ids`` in order, ``query_start_loc_np``), and resets them when ``execute_model``
-    returns, so dummy runs (warm-up, CUDA-graph capture) steer nothing."""
+    (its ``req_ids`` in order, ``query_start_loc_np``) and keeps them for the next step; a
+    dummy run (``execute_model(dummy_run=True)``: warm-up, profiling, an idle data-parallel
+    rank) and CUDA-graph capture (``capture_model``, which calls the model itself) read none."""
     from types import SimpleNamespace as NS
 
     import numpy as np
@@ -376,10 +377,17 @@ def test_model_runner_v2_keeps_each_requests_slot_from_add_to_remove(state):
         def prepare_inputs(self, req_ids: list[str], starts: list[int]) -> Any:
             return NS(num_reqs=len(req_ids), req_ids=req_ids, query_start_loc_np=np.array(starts))
 
-        def execute_model(self, req_ids: list[str], starts: list[int]) -> None:
-            self.prepare_inputs(req_ids, starts)
+        def execute_model(self, req_ids: list[str], starts: list[int], dummy_run=False) -> None:
+            if not dummy_run:  # V2 makes a dummy batch of its own, without prepare_inputs
+                self.prepare_inputs(req_ids, starts)
+            self.read()
+
+        def capture_model(self) -> None:  # captures graphs calling the model directly
+            self.read()
+
+        def read(self) -> None:  # what the model's op reads
             assert state.slots is not None
-            self.seen.append(state.slots.tolist())  # what the forward reads
+            self.seen.append(state.slots.tolist())
 
     vllm_plugin._patch_v2_runner_class(Runner)
     assert Runner._gss_v2  # type: ignore[attr-defined]
@@ -391,11 +399,13 @@ def test_model_runner_v2_keeps_each_requests_slot_from_add_to_remove(state):
     runner._remove_request("x")
     runner.execute_model(["y", "w", "z"], [0, 1, 2, 3])
     no = vllm_plugin._NO_SLOT
-    assert runner.seen == [
-        [1, 1, 0, 0, 0, no, no, no, no, no],
-        [no, no, 1, no, no, no, no, no, no, no],
-    ]
+    steady = [no, no, 1, no, no, no, no, no, no, no]
+    assert state.slots.tolist() == steady  # kept after the forward, for the next step
+    runner.execute_model([], [0], dummy_run=True)
+    runner.execute_model(["y", "w", "z"], [0, 1, 2, 3])
+    runner.capture_model()
+    first = [1, 1, 0, 0, 0, no, no, no, no, no]
+    assert runner.seen == [first, steady, [no] * 10, steady, [no] * 10]
     assert runner.removed == ["x"] and "x" not in runner._gss_slots
-    assert state.slots.tolist() == [no] * 10  # reset after each execute_model
     with pytest.raises(KeyError):  # a batch with a request never added: loud, not unsteered
         runner.execute_model(["x"], [0, 1])

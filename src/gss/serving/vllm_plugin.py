@@ -92,7 +92,14 @@ _INPUT_MODULE = "vllm.v1.engine.input_processor"
 # vLLM's Model Runner V2 (the default on CUDA where Triton is installed; the CPU build's V2
 # runner subclasses it), and the methods of it the plugin wraps
 _V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
-_V2_HOOKS = ("load_model", "add_requests", "_remove_request", "prepare_inputs", "execute_model")
+_V2_HOOKS = (
+    "load_model",
+    "add_requests",
+    "_remove_request",
+    "prepare_inputs",
+    "execute_model",
+    "capture_model",
+)
 _PATCHED_MODULES = (*_RUNNER_MODULES, _REQUEST_MODULE, _INPUT_MODULE, _V2_RUNNER_MODULE)
 _NO_SLOT = -1
 
@@ -707,8 +714,11 @@ def _patch_v2_runner_class(cls: type) -> None:
     ``_model_forward``: each request's slot is looked up when the request is added
     (``add_requests``: its new requests' sampling parameters; a resumed request comes back as
     new) and dropped with it (``_remove_request``); the buffer is filled from the batch that
-    ``prepare_inputs`` returns (``req_ids`` in order, ``query_start_loc_np``) and reset when
-    ``execute_model``, whose forward reads it, returns."""
+    ``prepare_inputs`` returns (``req_ids`` in order, ``query_start_loc_np``). As in the V1
+    runner the slots stay in the buffer after the forward, so a steady decode step writes
+    nothing; the buffer is cleared before the model runs on a dummy batch (``execute_model``
+    with ``dummy_run=True``: warm-up, memory profiling, an idle data-parallel rank) and before
+    ``capture_model`` (CUDA-graph capture, which calls the model directly)."""
     if cls.__dict__.get("_gss_patched"):
         return
     original: dict[str, Any] = {name: cls.__dict__.get(name) for name in _V2_HOOKS}
@@ -740,13 +750,16 @@ def _patch_v2_runner_class(cls: type) -> None:
         return batch
 
     def execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return original["execute_model"](self, *args, **kwargs)
-        finally:
+        if kwargs.get("dummy_run"):  # how V2's _dummy_run calls it (0.26 to 0.33)
             _STATE.clear()
+        return original["execute_model"](self, *args, **kwargs)
+
+    def capture_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _STATE.clear()  # V2's CUDA-graph capture calls the model itself, with dummy batches
+        return original["capture_model"](self, *args, **kwargs)
 
     hooks: tuple[Any, ...] = (load_model, add_requests, _remove_request, prepare_inputs)
-    for hook in (*hooks, execute_model):
+    for hook in (*hooks, execute_model, capture_model):
         if original[hook.__name__] is not None:  # a vLLM without it: `missing_hooks` says so
             hook._gss_hook = True
             setattr(cls, hook.__name__, hook)
