@@ -41,8 +41,8 @@ How it works (see the notes of issue 40):
   dummy run (``_dummy_run``: warm-up, CUDA-graph capture) clears it first, so it steers nothing.
   Under continuous batching and chunked prefill every token gets its own request's slot.
   Model Runner V2 (vLLM's default on CUDA) has neither: there the slots follow its requests
-  (``add_requests`` / ``_remove_request``) and the batch its ``prepare_inputs`` returns, and
-  are reset when ``execute_model`` returns (`_patch_v2_runner_class`).
+  (``add_requests`` / ``_remove_request``) and the batch its ``prepare_inputs`` returns, kept
+  the same way; its dummy runs and CUDA-graph capture clear them (`_patch_v2_runner_class`).
 * A request naming an unknown artifact is refused where vLLM validates its parameters
   (``InputProcessor._validate_params``, in the frontend), before it reaches the engine.
 * The steer itself is `gss.steering.gated.GatedSteer.steer_hidden`, the same arithmetic as
@@ -280,7 +280,13 @@ class _State:
         """``h`` (tokens x hidden, or 1 x tokens x hidden where vLLM runs a transformers
         model through its Transformers backend) with each token steered by its slot's
         artifact, and which tokens have an artifact at ``layer`` (``h.shape[:-1] + (1,)``;
-        None where no artifact is at this layer)."""
+        None where no artifact is at this layer). The rows of the other tokens are
+        undefined: the steered layer keeps ``h`` there (`_steered_class`).
+
+        The slots are read here, inside the opaque op, not in the layer's traced code: a
+        tensor the traced code reads (a buffer or attribute of the layer) is a constant to
+        inductor when it freezes the model (vLLM's CPU runner does under ``max_autotune``),
+        and a frozen copy of the slots would steer every later step by the first one's."""
         entries = self.by_layer.get(layer, ())
         slots = self.slots
         if not entries or slots is None:
@@ -291,7 +297,9 @@ class _State:
         for slot, hook in entries:
             mine = token_slot == slot
             steered, _ = hook.steer_hidden(out)
-            out = torch.where(mine, steered, out)
+            # one artifact at the layer (the common case): no selection here, the layer's
+            # selection is the only one (a kernel less a step, in the CUDA graph too)
+            out = steered if len(entries) == 1 else torch.where(mine, steered, out)
             hit = mine if hit is None else hit | mine
         assert hit is not None
         return out.view(h.shape), hit.view(*h.shape[:-1], 1)
@@ -306,12 +314,12 @@ _STATE = _State()
 
 def steered_block_output(h: Tensor, layer: int) -> tuple[Tensor, Tensor]:
     """The block output ``h`` with each token steered by the artifact of its request's slot,
-    and which tokens have an artifact at ``layer`` (bool, ``h.shape[:-1] + (1,)``). The body of
-    the op ``gss::vllm_steer``."""
+    and which tokens have an artifact at ``layer`` (bool, ``h.shape[:-1] + (1,)``); the rows
+    of the others are undefined (`_State.steer`). The body of the op ``gss::vllm_steer``."""
     steered, hit = _STATE.steer(layer, h)
     if hit is None:  # nothing to steer; a custom op may not return its input
         return h.clone(), torch.zeros((*h.shape[:-1], 1), dtype=torch.bool, device=h.device)
-    return steered, hit  # a new tensor: torch.where made it
+    return steered, hit  # a new tensor: the steer or torch.where made it
 
 
 @torch.library.custom_op("gss::vllm_steer", mutates_args=())
