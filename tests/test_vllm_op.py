@@ -186,6 +186,7 @@ def _eager(hidden, residual, slots, pattern):
 
 
 @needs_cuda
+@one_or_two
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_in_a_cuda_graph_the_op_reads_slots_written_in_place(state, artifacts, dtype):
     """Captured once, replayed with new slots and new inputs copied into the captured

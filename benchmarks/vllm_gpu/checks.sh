@@ -2,6 +2,8 @@
 # The last device call (README.md beside this file): once every part is in $PARTS, installs
 # vLLM and gss, then runs, in this order, each stage only if it fits before $DEADLINE seconds:
 #
+#   op-tests        tests/test_vllm_op.py: the op and the runner patches without vLLM, its CUDA
+#                   tests (the op in a CUDA graph and under reduce-overhead) included (~30 s)
 #   prep            benchmarks/vllm_throughput.py prep on SmolLM2-135M's shape (random weights)
 #   bench-compiled  its bench, vLLM's default torch.compile + CUDA graphs (at most 240 s)
 #   bench-eager     the same with enforce_eager (at most 180 s)
@@ -18,7 +20,7 @@
 #                   requests bit-identical to vLLM without the plugin (CUDA compiled may not be
 #                   reproducible from engine to engine: read its log-prob differences)
 #
-# STAGES (default: all ten) names the stages to run, e.g. STAGES="bench-compiled tests-eager";
+# STAGES (default: all eleven) names the stages to run, e.g. STAGES="bench-compiled tests-eager";
 # prep runs whenever a bench or op-share does. BENCH (default below) is the bench's workload: 64-token
 # rounds (vllm_throughput.py's CPU default) were too short on an H200 to resolve 2% (per-round
 # ratios 0.64-1.51 on 2026-11-27), hence longer outputs, more load requests. COMPILED_S and
@@ -31,7 +33,7 @@
 set -uo pipefail
 out=${OUT:-gpu-out}
 deadline=${DEADLINE:-560}
-stages=" ${STAGES:-prep bench-compiled bench-eager op-share repeat repeat-v2 tests-eager tests-compiled tests-v2 tests-bf16} "
+stages=" ${STAGES:-op-tests prep bench-compiled bench-eager op-share repeat repeat-v2 tests-eager tests-compiled tests-v2 tests-bf16} "
 bench_args=${BENCH:---batch1 4 --load 48 --max-tokens 256 --max-tokens-cap 256}
 [[ $stages == *" bench-"* || $stages == *" op-share "* ]] && stages+="prep "
 work=/tmp/serve-bench
@@ -62,6 +64,8 @@ bash benchmarks/vllm_gpu/install_on_device.sh || exit 3
 # brings it), whose top-k/top-p sampler vLLM's CUDA runner otherwise imports at start-up
 export PYTHONPATH=/tmp/site VLLM_USE_V2_MODEL_RUNNER=0 VLLM_USE_FLASHINFER_SAMPLER=0
 python3 -c "from vllm import LLM; import vllm.v1.engine.core" || exit 4  # fail fast
+fits op-tests 90 && timeout $((deadline - SECONDS)) python3 -m pytest -x -q -rs \
+    -p no:cacheprovider --junitxml="$out/tests-op.xml" tests/test_vllm_op.py
 fits prep 40 && python3 benchmarks/vllm_throughput.py prep --work "$work" \
     --model benchmarks/configs/smollm2-135m && cp "$work/prep.json" "$out/"
 [ -f "$work/prep.json" ] && fits bench-compiled 150 && bench compiled "${COMPILED_S:-240}"
