@@ -2,8 +2,9 @@
 
 docs/your-model.md's Python example runs as written (on tiny local models standing in for the
 user's fine-tune and its base), and the measured tables that moved out of the README
-(docs/results.md, and the calibration and solve rows of docs/scaling.md) are checked against
-the committed results/: a changed digit on either side fails.
+(docs/results.md, the calibration and solve rows of docs/scaling.md, docs/serving.md's table of
+the vLLM runner patch's host work) are checked against the committed results/: a changed digit
+on either side fails.
 """
 
 import json
@@ -137,3 +138,26 @@ def test_scaling_cpu_calibration_and_solve_rows_are_the_committed_results():
 def test_scaling_h100_calibration_and_solve_rows_are_the_committed_results():
     """The H100 table's calibration and solve rows quote results/perf-cuda/results.json."""
     _check_calibration_and_solve(_scaling_rows("**Measured on one NVIDIA H100"), "perf-cuda")
+
+
+def test_serving_fill_table_is_the_committed_results():
+    """docs/serving.md's table of the runner patch's per-step host work quotes
+    results/serve-fill-slots/ (the run now and the runs of the code before each change)."""
+    folder = RESULTS / "serve-fill-slots"
+
+    def by_shape(name: str) -> dict[str, dict]:
+        rows = json.loads((folder / name).read_text())["shapes"]
+        return {f"{r['sequences']} x {r['tokens_each']}": r for r in rows}
+
+    now = by_shape("results.json")
+    v2_before = [by_shape(f"before-4aeadc1-run{i}.json") for i in (1, 2)]
+    v1_before = [by_shape(f"before-8930497-run{i}.json") for i in (1, 2)]
+    rows = table_rows(section(DOCS / "serving.md", "`benchmarks/vllm_fill_slots.py`"))
+    assert rows, "no table"
+    for row in rows:
+        shape, first, written, unchanged, v2, v2_unchanged, v2_old, v1_old = cells(row)
+        r = now[shape]
+        keys = ("first_step_us", "later_step_us", "steady_step_us", "v2_step_us", "v2_steady_us")
+        assert [first, written, unchanged, v2, v2_unchanged] == [f"{r[k]:.1f}" for k in keys]
+        assert v2_old == " / ".join(f"{b[shape]['v2_step_us']:.1f}" for b in v2_before)
+        assert v1_old == " / ".join(f"{b[shape]['later_step_us']:.1f}" for b in v1_before)
