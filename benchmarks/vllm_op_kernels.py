@@ -20,6 +20,7 @@ the rows itself at a layer with one artifact (c3c51c1).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import tempfile
@@ -31,24 +32,12 @@ from torch._inductor.utils import run_and_get_code
 
 import gss
 from gss.serving import vllm_plugin
+from gss_bench.perf.common import QUICK, tiny_model
 
 LAYER = 1
 
 
-def tiny_llama(seed: int) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config).eval()
+SIZES = dataclasses.replace(QUICK, hidden=32, layers=3, vocab=64)  # a tiny Llama
 
 
 class Block(torch.nn.Module):
@@ -78,15 +67,15 @@ def attach(block: torch.nn.Module) -> None:
 
 
 def count(tokens: int) -> dict[str, Any]:
-    model, reference = tiny_llama(0), tiny_llama(1)
-    ids = torch.randint(0, 64, (32, 16), generator=torch.Generator().manual_seed(0))
+    model, reference = tiny_model(SIZES, 0), tiny_model(SIZES, 1)
+    ids = torch.randint(0, SIZES.vocab, (32, 16), generator=torch.Generator().manual_seed(0))
     art = gss.calibrate(model, reference, ids, layer=LAYER, rank=2, progress=False)
     with tempfile.TemporaryDirectory() as tmp:
         art.save_pretrained(f"{tmp}/a")
         state = vllm_plugin._State()
         state.load({"a": f"{tmp}/a"})
     vllm_plugin._STATE = state
-    d = model.config.hidden_size
+    d = SIZES.hidden
     state.prepare(torch.device("cpu"), torch.float32, 64)
     block = Block(d)
     attach(block)

@@ -766,8 +766,15 @@ def _patch_v2_runner_class(cls: type) -> None:
         _STATE.clear()  # V2's CUDA-graph capture calls the model itself, with dummy batches
         return original["capture_model"](self, *args, **kwargs)
 
-    hooks: tuple[Any, ...] = (load_model, add_requests, _remove_request, prepare_inputs)
-    for hook in (*hooks, execute_model, capture_model):
+    hooks: tuple[Any, ...] = (
+        load_model,
+        add_requests,
+        _remove_request,
+        prepare_inputs,
+        execute_model,
+        capture_model,
+    )
+    for hook in hooks:
         if original[hook.__name__] is not None:  # a vLLM without it: `missing_hooks` says so
             hook._gss_hook = True
             setattr(cls, hook.__name__, hook)
