@@ -451,7 +451,14 @@ def _cases():
         ),
         "protect seed past 2^63": ([*protect, "--seed", str(2**70)], "seed must be an integer"),
         "protect budget nan": ([*protect, "--budget", "nan"], "budget must be >= 0"),
-        "protect target 200": ([*protect, "--target", "200"], "target is a % of rows"),
+        "protect max-extractable 200": (
+            [*protect, "--max-extractable", "200"],
+            "target (gss protect --max-extractable) is a % of rows",
+        ),
+        "protect both goal flags": (
+            [*protect, "--max-extractable", "0", "--target", "0"],
+            "give --max-extractable only (--target is its old name).",
+        ),
         "protect general of one row": (
             [*protect, "--general", "{root}/one.txt"],
             "the general text has 1 row(s)",
@@ -538,7 +545,8 @@ BEFORE_ANY_MODEL = [
     "audit writes a file where a folder is",
     "protect seed past 2^63",
     "protect budget nan",
-    "protect target 200",
+    "protect max-extractable 200",
+    "protect both goal flags",
     "protect general missing",
     "serve port past 65535",
     "serve model missing",

@@ -581,3 +581,24 @@ def test_a_stray_world_size_is_one_message(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT not" in err
     assert "torchrun" in err
+
+
+def test_protect_goal_flag_and_its_old_name(capsys):
+    """gss protect's goal is --max-extractable; --target, its old name (calibrate's --target is
+    g's objective), still works, with a warning, and not beside the new name."""
+    from gss.cli.commands import _max_extractable
+    from gss.cli.parser import build_parser
+    from gss.errors import GSSError, GSSWarning
+
+    argv = ["protect", "--model", "m", "--reference", "r", "--data", "d", "--out", "o"]
+    parse = build_parser().parse_args
+    assert _max_extractable(parse(argv)) == 0.0
+    assert _max_extractable(parse([*argv, "--max-extractable", "2.5"])) == 2.5
+    with pytest.warns(GSSWarning, match="--target is now --max-extractable"):
+        assert _max_extractable(parse([*argv, "--target", "5"])) == 5.0
+    with pytest.raises(GSSError, match="give --max-extractable only"):
+        _max_extractable(parse([*argv, "--target", "5", "--max-extractable", "5"]))
+    with pytest.raises(SystemExit):
+        main(["protect", "--help"])
+    shown = capsys.readouterr().out
+    assert "--max-extractable PCT" in shown and "--target" not in shown

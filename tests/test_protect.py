@@ -174,7 +174,7 @@ def test_protect_refuses_bad_options(memorizer):
     for kwargs, message in [
         ({"budget": -1}, "budget must be >= 0"),
         ({"budget": float("nan")}, "budget must be >= 0"),
-        ({"target": 101}, "target is a %"),
+        ({"target": 101}, r"target \(gss protect --max-extractable\) is a %"),
         ({"k": 8, "n": 8}, "n must be an integer > k"),
         ({"search": SearchSpace(presets=("nope",))}, "presets must be among"),
         ({"search": SearchSpace(delta_range=(1.0, 0.1))}, "delta_range"),

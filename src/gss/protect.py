@@ -527,7 +527,9 @@ def check_options(
             f"{budget_mode!r}."
         )
     if not 0 <= target <= 100:
-        raise GSSError(f"target is a % of rows, in [0, 100], got {target}.")
+        raise GSSError(
+            f"target (gss protect --max-extractable) is a % of rows, in [0, 100], got {target}."
+        )
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise GSSError(f"seed must be an integer in [0, 2^63), got {seed!r}.")
 

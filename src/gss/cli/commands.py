@@ -764,8 +764,9 @@ def _cmd_protect(args: argparse.Namespace) -> int:
     from gss.protect import SearchSpace, check_options, check_report_dir, protect
 
     space = SearchSpace(max_blocks=args.max_blocks)
+    goal = _max_extractable(args)
     # before the models load
-    check_options(space, args.budget, "relative", args.target, args.k, args.n, args.seed)
+    check_options(space, args.budget, "relative", goal, args.k, args.n, args.seed)
     check_report_dir(args.out, args.overwrite)
     texts = _read(args, "--data", main=True)
     general = _read(args, "--general") if args.general else None
@@ -780,7 +781,7 @@ def _cmd_protect(args: argparse.Namespace) -> int:
         general=general,
         heldout=heldout,
         budget=args.budget,
-        target=args.target,
+        target=goal,
         k=args.k,
         n=args.n,
         search=space,
@@ -793,6 +794,22 @@ def _cmd_protect(args: argparse.Namespace) -> int:
     where = f"{args.out}/steer" if result.steer is not None else "no steer (none within budget)"
     print(f"wrote {args.out}: protect.json, protect.md, frontier.png, rows.png; {where}")
     return 0 if result.steer is not None else 1
+
+
+def _max_extractable(args: argparse.Namespace) -> float:
+    """protect's goal, from --max-extractable, or from --target (its old name, which
+    calibrate's --target, g's objective, made ambiguous) with a warning."""
+    if args.old_target is None:
+        return 0.0 if args.max_extractable is None else float(args.max_extractable)
+    if args.max_extractable is not None:
+        raise GSSError("give --max-extractable only (--target is its old name).")
+    warnings.warn(
+        "gss protect --target is now --max-extractable (calibrate's --target is g's "
+        "objective); --target will be removed.",
+        GSSWarning,
+        stacklevel=2,
+    )
+    return float(args.old_target)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
