@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PCT",
         help="the goal: %% of held-out memorized rows that may stay extractable (default: 0)",
     )
-    # the flag's name until 0.x: calibrate's --target is g's objective, a word for two things
+    # its old name, kept working (with a warning): calibrate's --target is g's objective
     p.add_argument("--target", type=float, dest="old_target", help=argparse.SUPPRESS)
     add_window_args(p)
     p.add_argument("--max-blocks", type=positive_int, default=2, help="blocks steered at most")
