@@ -110,8 +110,8 @@ def v2_step_us(sequences: int, tokens: int, changed: bool, steps: int, rounds: i
         runner.execute_model()  # warm
         started = time.perf_counter()
         for _ in range(steps):
-            if changed:
-                state.held = b""
+            if changed:  # another step's slots in the buffer, and another batch before
+                state.held, state.batch = b"", None
             runner.execute_model()
         out.append((time.perf_counter() - started) / steps * 1e6)
     return out
@@ -129,8 +129,10 @@ def step_us(make: Any, fresh: bool, changed: bool, steps: int, rounds: int) -> l
         vllm_plugin._fill_slots(runners[0])  # warm (and, not fresh, the slots kept)
         started = time.perf_counter()
         for r in runners:
-            if changed:
-                state.held = b""
+            if changed:  # another step's slots in the buffer, and another batch before
+                state.held, state.batch = b"", None
+            if fresh:  # new requests: the runner's _update_states forgets the last batch
+                vllm_plugin.forget_batch()
             vllm_plugin._fill_slots(r)
         out.append((time.perf_counter() - started) / steps * 1e6)
     return out

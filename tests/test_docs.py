@@ -150,14 +150,16 @@ def test_serving_fill_table_is_the_committed_results():
         return {f"{r['sequences']} x {r['tokens_each']}": r for r in rows}
 
     now = by_shape("results.json")
+    shortcut_before = by_shape("before-cd8c728.json")
     v2_before = [by_shape(f"before-4aeadc1-run{i}.json") for i in (1, 2)]
     v1_before = [by_shape(f"before-8930497-run{i}.json") for i in (1, 2)]
     rows = table_rows(section(DOCS / "serving.md", "`benchmarks/vllm_fill_slots.py`"))
     assert rows, "no table"
     for row in rows:
-        shape, first, written, unchanged, v2, v2_unchanged, v2_old, v1_old = cells(row)
-        r = now[shape]
+        shape, first, written, unchanged, v2, v2_unchanged, steady_old, v2_old, v1_old = cells(row)
+        r, b = now[shape], shortcut_before[shape]
         keys = ("first_step_us", "later_step_us", "steady_step_us", "v2_step_us", "v2_steady_us")
         assert [first, written, unchanged, v2, v2_unchanged] == [f"{r[k]:.1f}" for k in keys]
+        assert steady_old == f"{b['steady_step_us']:.1f} / {b['v2_steady_us']:.1f}"
         assert v2_old == " / ".join(f"{b[shape]['v2_step_us']:.1f}" for b in v2_before)
         assert v1_old == " / ".join(f"{b[shape]['later_step_us']:.1f}" for b in v1_before)

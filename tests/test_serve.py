@@ -418,6 +418,8 @@ def test_plugin_refuses_a_vllm_whose_runner_it_cannot_hook(
 
         def _model_forward(self) -> None: ...
 
+        def _update_states(self, scheduler_output: Any) -> None: ...
+
     class Request:
         @classmethod
         def from_engine_core_request(cls, request: Any) -> Any: ...
@@ -438,6 +440,11 @@ def test_plugin_refuses_a_vllm_whose_runner_it_cannot_hook(
     stripped = Runner()
     del stripped.query_start_loc
     assert "'query_start_loc'" in (vllm_plugin.missing_hooks(stripped) or "")
+
+    class NoUpdate(Runner):  # where requests come and go: without it, a stale batch's slots
+        _update_states = None  # type: ignore[assignment]
+
+    assert "no _update_states" in (vllm_plugin.missing_hooks(NoUpdate()) or "")
 
     def runner_v2(*hooks: str) -> Any:  # Model Runner V2 with these methods, patched
         cls = type("RunnerV2", (), {name: lambda self, *a: None for name in hooks})

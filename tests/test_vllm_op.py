@@ -367,6 +367,62 @@ def test_v1_runner_keeps_the_slots_between_forwards_and_clears_them_for_a_dummy_
     assert runner.seen == [[1, 1, no, no], [1, no, no, no], [no] * 4, [1, no, no, no]]
 
 
+def test_a_steady_step_reads_no_slot_and_a_reused_request_id_is_looked_up_again(state):
+    """A step of the same requests with as many tokens each as the last one (a steady decode)
+    returns before reading any request's slot; when a request comes or goes (V1's
+    ``_update_states`` with new or finished requests), the next step looks every slot up
+    again: vLLM takes an aborted request's id back for a new request, which may name another
+    artifact, at the same place in the batch with as many tokens."""
+    from types import SimpleNamespace as NS
+
+    import numpy as np
+
+    no = vllm_plugin._NO_SLOT
+
+    def request(name: str | None) -> Any:
+        return NS(sampling_params=NS(extra_args={vllm_plugin.EXTRA_ARG: name} if name else None))
+
+    class Runner:  # the V1 runner's methods and fields the patch uses, as stand-ins
+        def __init__(self) -> None:
+            self.model = NS(_gss_installed=True)
+            self.device, self.max_num_tokens = torch.device("cpu"), 4
+            self.requests = {"r": request("b"), "s": request(None)}
+
+        def _update_states(self, scheduler_output: Any) -> None:
+            for req_id in scheduler_output.finished_req_ids:
+                del self.requests[req_id]
+            for new in scheduler_output.scheduled_new_reqs:
+                self.requests[new.req_id] = request(new.name)
+
+        def step(self, req_ids: list[str], starts: list[int], new=(), finished=()) -> None:
+            self._update_states(NS(scheduled_new_reqs=list(new), finished_req_ids=set(finished)))
+            self.input_batch = NS(num_reqs=len(req_ids), req_ids=req_ids)
+            self.query_start_loc = NS(np=np.array(starts, dtype=np.int32))
+            self._model_forward()
+
+        def _model_forward(self) -> None: ...
+
+    vllm_plugin._patch_runner_class(Runner)
+    runner = Runner()
+    state.prepare(runner.device, torch.float32, 4)
+    looked_up: list[Any] = []
+    slot_of = state.slot_of
+    state.slot_of = lambda p: looked_up.append(p) or slot_of(p)
+    runner.step(["r", "s"], [0, 1, 2])
+    assert state.slots.tolist() == [1, no, no, no] and len(looked_up) == 2
+    read: list[str] = []
+    requests = runner.requests
+    # a steady step reads no request
+    runner.requests = type("Spy", (dict,), {"__getitem__": lambda d, k: read.append(k)})(requests)
+    runner.step(["r", "s"], [0, 1, 2])
+    assert read == [] and state.slots.tolist() == [1, no, no, no]
+    runner.requests = requests
+    # "r" aborted, and its id back at once for a request naming artifact "a": same ids, same
+    # token counts, another slot
+    runner.step(["r", "s"], [0, 1, 2], new=[NS(req_id="r", name="a")], finished=["r"])
+    assert state.slots.tolist() == [0, no, no, no]
+
+
 def test_model_runner_v2_keeps_each_requests_slot_from_add_to_remove(state):
     """vLLM's Model Runner V2 has no ``requests`` dict and no ``_model_forward``: the patch
     looks a request's slot up when ``add_requests`` adds it (a resumed request comes back as
