@@ -781,7 +781,8 @@ def _patch_v2_runner_class(cls: type) -> None:
             slots = self.__dict__.setdefault("_gss_slots", {})
             for new in scheduler_output.scheduled_new_reqs:
                 slots[new.req_id] = _STATE.slot_of(new.sampling_params)
-                forget_batch()
+        if scheduler_output.scheduled_new_reqs:
+            forget_batch()
         return result
 
     def _remove_request(self: Any, req_id: str) -> Any:
