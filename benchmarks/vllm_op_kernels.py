@@ -14,7 +14,10 @@ kernel each (cuBLAS may take two for an ``addmm``).
     .venv/bin/python benchmarks/vllm_op_kernels.py --out results/serve-op-kernels
 
 ``before-c3c51c1.json`` there is the same count on the code before the op stopped selecting
-the rows itself at a layer with one artifact (c3c51c1).
+the rows itself at a layer with one artifact (c3c51c1); ``before-residual-in-op.json`` before
+the op took hidden and residual apart and added them itself (the layer's add was a kernel of
+inductor's of its own). On CUDA the op runs one Triton kernel instead of its aten calls
+(``gss/serving/triton_steer.py``), which this CPU count does not see.
 """
 
 from __future__ import annotations
@@ -90,9 +93,8 @@ def count(tokens: int) -> dict[str, Any]:
     with torch.no_grad():
         _, codes = run_and_get_code(compiled, h, r)
         call = "\n".join(codes).split("def call(", 1)[1]
-        total = h + r
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            vllm_plugin.steered_block_output(total, LAYER)
+            vllm_plugin.steered_block_output(h, LAYER, r)  # as the steered layer calls it
     inside = [e.name for e in prof.events() if _top_aten(e)]
     return {
         "tokens": tokens,

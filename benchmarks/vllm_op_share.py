@@ -168,6 +168,8 @@ def measure(args: argparse.Namespace) -> None:
         os.environ.setdefault(key, value)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the runner in this process
     os.environ.pop("GSS_VLLM_ARTIFACTS", None)
+    if args.kernel == "torch":
+        os.environ["GSS_VLLM_TRITON"] = "0"  # the op's torch form on CUDA too
     import torch
 
     cuda = torch.cuda.is_available()
@@ -207,12 +209,12 @@ def measure(args: argparse.Namespace) -> None:
     steered = 0
     steer = state.steer
 
-    def counting(layer: int, h: Any) -> Any:  # warm-up only: the op does steer these tokens
-        nonlocal steered
+    def counting(layer: int, h: Any, residual: Any = None) -> Any:  # warm-up only: the op
+        nonlocal steered  # does steer these tokens
         assert state.slots is not None
         tokens = h.numel() // h.shape[-1]
         steered += int((state.slots[:tokens] == state.names["a"]).sum())
-        return steer(layer, h)
+        return steer(layer, h, residual)
 
     state.steer = counting  # type: ignore[method-assign]
     run(prompts[:2])  # warm-up outside the record
@@ -239,6 +241,7 @@ def measure(args: argparse.Namespace) -> None:
         "threads": {k: os.environ.get(k) for k in THREAD_ENV},
         "model": info["model_name"],
         "artifact": None if plain else {k: v for k, v in artifact.items() if k != "dir"},
+        "kernel": None if plain else vllm_plugin.steer_kernels(),
         "workload": {
             "rounds": args.rounds,
             "batch1": args.batch1,
@@ -253,7 +256,8 @@ def measure(args: argparse.Namespace) -> None:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.mode}-{args.artifact}.json").write_text(json.dumps(result, indent=1))
+    name = args.artifact + ("-torch" if args.kernel == "torch" and not plain else "")
+    (out / f"{args.mode}-{name}.json").write_text(json.dumps(result, indent=1))
     write_table(out)
 
 
@@ -287,7 +291,7 @@ def table(out: Path) -> str:
             else:
                 op = "- | - | -"
             lines.append(
-                f"| {mode} | {run['gate']} | {name} | {s['steps']} "
+                f"| {mode} | {gate(run)} | {name} | {s['steps']} "
                 f"| {s['forward_ms_median']:.3f} | {host:.3f} | {op} |"
             )
     lines += against_plain(runs)
@@ -315,6 +319,12 @@ def table(out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def gate(run: dict[str, Any]) -> str:
+    """A run's gate, and what the op steered with where it says (Triton or torch's ops)."""
+    kernel = run.get("kernel")
+    return run["gate"] if not kernel else f"{run['gate']}, {kernel}"
+
+
 def against_plain(runs: list[dict[str, Any]]) -> list[str]:
     """Per mode and phase: the engine without the artifact's median forward (and host) time
     over the engine with it, where both ran: its speed, 1.0 for no cost."""
@@ -331,7 +341,7 @@ def against_plain(runs: list[dict[str, Any]]) -> list[str]:
                 "host_ms_median", s["forward_ms_median"]
             )
             lines.append(
-                f"| {run['mode']} | {run['gate']} | {name} "
+                f"| {run['mode']} | {gate(run)} | {name} "
                 f"| {p['forward_ms_median'] / s['forward_ms_median']:.4f} | {host:.4f} |"
             )
     if not lines:
@@ -356,6 +366,13 @@ def main() -> None:
         choices=("hard", "none", "plain"),
         default="hard",
         help="plain: an engine without the plugin's artifact (its forward time; op 0)",
+    )
+    ap.add_argument(
+        "--kernel",
+        choices=("auto", "torch"),
+        default="auto",
+        help="what the op steers with: the plugin's choice (CUDA: its Triton kernel), or "
+        "torch's ops (GSS_VLLM_TRITON=0; writes <mode>-<artifact>-torch.json)",
     )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch1", type=int, default=2, help="requests one at a time, per round")

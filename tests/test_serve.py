@@ -230,6 +230,21 @@ def test_serve_keeps_the_model_runner_asked_for(
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == value
 
 
+def test_serve_refuses_a_steer_kernel_setting_it_does_not_know(
+    served: Path, vllm_here: Exec, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """GSS_VLLM_TRITON, which every engine process reads at its start: a value other than 0,
+    1 or auto is one line before vLLM starts, not an engine that fails to start."""
+    args = ["serve", "--model", str(served / "model"), "--artifact", f"t={served / 'artifact'}"]
+    monkeypatch.setenv("GSS_VLLM_TRITON", "yes")
+    assert main(args) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "GSS_VLLM_TRITON='yes': give 0" in line
+    assert vllm_here.argv is None
+    monkeypatch.setenv("GSS_VLLM_TRITON", "0")
+    assert main(args) == 0 and vllm_here.argv is not None
+
+
 def test_serve_takes_an_artifact_by_hub_repo_id(
     served: Path, vllm_here: Exec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -3,10 +3,13 @@ each token steered by the artifact of its slot, the others left bit for bit (a L
 block's hidden and residual both); and, on a GPU, the same inside a captured CUDA graph and
 under ``torch.compile(mode="reduce-overhead")`` (inductor + CUDA graphs), with the slots
 rewritten in place between replays as the plugin's runner patch does before every forward.
+With torch's ops and with the op's Triton kernel (`steer_with`: where Triton is installed; on
+a CPU in Triton's interpreter, as `make test-vllm` runs this module a second time).
 vLLM itself is tested in tests/vllm (its own environment, CPU only here)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +67,26 @@ def state(
 one_or_two = pytest.mark.parametrize("state", ["a", "a+b"], indirect=True)
 
 
+@pytest.fixture(params=["torch", "triton"])
+def steer_with(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """What the op steers with once the state is prepared: torch's ops, or the Triton kernel
+    (`gss.serving.triton_steer`; where Triton is installed, as in vLLM's environments: on CUDA,
+    or on a CPU in Triton's interpreter)."""
+    if request.param == "torch":
+        monkeypatch.setenv(vllm_plugin.TRITON_ENV, "0")
+        return "torch"
+    pytest.importorskip("triton")
+    params = getattr(request.node, "callspec", None)
+    device = params.params.get("device", "cpu") if params is not None else "cpu"
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if device == "cpu" and not interpreted:  # Triton must know before it is imported
+        pytest.skip("the Triton kernel runs on a CPU in Triton's interpreter: TRITON_INTERPRET=1")
+    if device == "cuda" and interpreted:
+        pytest.skip("the Triton kernel runs in Triton's interpreter here, on CPU tensors only")
+    monkeypatch.setenv(vllm_plugin.TRITON_ENV, "1")
+    return "triton"
+
+
 def _expected(state: Any, total: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Row by row: the artifact of the token's slot applied by gss's hook, else unchanged."""
     rows = []
@@ -119,9 +142,11 @@ def _op(hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tens
 @one_or_two
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_each_token_gets_the_steer_of_its_slot(state, artifacts, device, with_residual):
+def test_each_token_gets_the_steer_of_its_slot(state, artifacts, device, with_residual, steer_with):
     hidden = artifacts["hidden"].to(device)
     n = hidden.shape[0]
+    state.prepare(torch.device(device), hidden.dtype, n)
+    assert bool(state.kernels) == (steer_with == "triton")
     residual = _small_residual(hidden) if with_residual else None
     total = hidden if residual is None else hidden + residual
     hooks = dict(state.by_layer[LAYER])
@@ -142,7 +167,7 @@ def test_each_token_gets_the_steer_of_its_slot(state, artifacts, device, with_re
             assert not torch.equal(sum(got), total)
 
 
-def test_unsteered_tokens_keep_their_bfloat16_hidden_and_residual(state, artifacts):
+def test_unsteered_tokens_keep_their_bfloat16_hidden_and_residual(state, artifacts, steer_with):
     """vLLM's fused add-RMSNorm adds a layer's hidden and residual in float32: the op hands
     an unsteered token's two bfloat16 outputs on as they are, not their sum rounded to
     bfloat16 (which changed unsteered requests of a bfloat16 engine before)."""
@@ -161,13 +186,14 @@ def test_unsteered_tokens_keep_their_bfloat16_hidden_and_residual(state, artifac
     assert not torch.equal(out_h[~unsteered], hidden[~unsteered])
 
 
-def test_a_batch_dimension_of_one_holds_the_tokens(state, artifacts):
+def test_a_batch_dimension_of_one_holds_the_tokens(state, artifacts, steer_with):
     """vLLM runs some models (GPT-NeoX, Phi, OLMo, SmolLM3, ...) through its Transformers
     backend, whose layers see the batch as 1 x tokens x hidden: every token still gets its own
     slot's steer, as with the tokens x hidden of vLLM's own models (not the first token's
     slot for all, which steered unsteered requests of a mixed batch before)."""
     hidden = artifacts["hidden"]
     n = hidden.shape[0]
+    state.prepare(torch.device("cpu"), hidden.dtype, n)
     slots = state.buffer(n, torch.device("cpu"))
     layer = _layer()
     for pattern in _patterns(n, torch.device("cpu")):
@@ -185,15 +211,17 @@ def _eager(hidden, residual, slots, pattern):
     return [t.clone() for t in _op(hidden, residual)]
 
 
-@needs_cuda
 @one_or_two
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_in_a_cuda_graph_the_op_reads_slots_written_in_place(state, artifacts, dtype):
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=needs_cuda)])
+def test_in_a_cuda_graph_the_op_reads_slots_written_in_place(
+    state, artifacts, dtype, device, steer_with
+):
     """Captured once, replayed with new slots and new inputs copied into the captured
     buffers: every replay equals the op run eagerly, bit for bit (the same kernels). As in the
     plugin's runner, the steers are prepared first and the slots are written through
     ``buffer()`` before every step, asked for by the runner's device ``cuda``, not ``cuda:0``."""
-    device = torch.device("cuda")  # what a runner may hold; tensors say cuda:0
+    device = torch.device(device)  # what a runner may hold; tensors say cuda:0
     hidden = artifacts["hidden"].to(device, dtype)
     n = hidden.shape[0]
     residual = _small_residual(hidden)
@@ -231,7 +259,7 @@ def test_in_a_cuda_graph_the_op_reads_slots_written_in_place(state, artifacts, d
     [("cpu", False), ("cpu", True), pytest.param("cuda", False, marks=needs_cuda)],
 )
 def test_torch_compile_keeps_the_op_and_reads_the_slots_in_place(
-    state, artifacts, device, freezing
+    state, artifacts, device, freezing, steer_with
 ):
     """vLLM compiles the model with the op in the graph (and on a GPU runs it as CUDA
     graphs): here the same with inductor (on CUDA with its cudagraph trees,
@@ -263,6 +291,64 @@ def test_torch_compile_keeps_the_op_and_reads_the_slots_in_place(
             torch.cuda.synchronize()
         want = torch.stack(_eager(h, residual, slots, pattern))
         assert torch.equal(got, 2.0 * want), f"call {i}"
+
+
+@pytest.mark.parametrize("gate, rank, width", [("hard", 3, 4100), ("none", 1, 96)])
+def test_the_triton_kernel_is_the_fused_steer(gate, rank, width):
+    """`gss.serving.triton_steer` against the steer `gss.steer` runs (its fused torch form),
+    row by row: any rank (padded to a power of two), rows wider than one block of the kernel
+    (read in chunks), a residual added first (rounded to the hidden's dtype), rows of another
+    slot left alone or passed through. Where there is no GPU, in Triton's interpreter."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if not torch.cuda.is_available() and not interpreted:
+        pytest.skip("the Triton kernel runs on a CPU in Triton's interpreter: TRITON_INTERPRET=1")
+    pytest.importorskip("triton")
+    from gss.serving.triton_steer import TritonSteer
+    from gss.steering.gated import GatedSteer
+
+    device = torch.device("cpu" if interpreted else "cuda")
+    g = torch.Generator().manual_seed(rank)
+    probe = torch.randn(rank, width, generator=g) / width**0.5
+    steer = torch.nn.functional.normalize(torch.randn(rank, width, generator=g), dim=-1)
+    hook = GatedSteer(probe, steer, torch.linspace(1.5, 3.0, rank), gate=gate)
+    assert GatedSteer(probe, steer, torch.ones(rank), gate="relu").folded(device) is None
+    folded = hook.folded(device)
+    assert folded is not None
+    probe_f, offset_f, steer_f, hard = folded
+    kernel = TritonSteer(probe_f, offset_f, steer_f, hard=hard)
+    hidden = 2 * torch.randn(7, width, generator=g).to(device)
+    residual = 0.1 * torch.randn(7, width, generator=g).to(device)
+    slots = torch.tensor([0, -1, 0, 1, 0, 0, -1, 5], dtype=torch.int32, device=device)
+    mine = slots[:7] == 0
+    for extra, total in ((None, hidden), (residual, hidden + residual)):
+        want = hook.steer_hidden(total)[0]
+        if gate == "hard":  # the gates: open on some rows and closed on others
+            assert 0 < (want != total).any(-1).sum() < 7
+        for pass_through in (False, True):
+            out, hit = kernel(hidden, extra, slots, 0, pass_through=pass_through)
+            assert hit.shape == (7, 1) and torch.equal(hit[:, 0], mine)
+            torch.testing.assert_close(out[mine], want[mine], rtol=1e-5, atol=1e-5)
+            if pass_through:
+                assert torch.equal(out[~mine], total[~mine])
+
+
+def test_use_triton_reads_its_environment_variable(monkeypatch):
+    """``GSS_VLLM_TRITON``: unset (auto) the kernel steers on CUDA only; 0 never; 1 on a CPU
+    needs Triton's interpreter; anything else is refused, naming the values it takes."""
+    from gss.errors import GSSError
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(vllm_plugin.TRITON_ENV, raising=False)
+    assert not vllm_plugin.use_triton(cpu, torch.float32)
+    monkeypatch.setenv(vllm_plugin.TRITON_ENV, "0")
+    assert not vllm_plugin.use_triton("cuda", torch.float32)
+    monkeypatch.setenv(vllm_plugin.TRITON_ENV, "yes")
+    with pytest.raises(GSSError, match="give 0"):
+        vllm_plugin.use_triton(cpu, torch.float32)
+    monkeypatch.setenv(vllm_plugin.TRITON_ENV, "1")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(GSSError, match="TRITON_INTERPRET=1"):
+        vllm_plugin.use_triton(cpu, torch.float32)
 
 
 def test_prepare_keeps_one_slot_buffer_and_puts_the_steers_in_place(state):

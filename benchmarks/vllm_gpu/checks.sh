@@ -8,7 +8,9 @@
 #   bench-compiled  its bench, vLLM's default torch.compile + CUDA graphs (at most 240 s)
 #   bench-eager     the same with enforce_eager (at most 180 s)
 #   op-share        vllm_op_share.py, compiled: each step's forward timed on the device (CUDA
-#                   events), an engine without the artifact, then one serving it (~250 s)
+#                   events), one engine after another (~125 s each): OP_SHARE (default "plain
+#                   hard hard-torch": without the artifact, serving it with the op's Triton
+#                   kernel, serving it with the op's torch form)
 #   repeat          repeat.py: are unsteered log-probs bit-reproducible, compiled?
 #   repeat-v2       repeat.py --eager --v2: the same through Model Runner V2, eager (200 s on
 #                   the 2-core CPU build, where all its log-probs are equal; not timed on a GPU)
@@ -35,6 +37,7 @@ out=${OUT:-gpu-out}
 deadline=${DEADLINE:-560}
 stages=" ${STAGES:-op-tests prep bench-compiled bench-eager op-share repeat repeat-v2 tests-eager tests-compiled tests-v2 tests-bf16} "
 bench_args=${BENCH:---batch1 4 --load 48 --max-tokens 256 --max-tokens-cap 256}
+op_share=${OP_SHARE:-plain hard hard-torch}
 [[ $stages == *" bench-"* || $stages == *" op-share "* ]] && stages+="prep "
 work=/tmp/serve-bench
 mkdir -p "$out" "$work"
@@ -70,11 +73,12 @@ fits prep 40 && python3 benchmarks/vllm_throughput.py prep --work "$work" \
     --model benchmarks/configs/smollm2-135m && cp "$work/prep.json" "$out/"
 [ -f "$work/prep.json" ] && fits bench-compiled 150 && bench compiled "${COMPILED_S:-240}"
 [ -f "$work/prep.json" ] && fits bench-eager 120 && bench eager "${EAGER_S:-180}"
-if [ -f "$work/prep.json" ] && fits op-share 250; then
-    for artifact in plain hard; do
+if [ -f "$work/prep.json" ] && fits op-share $((125 * $(wc -w <<<"$op_share"))); then
+    for engine in $op_share; do  # hard-torch: the op's torch form (GSS_VLLM_TRITON=0)
+        kernel=auto && [[ $engine == *-torch ]] && kernel=torch
         timeout $((deadline - SECONDS)) python3 benchmarks/vllm_op_share.py --mode compiled \
-            --work "$work" --artifact $artifact --rounds 4 --batch1 2 --load 16 \
-            --max-tokens 256 --out "$out/op-share"
+            --work "$work" --artifact "${engine%-torch}" --kernel $kernel --rounds 4 \
+            --batch1 2 --load 16 --max-tokens 256 --out "$out/op-share"
     done
 fi
 fits repeat 200 && timeout $((deadline - SECONDS)) python3 benchmarks/vllm_gpu/repeat.py --out "$out"

@@ -160,10 +160,12 @@ def run_engine(
     enforce_eager: bool = True,
     artifact: str = "artifact",
     runner_v2: bool = False,
+    environ: dict[str, str] | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """One engine's greedy run (``engine_run.py``); ``runner_v2``: with vLLM's Model Runner V2
-    (without CUDA, its Triton kernels in Triton's interpreter), else its V1 runner."""
+    (without CUDA, its Triton kernels in Triton's interpreter), else its V1 runner;
+    ``environ``: variables set for the engine's processes."""
     job = {
         **options,
         "model": str(root / "model"),
@@ -184,6 +186,7 @@ def run_engine(
     env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner_v2 else "0"
     if runner_v2 and not torch.cuda.is_available():
         env[INTERPRET_ENV] = "1"
+    env.update(environ or {})
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -198,7 +201,7 @@ def run_engine(
         raise AssertionError(
             f"vLLM run {tag} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
         )
-    return json.loads(out_file.read_text())
+    return {**json.loads(out_file.read_text()), "log": proc.stdout + proc.stderr}
 
 
 def logprob_differences(
@@ -277,6 +280,22 @@ def test_model_runner_v2_matches_transformers(setup: dict[str, Any], enforce_eag
     V1's. Without CUDA its Triton kernels run in Triton's interpreter (``engine_run.py``)."""
     tag = "v2-eager" if enforce_eager else "v2-compiled"
     check_mixed_batch(setup, tag, enforce_eager=enforce_eager, runner_v2=True)
+
+
+def test_compiled_engine_with_the_triton_kernel_matches_transformers(setup: dict[str, Any]) -> None:
+    """The mixed batch, compiled, with the op steering through its Triton kernel (what it does
+    on CUDA; here in Triton's interpreter, on the CPU): the steered requests get ``gss.steer``'s
+    tokens, the others the plain model's (the kernel never touches them: the layer keeps their
+    outputs)."""
+    pytest.importorskip("triton")
+    from gss.serving import vllm_plugin
+
+    environ = {vllm_plugin.TRITON_ENV: "1"}
+    if not torch.cuda.is_available():
+        environ["TRITON_INTERPRET"] = "1"
+    got, expected = run_mixed(setup, "gss-triton", enforce_eager=False, environ=environ)
+    assert "the steer runs as the Triton kernel at layer(s)" in got["log"]
+    assert got["tokens"] == expected
 
 
 def greedy_gaps(model: Any, prompt: list[int], tokens: list[int]) -> tuple[list[float], float]:

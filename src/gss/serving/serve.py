@@ -30,6 +30,7 @@ from gss.serving.vllm_plugin import (
     PLUGIN_NAME,
     V2_ENV,
     check_names,
+    triton_setting,
 )
 
 SERVER_MODULE = "gss.serving.vllm_cli"
@@ -169,7 +170,8 @@ def runner_environment(environ: Mapping[str, str]) -> dict[str, str]:
     set, so that vLLM loads the model with its V1 model runner, the one gss's plugin has been
     run with on a GPU (on CUDA vLLM would otherwise pick Model Runner V2, which the plugin
     steers too, with one question open on a GPU: docs/serving.md, Limits). Set, it is left as
-    it is."""
+    it is. ``GSS_VLLM_TRITON``, which the engine reads at its start, is checked here first."""
+    triton_setting(environ)
     return {} if V2_ENV in environ else {V2_ENV: "0"}
 
 

@@ -47,7 +47,9 @@ How it works (see the notes of issue 40):
   (``InputProcessor._validate_params``, in the frontend), before it reaches the engine.
 * The steer itself is `gss.steering.gated.GatedSteer.steer_hidden`, the same arithmetic as
   ``gss.steer`` on a transformers model; the op keeps it on the tokens whose slot names its
-  artifact (``torch.where``), and the token's block output unchanged elsewhere.
+  artifact (``torch.where``), and the token's block output unchanged elsewhere. On CUDA one
+  Triton kernel does the op's work (`gss.serving.triton_steer`, the same folded tensors;
+  ``GSS_VLLM_TRITON=0``: torch's ops): inside a CUDA graph each small kernel is a node.
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ DEFAULT_KEY = "gss_default"
 """The key of ``additional_config`` naming the artifact that steers requests naming none."""
 DEFAULT_ENV = "GSS_VLLM_DEFAULT"
 """The same as an environment variable (``configure(..., default=NAME)`` sets it)."""
+TRITON_ENV = "GSS_VLLM_TRITON"
+"""``0``: the op steers with torch's ops on CUDA too; ``1``: with the Triton kernel anywhere;
+unset or ``auto``: the kernel on CUDA where Triton is (`use_triton`)."""
 NO_STEER = "none"
 """The name a request asks for to be served unsteered, whatever the server's default."""
 
@@ -173,6 +178,10 @@ class _State:
         self.names: dict[str, int] = {}  # artifact name -> slot
         self.default = _NO_SLOT  # the slot of a request that names no artifact
         self.by_layer: dict[int, list[tuple[int, Any]]] = {}  # layer -> [(slot, GatedSteer)]
+        # layer -> [(slot, TritonSteer)] where the Triton kernel steers it (`prepare`), and
+        # the device it was built for
+        self.kernels: dict[int, list[tuple[int, Any]]] = {}
+        self.kernel_device: torch.device | None = None
         self.slots: Tensor | None = None  # (max tokens,) int32: the slot of each token
         # the slots `slots` holds in its first rows, as int32 bytes (every later row: none),
         # so that a step whose tokens keep their slots (a steady decode batch) writes nothing
@@ -230,6 +239,19 @@ class _State:
         for entries in self.by_layer.values():
             for _, hook in entries:
                 hook.prepare(device, dtype)
+        self.kernels, self.kernel_device = {}, None
+        if use_triton(device, dtype):
+            from gss.serving.triton_steer import TritonSteer
+
+            device = resolve_device(device)
+            for layer, entries in self.by_layer.items():
+                folded = [(slot, hook.folded(device)) for slot, hook in entries]
+                if all(tensors is not None for _, tensors in folded):
+                    self.kernels[layer] = [
+                        (slot, TritonSteer(probe, offset, steer, hard=hard))
+                        for slot, (probe, offset, steer, hard) in folded
+                    ]
+            self.kernel_device = device
 
     def buffer(self, size: int, device: torch.device) -> Tensor:
         """The slot buffer, the same tensor every step (captured graphs read it), unless it
@@ -281,12 +303,16 @@ class _State:
             self.slots.fill_(_NO_SLOT)
             self.held = b""
 
-    def steer(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor | None]:
+    def steer(
+        self, layer: int, h: Tensor, residual: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         """``h`` (tokens x hidden, or 1 x tokens x hidden where vLLM runs a transformers
-        model through its Transformers backend) with each token steered by its slot's
-        artifact, and which tokens have an artifact at ``layer`` (``h.shape[:-1] + (1,)``;
-        None where no artifact is at this layer). The rows of the other tokens are
-        undefined: the steered layer keeps ``h`` there (`_steered_class`).
+        model through its Transformers backend), plus ``residual`` if given, with each token
+        steered by its slot's artifact, and which tokens have an artifact at ``layer``
+        (``h.shape[:-1] + (1,)``; None where no artifact is at this layer). The rows of the
+        other tokens are undefined: the steered layer keeps its outputs there
+        (`_steered_class`). On CUDA one Triton kernel does it all (`gss.serving.triton_steer`;
+        `use_triton`), elsewhere torch's ops.
 
         The slots are read here, inside the opaque op, not in the layer's traced code: a
         tensor the traced code reads (a buffer or attribute of the layer) is a constant to
@@ -296,6 +322,11 @@ class _State:
         slots = self.slots
         if not entries or slots is None:
             return h, None
+        kernels = self.kernels.get(layer)
+        if kernels is not None and h.device == self.kernel_device:
+            return _triton_steer(kernels, slots, h, residual)
+        if residual is not None:
+            h = h + residual
         out = h.reshape(-1, h.shape[-1])  # one row per token, in the runner's order
         token_slot = slots[: out.shape[0]].unsqueeze(-1)
         hit: Tensor | None = None
@@ -317,25 +348,94 @@ _STATE = _State()
 # the op: opaque to dynamo / inductor, so its body runs as written under vLLM's compilation
 
 
-def steered_block_output(h: Tensor, layer: int) -> tuple[Tensor, Tensor]:
-    """The block output ``h`` with each token steered by the artifact of its request's slot,
-    and which tokens have an artifact at ``layer`` (bool, ``h.shape[:-1] + (1,)``); the rows
-    of the others are undefined (`_State.steer`). The body of the op ``gss::vllm_steer``."""
-    steered, hit = _STATE.steer(layer, h)
+def steered_block_output(
+    h: Tensor, layer: int, residual: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """The block output ``h`` (``h + residual`` where a layer returns the two apart) with each
+    token steered by the artifact of its request's slot, and which tokens have an artifact at
+    ``layer`` (bool, ``h.shape[:-1] + (1,)``); the rows of the others are undefined
+    (`_State.steer`). The body of the op ``gss::vllm_steer``."""
+    steered, hit = _STATE.steer(layer, h, residual)
     if hit is None:  # nothing to steer; a custom op may not return its input
         return h.clone(), torch.zeros((*h.shape[:-1], 1), dtype=torch.bool, device=h.device)
-    return steered, hit  # a new tensor: the steer or torch.where made it
+    return steered, hit  # a new tensor: the steer, the sum or torch.where made it
 
 
 @torch.library.custom_op("gss::vllm_steer", mutates_args=())
-def vllm_steer(h: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+def vllm_steer(h: Tensor, layer: int, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """`steered_block_output` as an op vLLM's compilation keeps as one opaque call."""
-    return steered_block_output(h, layer)
+    return steered_block_output(h, layer, residual)
 
 
 @vllm_steer.register_fake
-def _(h: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+def _(h: Tensor, layer: int, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
     return torch.empty_like(h), h.new_empty((*h.shape[:-1], 1), dtype=torch.bool)
+
+
+def triton_setting(environ: Mapping[str, str]) -> str:
+    """``GSS_VLLM_TRITON`` as ``0``, ``1`` or ``auto`` (unset); anything else is refused."""
+    wanted = environ.get(TRITON_ENV, "auto").strip().lower()
+    if wanted not in ("0", "1", "auto"):
+        from gss.errors import GSSError
+
+        raise GSSError(
+            f"{TRITON_ENV}={wanted!r}: give 0 (the steer as torch's ops), 1 (as gss's Triton "
+            "kernel) or auto (the kernel on CUDA), or unset it."
+        )
+    return wanted
+
+
+def use_triton(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether the op steers with the Triton kernel (`gss.serving.triton_steer`): for
+    float32, bfloat16 and float16 on CUDA, where Triton is installed (vLLM's CUDA install
+    brings it); never with ``GSS_VLLM_TRITON=0`` (torch's ops then, as on a CPU); with
+    ``GSS_VLLM_TRITON=1`` on a CPU too, in Triton's interpreter (``TRITON_INTERPRET=1``: for
+    tests), and an error where Triton does not load."""
+    wanted = triton_setting(os.environ)
+    on_cuda = torch.device(device).type == "cuda"
+    if wanted == "0" or (wanted == "auto" and not on_cuda):
+        return False
+    from gss.errors import GSSError
+
+    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise GSSError(
+            f"{TRITON_ENV}=1 on a {torch.device(device).type} device: Triton runs there only "
+            f"in its interpreter (set TRITON_INTERPRET=1 too), or unset {TRITON_ENV}."
+        )
+    try:
+        from gss.serving.triton_steer import DTYPES
+    except ImportError as err:
+        if wanted == "1":
+            raise GSSError(
+                f"{TRITON_ENV}=1 but Triton does not load ({err}): install triton, or unset "
+                f"{TRITON_ENV} to steer with torch's ops."
+            ) from err
+        return False
+    return dtype in DTYPES
+
+
+def _triton_steer(
+    kernels: list[tuple[int, Any]], slots: Tensor, h: Tensor, residual: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """`_State.steer` by the Triton kernel: one launch for a layer with one artifact (the
+    sum of ``h`` and ``residual`` taken inside it); with several, each passes the rows of
+    the others through to the next, from the sum taken first."""
+    rows = h.reshape(-1, h.shape[-1])
+    extra = None if residual is None else residual.reshape(-1, residual.shape[-1])
+    if rows.stride(-1) != 1 or (extra is not None and extra.stride(-1) != 1):
+        rows = rows.contiguous()
+        extra = None if extra is None else extra.contiguous()
+    if len(kernels) == 1:
+        ((slot, kernel),) = kernels
+        out, hit = kernel(rows, extra, slots, slot)
+    else:
+        out = rows if extra is None else rows + extra
+        hits = []
+        for slot, kernel in kernels:
+            out, mine = kernel(out, None, slots, slot, pass_through=True)
+            hits.append(mine)
+        hit = torch.stack(hits).any(0)
+    return out.view(h.shape), hit.view(*h.shape[:-1], 1)
 
 
 def _steered_class(cls: type[nn.Module]) -> type[nn.Module]:
@@ -348,7 +448,7 @@ def _steered_class(cls: type[nn.Module]) -> type[nn.Module]:
             # reaches the next layer's fused add-RMSNorm as without the plugin (a sum rounded
             # to bfloat16, or the selection made inside the opaque op, changed it)
             hidden, residual = output
-            steered, hit = torch.ops.gss.vllm_steer(hidden + residual, layer)
+            steered, hit = torch.ops.gss.vllm_steer(hidden, layer, residual)
             return torch.where(hit, steered, hidden), residual.masked_fill(hit, 0)
         if isinstance(output, Tensor):
             steered, hit = torch.ops.gss.vllm_steer(output, layer)
@@ -481,16 +581,26 @@ def install(runner: Any) -> bool:
     logger = init_logger("vllm.gss")
     logger.info(
         "gss steers decoder layer(s) %s for the artifact(s) %s (SamplingParams.extra_args / "
-        "vllm_xargs {%r: name}); a request naming none: %s",
+        "vllm_xargs {%r: name}); a request naming none: %s; the steer runs as %s",
         sorted(_STATE.by_layer),
         {name: paths[name] for name in sorted(_STATE.names)},
         EXTRA_ARG,
         "not steered" if default is None else f"steered by {default!r} ({NO_STEER!r} opts out)",
+        steer_kernels(),
     )
     untested = untested_runner(runner)
     if untested:
         logger.warning(untested)
     return True
+
+
+def steer_kernels() -> str:
+    """What the op steers with, layer by layer, for the start-up log and benchmarks."""
+    if not _STATE.kernels:
+        return "torch's ops"
+    rest = sorted(set(_STATE.by_layer) - set(_STATE.kernels))
+    triton = f"the Triton kernel at layer(s) {sorted(_STATE.kernels)}"
+    return triton if not rest else f"{triton}, torch's ops at {rest}"
 
 
 def untested_runner(runner: Any) -> str | None:

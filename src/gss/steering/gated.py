@@ -230,6 +230,18 @@ class GatedSteer:
             self._fused_by[device, dtype] = steer
         return steer
 
+    def folded(self, device: torch.device | str) -> tuple[Tensor, Tensor, Tensor, bool] | None:
+        """The fused form's tensors on ``device``: probe rows over eps (K x d), minus the
+        offset over eps (K,), minus the steer rows times eps (K x d), and whether the gate is
+        the hard one (a hardshrink at 1 between them; else none); None for a steer the fused
+        form does not take, or one that counts its gates. What another implementation of the
+        fused steer computes with (the vLLM plugin's Triton kernel)."""
+        if not self._fused or self.track_gates:
+            return None
+        p = self._params(resolve_device(device))
+        hard = self.gate == "hard"
+        return p["fused_probe_t"].t(), p["fused_neg_offset"], p["fused_neg_steer"], hard
+
     def prepare(self, device: torch.device | str, dtype: torch.dtype) -> None:
         """Put the steer's tensors on ``device`` and build its fused form for ``dtype`` now,
         not at the first call: a first call inside a CUDA-graph capture (vLLM's, or inductor's
