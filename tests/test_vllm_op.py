@@ -332,6 +332,19 @@ def test_the_triton_kernel_is_the_fused_steer(gate, rank, width):
                 assert torch.equal(out[~mine], total[~mine])
 
 
+def test_the_triton_op_refuses_more_tokens_than_its_slot_buffer(state, artifacts, steer_with):
+    """The kernel reads each token's slot from the buffer: a forward of more tokens than the
+    buffer holds is an error naming the sizes, not a read past its end (torch's form fails on
+    the shapes)."""
+    if steer_with == "torch":
+        pytest.skip("torch's ops fail on the shapes themselves")
+    hidden = artifacts["hidden"]
+    state.prepare(torch.device("cpu"), hidden.dtype, 4)  # fewer tokens than this forward's
+    assert state.slots is not None and state.slots.shape[0] == 4 < hidden.shape[0]
+    with pytest.raises(RuntimeError, match="more than the 4"):
+        _op(hidden, None)
+
+
 def test_use_triton_reads_its_environment_variable(monkeypatch):
     """``GSS_VLLM_TRITON``: unset (auto) the kernel steers on CUDA only; 0 never; 1 on a CPU
     needs Triton's interpreter; anything else is refused, naming the values it takes."""

@@ -421,6 +421,11 @@ def _triton_steer(
     sum of ``h`` and ``residual`` taken inside it); with several, each passes the rows of
     the others through to the next, from the sum taken first."""
     rows = h.reshape(-1, h.shape[-1])
+    if rows.shape[0] > slots.shape[0]:  # the kernel would read past the buffer
+        raise RuntimeError(
+            f"gss's vLLM op got {rows.shape[0]} tokens, more than the {slots.shape[0]} its "
+            "slot buffer was made for (the runner's max_num_tokens)"
+        )
     extra = None if residual is None else residual.reshape(-1, residual.shape[-1])
     if rows.stride(-1) != 1 or (extra is not None and extra.stride(-1) != 1):
         rows = rows.contiguous()
