@@ -345,6 +345,36 @@ def test_the_triton_op_refuses_more_tokens_than_its_slot_buffer(state, artifacts
         _op(hidden, None)
 
 
+def test_a_kernel_that_does_not_run_leaves_its_layer_to_torch(
+    state, artifacts, steer_with, monkeypatch, caplog
+):
+    """The kernels are compiled when the state is prepared (before vLLM's warm-up and graph
+    capture). One that fails there (a Triton it does not suit) leaves its layer to torch's
+    ops, with a warning, and the op still steers; with ``GSS_VLLM_TRITON=1`` it is an error."""
+    if steer_with == "torch":
+        pytest.skip("the Triton kernel's failure")
+    from gss.errors import GSSError
+    from gss.serving import triton_steer
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no such PTX version")
+
+    monkeypatch.setattr(triton_steer.TritonSteer, "__call__", fails)
+    hidden = artifacts["hidden"]
+    with pytest.raises(GSSError, match="GSS_VLLM_TRITON=1 but gss's Triton kernel does not run"):
+        state.prepare(torch.device("cpu"), hidden.dtype, hidden.shape[0])
+    monkeypatch.setattr(vllm_plugin, "use_triton", lambda device, dtype: True)  # auto, on CUDA
+    monkeypatch.delenv(vllm_plugin.TRITON_ENV)
+    with caplog.at_level("WARNING", logger="vllm.gss"):
+        state.prepare(torch.device("cpu"), hidden.dtype, hidden.shape[0])
+    assert state.kernels == {} and vllm_plugin.steer_kernels() == "torch's ops"
+    assert "no such PTX version" in caplog.text and "steers with torch's ops" in caplog.text
+    slots = state.buffer(hidden.shape[0], torch.device("cpu"))
+    slots.fill_(0)
+    want = _expected(state, hidden, slots)
+    torch.testing.assert_close(_op(hidden, None)[0], want, rtol=1e-5, atol=1e-5)
+
+
 def test_use_triton_reads_its_environment_variable(monkeypatch):
     """``GSS_VLLM_TRITON``: unset (auto) the kernel steers on CUDA only; 0 never; 1 on a CPU
     needs Triton's interpreter; anything else is refused, naming the values it takes."""

@@ -252,6 +252,36 @@ class _State:
                         for slot, (probe, offset, steer, hard) in folded
                     ]
             self.kernel_device = device
+            self._compile_kernels(device, dtype)
+
+    def _compile_kernels(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Launch each layer's kernels once on one token, in every form a forward may take
+        (with a residual or not), so that Triton compiles them here, before vLLM's warm-up and
+        CUDA-graph capture. A layer whose kernel does not compile or run (a Triton too old or
+        too new for it) steers with torch's ops, with a warning; with ``GSS_VLLM_TRITON=1``
+        the engine stops instead, naming the error."""
+        slots = self.slots
+        assert slots is not None
+        for layer, kernels in list(self.kernels.items()):
+            try:
+                for slot, kernel in kernels:
+                    token = torch.zeros((1, kernel.width), dtype=dtype, device=device)
+                    for residual in (None, token):
+                        kernel(token, residual, slots, slot, pass_through=len(kernels) > 1)
+            except Exception as err:  # Triton's compile and launch errors have many types
+                if triton_setting(os.environ) == "1":
+                    from gss.errors import GSSError
+
+                    raise GSSError(
+                        f"{TRITON_ENV}=1 but gss's Triton kernel does not run here ({err}): "
+                        f"unset {TRITON_ENV} to steer with torch's ops."
+                    ) from err
+                logging.getLogger("vllm.gss").warning(
+                    "gss's Triton kernel does not run here (%s): layer %d steers with torch's ops",
+                    err,
+                    layer,
+                )
+                del self.kernels[layer]
 
     def buffer(self, size: int, device: torch.device) -> Tensor:
         """The slot buffer, the same tensor every step (captured graphs read it), unless it
