@@ -10,7 +10,8 @@ sums taken in another order, so a steered token may differ from the torch form i
 bits; an unsteered token is never touched (the layer keeps its outputs).
 
 Only imported where Triton is (vLLM's CUDA install brings it); `vllm_plugin` falls back to
-the torch form elsewhere, for a steer the kernel does not take, and with ``GSS_VLLM_TRITON=0``.
+the torch form elsewhere, for a steer the kernel does not take, where the kernel does not
+compile (with a warning), and with ``GSS_VLLM_TRITON=0``.
 """
 
 from __future__ import annotations
