@@ -399,9 +399,9 @@ def skip_unless_workers(count: int) -> None:
 def test_speculative_and_parallel_engines_match_transformers(
     setup: dict[str, Any], engine: str
 ) -> None:
-    """The mixed batch through vLLM's speculative decoding (ngram; a draft model) and its
-    tensor and pipeline parallelism (2 CPU workers), compiled: every output equals
-    transformers' greedy output."""
+    """The mixed batch through vLLM's speculative decoding (ngram, a draft model, an EAGLE
+    head) and its tensor and pipeline parallelism (2 CPU workers), compiled: every output
+    equals transformers' greedy output."""
     args = engine_args(setup, engine)
     skip_unless_workers(args.get("tensor_parallel_size", 1) * args.get("pipeline_parallel_size", 1))
     got, expected = run_mixed(setup, engine, enforce_eager=False, engine_args=args, metrics=True)
@@ -428,7 +428,7 @@ def test_model_runner_v2_with_a_draft_model_matches_transformers(setup: dict[str
 
 
 def engine_args(setup: dict[str, Any], engine: str) -> dict[str, Any]:
-    """ENGINES' arguments for ``engine``, the draft model's path filled in."""
+    """ENGINES' arguments for ``engine``, the path of its draft model or EAGLE head filled in."""
     args = json.loads(json.dumps(ENGINES[engine]))
     method = args.get("speculative_config", {}).get("method")
     if method == "draft_model":
