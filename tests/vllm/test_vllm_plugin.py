@@ -22,6 +22,7 @@ asks it over HTTP.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -429,11 +430,11 @@ def test_model_runner_v2_with_a_draft_model_matches_transformers(setup: dict[str
 
 def engine_args(setup: dict[str, Any], engine: str) -> dict[str, Any]:
     """ENGINES' arguments for ``engine``, the path of its draft model or EAGLE head filled in."""
-    args = json.loads(json.dumps(ENGINES[engine]))
+    args = copy.deepcopy(ENGINES[engine])
     method = args.get("speculative_config", {}).get("method")
     if method == "draft_model":
         args["speculative_config"]["model"] = str(setup["root"] / "model")
-    if method == "eagle":
+    elif method == "eagle":
         args["speculative_config"]["model"] = str(eagle_head(setup["root"]))
     return args
 
@@ -491,8 +492,6 @@ def lora_adapter(model: Any, directory: Path, rank: int = 8, alpha: int = 16) ->
     """Write a random LoRA adapter of ``model`` (q_proj and v_proj of every layer, PEFT's file
     layout) into ``directory`` and return the model with the adapter merged into its weights:
     what a user who fine-tuned with LoRA calibrates on and vLLM serves as base + adapter."""
-    import copy
-
     from safetensors.torch import save_file
 
     targets = ["q_proj", "v_proj"]
