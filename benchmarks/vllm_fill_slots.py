@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gss.serving import vllm_plugin
+from gss.serving import vllm_op, vllm_plugin
 
 SHAPES = [(1, 1), (16, 1), (64, 1), (256, 1), (1, 512), (16, 32)]  # (sequences, tokens each)
 ARMS = [  # V1 steps: (name, a request's first step, the buffer held other slots)
@@ -104,7 +104,7 @@ def v2_step_us(sequences: int, tokens: int, changed: bool, steps: int, rounds: i
     """Microseconds per Model Runner V2 step (the fill after ``prepare_inputs``), per round;
     the requests added before. ``changed`` as in `step_us`."""
     runner = RunnerV2(sequences, tokens)
-    state = vllm_plugin._STATE
+    state = vllm_op.STATE
     out = []
     for _ in range(rounds):
         runner.execute_model()  # warm
@@ -122,7 +122,7 @@ def step_us(make: Any, fresh: bool, changed: bool, steps: int, rounds: int) -> l
     request's first step (``fresh``: new requests, whose slots are looked up) or a later one;
     ``changed``: the buffer held other slots (forgotten before each step, so the step writes
     its own), else the last step's own (a steady decode batch: nothing to write)."""
-    state = vllm_plugin._STATE
+    state = vllm_op.STATE
     out = []
     for _ in range(rounds):
         runners = [make() for _ in range(steps)] if fresh else [make()] * steps
@@ -158,9 +158,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
-    state = vllm_plugin._State()
+    state = vllm_op.State()
     state.names, state.loaded = {"a": 0}, True
-    vllm_plugin._STATE = state
+    vllm_op.STATE = state
     vllm_plugin._patch_v2_runner_class(RunnerV2)
     torch.set_num_threads(1)
     gpu = cuda_forward()

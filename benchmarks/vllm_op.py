@@ -51,7 +51,7 @@ import transformers
 
 import gss
 from gss.report import cpu_info
-from gss.serving import vllm_plugin
+from gss.serving import vllm_op
 
 CONFIG = Path(__file__).parent / "configs" / "smollm2-135m"
 ARMS = ("plain", "op, none steered", "op, steered", "op, ungated")
@@ -84,7 +84,7 @@ def build(
     art.with_options(gate="none").save_pretrained(work / "ungated", overwrite=True)
     states = {}
     for name in ("hard", "ungated"):
-        state = vllm_plugin._State()
+        state = vllm_op.State()
         state.load({name: str(work / name)})
         state.prepare(DEVICE, dtype, max_tokens)  # as the plugin's install does
         states[name] = state
@@ -198,7 +198,7 @@ def run_shape(
         state_name, slot, uses_op = arms[arm]
         hook.on = uses_op
         if state_name is not None:
-            vllm_plugin._STATE = states[state_name]
+            vllm_op.STATE = states[state_name]
             set_slots(states[state_name], n, slot)
 
     eager_logits: dict[str, torch.Tensor] = {}

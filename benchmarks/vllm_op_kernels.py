@@ -34,7 +34,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import gss
-from gss.serving import vllm_plugin
+from gss.serving import vllm_op
 from gss_bench.perf.common import QUICK, tiny_model
 
 LAYER = 1
@@ -65,7 +65,7 @@ VIEWS = {"aten::view", "aten::view_as", "aten::reshape", "aten::unsqueeze", "ate
 
 def attach(block: torch.nn.Module) -> None:
     """Steer ``block`` as the plugin's install does."""
-    block.__class__ = vllm_plugin._steered_class(type(block))
+    block.__class__ = vllm_op.steered_class(type(block))
     block._gss_layer = LAYER  # type: ignore[assignment]
 
 
@@ -75,9 +75,9 @@ def count(tokens: int) -> dict[str, Any]:
     art = gss.calibrate(model, reference, ids, layer=LAYER, rank=2, progress=False)
     with tempfile.TemporaryDirectory() as tmp:
         art.save_pretrained(f"{tmp}/a")
-        state = vllm_plugin._State()
+        state = vllm_op.State()
         state.load({"a": f"{tmp}/a"})
-    vllm_plugin._STATE = state
+    vllm_op.STATE = state
     d = SIZES.hidden
     state.prepare(torch.device("cpu"), torch.float32, 64)
     block = Block(d)
@@ -94,7 +94,7 @@ def count(tokens: int) -> dict[str, Any]:
         _, codes = run_and_get_code(compiled, h, r)
         call = "\n".join(codes).split("def call(", 1)[1]
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            vllm_plugin.steered_block_output(h, LAYER, r)  # as the steered layer calls it
+            vllm_op.steered_block_output(h, LAYER, r)  # as the steered layer calls it
     inside = [e.name for e in prof.events() if _top_aten(e)]
     return {
         "tokens": tokens,

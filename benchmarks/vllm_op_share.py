@@ -146,7 +146,7 @@ def dispatch_overhead_us(hidden: int, calls: int = 5000) -> float:
     directly (median of 5 batches), on one token at a layer nothing steers."""
     import torch
 
-    from gss.serving import vllm_plugin
+    from gss.serving import vllm_op
 
     h = torch.randn(1, hidden)
     diffs = []
@@ -157,7 +157,7 @@ def dispatch_overhead_us(hidden: int, calls: int = 5000) -> float:
         op = time.perf_counter() - start
         start = time.perf_counter()
         for _ in range(calls):
-            vllm_plugin.steered_block_output(h, -1)
+            vllm_op.steered_block_output(h, -1)
         body = time.perf_counter() - start
         diffs.append(1e6 * (op - body) / calls)
     return statistics.median(diffs)
@@ -175,7 +175,7 @@ def measure(args: argparse.Namespace) -> None:
     cuda = torch.cuda.is_available()
     import vllm
     from gss.report import cpu_info
-    from gss.serving import vllm_plugin
+    from gss.serving import vllm_op
 
     work = Path(args.work)
     info = json.loads((work / "prep.json").read_text())
@@ -197,9 +197,9 @@ def measure(args: argparse.Namespace) -> None:
     hidden = json.loads((Path(info["model"]) / "config.json").read_text())["hidden_size"]
     dispatch_us = None if cuda else dispatch_overhead_us(int(hidden))
     if not cuda:  # on a GPU the op's body runs inside CUDA graphs: no timer of its own
-        body = timers.wrap_op(vllm_plugin.steered_block_output)
-        vllm_plugin.vllm_steer.register_kernel("cpu", body)
-    state = vllm_plugin._STATE
+        body = timers.wrap_op(vllm_op.steered_block_output)
+        vllm_op.vllm_steer.register_kernel("cpu", body)
+    state = vllm_op.STATE
     sp = params(args, None if plain else "a", args.max_tokens)  # greedy, ignore_eos, steered by "a"
     prompts = [p[: args.prompt_len] for p in info["prompts"][: max(args.load, args.batch1)]]
 
@@ -241,7 +241,7 @@ def measure(args: argparse.Namespace) -> None:
         "threads": {k: os.environ.get(k) for k in THREAD_ENV},
         "model": info["model_name"],
         "artifact": None if plain else {k: v for k, v in artifact.items() if k != "dir"},
-        "kernel": None if plain else vllm_plugin.steer_kernels(),
+        "kernel": None if plain else vllm_op.steer_kernels(),
         "workload": {
             "rounds": args.rounds,
             "batch1": args.batch1,

@@ -19,7 +19,7 @@ import pytest
 from gss.cli import main
 from gss.errors import GSSError
 from gss.serving import serve
-from gss.serving.vllm_plugin import steer_name, unknown_name_message
+from gss.serving.vllm_settings import steer_name, unknown_name_message
 
 from .helpers import calibrated_llama, tiny_model
 
@@ -122,7 +122,7 @@ def test_default_and_opt_out_choose_each_requests_slot(
     unsteered, a named one gets its own; without a default, naming none is not steered."""
     from types import SimpleNamespace as NS
 
-    from gss.serving import vllm_plugin
+    from gss.serving import vllm_op, vllm_plugin, vllm_settings
 
     _, art = calibrated_llama()
     for name in ("a", "b"):
@@ -132,7 +132,7 @@ def test_default_and_opt_out_choose_each_requests_slot(
     def request(name: str | None) -> Any:
         return NS(extra_args={"gss": name} if name is not None else None)
 
-    with_default, without = vllm_plugin._State(), vllm_plugin._State()
+    with_default, without = vllm_op.State(), vllm_op.State()
     with_default.load(paths, default="b")
     without.load(paths)
     slot = with_default.names
@@ -144,26 +144,26 @@ def test_default_and_opt_out_choose_each_requests_slot(
     ]
     assert [without.slot_of(request(n)) for n in (None, "none", "a")] == [-1, -1, slot["a"]]
     # where the default comes from: the engine's additional_config, else the environment
-    monkeypatch.setenv(vllm_plugin.DEFAULT_ENV, "a")
-    assert vllm_plugin.default_name(NS(additional_config={"gss_default": "b"})) == "b"
-    assert vllm_plugin.default_name(NS(additional_config={})) == "a"
-    monkeypatch.delenv(vllm_plugin.DEFAULT_ENV)
-    assert vllm_plugin.default_name(None) is None
+    monkeypatch.setenv(vllm_settings.DEFAULT_ENV, "a")
+    assert vllm_settings.default_name(NS(additional_config={"gss_default": "b"})) == "b"
+    assert vllm_settings.default_name(NS(additional_config={})) == "a"
+    monkeypatch.delenv(vllm_settings.DEFAULT_ENV)
+    assert vllm_settings.default_name(None) is None
     # configure() sets both variables, and refuses what the engine would refuse at start-up
-    monkeypatch.delenv(vllm_plugin.ENV, raising=False)
-    vllm_plugin.configure(paths, default="a")
-    assert os.environ[vllm_plugin.DEFAULT_ENV] == "a" and vllm_plugin.artifact_paths() == paths
-    vllm_plugin.configure(paths)
-    assert vllm_plugin.DEFAULT_ENV not in os.environ
-    monkeypatch.delenv(vllm_plugin.ENV)
+    monkeypatch.delenv(vllm_settings.ENV, raising=False)
+    vllm_settings.configure(paths, default="a")
+    assert os.environ[vllm_settings.DEFAULT_ENV] == "a" and vllm_settings.artifact_paths() == paths
+    vllm_settings.configure(paths)
+    assert vllm_settings.DEFAULT_ENV not in os.environ
+    monkeypatch.delenv(vllm_settings.ENV)
     for bad, default, message in (
         ({"none": paths["a"]}, None, "an artifact is named 'none'"),
         (paths, "c", "'c' is not one the server serves"),
     ):
         with pytest.raises(GSSError, match=message):
-            vllm_plugin.configure(bad, default=default)
+            vllm_settings.configure(bad, default=default)
         with pytest.raises(GSSError, match=message):
-            vllm_plugin._State().load(bad, default)
+            vllm_op.State().load(bad, default)
     # a default with no artifacts at all stops the engine rather than serve unsteered
     runner = NS(model=NS(), vllm_config=NS(additional_config={"gss_default": "a"}))
     with pytest.raises(GSSError, match="'a' is not one the server serves"):

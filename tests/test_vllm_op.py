@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import gss
-from gss.serving import vllm_plugin
+from gss.serving import vllm_op, vllm_plugin, vllm_settings
 
 from .helpers import random_ids, tiny_model
 
@@ -55,12 +55,12 @@ def state(
 ) -> Any:
     """The plugin's state serving both artifacts at LAYER (slots 0 and 1), or, parametrized
     ``"a"``, the one (slot 0: the op's form for a layer with one artifact)."""
-    state = vllm_plugin._State()
+    state = vllm_op.State()
     root: Path = artifacts["root"]
     names = getattr(request, "param", "a+b").split("+")
     state.load({name: str(root / name) for name in names})
     assert state.names == {name: slot for slot, name in enumerate(names)}
-    monkeypatch.setattr(vllm_plugin, "_STATE", state)
+    monkeypatch.setattr(vllm_op, "STATE", state)
     return state
 
 
@@ -73,7 +73,7 @@ def steer_with(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     (`gss.serving.triton_steer`; where Triton is installed, as in vLLM's environments: on CUDA,
     or on a CPU in Triton's interpreter)."""
     if request.param == "torch":
-        monkeypatch.setenv(vllm_plugin.TRITON_ENV, "0")
+        monkeypatch.setenv(vllm_settings.TRITON_ENV, "0")
         return "torch"
     pytest.importorskip("triton")
     params = getattr(request.node, "callspec", None)
@@ -83,7 +83,7 @@ def steer_with(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
         pytest.skip("the Triton kernel runs on a CPU in Triton's interpreter: TRITON_INTERPRET=1")
     if device == "cuda" and interpreted:
         pytest.skip("the Triton kernel runs in Triton's interpreter here, on CPU tensors only")
-    monkeypatch.setenv(vllm_plugin.TRITON_ENV, "1")
+    monkeypatch.setenv(vllm_settings.TRITON_ENV, "1")
     return "triton"
 
 
@@ -128,7 +128,7 @@ class _Block(torch.nn.Module):
 
 def _layer() -> torch.nn.Module:
     """The block as the plugin's install leaves it: its steered subclass, at LAYER."""
-    layer = vllm_plugin._steered_class(_Block)()
+    layer = vllm_op.steered_class(_Block)()
     layer._gss_layer = LAYER
     return layer
 
@@ -153,7 +153,7 @@ def test_each_token_gets_the_steer_of_its_slot(state, artifacts, device, with_re
     assert (hooks[0].steer_hidden(total)[0] != total).any(dim=-1).float().mean() < 1  # gates
     slots = state.buffer(n, torch.device(device))
     for pattern in _patterns(n, torch.device(device)):
-        pattern[pattern >= len(hooks)] = vllm_plugin._NO_SLOT  # a slot this state serves
+        pattern[pattern >= len(hooks)] = vllm_op.NO_SLOT  # a slot this state serves
         slots[:n].copy_(pattern)
         got = _op(hidden, residual)
         want = _expected(state, total, pattern.cpu())
@@ -363,11 +363,11 @@ def test_a_kernel_that_does_not_run_leaves_its_layer_to_torch(
     hidden = artifacts["hidden"]
     with pytest.raises(GSSError, match="GSS_VLLM_TRITON=1 but gss's Triton kernel does not run"):
         state.prepare(torch.device("cpu"), hidden.dtype, hidden.shape[0])
-    monkeypatch.setattr(vllm_plugin, "use_triton", lambda device, dtype: True)  # auto, on CUDA
-    monkeypatch.delenv(vllm_plugin.TRITON_ENV)
+    monkeypatch.setattr(vllm_op, "use_triton", lambda device, dtype: True)  # auto, on CUDA
+    monkeypatch.delenv(vllm_settings.TRITON_ENV)
     with caplog.at_level("WARNING", logger="vllm.gss"):
         state.prepare(torch.device("cpu"), hidden.dtype, hidden.shape[0])
-    assert state.kernels == {} and vllm_plugin.steer_kernels() == "torch's ops"
+    assert state.kernels == {} and vllm_op.steer_kernels() == "torch's ops"
     assert "no such PTX version" in caplog.text and "steers with torch's ops" in caplog.text
     slots = state.buffer(hidden.shape[0], torch.device("cpu"))
     slots.fill_(0)
@@ -381,17 +381,17 @@ def test_use_triton_reads_its_environment_variable(monkeypatch):
     from gss.errors import GSSError
 
     cpu = torch.device("cpu")
-    monkeypatch.delenv(vllm_plugin.TRITON_ENV, raising=False)
-    assert not vllm_plugin.use_triton(cpu, torch.float32)
-    monkeypatch.setenv(vllm_plugin.TRITON_ENV, "0")
-    assert not vllm_plugin.use_triton("cuda", torch.float32)
-    monkeypatch.setenv(vllm_plugin.TRITON_ENV, "yes")
+    monkeypatch.delenv(vllm_settings.TRITON_ENV, raising=False)
+    assert not vllm_op.use_triton(cpu, torch.float32)
+    monkeypatch.setenv(vllm_settings.TRITON_ENV, "0")
+    assert not vllm_op.use_triton("cuda", torch.float32)
+    monkeypatch.setenv(vllm_settings.TRITON_ENV, "yes")
     with pytest.raises(GSSError, match="give 0"):
-        vllm_plugin.use_triton(cpu, torch.float32)
-    monkeypatch.setenv(vllm_plugin.TRITON_ENV, "1")
+        vllm_op.use_triton(cpu, torch.float32)
+    monkeypatch.setenv(vllm_settings.TRITON_ENV, "1")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(GSSError, match="TRITON_INTERPRET=1"):
-        vllm_plugin.use_triton(cpu, torch.float32)
+        vllm_op.use_triton(cpu, torch.float32)
 
 
 def test_prepare_keeps_one_slot_buffer_and_puts_the_steers_in_place(state):
@@ -415,7 +415,7 @@ def test_fill_slots_gives_each_token_its_requests_slot(state, device):
     import numpy as np
 
     def params(name: str | None) -> Any:
-        return SimpleNamespace(extra_args=None if name is None else {vllm_plugin.EXTRA_ARG: name})
+        return SimpleNamespace(extra_args=None if name is None else {vllm_settings.EXTRA_ARG: name})
 
     requests = {"r0": params("a"), "r1": params(None), "r2": params("b"), "r3": params("none")}
     runner = SimpleNamespace(
@@ -437,7 +437,7 @@ def test_fill_slots_gives_each_token_its_requests_slot(state, device):
         runner.query_start_loc = SimpleNamespace(np=np.array(starts, dtype=np.int32))
         vllm_plugin._fill_slots(runner)
         assert state.buffer(12, torch.device(device)) is slots  # captured graphs read this one
-        expected = want + [vllm_plugin._NO_SLOT] * (12 - len(want))
+        expected = want + [vllm_op.NO_SLOT] * (12 - len(want))
         assert slots.cpu().tolist() == expected
     assert len(looked_up) == 4  # once a request: its slot is kept on it for its later steps
 
@@ -447,9 +447,9 @@ def test_fill_slots_gives_each_token_its_requests_slot(state, device):
     vllm_plugin._fill_slots(runner)
     assert slots.cpu().tolist()[:6] == [1, 0, -1, -1, -1, 7]
     state.clear()
-    assert slots.cpu().tolist() == [vllm_plugin._NO_SLOT] * 12
+    assert slots.cpu().tolist() == [vllm_op.NO_SLOT] * 12
     vllm_plugin._fill_slots(runner)
-    assert slots.cpu().tolist() == [1, 0] + [vllm_plugin._NO_SLOT] * 10
+    assert slots.cpu().tolist() == [1, 0] + [vllm_op.NO_SLOT] * 10
 
 
 def test_v1_runner_keeps_the_slots_between_forwards_and_clears_them_for_a_dummy_run(state):
@@ -460,8 +460,8 @@ def test_v1_runner_keeps_the_slots_between_forwards_and_clears_them_for_a_dummy_
 
     import numpy as np
 
-    no = vllm_plugin._NO_SLOT
-    sampling = NS(extra_args={vllm_plugin.EXTRA_ARG: "b"})
+    no = vllm_op.NO_SLOT
+    sampling = NS(extra_args={vllm_settings.EXTRA_ARG: "b"})
 
     class Runner:  # the V1 runner's methods and fields the patch uses, as stand-ins
         def __init__(self) -> None:
@@ -506,10 +506,10 @@ def test_a_steady_step_reads_no_slot_and_a_reused_request_id_is_looked_up_again(
 
     import numpy as np
 
-    no = vllm_plugin._NO_SLOT
+    no = vllm_op.NO_SLOT
 
     def request(name: str | None) -> Any:
-        return NS(sampling_params=NS(extra_args={vllm_plugin.EXTRA_ARG: name} if name else None))
+        return NS(sampling_params=NS(extra_args={vllm_settings.EXTRA_ARG: name} if name else None))
 
     class Runner:  # the V1 runner's methods and fields the patch uses, as stand-ins
         def __init__(self) -> None:
@@ -564,7 +564,7 @@ def test_model_runner_v2_keeps_each_requests_slot_from_add_to_remove(state):
     import numpy as np
 
     def new(req_id: str, name: str | None) -> Any:
-        extra = None if name is None else {vllm_plugin.EXTRA_ARG: name}
+        extra = None if name is None else {vllm_settings.EXTRA_ARG: name}
         return NS(req_id=req_id, sampling_params=NS(extra_args=extra))
 
     class Runner:  # V2's methods the patch wraps, as stand-ins
@@ -606,7 +606,7 @@ def test_model_runner_v2_keeps_each_requests_slot_from_add_to_remove(state):
     runner.add_requests(NS(scheduled_new_reqs=[new("w", "none")]))
     runner._remove_request("x")
     runner.execute_model(["y", "w", "z"], [0, 1, 2, 3])
-    no = vllm_plugin._NO_SLOT
+    no = vllm_op.NO_SLOT
     steady = [no, no, 1, no, no, no, no, no, no, no]
     assert state.slots.tolist() == steady  # kept after the forward, for the next step
     runner.execute_model([], [0], dummy_run=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gss.errors import GSSError
-from gss.serving.vllm_plugin import (
+from gss.serving.vllm_settings import (
     CONFIG_KEY,
     DEFAULT_KEY,
     NO_STEER,

@@ -1,20 +1,6 @@
-"""A vLLM general plugin that applies gss artifacts inside vLLM's model runner, per request.
-
-Setup (every vLLM process, engine and workers, reads the same environment)::
-
-    from gss.serving import vllm_plugin
-    vllm_plugin.configure({"no-leaks": "/path/to/artifact"})   # sets GSS_VLLM_ARTIFACTS
-    llm = vllm.LLM(model_dir, dtype="float32")
-    llm.generate(prompts, SamplingParams(max_tokens=32, extra_args={"gss": "no-leaks"}))
-
-and over the OpenAI server: ``gss serve --model DIR --artifact no-leaks=/path`` (vLLM's
-server with ``--additional-config '{"gss_artifacts": {"no-leaks": "/path"}}'``, see
-`gss.serving.serve` and docs/serving.md) with ``"vllm_xargs": {"gss": "no-leaks"}`` in the
-request body (``extra_body`` in the OpenAI client). A request without the ``gss`` key is not
-steered, bit for bit, unless the server has a default artifact (``gss serve --default NAME``,
-``additional_config={"gss_default": NAME}``, ``configure(..., default=NAME)``): then it is
-steered by that one, and ``{"gss": "none"}`` opts a request out. One naming an artifact the
-server does not have is refused (HTTP 400).
+"""A vLLM general plugin that applies gss artifacts inside vLLM's model runner, per request:
+vLLM's hooks. Which artifacts are served and asked for is `gss.serving.vllm_settings`
+(``configure`` is re-exported here); the steer inside the forward is `gss.serving.vllm_op`.
 
 How it works (see the notes of issue 40):
 
@@ -23,17 +9,11 @@ How it works (see the notes of issue 40):
   be patched when (and if) their modules are imported, so process0 imports nothing more; the
   patched runner steers nothing unless artifacts are configured (``GSS_VLLM_ARTIFACTS``, or
   ``additional_config={"gss_artifacts": {name: dir}}``, what ``gss serve`` passes).
-* After the runner loads the model (``load_model``), the decoder layer of each artifact's
-  block gets a subclass whose ``forward`` passes the block output through the opaque custom op
-  ``gss::vllm_steer`` (the steered output, and which tokens have an artifact) and keeps the
-  steered values on those tokens only, in traced code. vLLM's Llama-family layers return the
-  MLP output and the residual separately (their sum is the block output gss steers): a steered
-  token becomes (steered sum, 0), which the next layer's fused add-RMSNorm (or the final norm)
-  adds, and every other token keeps its two outputs, so it reaches that norm with the same bits
-  as without the plugin, in bfloat16 and compiled too. A layer returning one tensor, as GPT-2's
-  and the Transformers backend's do, has it steered as it is.
-  This is done before vLLM's warm-up, so torch.compile traces the op into its graph, and the
-  steered layers are written into ``additional_config``, which keys vLLM's compile cache.
+* After the runner loads the model (``load_model``), `install` gives the decoder layer of each
+  artifact's block the steered subclass of `gss.serving.vllm_op` (its forward calls the op
+  ``gss::vllm_steer``). This is done before vLLM's warm-up, so torch.compile traces the op into
+  its graph, and the steered layers are written into ``additional_config``, which keys vLLM's
+  compile cache.
 * Before every forward (``GPUModelRunner._model_forward``, which the CPU runner inherits) the
   runner's batch (``input_batch.req_ids`` in order, ``query_start_loc``) is turned into one
   artifact slot per token in a persistent buffer the op reads, rewritten only where a step's
@@ -45,25 +25,18 @@ How it works (see the notes of issue 40):
   the same way; its dummy runs and CUDA-graph capture clear them (`_patch_v2_runner_class`).
 * A request naming an unknown artifact is refused where vLLM validates its parameters
   (``InputProcessor._validate_params``, in the frontend), before it reaches the engine.
-* The steer itself is `gss.steering.gated.GatedSteer.steer_hidden`, the same arithmetic as
-  ``gss.steer`` on a transformers model; the op keeps it on the tokens whose slot names its
-  artifact (``torch.where``), and the token's block output unchanged elsewhere. On CUDA one
-  Triton kernel does the op's work (`gss.serving.triton_steer`, the same folded tensors;
-  ``GSS_VLLM_TRITON=0``: torch's ops): inside a CUDA graph each small kernel is a node.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.abc
 import importlib.machinery
-import json
 import logging
 import os
 import sys
-import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -71,25 +44,48 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from gss.steering.gated import resolve_device
+from gss.serving import vllm_op
+from gss.serving.vllm_settings import (
+    CONFIG_KEY,
+    DEFAULT_ENV,
+    DEFAULT_KEY,
+    ENV,
+    EXTRA_ARG,
+    NO_STEER,
+    PLUGIN_NAME,
+    TRITON_ENV,
+    V2_ENV,
+    artifact_paths,
+    check_names,
+    configure,
+    default_name,
+    steer_name,
+    unknown_name_message,
+)
 
-ENV = "GSS_VLLM_ARTIFACTS"
-"""JSON object {name: artifact directory}, or ``name=dir,name2=dir2``."""
-EXTRA_ARG = "gss"
-"""The key of ``SamplingParams.extra_args`` (``vllm_xargs`` over HTTP) naming the artifact."""
-CONFIG_KEY = "gss_artifacts"
-"""The key of vLLM's ``additional_config`` that may name the artifacts instead of ``ENV``."""
-PLUGIN_NAME = "gss"
-"""The entry point's name (what ``VLLM_PLUGINS`` lists to allow it)."""
-DEFAULT_KEY = "gss_default"
-"""The key of ``additional_config`` naming the artifact that steers requests naming none."""
-DEFAULT_ENV = "GSS_VLLM_DEFAULT"
-"""The same as an environment variable (``configure(..., default=NAME)`` sets it)."""
-TRITON_ENV = "GSS_VLLM_TRITON"
-"""``0``: the op steers with torch's ops on CUDA too; ``1``: with the Triton kernel anywhere;
-unset or ``auto``: the kernel on CUDA where Triton is (`use_triton`)."""
-NO_STEER = "none"
-"""The name a request asks for to be served unsteered, whatever the server's default."""
+__all__ = [  # the settings too, where the plugin's first users found them
+    "CONFIG_KEY",
+    "DEFAULT_ENV",
+    "DEFAULT_KEY",
+    "ENV",
+    "EXTRA_ARG",
+    "NO_STEER",
+    "PLUGIN_NAME",
+    "TRITON_ENV",
+    "V2_ENV",
+    "artifact_paths",
+    "check_names",
+    "configure",
+    "default_name",
+    "forget_batch",
+    "install",
+    "missing_hooks",
+    "register",
+    "steer_name",
+    "unknown_name_message",
+    "unsupported_layout",
+    "untested_runner",
+]
 
 _RUNNER_MODULES = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.cpu_model_runner")
 _REQUEST_MODULE = "vllm.v1.request"
@@ -106,394 +102,6 @@ _V2_HOOKS = (
     "capture_model",
 )
 _PATCHED_MODULES = (*_RUNNER_MODULES, _REQUEST_MODULE, _INPUT_MODULE, _V2_RUNNER_MODULE)
-_NO_SLOT = -1
-
-
-def configure(artifacts: Mapping[str, str | os.PathLike[str]], default: str | None = None) -> None:
-    """Name the artifacts requests may ask for, and the one (if any) that steers the requests
-    that name none, in this process's environment (which vLLM's engine and worker processes
-    inherit): call it before creating the engine."""
-    names = {str(k): str(Path(v).resolve()) for k, v in artifacts.items()}
-    check_names(names, default)
-    os.environ[ENV] = json.dumps(names)
-    if default is None:
-        os.environ.pop(DEFAULT_ENV, None)
-    else:
-        os.environ[DEFAULT_ENV] = default
-
-
-def check_names(names: Collection[str], default: str | None) -> None:
-    """Refuse an artifact named ``none`` (what a request says to opt out of the default) and a
-    default the server does not serve."""
-    from gss.errors import GSSError
-
-    if NO_STEER in names:
-        raise GSSError(
-            f"an artifact is named {NO_STEER!r}, the name a request gives to be served "
-            "unsteered: give it another name."
-        )
-    if default is not None and default not in names:
-        raise GSSError(
-            f"the default artifact (--default) {default!r} is not one the server serves "
-            f"({sorted(names)}): name one of those, or none (requests that name none are then "
-            "not steered)."
-        )
-
-
-def default_name(vllm_config: Any = None) -> str | None:
-    """The artifact that steers requests naming none: the engine's ``additional_config``
-    ``gss_default``, else ``GSS_VLLM_DEFAULT``, else None (they are not steered)."""
-    extra = getattr(vllm_config, "additional_config", None)
-    if isinstance(extra, dict) and extra.get(DEFAULT_KEY) is not None:
-        return str(extra[DEFAULT_KEY])
-    return os.environ.get(DEFAULT_ENV, "").strip() or None
-
-
-def artifact_paths(vllm_config: Any = None) -> dict[str, str]:
-    """The {name: directory} requests may ask for: ``GSS_VLLM_ARTIFACTS``, then the engine's
-    ``additional_config={"gss_artifacts": {...}}`` (``--additional-config`` of ``vllm serve``),
-    which wins for a name in both."""
-    out: dict[str, str] = {}
-    raw = os.environ.get(ENV, "").strip()
-    if raw.startswith("{"):
-        out.update({str(k): str(v) for k, v in json.loads(raw).items()})
-    elif raw:
-        for item in raw.split(","):
-            name, sep, path = item.partition("=")
-            if not sep or not name.strip() or not path.strip():
-                raise ValueError(f"{ENV} entries are name=directory, got {item!r}")
-            out[name.strip()] = path.strip()
-    extra = getattr(vllm_config, "additional_config", None)
-    if isinstance(extra, dict) and isinstance(extra.get(CONFIG_KEY), dict):
-        out.update({str(k): str(v) for k, v in extra[CONFIG_KEY].items()})
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# state shared by the runner patch and the op (one per worker process)
-
-
-class _State:
-    def __init__(self) -> None:
-        self.names: dict[str, int] = {}  # artifact name -> slot
-        self.default = _NO_SLOT  # the slot of a request that names no artifact
-        self.by_layer: dict[int, list[tuple[int, Any]]] = {}  # layer -> [(slot, GatedSteer)]
-        # layer -> [(slot, TritonSteer)] where the Triton kernel steers it (`prepare`), and
-        # the device it was built for
-        self.kernels: dict[int, list[tuple[int, Any]]] = {}
-        self.kernel_device: torch.device | None = None
-        self.slots: Tensor | None = None  # (max tokens,) int32: the slot of each token
-        # the slots `slots` holds in its first rows, as int32 bytes (every later row: none),
-        # so that a step whose tokens keep their slots (a steady decode batch) writes nothing
-        self.held = b""
-        # the step whose slots `held` are (its request ids, where each one's tokens start): a
-        # step of the same requests with as many tokens each has the same slots, unless a
-        # request came or went since (`forget_batch`; an id may come back as a new request)
-        self.batch: tuple[tuple[str, ...], bytes] | None = None
-        self.rows: np.ndarray | None = None  # host rows written into: `slots` itself on a CPU
-        self.staging: Tensor | None = None  # on CUDA: `rows` as a pinned tensor, copied from
-        self.copied: Any = None  # on CUDA: an event after the last copy out of `staging`
-        self.loaded = False
-        self.lock = threading.Lock()
-
-    def load(self, paths: Mapping[str, str], default: str | None = None) -> None:
-        """Load the artifacts (once a process): their hooks, by layer; ``default`` names the
-        one that steers requests naming none."""
-        with self.lock:
-            if self.loaded:
-                return
-            import gss
-
-            check_names(paths, default)
-            for slot, (name, path) in enumerate(sorted(paths.items())):
-                loaded = gss.load(path)
-                members: list[Any] = (
-                    list(loaded) if isinstance(loaded, gss.SteeringStack) else [loaded]
-                )
-                self.names[name] = slot
-                for art in members:
-                    hook = art.make_hook()
-                    hook.origin = art
-                    self.by_layer.setdefault(art.layer, []).append((slot, hook))
-            self.default = _NO_SLOT if default is None else self.names[default]
-            self.loaded = True
-
-    def slot_of(self, params: Any) -> int:
-        name = steer_name(params)
-        if name is None:
-            return self.default
-        if name == NO_STEER:
-            return _NO_SLOT
-        slot = self.names.get(name)
-        if slot is None:
-            from gss.errors import GSSError
-
-            raise GSSError(unknown_name_message(name, sorted(self.names)))
-        return slot
-
-    def prepare(self, device: torch.device, dtype: torch.dtype, max_tokens: int) -> None:
-        """Allocate the slot buffer and put every steer on the model's device and dtype
-        before vLLM's warm-up and CUDA-graph capture: a graph keeps reading the buffer it was
-        captured with, and a steer's first call must not allocate inside a capture."""
-        self.buffer(max_tokens, device)
-        for entries in self.by_layer.values():
-            for _, hook in entries:
-                hook.prepare(device, dtype)
-        self.kernels, self.kernel_device = {}, None
-        if use_triton(device, dtype):
-            from gss.serving.triton_steer import TritonSteer
-
-            device = resolve_device(device)
-            for layer, entries in self.by_layer.items():
-                folded = [(slot, hook.folded(device)) for slot, hook in entries]
-                if all(tensors is not None for _, tensors in folded):
-                    self.kernels[layer] = [
-                        (slot, TritonSteer(probe, offset, steer, hard=hard))
-                        for slot, (probe, offset, steer, hard) in folded
-                    ]
-            self.kernel_device = device
-            self._compile_kernels(device, dtype)
-
-    def _compile_kernels(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Launch each layer's kernels once on one token, in every form a forward may take
-        (with a residual or not), so that Triton compiles them here, before vLLM's warm-up and
-        CUDA-graph capture. A layer whose kernel does not compile or run (a Triton too old or
-        too new for it) steers with torch's ops, with a warning; with ``GSS_VLLM_TRITON=1``
-        the engine stops instead, naming the error."""
-        slots = self.slots
-        assert slots is not None
-        for layer, kernels in list(self.kernels.items()):
-            try:
-                for slot, kernel in kernels:
-                    token = torch.zeros((1, kernel.width), dtype=dtype, device=device)
-                    for residual in (None, token):
-                        kernel(token, residual, slots, slot, pass_through=len(kernels) > 1)
-            except Exception as err:  # Triton's compile and launch errors have many types
-                if triton_setting(os.environ) == "1":
-                    from gss.errors import GSSError
-
-                    raise GSSError(
-                        f"{TRITON_ENV}=1 but gss's Triton kernel does not run here ({err}): "
-                        f"unset {TRITON_ENV} to steer with torch's ops."
-                    ) from err
-                logging.getLogger("vllm.gss").warning(
-                    "gss's Triton kernel does not run here (%s): layer %d steers with torch's ops",
-                    err,
-                    layer,
-                )
-                del self.kernels[layer]
-
-    def buffer(self, size: int, device: torch.device) -> Tensor:
-        """The slot buffer, the same tensor every step (captured graphs read it), unless it
-        is too small or on another device."""
-        device = resolve_device(device)
-        slots = self.slots
-        if slots is None or slots.shape[0] < size or slots.device != device:
-            slots = torch.full((max(size, 1),), _NO_SLOT, dtype=torch.int32, device=device)
-            self.slots, self.held, self.batch = slots, b"", None
-            if slots.is_cuda:  # made here, never inside a step (nor a CUDA-graph capture)
-                self.staging = torch.empty(slots.shape, dtype=torch.int32, pin_memory=True)
-                self.rows, self.copied = self.staging.numpy(), torch.cuda.Event()
-            else:
-                self.staging, self.rows, self.copied = None, slots.numpy(), None
-        return slots
-
-    def write(self, per_token: np.ndarray, size: int, device: torch.device) -> None:
-        """Put ``per_token`` (each scheduled token's slot, in the runner's order, int32) in the
-        buffer the op reads, every later row no slot. Nothing to do where the buffer holds
-        them already (a decode batch whose requests did not change); else NumPy writes the
-        rows, and on CUDA one copy takes them from pinned memory to the device. A copy from
-        pageable memory may wait for the stream (CUDA's synchronization rules), which would
-        stall vLLM's asynchronous scheduling. Before, every step took a new pinned block, a
-        copy and two fills of the device buffer: 0.14 ms a decode step on an H200's host, 10-16%
-        of SmolLM2-135M's step (results/serve-op-share-cuda)."""
-        per_token = per_token.astype(np.int32, copy=False)
-        n = per_token.shape[0]
-        slots = self.buffer(max(n, size), device)
-        key = per_token.tobytes()  # comparing bytes: 0.05 us where np.array_equal takes 1.8
-        if key == self.held:
-            return
-        end = max(n, len(self.held) // 4)  # the rows that held slots until now get none
-        staging, rows = self.staging, self.rows
-        assert rows is not None
-        if staging is not None:
-            self.copied.synchronize()  # the last copy out of the pinned rows has run
-        rows[:n] = per_token
-        rows[n:end] = _NO_SLOT
-        if staging is not None:
-            slots[:end].copy_(staging[:end], non_blocking=True)
-            self.copied.record()
-        self.held = key
-
-    def clear(self) -> None:
-        """No slot for any token: before a dummy run (warm-up, CUDA-graph capture, an idle
-        data-parallel rank's step), which then steers nothing."""
-        self.batch = None
-        if self.slots is not None and self.held:
-            self.slots.fill_(_NO_SLOT)
-            self.held = b""
-
-    def steer(
-        self, layer: int, h: Tensor, residual: Tensor | None = None
-    ) -> tuple[Tensor, Tensor | None]:
-        """``h`` (tokens x hidden, or 1 x tokens x hidden where vLLM runs a transformers
-        model through its Transformers backend), plus ``residual`` if given, with each token
-        steered by its slot's artifact, and which tokens have an artifact at ``layer``
-        (``h.shape[:-1] + (1,)``; None where no artifact is at this layer). The rows of the
-        other tokens are undefined: the steered layer keeps its outputs there
-        (`_steered_class`). On CUDA one Triton kernel does it all (`gss.serving.triton_steer`;
-        `use_triton`), elsewhere torch's ops.
-
-        The slots are read here, inside the opaque op, not in the layer's traced code: a
-        tensor the traced code reads (a buffer or attribute of the layer) is a constant to
-        inductor when it freezes the model (vLLM's CPU runner does under ``max_autotune``),
-        and a frozen copy of the slots would steer every later step by the first one's."""
-        entries = self.by_layer.get(layer, ())
-        slots = self.slots
-        if not entries or slots is None:
-            return h, None
-        kernels = self.kernels.get(layer)
-        if kernels is not None and h.device == self.kernel_device:
-            return _triton_steer(kernels, slots, h, residual)
-        if residual is not None:
-            h = h + residual
-        out = h.reshape(-1, h.shape[-1])  # one row per token, in the runner's order
-        token_slot = slots[: out.shape[0]].unsqueeze(-1)
-        hit: Tensor | None = None
-        for slot, hook in entries:
-            mine = token_slot == slot
-            steered, _ = hook.steer_hidden(out)
-            # one artifact at the layer (the common case): no selection here, the layer's
-            # selection is the only one (a kernel less a step, in the CUDA graph too)
-            out = steered if len(entries) == 1 else torch.where(mine, steered, out)
-            hit = mine if hit is None else hit | mine
-        assert hit is not None
-        return out.view(h.shape), hit.view(*h.shape[:-1], 1)
-
-
-_STATE = _State()
-
-
-# --------------------------------------------------------------------------------------------
-# the op: opaque to dynamo / inductor, so its body runs as written under vLLM's compilation
-
-
-def steered_block_output(
-    h: Tensor, layer: int, residual: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """The block output ``h`` (``h + residual`` where a layer returns the two apart) with each
-    token steered by the artifact of its request's slot, and which tokens have an artifact at
-    ``layer`` (bool, ``h.shape[:-1] + (1,)``); the rows of the others are undefined
-    (`_State.steer`). The body of the op ``gss::vllm_steer``."""
-    steered, hit = _STATE.steer(layer, h, residual)
-    if hit is None:  # nothing to steer; a custom op may not return its input
-        return h.clone(), torch.zeros((*h.shape[:-1], 1), dtype=torch.bool, device=h.device)
-    return steered, hit  # a new tensor: the steer, the sum or torch.where made it
-
-
-@torch.library.custom_op("gss::vllm_steer", mutates_args=())
-def vllm_steer(h: Tensor, layer: int, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """`steered_block_output` as an op vLLM's compilation keeps as one opaque call."""
-    return steered_block_output(h, layer, residual)
-
-
-@vllm_steer.register_fake
-def _(h: Tensor, layer: int, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(h), h.new_empty((*h.shape[:-1], 1), dtype=torch.bool)
-
-
-def triton_setting(environ: Mapping[str, str]) -> str:
-    """``GSS_VLLM_TRITON`` as ``0``, ``1`` or ``auto`` (unset); anything else is refused."""
-    wanted = environ.get(TRITON_ENV, "auto").strip().lower()
-    if wanted not in ("0", "1", "auto"):
-        from gss.errors import GSSError
-
-        raise GSSError(
-            f"{TRITON_ENV}={wanted!r}: give 0 (the steer as torch's ops), 1 (as gss's Triton "
-            "kernel) or auto (the kernel on CUDA), or unset it."
-        )
-    return wanted
-
-
-def use_triton(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether the op steers with the Triton kernel (`gss.serving.triton_steer`): for
-    float32, bfloat16 and float16 on CUDA, where Triton is installed (vLLM's CUDA install
-    brings it); never with ``GSS_VLLM_TRITON=0`` (torch's ops then, as on a CPU); with
-    ``GSS_VLLM_TRITON=1`` on a CPU too, in Triton's interpreter (``TRITON_INTERPRET=1``: for
-    tests), and an error where Triton does not load."""
-    wanted = triton_setting(os.environ)
-    on_cuda = torch.device(device).type == "cuda"
-    if wanted == "0" or (wanted == "auto" and not on_cuda):
-        return False
-    from gss.errors import GSSError
-
-    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise GSSError(
-            f"{TRITON_ENV}=1 on a {torch.device(device).type} device: Triton runs there only "
-            f"in its interpreter (set TRITON_INTERPRET=1 too), or unset {TRITON_ENV}."
-        )
-    try:
-        from gss.serving.triton_steer import DTYPES
-    except ImportError as err:
-        if wanted == "1":
-            raise GSSError(
-                f"{TRITON_ENV}=1 but Triton does not load ({err}): install triton, or unset "
-                f"{TRITON_ENV} to steer with torch's ops."
-            ) from err
-        return False
-    return dtype in DTYPES
-
-
-def _triton_steer(
-    kernels: list[tuple[int, Any]], slots: Tensor, h: Tensor, residual: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """`_State.steer` by the Triton kernel: one launch for a layer with one artifact (the
-    sum of ``h`` and ``residual`` taken inside it); with several, each passes the rows of
-    the others through to the next, from the sum taken first."""
-    rows = h.reshape(-1, h.shape[-1])
-    if rows.shape[0] > slots.shape[0]:  # the kernel would read past the buffer
-        raise RuntimeError(
-            f"gss's vLLM op got {rows.shape[0]} tokens, more than the {slots.shape[0]} its "
-            "slot buffer was made for (the runner's max_num_tokens)"
-        )
-    extra = None if residual is None else residual.reshape(-1, residual.shape[-1])
-    if rows.stride(-1) != 1 or (extra is not None and extra.stride(-1) != 1):
-        rows = rows.contiguous()
-        extra = None if extra is None else extra.contiguous()
-    if len(kernels) == 1:
-        ((slot, kernel),) = kernels
-        out, hit = kernel(rows, extra, slots, slot)
-    else:
-        out = rows if extra is None else rows + extra
-        hits = []
-        for slot, kernel in kernels:
-            out, mine = kernel(out, None, slots, slot, pass_through=True)
-            hits.append(mine)
-        hit = torch.stack(hits).any(0)
-    return out.view(h.shape), hit.view(*h.shape[:-1], 1)
-
-
-def _steered_class(cls: type[nn.Module]) -> type[nn.Module]:
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        output = cls.forward(self, *args, **kwargs)
-        layer = self._gss_layer
-        if isinstance(output, tuple) and len(output) == 2 and output[1] is not None:
-            # steered tokens become (steered sum, 0), the others keep their two outputs bit
-            # for bit. The selection is traced: in a compiled graph an unsteered token then
-            # reaches the next layer's fused add-RMSNorm as without the plugin (a sum rounded
-            # to bfloat16, or the selection made inside the opaque op, changed it)
-            hidden, residual = output
-            steered, hit = torch.ops.gss.vllm_steer(hidden, layer, residual)
-            return torch.where(hit, steered, hidden), residual.masked_fill(hit, 0)
-        if isinstance(output, Tensor):
-            steered, hit = torch.ops.gss.vllm_steer(output, layer)
-            return torch.where(hit, steered, output)
-        raise TypeError(
-            f"gss cannot steer {cls.__name__}: it returns {type(output).__name__}, not a "
-            "tensor or (hidden_states, residual)"
-        )
-
-    return type(f"GSSSteered{cls.__name__}", (cls,), {"forward": forward})
 
 
 def _decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
@@ -592,24 +200,24 @@ def install(runner: Any) -> bool:
             "its requests would be served unsteered. It is tested on vLLM 0.32 (CPU build) and "
             "0.26 (CUDA) and read against 0.33's source: install one of those (docs/serving.md)."
         )
-    _STATE.load(paths, default)
+    vllm_op.STATE.load(paths, default)
     hf_config = runner.model_config.hf_config
     text = getattr(hf_config, "get_text_config", lambda: hf_config)()
     layers = _decoder_layers(model, int(text.num_hidden_layers))
-    for layer, entries in _STATE.by_layer.items():
+    for layer, entries in vllm_op.STATE.by_layer.items():
         for _, hook in entries:
             _check_artifact(hook.origin, model, hf_config)
         block = layers[layer]
         if type(block).__name__ == "PPMissingLayer":  # another pipeline rank holds it
             continue
         if not hasattr(block, "_gss_layer"):
-            block.__class__ = _steered_class(type(block))
+            block.__class__ = vllm_op.steered_class(type(block))
             block._gss_layer = layer  # type: ignore[assignment]
     _mark_compile_key(runner.vllm_config)
     dtype = getattr(runner.model_config, "dtype", None)
     if not isinstance(dtype, torch.dtype):
         dtype = next(model.parameters()).dtype
-    _STATE.prepare(runner.device, dtype, int(getattr(runner, "max_num_tokens", 1)))
+    vllm_op.STATE.prepare(runner.device, dtype, int(getattr(runner, "max_num_tokens", 1)))
     model._gss_installed = True
     from vllm.logger import init_logger
 
@@ -617,25 +225,16 @@ def install(runner: Any) -> bool:
     logger.info(
         "gss steers decoder layer(s) %s for the artifact(s) %s (SamplingParams.extra_args / "
         "vllm_xargs {%r: name}); a request naming none: %s; the steer runs as %s",
-        sorted(_STATE.by_layer),
-        {name: paths[name] for name in sorted(_STATE.names)},
+        sorted(vllm_op.STATE.by_layer),
+        {name: paths[name] for name in sorted(vllm_op.STATE.names)},
         EXTRA_ARG,
         "not steered" if default is None else f"steered by {default!r} ({NO_STEER!r} opts out)",
-        steer_kernels(),
+        vllm_op.steer_kernels(),
     )
     untested = untested_runner(runner)
     if untested:
         logger.warning(untested)
     return True
-
-
-def steer_kernels() -> str:
-    """What the op steers with, layer by layer, for the start-up log and benchmarks."""
-    if not _STATE.kernels:
-        return "torch's ops"
-    rest = sorted(set(_STATE.by_layer) - set(_STATE.kernels))
-    triton = f"the Triton kernel at layer(s) {sorted(_STATE.kernels)}"
-    return triton if not rest else f"{triton}, torch's ops at {rest}"
 
 
 def untested_runner(runner: Any) -> str | None:
@@ -684,8 +283,8 @@ def _mark_compile_key(vllm_config: Any) -> None:
         "version": __version__,
         # a graph compiled against another signature of the op must not be reused
         "op": str(torch.ops.gss.vllm_steer.default._schema),
-        "layers": sorted(_STATE.by_layer),
-        "names": sorted(_STATE.names),
+        "layers": sorted(vllm_op.STATE.by_layer),
+        "names": sorted(vllm_op.STATE.names),
     }  # not the default: it only changes slots, which the compiled graph reads at run time
     extra = vllm_config.additional_config
     if isinstance(extra, dict):
@@ -722,18 +321,18 @@ def _write_slots(
     27-36 us inside a real engine on a 2-core CPU, 5-8 us without (`results/serve-fill-slots/
     in-engine-*.json`), and ~0.04 ms of an H200's host (`results/serve-op-share-cuda-2`)."""
     key = (tuple(ids), starts.tobytes())
-    if key == _STATE.batch:
+    if key == vllm_op.STATE.batch:
         return
     per_token = np.repeat(per_request(), np.diff(starts))
-    _STATE.write(per_token, int(getattr(runner, "max_num_tokens", 1)), runner.device)
-    _STATE.batch = key
+    vllm_op.STATE.write(per_token, int(getattr(runner, "max_num_tokens", 1)), runner.device)
+    vllm_op.STATE.batch = key
 
 
 def forget_batch() -> None:
     """A request came or went: the next step looks its requests' slots up again, even where
     its request ids and token counts equal the last step's (vLLM takes an aborted request's id
     back for a new request)."""
-    _STATE.batch = None
+    vllm_op.STATE.batch = None
 
 
 def _request_slot(request: Any) -> int:
@@ -743,7 +342,7 @@ def _request_slot(request: Any) -> int:
     (`benchmarks/vllm_fill_slots.py`)."""
     slot: int | None = getattr(request, "_gss_slot", None)
     if slot is None:
-        slot = _STATE.slot_of(request.sampling_params)
+        slot = vllm_op.STATE.slot_of(request.sampling_params)
         with contextlib.suppress(AttributeError):  # a state that takes no new attribute
             request._gss_slot = slot
     return slot
@@ -787,18 +386,11 @@ def _patch_runner_class(cls: type) -> None:
         dummy_run = cls.__dict__["_dummy_run"]
 
         def patched_dummy_run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            _STATE.clear()
+            vllm_op.STATE.clear()
             return dummy_run(self, *args, **kwargs)
 
         setattr(cls, "_dummy_run", patched_dummy_run)  # noqa: B010
     setattr(cls, "_gss_patched", True)  # noqa: B010
-
-
-def steer_name(params: Any) -> str | None:
-    """The artifact name a request's SamplingParams ask for (None: not steered)."""
-    extra = getattr(params, "extra_args", None) or {}
-    name = extra.get(EXTRA_ARG)
-    return None if name is None else str(name)
 
 
 def _patch_request_class(cls: type) -> None:
@@ -821,16 +413,6 @@ def _patch_request_class(cls: type) -> None:
 
     setattr(cls, "from_engine_core_request", classmethod(from_engine_core_request))  # noqa: B010
     setattr(cls, "_gss_patched", True)  # noqa: B010
-
-
-def unknown_name_message(name: str, names: Sequence[str]) -> str:
-    """Why a request asking for the artifact ``name`` is refused, where ``names`` are served."""
-    served = f"the engine serves {sorted(names)}" if names else "the engine serves none"
-    return (
-        f"the request asks for the gss artifact {name!r} (extra_args / vllm_xargs "
-        f"{{{EXTRA_ARG!r}: ...}}), but {served}: ask for one of those, or for {NO_STEER!r} "
-        "(not steered)."
-    )
 
 
 def _patch_input_processor_class(cls: type) -> None:
@@ -891,8 +473,6 @@ def _patch_module(module: ModuleType) -> None:
             _patch_runner_class(cls)
 
 
-V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
-"""vLLM's switch between its model runners (``0``: the V1 runner, ``1``: Model Runner V2)."""
 V2_ON_CUDA = (
     "gss steers this engine through vLLM's Model Runner V2: on a GPU its tokens have equalled "
     "transformers', but in eager mode its unsteered log-probs differed from vLLM without the "
@@ -925,7 +505,7 @@ def _patch_v2_runner_class(cls: type) -> None:
         if getattr(self.model, "_gss_installed", False):
             slots = self.__dict__.setdefault("_gss_slots", {})
             for new in scheduler_output.scheduled_new_reqs:
-                slots[new.req_id] = _STATE.slot_of(new.sampling_params)
+                slots[new.req_id] = vllm_op.STATE.slot_of(new.sampling_params)
         if scheduler_output.scheduled_new_reqs:
             forget_batch()
         return result
@@ -950,11 +530,11 @@ def _patch_v2_runner_class(cls: type) -> None:
 
     def execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("dummy_run"):  # how V2's _dummy_run calls it (0.26 to 0.33)
-            _STATE.clear()
+            vllm_op.STATE.clear()
         return original["execute_model"](self, *args, **kwargs)
 
     def capture_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _STATE.clear()  # V2's CUDA-graph capture calls the model itself, with dummy batches
+        vllm_op.STATE.clear()  # V2's CUDA-graph capture calls the model itself, with dummy batches
         return original["capture_model"](self, *args, **kwargs)
 
     hooks: tuple[Any, ...] = (
