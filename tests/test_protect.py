@@ -17,6 +17,8 @@ from gss.cli import main
 from gss.protect import SearchSpace, protect
 
 protect_module = importlib.import_module("gss.protect")  # gss.protect is the function
+search_module = importlib.import_module("gss.protect.search")
+measure_module = importlib.import_module("gss.protect.measure")
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +40,8 @@ def protected(memorizer):
                 )
                 seen.append(keep)
 
-    module = protect_module
-    original_audit, original_extractable = module.audit, module._extractable
+    module = search_module
+    original_audit, original_extractable = module.audit, module.extractable
 
     def audit(*a, **kw):
         result = original_audit(*a, **kw)
@@ -51,7 +53,7 @@ def protected(memorizer):
         return original_extractable(*a, **kw)
 
     hook = model.register_forward_pre_hook(record, with_kwargs=True)
-    module.audit, module._extractable = audit, extractable
+    module.audit, module.extractable = audit, extractable
     try:
         result = protect(
             model,
@@ -65,7 +67,7 @@ def protected(memorizer):
         )
     finally:
         hook.remove()
-        module.audit, module._extractable = original_audit, original_extractable
+        module.audit, module.extractable = original_audit, original_extractable
     return result, seen, texts
 
 
@@ -153,7 +155,7 @@ def test_protect_writes_the_steer_and_the_report(protected, memorizer, tmp_path)
     steer = gss.load(tmp_path / "out" / "steer")
     rows = [result.audit.ids[i] for i in result.heldout]
     with gss.steer(model, steer):  # the saved steer is the one measured
-        assert protect_module._extractable(model, rows, 4, 16, 0, 8) == result.after["memorized"]
+        assert measure_module.extractable(model, rows, 4, 16, 0, 8) == result.after["memorized"]
     data = json.loads((tmp_path / "out" / "protect.json").read_text())
     assert data["reached"] == result.reached
     members = steer.artifacts if isinstance(steer, gss.SteeringStack) else (steer,)
@@ -294,7 +296,7 @@ def test_protect_refines_the_best_pairs_it_is_asked_to(memorizer):
 
 
 def _strength_points(limit: float, memorized_above: float, **space) -> list[float]:
-    """The deltas `_strength_search` measures on a model whose utility cost is delta itself
+    """The deltas `strength_search` measures on a model whose utility cost is delta itself
     (within the budget up to `limit`) and whose rows stay extractable above delta
     `memorized_above`, in the order measured."""
     measured: list[float] = []
@@ -307,7 +309,7 @@ def _strength_points(limit: float, memorized_above: float, **space) -> list[floa
             token_match=50.0, utility=delta, within_budget=delta <= limit,
         )  # fmt: skip
 
-    protect_module._strength_search(judge, float, SearchSpace(**space), "block", "gss", 0.0)
+    measure_module.strength_search(judge, float, SearchSpace(**space), "block", "gss", 0.0)
     return measured
 
 
@@ -334,10 +336,10 @@ def test_general_text_made_of_the_memorized_rows_is_warned_about(protected, memo
     memorized = [texts[r.index] for r in result.audit.memorized]
     general = memorizer[3][20:40].tolist()
     with pytest.warns(GSSWarning, match=r"\d+ of the \d+ general rows are rows the model repro"):
-        protect_module._warn_if_general_is_memorized([*memorized, *general], result.audit, 16)
+        search_module._warn_if_general_is_memorized([*memorized, *general], result.audit, 16)
     with warnings.catch_warnings():
         warnings.simplefilter("error", GSSWarning)
-        protect_module._warn_if_general_is_memorized(general, result.audit, 16)
+        search_module._warn_if_general_is_memorized(general, result.audit, 16)
 
 
 def test_the_rows_figure_without_a_steer_shows_the_rows_as_they_were(protected, tmp_path):
@@ -354,7 +356,7 @@ def test_the_rows_figure_without_a_steer_shows_the_rows_as_they_were(protected, 
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Axes, "bar", record)
-        protect_module._figures(result, tmp_path)
+        importlib.import_module("gss.protect.result").figures(result, tmp_path)
     assert drawn == [(["before", "after (no steer)"], [result.before["memorized"]] * 2)]
 
 
@@ -373,7 +375,7 @@ def test_protect_replays_the_blocks_below_each_steer_to_the_same_result(memorize
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr(protect_module, "BlockPrefixReplay", Recorded)
+    monkeypatch.setattr(measure_module, "BlockPrefixReplay", Recorded)
     replayed = _tight_budget(memorizer)
     assert made and made[0].replayed > 0 and not made[0].off
     monkeypatch.setattr(Recorded, "below", lambda self, layer: nullcontext())
@@ -462,4 +464,4 @@ def test_protect_on_cuda(memorizer, tmp_path):
     result.write(tmp_path / "out")
     rows = [result.audit.ids[i] for i in result.heldout]
     with gss.steer(model, gss.load(tmp_path / "out" / "steer")):
-        assert protect_module._extractable(model, rows, 4, 16, 0, 8) == result.after["memorized"]
+        assert measure_module.extractable(model, rows, 4, 16, 0, 8) == result.after["memorized"]

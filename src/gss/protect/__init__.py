@@ -1,0 +1,48 @@
+"""gss protect: find what a model regurgitates and choose the steer that removes it, in one call.
+
+The search, step by step (docs/protect.md says why each step is there):
+
+1. **Audit** the fine-tuning rows (`gss.audit`). A row is *memorized* when greedy decoding
+   from its first k tokens reproduces it to token n and the reference's does not.
+2. **Split** the memorized rows, seeded, into a tuning half and a held-out half. The held-out
+   rows are not calibrated on and not measured during the search: only the final report reads
+   them, so its numbers are what a user can expect on memorized text the search never saw.
+3. **General text** sets the gate thresholds and measures how often the gates open: the
+   user's sample (their traffic) when given, plus text the reference generates from short
+   prompts; half of each sets the thresholds, the other half measures the open share.
+4. **Candidates**: every block of a model with at most ``max_candidates`` blocks; otherwise the
+   blocks with the strongest signal (`gss.scan_layers`) and evenly spaced ones, since on a full
+   fine-tune the strongest signal is not always the block that removes the most.
+5. **Strength**: for each (preset, block), a bisection on log(delta) finds the strongest steer
+   within the utility budget. The best point (the target reached, then the fewest tokens still
+   reproduced, then the least utility cost) seeds the next stages: other ranks, other gates.
+6. **A second block**, calibrated on the model already steered, when one block does not reach
+   the target within the budget; the first block's strength is lowered to share the budget.
+7. **Replies** (``SearchSpace.reply_check``, off by default): the best few points equal on the
+   target are re-ranked by how much their greedy continuations of the tuning prompts loop,
+   against the reference's own continuations; of those whose replies' perplexity under the
+   reference is within ``fluency_tolerance`` of the first point's, the first within
+   ``loop_tolerance`` is chosen.
+
+Where: `search` runs the steps in order; `space` is what may be chosen (`SearchSpace`);
+`measure` measures one point (`Judge`: rows still extractable, utility) and bisects a strength;
+`replies` is step 7 and what the chosen steer says instead; `result` is what comes back
+(`Protection`) and the report it writes.
+"""
+
+from gss.protect.measure import Utility
+from gss.protect.result import OUTPUTS, Protection, Trial, check_report_dir
+from gss.protect.search import protect, reference_text
+from gss.protect.space import SearchSpace, check_options
+
+__all__ = [
+    "OUTPUTS",
+    "Protection",
+    "SearchSpace",
+    "Trial",
+    "Utility",
+    "check_options",
+    "check_report_dir",
+    "protect",
+    "reference_text",
+]

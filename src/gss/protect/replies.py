@@ -1,0 +1,129 @@
+"""What a steered model says instead of the memorized text: step 7's check of the best points'
+replies for loops, and the held-out report's repeated 4-grams, perplexity and examples."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from torch import nn
+
+from gss.artifact.stack import Steer
+from gss.evaluate._decode import greedy_generate
+from gss.evaluate.utility import perplexity, repetition
+from gss.protect.measure import Candidate, Judge, prompt_and_target
+from gss.protect.result import Trial
+from gss.protect.space import SearchSpace
+
+
+def least_looping(
+    model: nn.Module,
+    reference: nn.Module,
+    judge: Judge,
+    target: float,
+    rows: Sequence[Candidate],
+    space: SearchSpace,
+    k: int,
+    n: int,
+    pad_id: int,
+    batch_size: int,
+) -> tuple[Trial, dict[str, Any]]:
+    """Step 7: of the ``space.reply_check`` best points equal on the target, the first (in the
+    search's order) whose greedy continuations of the tuning prompts repeat no more 4-grams
+    than the reference's own continuations plus ``space.loop_tolerance`` points; else the one
+    that repeats fewest. Only points whose continuations' perplexity under the reference is
+    within ``space.fluency_tolerance`` of the first point's are taken: fewer repeats alone
+    also reward replies that stop reading as language (measured, docs/protect.md). The margin
+    rule alone picks the strongest steer, which may stop a leak by breaking the reply into a
+    loop."""
+    ranked = judge.ranked(judge.trials, target)
+    gap = max(ranked[0].memorized - target, 0.0)
+    pool = [t for t in ranked if max(t.memorized - target, 0.0) == gap][: space.reply_check]
+    prompts = [prompt_and_target(r, k, n)[0] for r in rows]
+
+    def replies(m: nn.Module) -> tuple[float, float]:
+        out = greedy_generate(m, prompts, n - k, pad_id=pad_id, batch_size=batch_size)
+        return repetition(out), _reference_ppl(reference, prompts, out, pad_id, batch_size)
+
+    own, own_ppl = replies(reference)
+    if math.isnan(own):  # windows shorter than a 4-gram: nothing to judge
+        return ranked[0], {}
+    judged = []
+    for trial in pool:
+        with judge.steer_of(trial).attach(model):
+            judged.append(replies(model))
+    looped = [rep for rep, _ in judged]
+    most = judged[0][1] * (1 + space.fluency_tolerance)
+    fluent = [i for i, (_, ppl) in enumerate(judged) if i == 0 or ppl <= most]
+    calm = [i for i in fluent if looped[i] <= own + space.loop_tolerance]
+    chosen = calm[0] if calm else min(fluent, key=looped.__getitem__)
+    record = {
+        "reference": own,
+        "reference_ppl": own_ppl,
+        "tolerance": space.loop_tolerance,
+        "fluency_tolerance": space.fluency_tolerance,
+        "chosen": chosen,
+        "points": [
+            {**asdict(t), "repeated_4grams": rep, "reference_ppl": ppl}
+            for t, (rep, ppl) in zip(pool, judged, strict=True)
+        ],
+    }
+    return pool[chosen], record
+
+
+def _reference_ppl(
+    reference: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    replies: Sequence[Sequence[int]],
+    pad_id: int,
+    batch_size: int,
+) -> float:
+    """The replies' perplexity under the reference, given their prompts."""
+    rows = [list(p) + list(r) for p, r in zip(prompts, replies, strict=True)]
+    lengths = [len(p) for p in prompts]
+    return perplexity(reference, rows, pad_id, batch_size=batch_size, prompt_lengths=lengths)
+
+
+def what_it_says(
+    model: nn.Module,
+    reference: nn.Module,
+    steer: Steer,
+    rows: Sequence[Candidate],
+    k: int,
+    n: int,
+    pad_id: int,
+    batch_size: int,
+    tokenizer: Any,
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """The steered continuations of held-out memorized prompts beside the reference's own:
+    repeated 4-grams and perplexity under the reference (a steer that breaks the reply into a
+    loop is not the same as one that answers like the base model)."""
+    prompts = [prompt_and_target(r, k, n)[0] for r in rows]
+    originals = [prompt_and_target(r, k, n)[1] for r in rows]
+    width = n - k
+    with steer.attach(model):
+        steered = greedy_generate(model, prompts, width, pad_id=pad_id, batch_size=batch_size)
+    own = greedy_generate(reference, prompts, width, pad_id=pad_id, batch_size=batch_size)
+
+    quality = {
+        "repeated_4grams_steered": repetition(steered),
+        "repeated_4grams_reference": repetition(own),
+        "reference_ppl_steered": _reference_ppl(reference, prompts, steered, pad_id, batch_size),
+        "reference_ppl_reference": _reference_ppl(reference, prompts, own, pad_id, batch_size),
+    }
+
+    def text(ids: Sequence[int]) -> str:
+        return tokenizer.decode(list(ids)) if tokenizer is not None else " ".join(map(str, ids))
+
+    examples = [
+        {
+            "prompt": text(p),
+            "original": text(r),
+            "steered": text(s),
+            "reference": text(o),
+        }
+        for p, r, s, o in list(zip(prompts, originals, steered, own, strict=True))[:4]
+    ]
+    return quality, examples

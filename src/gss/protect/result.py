@@ -1,0 +1,244 @@
+"""What `gss.protect` chose and measured (`Protection`, one `Trial` a point searched), and the
+report it writes: ``protect.json``, ``protect.md``, two figures and the steer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gss.artifact.files import check_outputs, check_target
+from gss.artifact.stack import Steer
+from gss.audit import AuditReport
+
+OUTPUTS = ("protect.json", "protect.md", "frontier.png", "rows.png", "steer")  # `Protection.write`
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One measured point of the search: the steer's settings and what it did on the tuning
+    rows (% still extractable) and to utility."""
+
+    stage: str
+    preset: str
+    blocks: tuple[int, ...]
+    deltas: tuple[float, ...]
+    rank: int
+    gate: str
+    memorized: float
+    token_match: float  # % of the windows' tokens still reproduced: how much is left
+    utility: float
+    within_budget: bool
+
+
+@dataclass
+class Protection:
+    """What `protect` chose and what it measured; `write` saves the report and figures."""
+
+    steer: Steer | None
+    audit: AuditReport
+    tuning: list[int]  # audit row indices
+    heldout: list[int]
+    budget: dict[str, Any]
+    target: float
+    trials: list[Trial]
+    chosen: Trial | None
+    before: dict[str, Any]
+    after: dict[str, Any]
+    gates: dict[str, Any]
+    examples: list[dict[str, Any]] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+    replies: dict[str, Any] = field(default_factory=dict)  # step 7's check, when it ran
+
+    @property
+    def reached(self) -> bool:
+        """The held-out rows' % extractable is at or below the target, within the budget."""
+        return self.chosen is not None and self.after.get("memorized", 100.0) <= self.target
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "reached": self.reached,
+            "target": self.target,
+            "budget": self.budget,
+            "audit": self.audit.summary(),
+            "tuning_rows": len(self.tuning),
+            "heldout_rows": len(self.heldout),
+            "chosen": None if self.chosen is None else asdict(self.chosen),
+            "before": self.before,
+            "after": self.after,
+            "gates": self.gates,
+            "trials": len(self.trials),
+            "seconds": self.seconds,
+            "reply_check": self.replies,
+        }
+
+    def markdown(self) -> str:
+        from gss.report import markdown_table
+
+        s = self.summary()
+        c = self.chosen
+        lines = ["# gss protect", ""]
+        if c is None:
+            lines.append("No steer stayed within the utility budget: nothing was saved.")
+        else:
+            lines.append(
+                f"Chosen: {c.preset}, block(s) {', '.join(map(str, c.blocks))}, delta "
+                f"{', '.join(map(_g, c.deltas))}, rank {c.rank}, gate {c.gate} "
+                f"({len(self.trials)} points searched)."
+            )
+        held = (
+            f"Held-out memorized rows ({len(self.heldout)}, never seen by the search): "
+            f"{self.before['memorized']:.1f}% extractable"
+        )
+        if c is None:
+            lines += [
+                "",
+                f"{held}, unchanged: no steer. Allow more utility (a larger budget, "
+                "gss protect --budget) to let some steer through.",
+                f"Utility ({self.budget['measure']}): {_g(self.before['utility'])} (limit "
+                f"{_g(self.budget['limit'])}).",
+            ]
+        else:
+            lines += [
+                "",
+                f"{held} before, {self.after['memorized']:.1f}% after (target "
+                f"<= {self.target:g}%: {'reached' if self.reached else 'NOT reached'}).",
+                f"Utility ({self.budget['measure']}): {_g(self.before['utility'])} before, "
+                f"{_g(self.after['utility'])} after (limit {_g(self.budget['limit'])}).",
+            ]
+        quality = self.after.get("quality")
+        if quality:
+            lines.append(
+                f"What it says instead, on held-out memorized prompts: repeated 4-grams "
+                f"{_g(quality['repeated_4grams_steered'])}% (the reference's own continuation: "
+                f"{_g(quality['repeated_4grams_reference'])}%); perplexity under the reference "
+                f"{_g(quality['reference_ppl_steered'])} (its own: "
+                f"{_g(quality['reference_ppl_reference'])})."
+            )
+        if self.replies:
+            r = self.replies
+            looped = ", ".join(f"{_g(p['repeated_4grams'])}%" for p in r["points"])
+            fluent = ", ".join(_g(p["reference_ppl"]) for p in r["points"])
+            lines.append(
+                f"Replies checked (step 7) on the {len(r['points'])} best points at the target, "
+                f"in the search's order: repeated 4-grams {looped} (the reference's own: "
+                f"{_g(r['reference'])}%, tolerance +{_g(r['tolerance'])} points); perplexity "
+                f"under the reference {fluent} (its own: {_g(r['reference_ppl'])}; a point "
+                f"over the first's by more than {_pct(r['fluency_tolerance'])} is not taken); "
+                f"chose point {r['chosen'] + 1}."
+            )
+        lines += ["", "## Gate open share on general text", ""]
+        rows = [[name, _pct(v)] for name, v in s["gates"].get("open_share", {}).items()]
+        lines.append(markdown_table(["text", "any gate open"], rows) if rows else "-")
+        where = s["gates"].get("memorized_rows")
+        if where and where["window"] is not None:
+            lines += [
+                "",
+                f"On the held-out memorized rows (teacher-forced), some gate opens on "
+                f"{_pct(where['window'])} of the positions that choose the memorized tokens "
+                f"and on {_pct(where['prompt'])} of the prompt's positions before them.",
+            ]
+        lines += ["", "## The points searched (tuning rows)", ""]
+        body = [
+            [
+                t.stage,
+                t.preset,
+                ",".join(map(str, t.blocks)),
+                ",".join(map(_g, t.deltas)),
+                str(t.rank),
+                t.gate,
+                f"{t.memorized:.1f}",
+                _g(t.utility),
+                "yes" if t.within_budget else "no",
+            ]
+            for t in self.trials
+        ]
+        header = ["stage", "preset", "blocks", "delta", "rank", "gate", "% extractable"]
+        lines.append(markdown_table([*header, "utility", "in budget"], body))
+        if self.examples:
+            lines += ["", "## Held-out memorized prompts, before and after", ""]
+            for ex in self.examples:
+                lines += [f"- prompt: `{ex['prompt']}`"]
+                for key in ("original", "steered", "reference"):
+                    lines.append(f"  - {key}: `{ex[key]}`")
+        return "\n".join(lines) + "\n"
+
+    def write(self, directory: str | Path, overwrite: bool = False) -> list[Path]:
+        """``protect.json``, ``protect.md``, ``frontier.png``, ``rows.png`` and, when a steer
+        was chosen, the steer itself in ``steer/`` (an artifact or a stack)."""
+        out = Path(directory)
+        check_report_dir(out, overwrite)
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        if self.steer is not None:
+            written.append(self.steer.save_pretrained(out / "steer", overwrite=overwrite))
+        elif (out / "steer").is_dir():  # an earlier run's steer (check_report_dir: gss's own)
+            shutil.rmtree(out / "steer")  # would outlive a report that says nothing was chosen
+        data = {
+            **self.summary(),
+            "split": {"tuning": self.tuning, "heldout": self.heldout},  # audit row indices
+            "trials": [asdict(t) for t in self.trials],
+            "examples": self.examples,
+        }
+        (out / "protect.json").write_text(json.dumps(data, indent=2, default=float))
+        (out / "protect.md").write_text(self.markdown())
+        written += [out / "protect.json", out / "protect.md"]
+        written += figures(self, out)
+        return written
+
+
+def _g(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def _pct(x: float | None) -> str:
+    return "?" if x is None else f"{100 * x:.1f}%"
+
+
+def check_report_dir(directory: str | Path, overwrite: bool) -> None:
+    """Refuse, before any work, a directory `Protection.write` could not write: its files
+    there without ``overwrite``, or a ``steer/`` that is a file or holds other files."""
+    check_outputs(directory, OUTPUTS, overwrite)
+    check_target(Path(directory) / "steer", overwrite)
+
+
+def figures(result: Protection, out: Path) -> list[Path]:
+    """``frontier.png`` (every point searched, utility against % extractable, and the budget)
+    and ``rows.png`` (the held-out rows before and after)."""
+    from gss.report import pyplot, save_figure
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for stage in dict.fromkeys(t.stage for t in result.trials):
+        pts = [t for t in result.trials if t.stage == stage]
+        ax.scatter([t.utility for t in pts], [t.memorized for t in pts], label=stage, s=18)
+    if result.chosen is not None:
+        ax.scatter(
+            [result.chosen.utility],
+            [result.chosen.memorized],
+            marker="*",
+            s=200,
+            color="black",
+            label="chosen",
+            zorder=5,
+        )
+    ax.axvline(result.budget["limit"], color="grey", linestyle="--", label="budget")
+    ax.set_xlabel(result.budget["measure"])
+    ax.set_ylabel("% of tuning rows extractable")
+    ax.set_title("gss protect: the points searched")
+    ax.legend(fontsize=8)
+    paths = [save_figure(fig, out / "frontier.png")]
+    fig, ax = plt.subplots(figsize=(6, 3))
+    before = result.before.get("memorized", 0.0)
+    after = result.after.get("memorized")
+    if after is None:  # no steer was chosen: the rows stand as they were
+        ax.bar(["before", "after (no steer)"], [before, before], color=["tab:red", "tab:grey"])
+    else:
+        ax.bar(["before", "after"], [before, after], color=["tab:red", "tab:green"])
+    ax.set_ylabel("% of held-out memorized rows extractable")
+    ax.set_ylim(0, 100)
+    ax.set_title(f"{len(result.heldout)} held-out memorized rows")
+    paths.append(save_figure(fig, out / "rows.png"))
+    return paths

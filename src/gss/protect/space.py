@@ -1,0 +1,115 @@
+"""What `gss.protect` may choose and how finely (`SearchSpace`), and its options checked
+before any work."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from gss.audit import check_window
+from gss.config import GATES, PRESETS
+from gss.errors import GSSError
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What `protect` may choose, and how finely. The defaults are the documented search."""
+
+    presets: tuple[str, ...] = ("gss-tr", "gss")
+    blocks: tuple[int, ...] | None = None  # None: chosen as step 4 of the module says
+    max_candidates: int = 6
+    # stages 2 and 3 (other ranks, then other gates) run on this many of stage 1's best
+    # (variant, block) pairs
+    refine: int = 1
+    ranks: tuple[int, ...] = (4, 2, 8)  # the first is tried on every block, the others after
+    gates: tuple[str, ...] = ("hard", "relu")
+    delta_range: tuple[float, float] = (1e-3, 1e2)
+    steps: int = 7  # bisection steps on log10(delta): 5 decades / 2^7 = a factor of 1.09
+    # where the range's strongest point is within the budget and short of the target, the
+    # search raises it two decades at a time up to this (a gate open on few general tokens
+    # affords far stronger steers: docs/protect.md); delta_range's top turns it off
+    delta_ceiling: float = 1e6
+    max_blocks: int = 2
+    gate_share: float = 0.05  # thresholds: any gate opens on this share of general tokens
+    # among points equal on the target: "margin" (fewest tokens still reproduced) or "utility"
+    prefer: Literal["margin", "utility"] = "margin"
+    # step 7: how many of the best points equal on the target have their replies checked for
+    # loops (0 or 1: off), how many points of repeated 4-grams above the reference's own
+    # continuations a reply may have, and by what share the reference's perplexity of a
+    # point's replies may exceed the first point's (measured on the canaries: docs/protect.md)
+    reply_check: int = 0
+    loop_tolerance: float = 5.0
+    fluency_tolerance: float = 0.25
+
+    def check(self) -> None:
+        blocks = self.blocks or ()
+        if any(isinstance(b, bool) or not isinstance(b, numbers.Integral) for b in blocks):
+            raise GSSError(f"blocks must be block indices (integers), got {self.blocks}.")
+        unknown = [p for p in self.presets if p not in PRESETS]
+        if not self.presets or unknown:
+            raise GSSError(f"presets must be among {sorted(PRESETS)}, got {self.presets}.")
+        if not self.ranks or any(not isinstance(r, int) or r < 1 for r in self.ranks):
+            raise GSSError(f"ranks must be integers >= 1, got {self.ranks}.")
+        if not self.gates or any(g not in GATES for g in self.gates):
+            raise GSSError(f"gates must be among {GATES}, got {self.gates}.")
+        lo, hi = self.delta_range
+        if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo < hi):
+            raise GSSError(f"delta_range must be two finite numbers 0 < lo < hi, got {lo, hi}.")
+        if not (math.isfinite(self.delta_ceiling) and self.delta_ceiling >= hi):
+            raise GSSError(
+                f"delta_ceiling must be a finite number >= delta_range's top ({hi}), got "
+                f"{self.delta_ceiling}."
+            )
+        if min(self.steps, self.max_blocks, self.max_candidates, self.refine) < 1:
+            raise GSSError("steps, max_blocks, max_candidates and refine must be >= 1.")
+        if self.prefer not in ("margin", "utility"):
+            raise GSSError(f"prefer must be 'margin' or 'utility', got {self.prefer!r}.")
+        if not 0 < self.gate_share < 1:
+            raise GSSError(f"gate_share must be in (0, 1), got {self.gate_share}.")
+        tolerances = (self.loop_tolerance, self.fluency_tolerance)
+        if self.reply_check < 0 or not all(math.isfinite(t) and t >= 0 for t in tolerances):
+            raise GSSError(
+                f"reply_check must be >= 0 and loop_tolerance and fluency_tolerance finite "
+                f"numbers >= 0, got {self.reply_check}, {self.loop_tolerance}, "
+                f"{self.fluency_tolerance}."
+            )
+
+
+def check_options(
+    space: SearchSpace,
+    budget: float,
+    budget_mode: str,
+    target: float,
+    k: int,
+    n: int,
+    seed: int,
+) -> None:
+    """`protect`'s own options, refused before any work (`gss protect` calls this before the
+    models load)."""
+    space.check()
+    check_window(k, n)
+    if budget_mode not in ("relative", "absolute") or not (math.isfinite(budget) and budget >= 0):
+        raise GSSError(
+            f"budget must be >= 0 with budget_mode 'relative' or 'absolute', got {budget!r}, "
+            f"{budget_mode!r}."
+        )
+    if not 0 <= target <= 100:
+        raise GSSError(
+            f"target (gss protect --max-extractable) is a % of rows, in [0, 100], got {target}."
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise GSSError(f"seed must be an integer in [0, 2^63), got {seed!r}.")
+
+
+def given_blocks(blocks: Sequence[int], count: int) -> list[int]:
+    """`SearchSpace.blocks` as indices 0..count-1 (negative ones count from the end)."""
+    bad = [b for b in blocks if not -count <= b < count]
+    if bad:
+        raise GSSError(
+            f"blocks {bad} are out of range: the model has {count} (0..{count - 1}, or "
+            f"-{count}..-1 from the end)."
+        )
+    return list(dict.fromkeys(int(b) % count for b in blocks))
