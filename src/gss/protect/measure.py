@@ -20,9 +20,9 @@ from gss.protect.space import SearchSpace
 from gss.steering.explain import explain
 
 Utility = Callable[[nn.Module], float]
-
-
-Candidate = list[int] | tuple[list[int], list[int]]  # a row, or a (prompt, reply) pair
+"""``utility(model) -> float``, lower is better (perplexity by default)."""
+Candidate = list[int] | tuple[list[int], list[int]]
+"""A row an extraction reads: token ids, or a (prompt, reply) pair."""
 
 
 def utility_value(utility: Utility, model: nn.Module, name: str, finite: bool = True) -> float:
