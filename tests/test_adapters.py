@@ -209,7 +209,7 @@ def test_an_artifact_of_the_fine_tune_is_refused_on_its_base(models):
 def test_the_sampled_adapter_weights_are_the_merged_weights(arch):
     """The fingerprint reads a LoRA's delta at the sampled entries only; they equal the merged
     model's weights there."""
-    from gss.artifact.steering_artifact import _block_weights, _plus_adapters
+    from gss.artifact.fingerprint import _block_weights, _plus_adapters
     from gss.hf.blocks import find_decoder_blocks
 
     targets = ["c_attn", "c_fc"] if arch == "gpt2" else TARGETS

@@ -17,7 +17,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from gss import distributed
-from gss.artifact.steering_artifact import Provenance, SteeringArtifact, model_fingerprint
+from gss.artifact.fingerprint import model_fingerprint
+from gss.artifact.steering_artifact import Provenance, SteeringArtifact
 from gss.config import DEFAULT_PRESET, CalibrationConfig, resolve
 from gss.data import TextsOrIds
 from gss.errors import GSSError

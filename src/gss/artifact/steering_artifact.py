@@ -10,13 +10,12 @@ are in `gss.artifact.hub`.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -27,175 +26,15 @@ from gss.artifact import describe as summary
 from gss.artifact import hub
 from gss.artifact.card import model_card
 from gss.artifact.files import CONFIG_NAME, STACK_NAME, TENSORS_NAME, sha256_of, write_atomically
+from gss.artifact.fingerprint import fingerprint_differences, model_fingerprint
 from gss.config import CalibrationConfig
 from gss.errors import GSSError, GSSWarning
-from gss.hf.blocks import find_decoder_blocks, residual_width, resolve_layer
-from gss.hf.forward import check_models, input_embedding_values, vocab_size
-from gss.hf.quantization import is_quantized_weight
+from gss.hf.blocks import resolve_layer
+from gss.hf.forward import check_models
 from gss.steering.attach import SteerHandle, register, warn_if_steering
 from gss.steering.gated import GatedSteer, count_real_tokens
 
-if TYPE_CHECKING:
-    from typing_extensions import Buffer
-
 FORMAT_VERSION = 2  # 1: options and measurements in one flat dict (still read)
-_SAMPLE = 8  # embedding sample: _SAMPLE x _SAMPLE entries
-
-
-def model_fingerprint(model: nn.Module, block_path: str | None = None) -> dict[str, Any]:
-    """Identify a model by shape and by a sample of its input embedding.
-
-    The sample is compared with a tolerance, so the same weights in float32, bfloat16 or
-    float16 match, while another model does not.
-    """
-    emb = input_embedding_values(model).detach()
-    rows = torch.linspace(0, emb.shape[0] - 1, _SAMPLE).long().to(emb.device)
-    cols = torch.linspace(0, emb.shape[1] - 1, _SAMPLE).long().to(emb.device)
-    sample = emb[rows][:, cols].float().cpu()
-    hash_rows = torch.linspace(0, emb.shape[0] - 1, min(256, emb.shape[0])).long().to(emb.device)
-    sampled = emb[hash_rows].to(torch.bfloat16).view(torch.int16).cpu().numpy()
-    # numpy's stubs declare the buffer protocol of arrays only for Python >= 3.12
-    digest = hashlib.sha256(cast("Buffer", sampled))
-    config = getattr(model, "config", None)
-    return {
-        "architecture": type(model).__name__,
-        "model_type": getattr(config, "model_type", None),
-        "name_or_path": getattr(config, "_name_or_path", None) or None,
-        "hidden_size": residual_width(model),
-        "num_layers": len(find_decoder_blocks(model, block_path)),
-        "vocab_size": vocab_size(model),
-        "embedding_sample": [round(v, 6) for v in sample.flatten().tolist()],
-        "embedding_hash": digest.hexdigest()[:16],
-        "blocks_sample": blocks_sample(model, block_path),
-    }
-
-
-_BLOCK_SAMPLE = 16  # weights read from each of a block's first two weight tensors
-
-
-def blocks_sample(model: nn.Module, block_path: str | None = None) -> list[dict[str, Any]]:
-    """A few weights of every decoder block, as bfloat16 bit patterns: a fine-tune of the same
-    base changes some block (its embeddings may stay as they were), while the same weights in
-    float32, bfloat16 or float16 round to the same bfloat16 values. Blocks whose weights are
-    not in memory (offloaded to the meta device) or are stored quantized (their values are the
-    model's, rounded further) record nothing, so a steer calibrated on the full weights
-    attaches to the same model quantized, and back."""
-    out: list[dict[str, Any]] = []
-    for block in find_decoder_blocks(model, block_path):
-        named = [w for w in _block_weights(block) if w[1].numel() >= _BLOCK_SAMPLE][:2]
-        entry: dict[str, Any] = {"names": [n for n, _, _ in named], "bits": []}
-        for _, weight, adapters in named:
-            if weight.device.type == "meta" or is_quantized_weight(weight):
-                entry = {"names": [], "bits": []}
-                break
-            index = torch.linspace(0, weight.numel() - 1, _BLOCK_SAMPLE).long().to(weight.device)
-            plain = weight.detach().reshape(-1)[index]
-            values = plain if adapters is None else _plus_adapters(adapters, weight, index, plain)
-            if values is None:
-                entry = {"names": [], "bits": []}
-                break
-            bits = values.to(torch.bfloat16).view(torch.int16).cpu().tolist()
-            entry["bits"].extend(int(b) for b in bits)
-        out.append(entry)
-    return out
-
-
-def _block_weights(block: nn.Module) -> list[tuple[str, Tensor, Any]]:
-    """A block's parameters under the names of the merged model, each with the PEFT adapter
-    layer (LoRA, ...) that wraps it, or None: inside such a layer its base layer's,
-    ``q_proj.base_layer.weight`` read as ``q_proj.weight``, and not the adapter's own; so a
-    fine-tune with adapters and the same fine-tune merged sample the same tensors."""
-    tuners = {name: m for name, m in block.named_modules() if _adapter_layer(m)}
-    out: list[tuple[str, Tensor, Any]] = []
-    for name, weight in block.named_parameters():
-        owner = next((t for t in tuners if name.startswith(f"{t}.")), None)
-        if owner is None:
-            out.append((name, weight, None))
-        elif name.startswith(f"{owner}.base_layer."):
-            layer = tuners[owner]
-            wrapped = layer if getattr(layer.base_layer, "weight", None) is weight else None
-            out.append((f"{owner}.{name[len(owner) + len('.base_layer.') :]}", weight, wrapped))
-    return out
-
-
-def _adapter_layer(module: nn.Module) -> bool:
-    """A PEFT tuner layer (it wraps the model's own layer as ``base_layer``)."""
-    return hasattr(module, "base_layer") and hasattr(module, "active_adapters")
-
-
-@torch.no_grad()
-def _plus_adapters(layer: Any, weight: Tensor, index: Tensor, values: Tensor) -> Tensor | None:
-    """`values` (`weight` at the flat `index`) as the block computes them: plus the delta
-    of each active, unmerged adapter of its PEFT `layer` (switched off: as they are). A
-    fine-tune with a LoRA then samples as its merged model does, and as its base model does
-    not. A plain LoRA's delta ``scale * B @ A`` is read at the sampled entries alone (B's rows
-    dotted with A's columns): the whole product would cost a matrix of the weight's size per
-    block at every attach. None where an active adapter is not merged by adding a delta (IA3
-    scales activations, DoRA rescales the sum): nothing to compare."""
-    if getattr(layer, "disable_adapters", False):
-        return values
-    merged = set(getattr(layer, "merged_adapters", ()))
-    names = getattr(layer, "adapter_layer_names", ())  # e.g. ("lora_A", "lora_B", ...)
-    own = getattr(layer, names[0], {}) if names else {}
-    active: list[str] = list(getattr(layer, "active_adapters", ()))
-    for adapter in active:
-        if adapter in merged or adapter not in own:
-            continue  # merged already, or not an adapter of this layer
-        variant = adapter in getattr(layer, "lora_variant", {})  # newer peft
-        if variant or getattr(layer, "use_dora", {}).get(adapter, False):  # older peft: DoRA
-            return None  # merged otherwise than by adding a delta (DoRA, ...)
-        a, b = _lora_weight(layer, "lora_A", adapter), _lora_weight(layer, "lora_B", adapter)
-        if weight.dim() == 2 and a is not None and b is not None and a.dim() == b.dim() == 2:
-            rows, cols = index // weight.shape[1], index % weight.shape[1]
-            if getattr(layer, "fan_in_fan_out", False):  # weight stored (in, out)
-                rows, cols = cols, rows
-            delta = (b.float()[rows] * a.float()[:, cols].T).sum(-1) * layer.scaling[adapter]
-        elif callable(getattr(layer, "get_delta_weight", None)):
-            delta = layer.get_delta_weight(adapter).reshape(-1)[index]
-        else:
-            return None  # no delta to add (IA3, ...)
-        values = values + delta.to(values.dtype)
-    return values
-
-
-def _lora_weight(layer: Any, name: str, adapter: str) -> Tensor | None:
-    """The weight of `layer`'s LoRA matrix `name` (``lora_A``/``lora_B``) for `adapter`."""
-    modules = getattr(layer, name, None)
-    if modules is None or adapter not in modules:
-        return None
-    weight = getattr(modules[adapter], "weight", None)
-    return weight if isinstance(weight, Tensor) else None
-
-
-def fingerprint_differences(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
-    """Human-readable list of what differs between two fingerprints (empty if they match)."""
-    diffs = []
-    for key in ("model_type", "hidden_size", "num_layers", "vocab_size"):
-        if expected.get(key) != actual.get(key):
-            diffs.append(f"{key}: artifact {expected.get(key)!r}, model {actual.get(key)!r}")
-    a = torch.tensor(expected.get("embedding_sample", []))
-    b = torch.tensor(actual.get("embedding_sample", []))
-    if a.shape == b.shape and a.numel():
-        rel = float((a - b).norm() / a.norm().clamp_min(1e-12))
-        if rel > 2e-2:
-            diffs.append(f"input embeddings differ (relative difference {rel:.3f} on a sample)")
-    changed = []
-    for i, (ours, theirs) in enumerate(
-        zip(expected.get("blocks_sample", []), actual.get("blocks_sample", []), strict=False)
-    ):
-        # compared where both read the same tensors (not across an adapter wrapper)
-        if ours.get("names") != theirs.get("names") or not ours.get("bits"):
-            continue
-        pairs = list(zip(ours["bits"], theirs.get("bits", []), strict=False))
-        equal = sum(a == b for a, b in pairs) / max(len(pairs), 1)
-        if equal < 0.9:
-            changed.append(i)
-    if changed:
-        diffs.append(
-            f"the weights of decoder block(s) {changed} differ from the model the artifact was "
-            "calibrated on (a sample of each), as another fine-tune of the same base would"
-        )
-    return diffs
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ def model_config(model: str) -> Any:
 def check_model(model: str, config: Any, loaded: Mapping[str, Any]) -> None:
     """Each artifact was calibrated for a model of ``config``'s type and shape (the plugin
     compares a sample of the weights too, when the engine has loaded them)."""
-    from gss.artifact.steering_artifact import fingerprint_differences
+    from gss.artifact.fingerprint import fingerprint_differences
 
     if config is None:
         return

@@ -117,7 +117,7 @@ def _decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
 
 def _check_artifact(art: Any, model: nn.Module, hf_config: Any) -> None:
     """The artifact's model fingerprint against the vLLM model, where it can be read."""
-    from gss.artifact.steering_artifact import _SAMPLE, fingerprint_differences
+    from gss.artifact.fingerprint import embedding_sample, fingerprint_differences
     from gss.errors import GSSError
 
     expected = art.provenance.fingerprint
@@ -133,11 +133,7 @@ def _check_artifact(art: Any, model: nn.Module, hf_config: Any) -> None:
     weight = getattr(embed, "weight", None)
     vocab = actual["vocab_size"]
     if isinstance(weight, Tensor) and vocab and weight.shape[0] >= vocab:  # not sharded
-        emb = weight[:vocab].detach()
-        rows = torch.linspace(0, emb.shape[0] - 1, _SAMPLE).long().to(emb.device)
-        cols = torch.linspace(0, emb.shape[1] - 1, _SAMPLE).long().to(emb.device)
-        sample = emb[rows][:, cols].float().cpu()
-        actual["embedding_sample"] = [round(v, 6) for v in sample.flatten().tolist()]
+        actual["embedding_sample"] = embedding_sample(weight[:vocab].detach())
     diffs = fingerprint_differences(expected, actual) if expected else []
     if diffs:
         raise GSSError(
