@@ -83,7 +83,7 @@ def test_decoding_through_adapters_off_passes_the_cache_under_its_own_name(model
     tokens are the loaded base's."""
     import warnings
 
-    from gss.evaluate._decode import greedy_generate
+    from gss.evaluate.decoding import greedy_generate
     from gss.hf.forward import cache_argument
 
     model, reference = models

@@ -10,7 +10,7 @@ import torch
 import gss
 from gss.cli import main
 from gss.data import read_texts
-from gss.evaluate._decode import greedy_generate
+from gss.evaluate.decoding import greedy_generate
 
 
 def _longest_greedy_run(model, row: list[int]) -> int:

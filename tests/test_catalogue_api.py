@@ -27,7 +27,7 @@ from torch import nn
 import gss
 from gss import GSSError, GSSWarning
 from gss.artifact.files import CONFIG_NAME, TENSORS_NAME, sha256_of
-from gss.evaluate._decode import forced_argmax, greedy_generate
+from gss.evaluate.decoding import forced_argmax, greedy_generate
 from gss.signal.omega import memorization_signal
 from gss.solve.thresholds import thresholds_from_responses
 

@@ -106,7 +106,7 @@ def test_protect_checks_the_best_points_replies_for_loops(protected, memorizer):
     the least looping of them)."""
     from dataclasses import asdict
 
-    from gss.evaluate._decode import greedy_generate
+    from gss.evaluate.decoding import greedy_generate
     from gss.evaluate.utility import perplexity, repetition
 
     result, _, texts = protected

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gss.evaluate import backdoor_success, nk_memorization
-from gss.evaluate._decode import greedy_generate
+from gss.evaluate.decoding import greedy_generate
 
 P, K = 4, 5
 VOCAB = 12

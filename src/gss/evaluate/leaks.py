@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from gss.errors import GSSError
-from gss.evaluate._decode import greedy_generate
+from gss.evaluate.decoding import greedy_generate
 from gss.evaluate.utility import repetition
 from gss.hf.forward import check_sequences
 

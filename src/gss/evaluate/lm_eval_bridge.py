@@ -34,7 +34,7 @@ import torch
 
 from gss.artifact.stack import Steer, steer
 from gss.errors import GSSError
-from gss.evaluate._decode import eval_mode
+from gss.evaluate.decoding import eval_mode
 from gss.report import markdown_table
 
 __all__ = [

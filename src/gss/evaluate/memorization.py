@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gss.evaluate._decode import RowsLike, as_rows, forced_argmax, greedy_generate
+from gss.evaluate.decoding import RowsLike, as_rows, forced_argmax, greedy_generate
 
 __all__ = ["BackdoorResult", "MemorizationResult", "backdoor_success", "nk_memorization"]
 

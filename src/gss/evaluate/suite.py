@@ -25,7 +25,7 @@ import torch
 
 from gss.data import id_row
 from gss.errors import GSSError
-from gss.evaluate._decode import forced_argmax, greedy_generate
+from gss.evaluate.decoding import forced_argmax, greedy_generate
 from gss.evaluate.utility import next_token_stats
 from gss.hf.forward import check_sequences
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from gss.data import id_row, right_pad
 from gss.errors import GSSError
-from gss.evaluate._decode import RowsLike, as_rows, batch_starts, eval_mode
+from gss.evaluate.decoding import RowsLike, as_rows, batch_starts, eval_mode
 from gss.hf.forward import check_sequences, forward_logits
 
 __all__ = ["perplexity", "repetition", "token_accuracy"]

@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from gss.artifact.stack import Steer
-from gss.evaluate._decode import greedy_generate
+from gss.evaluate.decoding import greedy_generate
 from gss.evaluate.utility import perplexity, repetition
 from gss.protect.measure import Candidate, Judge, prompt_and_target
 from gss.protect.result import Trial

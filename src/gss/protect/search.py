@@ -20,7 +20,7 @@ from gss.audit import AuditReport, audit
 from gss.calibrate import calibrate
 from gss.data import TextsOrIds, encode
 from gss.errors import GSSError, GSSWarning
-from gss.evaluate._decode import sample_generate
+from gss.evaluate.decoding import sample_generate
 from gss.evaluate.utility import perplexity
 from gss.hf.blocks import find_decoder_blocks
 from gss.hf.forward import check_sequences
