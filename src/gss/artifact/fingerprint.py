@@ -157,6 +157,18 @@ def _lora_weight(layer: Any, name: str, adapter: str) -> Tensor | None:
     return weight if isinstance(weight, Tensor) else None
 
 
+def config_fingerprint(config: Any) -> dict[str, Any]:
+    """The shape fields of a fingerprint as a model's config gives them (a server that has the
+    config, not the module: `gss serve`, vLLM); `fingerprint_differences` compares them."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    return {
+        "model_type": getattr(config, "model_type", None),
+        "hidden_size": getattr(text, "hidden_size", None),
+        "num_layers": getattr(text, "num_hidden_layers", None),
+        "vocab_size": getattr(text, "vocab_size", None),
+    }
+
+
 def fingerprint_differences(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
     """Human-readable list of what differs between two fingerprints (empty if they match)."""
     diffs = []

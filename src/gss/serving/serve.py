@@ -120,17 +120,11 @@ def model_config(model: str) -> Any:
 def check_model(model: str, config: Any, loaded: Mapping[str, Any]) -> None:
     """Each artifact was calibrated for a model of ``config``'s type and shape (the plugin
     compares a sample of the weights too, when the engine has loaded them)."""
-    from gss.artifact.fingerprint import fingerprint_differences
+    from gss.artifact.fingerprint import config_fingerprint, fingerprint_differences
 
     if config is None:
         return
-    text = getattr(config, "get_text_config", lambda: config)()
-    actual = {
-        "model_type": getattr(config, "model_type", None),
-        "hidden_size": getattr(text, "hidden_size", None),
-        "num_layers": getattr(text, "num_hidden_layers", None),
-        "vocab_size": getattr(text, "vocab_size", None),
-    }
+    actual = config_fingerprint(config)
     for name, steer in loaded.items():
         for art in list(getattr(steer, "artifacts", None) or [steer]):
             expected = {k: art.provenance.fingerprint.get(k) for k in actual}

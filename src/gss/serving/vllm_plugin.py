@@ -117,18 +117,15 @@ def _decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
 
 def _check_artifact(art: Any, model: nn.Module, hf_config: Any) -> None:
     """The artifact's model fingerprint against the vLLM model, where it can be read."""
-    from gss.artifact.fingerprint import embedding_sample, fingerprint_differences
+    from gss.artifact.fingerprint import (
+        config_fingerprint,
+        embedding_sample,
+        fingerprint_differences,
+    )
     from gss.errors import GSSError
 
     expected = art.provenance.fingerprint
-    text = getattr(hf_config, "get_text_config", lambda: hf_config)()
-    actual: dict[str, Any] = {
-        "model_type": getattr(hf_config, "model_type", None),
-        "hidden_size": getattr(text, "hidden_size", None),
-        "num_layers": getattr(text, "num_hidden_layers", None),
-        "vocab_size": getattr(text, "vocab_size", None),
-        "embedding_sample": [],
-    }
+    actual: dict[str, Any] = {**config_fingerprint(hf_config), "embedding_sample": []}
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     weight = getattr(embed, "weight", None)
     vocab = actual["vocab_size"]
@@ -196,11 +193,12 @@ def install(runner: Any) -> bool:
             "its requests would be served unsteered. It is tested on vLLM 0.32 (CPU build) and "
             "0.26 (CUDA) and read against 0.33's source: install one of those (docs/serving.md)."
         )
-    vllm_op.STATE.load(paths, default)
+    state = vllm_op.STATE  # the process's state, read once here
+    state.load(paths, default)
     hf_config = runner.model_config.hf_config
     text = getattr(hf_config, "get_text_config", lambda: hf_config)()
     layers = _decoder_layers(model, int(text.num_hidden_layers))
-    for layer, entries in vllm_op.STATE.by_layer.items():
+    for layer, entries in state.by_layer.items():
         for _, hook in entries:
             _check_artifact(hook.origin, model, hf_config)
         block = layers[layer]
@@ -213,7 +211,7 @@ def install(runner: Any) -> bool:
     dtype = getattr(runner.model_config, "dtype", None)
     if not isinstance(dtype, torch.dtype):
         dtype = next(model.parameters()).dtype
-    vllm_op.STATE.prepare(runner.device, dtype, int(getattr(runner, "max_num_tokens", 1)))
+    state.prepare(runner.device, dtype, int(getattr(runner, "max_num_tokens", 1)))
     model._gss_installed = True
     from vllm.logger import init_logger
 
@@ -221,8 +219,8 @@ def install(runner: Any) -> bool:
     logger.info(
         "gss steers decoder layer(s) %s for the artifact(s) %s (SamplingParams.extra_args / "
         "vllm_xargs {%r: name}); a request naming none: %s; the steer runs as %s",
-        sorted(vllm_op.STATE.by_layer),
-        {name: paths[name] for name in sorted(vllm_op.STATE.names)},
+        sorted(state.by_layer),
+        {name: paths[name] for name in sorted(state.names)},
         EXTRA_ARG,
         "not steered" if default is None else f"steered by {default!r} ({NO_STEER!r} opts out)",
         vllm_op.steer_kernels(),
@@ -275,12 +273,13 @@ def _mark_compile_key(vllm_config: Any) -> None:
     it, or a steer at other layers). Done in the worker before the first compiled call."""
     from gss import __version__
 
+    state = vllm_op.STATE
     mark = {
         "version": __version__,
         # a graph compiled against another signature of the op must not be reused
         "op": str(torch.ops.gss.vllm_steer.default._schema),
-        "layers": sorted(vllm_op.STATE.by_layer),
-        "names": sorted(vllm_op.STATE.names),
+        "layers": sorted(state.by_layer),
+        "names": sorted(state.names),
     }  # not the default: it only changes slots, which the compiled graph reads at run time
     extra = vllm_config.additional_config
     if isinstance(extra, dict):
@@ -316,12 +315,13 @@ def _write_slots(
     in the buffer. Reading every request's slot and repeating it per token cost a steady step
     27-36 us inside a real engine on a 2-core CPU, 5-8 us without (`results/serve-fill-slots/
     in-engine-*.json`), and ~0.04 ms of an H200's host (`results/serve-op-share-cuda-2`)."""
+    state = vllm_op.STATE  # one lookup a step (benchmarks and tests swap it)
     key = (tuple(ids), starts.tobytes())
-    if key == vllm_op.STATE.batch:
+    if key == state.batch:
         return
     per_token = np.repeat(per_request(), np.diff(starts))
-    vllm_op.STATE.write(per_token, int(getattr(runner, "max_num_tokens", 1)), runner.device)
-    vllm_op.STATE.batch = key
+    state.write(per_token, int(getattr(runner, "max_num_tokens", 1)), runner.device)
+    state.batch = key
 
 
 def forget_batch() -> None:
