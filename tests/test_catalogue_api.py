@@ -26,7 +26,8 @@ from torch import nn
 
 import gss
 from gss import GSSError, GSSWarning
-from gss.artifact.files import CONFIG_NAME, TENSORS_NAME, sha256_of
+from gss.artifact.files import sha256_of
+from gss.artifact.names import CONFIG_NAME, TENSORS_NAME
 from gss.evaluate.decoding import forced_argmax, greedy_generate
 from gss.signal.omega import memorization_signal
 from gss.solve.thresholds import thresholds_from_responses

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from gss.artifact.stack import Steer
     from gss.artifact.steering_artifact import SteeringArtifact
 
-CARD_NAME = "README.md"
 TAGS = ("gss", "steering", "memorization")
 _SEAL = re.compile(r"<!-- gss model card, sha256 ([0-9a-f]{64}) of the text above[^\n]*-->\n?\Z")
 # a Hub id as a card's base_model: "org/name" (a local path is not one)

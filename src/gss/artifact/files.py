@@ -20,13 +20,9 @@ import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from gss.artifact.card import CARD_NAME, card_is_generated
+from gss.artifact.card import card_is_generated
+from gss.artifact.names import ARTIFACT_FILES, CARD_NAME, CONFIG_NAME, STACK_NAME
 from gss.errors import GSSError, GSSWarning
-
-CONFIG_NAME = "gss_config.json"
-TENSORS_NAME = "gss_tensors.safetensors"
-ARTIFACT_FILES = (CONFIG_NAME, TENSORS_NAME)
-STACK_NAME = "gss_stack.json"  # a SteeringStack: this manifest and one artifact per steer-<i>
 
 
 def sha256_of(path: Path) -> str:

@@ -25,8 +25,9 @@ from gss import __version__
 from gss.artifact import describe as summary
 from gss.artifact import hub
 from gss.artifact.card import model_card
-from gss.artifact.files import CONFIG_NAME, STACK_NAME, TENSORS_NAME, sha256_of, write_atomically
+from gss.artifact.files import sha256_of, write_atomically
 from gss.artifact.fingerprint import fingerprint_differences, model_fingerprint
+from gss.artifact.names import CONFIG_NAME, STACK_NAME, TENSORS_NAME
 from gss.config import CalibrationConfig
 from gss.errors import GSSError, GSSWarning
 from gss.hf.blocks import resolve_layer

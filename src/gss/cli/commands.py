@@ -222,7 +222,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_push(args: argparse.Namespace) -> int:
-    from gss.artifact.card import CARD_NAME, card_is_generated
+    from gss.artifact.card import card_is_generated
+    from gss.artifact.names import CARD_NAME
     from gss.artifact.stack import load
 
     directory = Path(args.artifact)

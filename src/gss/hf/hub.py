@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from safetensors import SafetensorError
 
+from gss.artifact.names import CONFIG_NAME, STACK_NAME
 from gss.errors import GSSError
 
 __all__ = [
@@ -140,14 +141,6 @@ class ModelSource:
         return self.name + (f" (revision {self.revision!r})" if self.revision else "")
 
 
-def artifact_files() -> tuple[str, str]:
-    """The files that mark a gss artifact's (or stack's) repo; imported here, not at the top:
-    gss.artifact imports this module."""
-    from gss.artifact.files import CONFIG_NAME, STACK_NAME
-
-    return CONFIG_NAME, STACK_NAME
-
-
 def download_command(repo_id: str, revision: str | None = None) -> str:
     """The command that puts the whole repo ``repo_id`` (at ``revision``) in the Hub cache."""
     return f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
@@ -191,7 +184,7 @@ def resolve(repo_id: str, revision: str | None = None) -> ModelSource:
             adapter_file = fetch("adapter_config.json")
             # nor that: a gss artifact's repo, given where a model goes?
             steer = adapter_file is None and any(
-                fetch(name) is not None for name in artifact_files()
+                fetch(name) is not None for name in (CONFIG_NAME, STACK_NAME)
             )
     except Exception as e:  # huggingface_hub's and the HTTP client's errors, said in one line
         raise GSSError(hub_error(e, repo_id, revision)) from None
