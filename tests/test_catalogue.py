@@ -603,13 +603,13 @@ def test_bad_input_is_one_line(root, capsys, offline, name):
 def test_bad_options_fail_before_any_model_loads(root, capsys, monkeypatch, name):
     """Each of these is known from the flags, data files or artifact alone: the error comes
     before a model loads (on a real model, minutes)."""
-    import gss.cli.commands as commands
+    import gss.cli.inputs as inputs
 
     def no_loading(*_, **__):
         raise AssertionError("a model loaded before the bad input was refused")
 
-    monkeypatch.setattr(commands, "load_model", no_loading)
-    monkeypatch.setattr(commands, "load_reference", no_loading)
+    monkeypatch.setattr(inputs, "load_model", no_loading)
+    monkeypatch.setattr(inputs, "load_reference", no_loading)
     argv, message = CASES[name]
     code = _run([a.format(root=root) for a in argv])
     err = capsys.readouterr().err
@@ -617,24 +617,24 @@ def test_bad_options_fail_before_any_model_loads(root, capsys, monkeypatch, name
 
 
 def test_ctrl_c_is_one_line(monkeypatch, capsys):
-    import gss.cli.commands as commands
+    import gss.cli.artifacts as artifacts
 
     def interrupted(_):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(commands, "_cmd_show", interrupted)
+    monkeypatch.setattr(artifacts, "show_command", interrupted)
     assert main(["show", "anything"]) == 130
     assert capsys.readouterr().err == "gss: interrupted\n"
 
 
 def test_a_reader_that_leaves_is_no_error(monkeypatch, capsys):
     """`gss ... | head -1`: the pipe closes under the command, which stops without a trace."""
-    import gss.cli.commands as commands
+    import gss.cli.artifacts as artifacts
 
     def reader_left(_):
         raise BrokenPipeError
 
-    monkeypatch.setattr(commands, "_cmd_show", reader_left)
+    monkeypatch.setattr(artifacts, "show_command", reader_left)
     assert main(["show", "anything"]) == 141
     assert capsys.readouterr().err == ""
 

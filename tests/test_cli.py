@@ -586,8 +586,8 @@ def test_a_stray_world_size_is_one_message(tmp_path, monkeypatch, capsys):
 def test_protect_goal_flag_and_its_old_name(capsys):
     """gss protect's goal is --max-extractable; --target, its old name (calibrate's --target is
     g's objective), still works, with a warning, and not beside the new name."""
-    from gss.cli.commands import _max_extractable
     from gss.cli.parser import build_parser
+    from gss.cli.protection import _max_extractable
     from gss.errors import GSSError, GSSWarning
 
     argv = ["protect", "--model", "m", "--reference", "r", "--data", "d", "--out", "o"]

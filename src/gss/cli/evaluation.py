@@ -1,0 +1,270 @@
+"""`gss evaluate` and `gss sweep`: memorization, perplexity and lm-eval's tasks, steered against
+unsteered, and the strength trade-off."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gss.artifact.files import check_outputs, check_target
+from gss.cli.inputs import check_delta, load_model_and_tokenizer, read_rows, resolve_max_length
+from gss.cli.options import parse_floats
+from gss.errors import GSSError
+
+if TYPE_CHECKING:
+    from gss.artifact.stack import Steer
+    from gss.evaluate.inputs import EvaluationRows, SecretsCheck
+
+# what `gss evaluate` and `gss sweep` run on: the model, its tokenizer, the artifact (None
+# without --steer), the rows and the secrets check (None when no row has secrets)
+EvaluationInputs = tuple[Any, Any, "Steer | None", "EvaluationRows", "SecretsCheck | None"]
+
+
+def _steered_model(args: argparse.Namespace) -> tuple[Any, Any, Steer | None]:
+    """Model, tokenizer and artifact (None without --steer), checked against each other
+    (`gss evaluate --lm-eval` without --memorized needs no more)."""
+    from gss.artifact.stack import load
+
+    artifact = load(args.steer) if args.steer else None
+    if artifact is not None:
+        check_delta(artifact, getattr(args, "delta", None))
+    model, tokenizer = load_model_and_tokenizer(args)
+    resolve_max_length(args, model)
+    if artifact is not None:
+        artifact.check_model(model)  # refuse a foreign artifact before the slow part
+    return model, tokenizer, artifact
+
+
+def _evaluation_inputs(args: argparse.Namespace) -> EvaluationInputs:
+    """Model, tokenizer, artifact (None without --steer), the rows to evaluate on and the
+    secrets check (None when no --memorized row has secrets), for `gss evaluate` and
+    `gss sweep`."""
+    from gss.evaluate.inputs import evaluation_rows, secrets_check
+
+    memorized = read_rows(args, "--memorized", main=True)  # rows keep their secrets
+    heldout = read_rows(args, "--heldout", keep_rows=False)  # both before the model loads
+    model, tokenizer, artifact = _steered_model(args)
+    window = {"k": args.k, "n": args.n, "reply": args.reply}
+    rows = evaluation_rows(memorized, heldout, tokenizer, max_length=args.max_length, **window)
+    progress = not args.no_progress
+    check = secrets_check(
+        memorized, tokenizer, batch_size=args.batch_size, progress=progress, **window
+    )
+    return model, tokenizer, artifact, rows, check
+
+
+def _report(args: argparse.Namespace, result: Any, headline: str, stem: str) -> None:
+    """Print a comparison of `gss evaluate` (its headline, table and gate share) and, with
+    --out, write it as ``STEM.json`` and ``STEM.md``."""
+    from gss.report import write_json
+
+    table = result.table()
+    gates = (
+        ""
+        if result.gate_open_share is None
+        else f"(the gate opened on {100 * result.gate_open_share:.1f}% of positions)\n"
+    )
+    text = f"{headline}\n\n{table}" + (f"\n{gates}" if gates else "")
+    print(text, end="")
+    if args.out:
+        out = Path(args.out)
+        write_json(out / f"{stem}.json", result.record(args.model, args.steer))
+        (out / f"{stem}.md").write_text(text)  # what was printed
+        print(f"wrote {out}/{stem}.json and {stem}.md")
+
+
+def evaluate_command(args: argparse.Namespace) -> int:
+    from gss.audit import check_window
+    from gss.evaluate.compare import evaluate_steering
+
+    lm_eval = args.lm_eval is not None
+    memorization = not lm_eval or args.memorized is not None or args.heldout is not None
+    if memorization and (args.memorized is None or args.heldout is None):
+        raise GSSError(
+            "give --memorized and --heldout (memorization and held-out perplexity), "
+            "--lm-eval TASKS (lm-eval tasks), or both"
+            if args.memorized is None and args.heldout is None
+            else f"--memorized and --heldout go together: give --"
+            f"{'heldout' if args.heldout is None else 'memorized'} too."
+        )
+    outputs = ["evaluation.json", "evaluation.md"] if memorization else []
+    outputs += ["lm_eval.json", "lm_eval.md"] if lm_eval else []
+    check_outputs(args.out, outputs, args.overwrite)
+    if args.delta is not None and args.steer is None:
+        raise GSSError("--delta sets the steer's strength: give --steer DIR with it.")
+    tasks = _lm_eval_tasks(args)  # None without --lm-eval; checked before any model loads
+    if memorization:
+        check_window(args.k, args.n)  # before the model loads
+    if not memorization:
+        model, tokenizer, artifact = _steered_model(args)
+        return _lm_eval_command(args, model, tokenizer, artifact, tasks)
+    model, tokenizer, artifact, rows, check = _evaluation_inputs(args)
+    result = evaluate_steering(
+        model,
+        artifact,
+        rows,
+        delta=args.delta,
+        secrets=check,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+    )
+    _report(args, result, result.headline(), "evaluation")
+    if tasks is not None:
+        return _lm_eval_command(args, model, tokenizer, artifact, tasks)
+    return 0
+
+
+def _lm_eval_tasks(args: argparse.Namespace) -> Any:
+    """--lm-eval's tasks checked (lm-eval installed, every name known, the settings valid),
+    or None without --lm-eval: all before any model loads."""
+    from gss.evaluate.lm_eval_bridge import check_settings, lm_eval_tasks
+
+    given = [
+        f for f in ("include", "limit", "fewshot") if getattr(args, f"lm_eval_{f}") is not None
+    ]
+    if args.lm_eval is None:
+        if given:
+            raise GSSError(
+                f"--lm-eval-{given[0]} is for --lm-eval: name the tasks (--lm-eval TASKS), "
+                "or leave it out."
+            )
+        return None
+    check_settings(args.lm_eval_limit, args.lm_eval_fewshot)  # before int(): inf, NaN
+    limit = args.lm_eval_limit
+    if limit is not None and limit >= 1 and limit == int(limit):
+        args.lm_eval_limit = int(limit)  # a count of documents, recorded as one
+    return lm_eval_tasks(args.lm_eval, args.lm_eval_include)
+
+
+def _lm_eval_command(
+    args: argparse.Namespace, model: Any, tokenizer: Any, artifact: Steer | None, tasks: Any
+) -> int:
+    """`gss evaluate --lm-eval`: the tasks unsteered and steered, printed and saved."""
+    from gss.evaluate.lm_eval_bridge import lm_eval_steering
+
+    result = lm_eval_steering(
+        model,
+        artifact,
+        tasks,
+        tokenizer=tokenizer,
+        limit=args.lm_eval_limit,
+        num_fewshot=args.lm_eval_fewshot,
+        batch_size=args.batch_size,
+        delta=args.delta,
+        progress=not args.no_progress,
+    )
+    _report(args, result, f"lm-eval: {', '.join(result.tasks)}", "lm_eval")
+    return 0
+
+
+def sweep_command(args: argparse.Namespace) -> int:
+    from gss.artifact.stack import SteeringStack, load
+    from gss.artifact.steering_artifact import SteeringArtifact
+    from gss.data import encode
+    from gss.evaluate.compare import sweep_and_select
+    from gss.evaluate.sweep import check_grid, check_tolerance
+    from gss.report import write_json
+
+    check_outputs(args.out, ["sweep.json", "sweep.md", "sweep.png"], args.overwrite)
+    save = Path(args.save) if args.save else None
+    if save is not None:  # before any model loads
+        out_dir, save_dir = Path(args.out).resolve(), save.resolve()
+        if save_dir == out_dir or save_dir in out_dir.parents:
+            raise GSSError(
+                f"--save {save} holds --out {args.out}: the artifact needs a directory of its "
+                "own (e.g. --save DIR/selected beside the sweep's files)."
+            )
+        if Path(args.steer).exists() and save_dir == Path(args.steer).resolve():
+            raise GSSError(
+                f"--save {save} is --steer: saving the selected point there would replace the "
+                "artifact the sweep varies. Give --save another directory."
+            )
+        check_target(save, overwrite=True)  # a file, or a folder with other files, is refused
+        if save.is_dir() and any(save.iterdir()) and not args.overwrite:
+            raise GSSError(
+                f"--save {save} already holds a gss artifact: pass --overwrite to replace it, "
+                "or choose another directory."
+            )
+    check_tolerance(args.tolerance)  # a bad --tolerance fails before any work
+    steer = load(args.steer)
+    if isinstance(steer, SteeringStack):
+        raise GSSError(
+            f"{args.steer} is a steering stack (several blocks chosen together): gss sweep "
+            "varies one artifact's options. Give one of its steer-<i> directories, or run gss "
+            "evaluate on the stack."
+        )
+    deltas = parse_floats(args.deltas, "--deltas")
+    percentiles = parse_floats(args.percentiles, "--percentiles")
+    ranks = parse_floats(args.ranks, "--ranks")
+    if ranks and any(r != int(r) for r in ranks):
+        raise GSSError(f"--ranks takes whole numbers (directions kept), got {args.ranks!r}.")
+    if percentiles and not args.general:
+        raise GSSError(
+            "--percentiles sets the gates' thresholds on general text: give it with --general "
+            "FILE (text like what the model serves)."
+        )
+    if args.general and not percentiles:
+        raise GSSError(
+            "--general is read only to set thresholds at --percentiles: give --percentiles too, "
+            "or leave --general out."
+        )
+    # every grid value the artifact cannot take fails before the model loads
+    check_grid(steer, deltas, percentiles, [int(r) for r in ranks] if ranks else None)
+    general_rows = read_rows(args, "--general", keep_rows=False) if args.general else None
+    model, tokenizer, artifact, rows, check = _evaluation_inputs(args)
+    assert isinstance(artifact, SteeringArtifact)  # --steer is required, and not a stack
+    general = encode(general_rows, tokenizer, args.max_length) if general_rows is not None else None
+    result = sweep_and_select(
+        model,
+        artifact,
+        rows,
+        deltas=deltas,
+        percentiles=percentiles,
+        ranks=[int(r) for r in ranks] if ranks else None,
+        general=general,
+        tolerance=args.tolerance,
+        secrets=check,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+    )
+    table = result.table()
+    print(table)
+    out = Path(args.out)
+    write_json(out / "sweep.json", result.record())
+    (out / "sweep.md").write_text(table)
+    result.plot(out / "sweep.png")
+    print(f"wrote {out}/sweep.json, sweep.md and sweep.png")
+    if save is not None:
+        if result.selected is None:
+            raise GSSError(
+                f"no point of the sweep is within the perplexity tolerance "
+                f"(+{100 * args.tolerance:g}%): nothing saved to {save}. Sweep weaker "
+                "strengths (smaller --deltas, higher --percentiles) or allow more (--tolerance)."
+            )
+        point = result.points[result.selected]
+        assert point.artifact is not None  # steering_sweep keeps each point's artifact
+        how = {
+            "steer": str(args.steer),
+            "options": point.options,
+            "memorized": point.report.memorized,
+            "perplexity": point.report.perplexity,
+            "unsteered_perplexity": result.unsteered.perplexity,
+            "tolerance": args.tolerance,
+        }
+        provenance = point.artifact.provenance
+        provenance = dataclasses.replace(provenance, extra={**provenance.extra, "sweep": how})
+        chosen = dataclasses.replace(point.artifact, provenance=provenance)
+        chosen.save_pretrained(save, overwrite=args.overwrite)
+        o = point.options
+        threshold = (
+            ""
+            if o["threshold_percentile"] is None
+            else f", gates at p{o['threshold_percentile']:g}"
+        )
+        print(
+            f"saved the selected point (delta {o['delta']:g}, rank {o['rank']}{threshold}) to "
+            f"{save}: gss generate / gss evaluate --steer {save}"
+        )
+    return 0

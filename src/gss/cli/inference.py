@@ -1,0 +1,163 @@
+"""`gss generate` and `gss serve`: a steered model's greedy text in the terminal, and vLLM's
+OpenAI server with the steers requests may ask for."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from gss.artifact.files import check_creatable
+from gss.cli.inputs import check_delta, load_model_and_tokenizer
+from gss.errors import GSSError
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    import torch
+
+    from gss.artifact.stack import load
+    from gss.data import chat_prompt
+    from gss.hf.forward import check_sequences, context_length
+
+    if any(not prompt.strip() for prompt in args.prompt):
+        raise GSSError("--prompt is empty: give the text to continue.")
+    explain_out = Path(args.explain_out) if args.explain_out else None
+    if explain_out is not None:  # before the model loads
+        if explain_out.is_dir():
+            raise GSSError(f"--explain-out {explain_out} is a directory: give a file (.jsonl).")
+        check_creatable(explain_out, "--explain-out")
+        if explain_out.exists() and not args.overwrite:
+            raise GSSError(
+                f"--explain-out {explain_out} already exists: pass --overwrite to replace it, "
+                "or choose another file."
+            )
+    artifact = load(args.steer)  # a damaged artifact fails before the model loads
+    check_delta(artifact, args.delta)
+    model, tokenizer = load_model_and_tokenizer(args)
+    prompts = args.prompt
+    limit = context_length(model)
+    pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+
+    def encode(prompt: str) -> Any:
+        if args.chat:
+            text = chat_prompt(prompt, tokenizer)  # holds its own special tokens
+            enc = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        else:
+            enc = tokenizer(prompt, return_tensors="pt")
+        length = enc["input_ids"].shape[1]
+        if length == 0:
+            raise GSSError(f"--prompt {prompt!r} has no tokens: give the text to continue.")
+        if limit is not None and length + args.max_new_tokens > limit[0]:
+            raise GSSError(
+                f"the prompt ({length} tokens) and --max-new-tokens {args.max_new_tokens} "
+                f"pass the model's context ({limit[0]} positions, {limit[1]}): shorten the "
+                "prompt or generate fewer tokens."
+            )
+        check_sequences((model,), enc["input_ids"], f"--prompt {prompt!r}")  # ids it has rows for
+        return enc.to(args.device)
+
+    encoded = [encode(prompt) for prompt in prompts]  # every prompt checked before any runs
+
+    def run() -> list[str]:
+        out = []
+        for enc in encoded:
+            with torch.no_grad():
+                ids = model.generate(  # only these two: transformers 4 refuses token_type_ids
+                    input_ids=enc["input_ids"],
+                    attention_mask=enc["attention_mask"],
+                    max_new_tokens=args.max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=pad_token_id,
+                )
+            out.append(
+                tokenizer.decode(ids[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+            )
+        return out
+
+    options = {"delta": args.delta} if args.delta is not None else {}
+    with artifact.attach(model, **options), torch.no_grad():  # NaN would decode as padding
+        for prompt, enc in zip(prompts, encoded, strict=True):
+            scores = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"])
+            if not bool(torch.isfinite(scores.logits[:, -1]).all()):
+                raise GSSError(
+                    f"the steered model gives NaN or infinite scores after --prompt {prompt!r}: "
+                    "check the model's weights and dtype (float16 can overflow), or give a "
+                    "smaller --delta."
+                )
+    explanations = []
+    if args.explain or explain_out is not None:
+        # the same generation, recorded token by token (the same tokens: gss.explain)
+        from gss.steering.explain import combined_gate_stats, explain
+
+        for enc in encoded:
+            explanations.append(
+                explain(
+                    model,
+                    artifact,
+                    enc["input_ids"][0],
+                    max_new_tokens=args.max_new_tokens,
+                    tokenizer=tokenizer,
+                    pad_token_id=pad_token_id,
+                    **options,
+                )
+            )
+        steered = [
+            tokenizer.decode(list(e.generated_ids), skip_special_tokens=True) for e in explanations
+        ]
+        stats = combined_gate_stats(explanations)
+    else:
+        with artifact.attach(model, track_gates=True, **options) as handle:
+            steered = run()
+            stats = handle.gate_stats()
+    unsteered = run() if args.compare else None
+    for i, prompt in enumerate(prompts):
+        print(f"prompt:    {prompt}")
+        print(f"steered:   {steered[i]}")
+        if unsteered is not None:
+            print(f"unsteered: {unsteered[i]}")
+        if args.explain:
+            print(explanations[i].render())
+    print(f"(gate opened on {100 * stats['any_open_share']:.1f}% of {stats['tokens']} positions)")
+    if explain_out is not None:
+        explain_out.parent.mkdir(parents=True, exist_ok=True)
+        with explain_out.open("w", encoding="utf-8") as f:
+            for i, (prompt, e) in enumerate(zip(prompts, explanations, strict=True)):
+                for row in e.rows():
+                    f.write(json.dumps({"prompt_index": i, "prompt": prompt, **row}) + "\n")
+        count = sum(len(e.tokens) for e in explanations)
+        print(f"wrote {explain_out}: one JSON object per token ({count} tokens)")
+    return 0
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    import os
+    import shlex
+
+    from gss.serving import serve
+
+    artifacts = serve.parse_artifacts(args.artifact)
+    extra = list(args.vllm_args)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    argv = serve.server_argv(
+        args.model, artifacts, host=args.host, port=args.port, extra=extra, default=args.default
+    )
+    config = serve.model_config(args.model)
+    serve.check_model(args.model, config, serve.check_artifacts(artifacts))
+    environment = serve.runner_environment(os.environ)
+    serve.check_vllm()  # last: what is wrong with the inputs is said wherever gss runs
+    os.environ.update(environment)  # the server and its processes inherit it
+    settings = "".join(f"{k}={shlex.quote(v)} " for k, v in environment.items())
+    print(f"gss serve: {settings}{shlex.join(argv)}", file=sys.stderr, flush=True)
+    if args.default is None:
+        print(
+            "gss serve: requests that name no artifact are not steered (--default NAME steers "
+            'them; a request may still opt out with "vllm_xargs": {"gss": "none"})',
+            file=sys.stderr,
+            flush=True,
+        )
+    sys.stdout.flush()
+    os.execv(argv[0], argv)  # the server replaces this process: signals reach vLLM directly
+    return 0  # not reached

@@ -1,0 +1,112 @@
+"""What several commands read the same way: --model and --reference (with --device,
+--device-map, the quantization), the data options, the calibration options and --delta; each
+checked before any model loads, its message naming the flag."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from gss.cli.options import config_overrides, data_columns
+from gss.errors import GSSError
+from gss.hf.loading import default_max_length, load_model, load_reference, parse_device_map
+
+
+def _loading(args: argparse.Namespace) -> dict[str, Any]:
+    """How --model and --reference load: --device or --device-map, --dtype, the quantization
+    (`gss.hf.loading.load_weights`)."""
+    device_map = getattr(args, "device_map", None)
+    return {
+        "device": args.device,
+        "dtype": args.dtype,
+        "device_map": parse_device_map(device_map) if device_map is not None else None,
+        "quantization": getattr(args, "quantization", None),
+    }
+
+
+def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
+    """--model (a directory or a Hub id at --model-revision) and its tokenizer; ``args.device``
+    becomes where its inputs go (under --device-map: its input embeddings' device)."""
+    from gss.hf.forward import model_device
+
+    loading = _loading(args)
+    revision = getattr(args, "model_revision", None)
+    model, tokenizer = load_model(args.model, revision=revision, **loading)
+    if args.device is None:
+        args.device = str(model_device(model))
+    return model, tokenizer
+
+
+def _check_local_paths(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
+    """A missing or non-model local directory in any of ``flags`` fails before any model loads
+    (a Hub id is checked where it loads), its message naming the flag."""
+    from gss.hf.hub import hub_id
+    from gss.hf.loading import ADAPTERS_OFF, local_dir
+
+    for flag in flags:
+        path = getattr(args, flag.lstrip("-"))
+        if path != ADAPTERS_OFF and hub_id(path) is None:
+            try:
+                local_dir(path)
+            except GSSError as err:
+                raise GSSError(f"{flag}: {err}") from None
+
+
+def load_models(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """--model, its tokenizer and --reference; --max-length resolved."""
+    _check_local_paths(args, ("--model", "--reference"))
+    loading = _loading(args)
+    model, tokenizer = load_model_and_tokenizer(args)
+    resolve_max_length(args, model)
+    revision = getattr(args, "reference_revision", None)
+    ref = load_reference(args.reference, model, tokenizer, revision=revision, **loading)
+    return model, tokenizer, ref
+
+
+def resolve_max_length(args: argparse.Namespace, model: Any) -> None:
+    """--max-length as given, else 512 tokens or the model's context if shorter."""
+    if args.max_length is None:
+        args.max_length = default_max_length(model)
+
+
+def config_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The calibration options given as flags, every one checked (with --preset and
+    --max-length) before any model loads."""
+    from gss.config import resolve
+
+    overrides = config_overrides(args)
+    given_length = {} if args.max_length is None else {"max_length": args.max_length}
+    resolve(args.preset, {**overrides, **given_length})
+    return overrides
+
+
+def read_rows(
+    args: argparse.Namespace, flag: str, main: bool = False, keep_rows: bool = True
+) -> Any:
+    """The rows of the data option ``flag`` (`gss.data_sources.read_data`), with --split and
+    the column options: ``main`` (--data, --memorized) must have the columns named, the others
+    use them where they have them. An error names the flag."""
+    from gss.data_sources import read_data
+
+    value = getattr(args, flag[2:].replace("-", "_"))
+    progress = not getattr(args, "no_progress", False)
+    columns = data_columns(args)
+    try:
+        return read_data(value, strict=main, keep_rows=keep_rows, progress=progress, **columns)
+    except GSSError as err:
+        raise GSSError(f"{flag}: {err}") from None
+
+
+def check_delta(artifact: Any, delta: float | None) -> None:
+    """A bad --delta fails before any model loads; a stack's strengths are not one number."""
+    from gss.artifact.stack import SteeringStack
+
+    if delta is None:
+        return
+    if isinstance(artifact, SteeringStack):
+        raise GSSError(
+            f"--delta sets one block's strength, and this is a steering stack of blocks "
+            f"{list(artifact.layers)} whose strengths were chosen together: leave --delta out "
+            "(or give one of its steer-<i> directories to steer that block alone)."
+        )
+    artifact.with_options(delta=delta)

@@ -1,0 +1,119 @@
+"""`gss audit` and `gss protect`: which rows come out verbatim, and the steer chosen for them
+within a utility budget."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from pathlib import Path
+from typing import Any
+
+from gss.artifact.files import check_outputs
+from gss.cli.inputs import load_models, read_rows
+from gss.errors import GSSError, GSSWarning
+
+
+def _replies(rows: Any, tokenizer: Any, args: argparse.Namespace) -> Any:
+    """--reply: each conversation (or prompt/completion row) as (prompt ids, reply ids)."""
+    from gss.data import encode_replies
+
+    return encode_replies(rows, tokenizer, max_reply=args.n - args.k)
+
+
+def _lines_of(data: str, rows: int) -> list[str] | None:
+    """Each row's "file:line" where ``data`` is a .txt or .jsonl file of ``rows`` rows, so
+    that a report names the line a leak is on; None for other data."""
+    from gss.data import numbered_rows
+    from gss.data_sources import LINE_FORMATS
+
+    path = Path(data)
+    if not path.is_file() or path.suffix.lower() not in LINE_FORMATS:
+        return None
+    places = [where for where, _ in numbered_rows(path)]
+    return places if len(places) == rows else None
+
+
+def audit_command(args: argparse.Namespace) -> int:
+    from gss.audit import OUTPUTS, audit, check_window
+
+    check_window(args.k, args.n)  # before the models load
+    check_outputs(args.out, OUTPUTS, args.overwrite)
+    texts = read_rows(args, "--data", main=True, keep_rows=args.reply)
+    args.max_length = args.n  # rows are read up to n tokens
+    model, tokenizer, reference = load_models(args)
+    report = audit(
+        model,
+        reference,
+        _replies(texts, tokenizer, args) if args.reply else texts,
+        tokenizer=tokenizer,
+        k=args.k,
+        n=args.n,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+    )
+    report.sources = _lines_of(args.data, len(texts))
+    s = report.summary()
+    print(
+        f"{s['extractable']} of {s['checkable']} rows extractable, {s['memorized']} of them not "
+        f"by the reference (({args.n},{args.k})-extraction, {s['rows']} rows, "
+        f"{s['rows_per_second']:.1f} rows/s)"
+    )
+    print(report.table())
+    report.write(args.out, overwrite=args.overwrite)
+    print(
+        f"wrote {args.out}: audit.jsonl, audit.md, audit.png, memorized.jsonl (gss evaluate "
+        "--memorized), extractable.jsonl (the reference's extractable rows too)"
+    )
+    return 0
+
+
+def _max_extractable(args: argparse.Namespace) -> float:
+    """protect's goal, from --max-extractable, or from --target (its old name, which
+    calibrate's --target, g's objective, made ambiguous) with a warning."""
+    if args.old_target is None:
+        return 0.0 if args.max_extractable is None else float(args.max_extractable)
+    if args.max_extractable is not None:
+        raise GSSError("give --max-extractable only (--target is its old name).")
+    warnings.warn(
+        "gss protect --target is now --max-extractable (calibrate's --target is g's "
+        "objective); --target will be removed.",
+        GSSWarning,
+        stacklevel=2,
+    )
+    return float(args.old_target)
+
+
+def protect_command(args: argparse.Namespace) -> int:
+    from gss.protect import SearchSpace, check_options, check_report_dir, protect
+
+    space = SearchSpace(max_blocks=args.max_blocks)
+    goal = _max_extractable(args)
+    # before the models load
+    check_options(space, args.budget, "relative", goal, args.k, args.n, args.seed)
+    check_report_dir(args.out, args.overwrite)
+    texts = read_rows(args, "--data", main=True)
+    general = read_rows(args, "--general") if args.general else None
+    heldout = read_rows(args, "--heldout") if args.heldout else None
+    args.max_length = args.n
+    model, tokenizer, reference = load_models(args)
+    result = protect(
+        model,
+        reference,
+        _replies(texts, tokenizer, args) if args.reply else texts,
+        tokenizer=tokenizer,
+        general=general,
+        heldout=heldout,
+        budget=args.budget,
+        target=goal,
+        k=args.k,
+        n=args.n,
+        search=space,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+    )
+    result.write(args.out, overwrite=args.overwrite)
+    print(result.markdown().split("## The points searched")[0].rstrip())
+    where = f"{args.out}/steer" if result.steer is not None else "no steer (none within budget)"
+    print(f"wrote {args.out}: protect.json, protect.md, frontier.png, rows.png; {where}")
+    return 0 if result.steer is not None else 1
