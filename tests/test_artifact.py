@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -5,6 +6,7 @@ import torch
 
 import gss
 from gss import GSSError
+from gss.solve import soundness
 
 from .helpers import random_ids
 
@@ -160,6 +162,19 @@ def test_fewer_directions_keep_their_gate_shares_but_not_the_union(calibrated):
     assert shares["union"] is None  # measured over both directions: not this steer's
     assert "gates open" not in repr(one) and "any open" not in one.describe()
     assert art.with_options(rank=2).provenance.gate_open_share == art.provenance.gate_open_share
+
+
+def test_fewer_directions_carry_their_own_soundness_evidence(calibrated):
+    """`gss show` on a steer cut to fewer directions (protect's choice of rank) tells the kept
+    directions' spectrum and problems, not those of all the calibration solved for."""
+    _, _, art = calibrated
+    few = {**art.provenance.soundness, "memorized_tokens": 5}  # < 4 a direction at rank 2
+    two = dataclasses.replace(art, provenance=dataclasses.replace(art.provenance, soundness=few))
+    assert any("for 2 directions" in w for w in soundness.problems(few, 2))
+    one = two.with_options(rank=1).provenance.soundness
+    assert one["spectrum_ratio"] == 1.0 and one["memorized_tokens"] == 5
+    assert not any("directions" in w for w in one["warnings"])
+    assert one["warnings"] == soundness.problems(one, 1)
 
 
 def test_saving_never_replaces_or_writes_into_what_it_should_not(tmp_path, calibrated):

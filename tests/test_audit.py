@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import gss
+from gss import GSSError
 from gss.cli import main
 from gss.data import read_texts
 from gss.evaluate.decoding import greedy_generate
@@ -55,6 +56,8 @@ def test_audit_agrees_with_greedy_generation(memorizer):
 def test_audit_writes_what_evaluate_reads(memorizer, tmp_path):
     model, reference, planted, _ = memorizer
     report = gss.audit(model, reference, planted.tolist(), k=4, n=16, progress=False)
+    with pytest.raises(GSSError, match="is empty"):  # not the working directory
+        report.write("")
     written = report.write(tmp_path / "audit")
     assert [p.name for p in written] == [
         "audit.jsonl",

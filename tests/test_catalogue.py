@@ -473,7 +473,11 @@ def _cases():
         ),
         "audit reference is the model": (
             [*audit[:3], "--reference", m, *audit[5:]],
-            "omega = 0 everywhere",
+            f"--reference {m} is --model: a model's own log-probabilities mark no token",
+        ),
+        "audit reply on plain text": (
+            [*audit, "--reply"],
+            "--data: sequence 0 (str) has no reply to separate",
         ),
         "audit n past the context": (
             [*audit, "--k", "4", "--n", "200"],
@@ -548,6 +552,9 @@ BEFORE_ANY_MODEL = [
     "protect max-extractable 200",
     "protect both goal flags",
     "protect general missing",
+    "protect general of one row",
+    "audit reference is the model",
+    "audit reply on plain text",
     "serve port past 65535",
     "serve model missing",
     "serve model config broken",

@@ -95,6 +95,9 @@ def test_a_jsonl_file_in_each_format(tmp_path, chat_tokenizer):
     path.write_text("[1, 2]\n")
     with pytest.raises(GSSError, match=r"data\.jsonl:1 is not a JSON object"):
         read_texts(path)
+    path.write_text(json.dumps({"prompt": "w1"}) + "\n")  # half a pair: the missing half named
+    with pytest.raises(GSSError, match=r"data\.jsonl:1 has 'prompt' but no 'completion'"):
+        read_texts(path)
 
 
 def test_conversations_need_a_chat_template_and_well_formed_messages(chat_tokenizer):

@@ -122,7 +122,10 @@ def test_python_api_by_hub_id(offline):
         (["--model", "{root}/nope"], "model path {root}/nope does not exist"),
         (["--model", "{root}/model", "--device", "cpu", "--device-map", "cpu"], "give one"),
         (["--model", "{root}/model", "--device-map", "{bad"], "is not a JSON object"),
-        (["--model", "{root}/model", "--device-map", '{"lm_head": "gpu"}'], "not a torch device"),
+        (
+            ["--model", "{root}/model", "--device-map", '{"lm_head": "gpu"}'],
+            "--device-map's 'lm_head' on 'gpu' is not a torch device",
+        ),
     ],
 )
 def test_loading_errors_are_one_line(offline, capsys, argv, message):
@@ -132,6 +135,18 @@ def test_loading_errors_are_one_line(offline, capsys, argv, message):
     err = capsys.readouterr().err
     assert message.replace("{root}", str(offline)) in err
     assert err.startswith("gss: error:") and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_a_device_map_entry_on_a_missing_gpu_is_named():
+    """Not --device, which was not given: the entry that places a module on the GPU."""
+    from gss.hf.loading import check_device_map
+
+    pytest.importorskip("accelerate")  # which places the modules; without it, that is said
+    with pytest.raises(
+        GSSError, match=r"--device-map's 'lm_head' on cuda:0: this torch .* no CUDA"
+    ):
+        check_device_map({"transformer.h.0": "cpu", "lm_head": 0})
 
 
 def test_not_cached_offline_says_how_to_fix_it(offline):

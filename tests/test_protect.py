@@ -4,6 +4,7 @@ chose."""
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import warnings
@@ -168,6 +169,8 @@ def test_protect_writes_the_steer_and_the_report(protected, memorizer, tmp_path)
     assert "never seen by the search" in (tmp_path / "out" / "protect.md").read_text()
     with pytest.raises(GSSError, match="already holds"):
         result.write(tmp_path / "out")
+    with pytest.raises(GSSError, match="is empty"):  # not the working directory
+        result.write("")
 
 
 def test_protect_refuses_bad_options(memorizer):
@@ -191,9 +194,31 @@ def test_protect_refuses_bad_options(memorizer):
         ({"search": SearchSpace(blocks=(9,)), "k": 4, "n": 16}, r"blocks \[9\] are out of"),
         ({"general": planted[:1].tolist()}, r"the general text has 1 row\(s\)"),
         ({"heldout": [[99, 3, 4]]}, r"heldout: token id 99 is outside the model's vocabulary"),
+        # the wrong types: one message each, before the audit, never a TypeError from inside
+        ({"budget": "0.05"}, "budget must be >= 0"),
+        ({"target": "0"}, r"target \(gss protect --max-extractable\) is a %"),
+        ({"search": {"blocks": (1,)}}, "search must be a gss.SearchSpace"),
+        ({"search": SearchSpace(blocks=())}, "blocks must be block indices"),
+        ({"search": SearchSpace(blocks=1)}, "blocks must be block indices"),  # type: ignore[arg-type]
+        ({"search": SearchSpace(ranks=(True,))}, "ranks must be integers >= 1"),
+        ({"search": SearchSpace(delta_range=("a", "b"))}, "delta_range must be two finite"),  # type: ignore[arg-type]
+        ({"search": SearchSpace(delta_range=(1, 2, 3))}, "delta_range must be two finite"),  # type: ignore[arg-type]
+        ({"search": SearchSpace(steps=2.5)}, "steps, max_blocks"),  # type: ignore[arg-type]
+        ({"search": SearchSpace(reply_check=float("nan"))}, "reply_check must be"),  # type: ignore[arg-type]
+        # each block is calibrated once at the largest rank: one too large would skip them all
+        ({"search": SearchSpace(ranks=(4, 2, 1000))}, "go past the model's hidden size"),
     ]:
         with pytest.raises(GSSError, match=message):
             protect(model, reference, rows, progress=False, **kwargs)
+
+
+def test_general_rows_longer_than_the_context_are_cut_to_it(memorizer):
+    """As `gss evaluate` reads held-out text (gss protect has no --max-length to cut them)."""
+    model = memorizer[0]
+    context = model.config.max_position_embeddings
+    with pytest.warns(GSSWarning, match=r"1 of the 2 general rows are longer than the model's"):
+        rows = search_module._within_context(model, [[3] * (context + 9), [4] * 5], None, "general")
+    assert [len(r) for r in rows] == [context, 5]
 
 
 def test_protect_says_when_there_is_nothing_to_protect(memorizer):
@@ -252,6 +277,10 @@ def test_audit_says_when_no_row_can_be_checked(memorizer):
     assert report.extractable == []
     with pytest.raises(GSSError, match=r"n = 200 passes the model's context \(128 positions\)"):
         gss.audit(model, reference, planted.tolist(), k=4, n=200, progress=False)
+    short = copy.deepcopy(reference)  # the reference's context is the shorter one: named
+    short.config.max_position_embeddings = 32
+    with pytest.raises(GSSError, match=r"n = 64 passes the reference's context \(32 positions\)"):
+        gss.audit(model, short, planted.tolist(), k=4, n=64, progress=False)
 
 
 def _tight_budget(memorizer, search: SearchSpace | None = None):

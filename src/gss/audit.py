@@ -174,8 +174,8 @@ class AuditReport:
         them: extractable from the model, not from the reference) and ``extractable.jsonl``
         (every extractable row's, the reference's too); an earlier audit's files there are
         replaced only with ``overwrite``."""
+        check_outputs(directory, OUTPUTS, overwrite)  # "" is refused, not read as "."
         out = Path(directory)
-        check_outputs(out, OUTPUTS, overwrite)
         out.mkdir(parents=True, exist_ok=True)
         (out / "audit.jsonl").write_text(
             "".join(
@@ -289,10 +289,12 @@ def audit(
         seqs = [p + c[: n - k] for p, c in pairs]
         positions = None
     else:
-        limit = min((c[0] for c in map(context_length, (model, reference)) if c), default=None)
-        if limit is not None and n > limit:  # rows are cut to n: n is what must fit
+        sides = (("model", model), ("reference", reference))
+        contexts = [(c[0], who) for who, m in sides if (c := context_length(m))]
+        if contexts and n > min(contexts)[0]:  # rows are cut to n: n is what must fit
+            limit, who = min(contexts)
             raise GSSError(
-                f"n = {n} passes the model's context ({limit} positions): lower n (--n) to "
+                f"n = {n} passes the {who}'s context ({limit} positions): lower n (--n) to "
                 f"{limit} or less."
             )
         given = encode_every(texts, tokenizer, n)

@@ -65,6 +65,12 @@ def record_text(record: Mapping[str, Any], where: str = "a row") -> Text:
     if is_conversation(prompt) and is_conversation(completion):
         return [*prompt, *completion]
     present = [k for k in ("text", "messages", "prompt", "completion") if k in record]
+    if present in (["prompt"], ["completion"]):  # one of a pair
+        other = "completion" if present == ["prompt"] else "prompt"
+        raise GSSError(
+            f"{where} has {present[0]!r} but no {other!r}: a prompt-completion row needs both "
+            "(or give the whole text as 'text')."
+        )
     if present:  # the right key, the wrong kind of value
         kinds = ", ".join(f"{k!r} is {_short(record[k])}" for k in present)
         raise GSSError(f"{where}: {kinds}, not in a format gss reads: {FORMATS}.")
@@ -610,6 +616,12 @@ def _prompt_and_full(x: Any, index: int) -> tuple[Text, Text]:
         f"{where} ({type(x).__name__}) has no reply to separate: give conversations (the last "
         "message the assistant's) or rows with 'messages', or 'prompt' and 'completion'."
     )
+
+
+def check_replies(rows: Sequence[Any]) -> None:
+    """Refuse a row with no reply to separate, before a tokenizer or a model is needed."""
+    for i, x in enumerate(rows):
+        _prompt_and_full(x, i)
 
 
 def encode_replies(

@@ -32,6 +32,7 @@ from gss.config import CalibrationConfig
 from gss.errors import GSSError, GSSWarning
 from gss.hf.blocks import resolve_layer
 from gss.hf.forward import check_models
+from gss.solve import soundness
 from gss.steering.attach import SteerHandle, register, warn_if_steering
 from gss.steering.gated import GatedSteer, count_real_tokens
 
@@ -183,6 +184,10 @@ class SteeringArtifact(hub.HubMixin):
                 "union": shares["union"] if updates["rank"] == self.rank else None,
             }
             provenance = dataclasses.replace(provenance, gate_open_share=shares)
+        if "rank" in updates and provenance.soundness:  # the kept directions' own evidence
+            values = tensors["singular_values"].tolist()
+            facts = soundness.for_rank(provenance.soundness, values, config.rank)
+            provenance = dataclasses.replace(provenance, soundness=facts)
         if config != self.config:
             provenance = _unmeasured(provenance)
         return SteeringArtifact(

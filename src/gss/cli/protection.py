@@ -20,6 +20,33 @@ def _replies(rows: Any, tokenizer: Any, args: argparse.Namespace) -> Any:
     return encode_replies(rows, tokenizer, max_reply=args.n - args.k)
 
 
+def _check_replies(args: argparse.Namespace, texts: Any) -> None:
+    """--reply: a row with no reply to separate is refused before the models load."""
+    from gss.data import check_replies
+
+    if args.reply and isinstance(texts, list):
+        try:
+            check_replies(texts)
+        except GSSError as err:
+            raise GSSError(f"--data: {err}") from None
+
+
+def _check_reference(args: argparse.Namespace) -> None:
+    """--reference naming --model fails after the audit's pass (omega is 0 everywhere): said
+    before the models load."""
+    model, reference = Path(args.model), Path(args.reference)
+    here = model.is_dir() and reference.is_dir() and model.resolve() == reference.resolve()
+    same_revision = getattr(args, "model_revision", None) == getattr(
+        args, "reference_revision", None
+    )
+    if (args.model == args.reference or here) and same_revision:
+        raise GSSError(
+            f"--reference {args.reference} is --model: a model's own log-probabilities mark no "
+            "token memorized. Pass the model the fine-tune started from (for a LoRA: "
+            "--reference adapters-off)."
+        )
+
+
 def _lines_of(data: str, rows: int) -> list[str] | None:
     """Each row's "file:line" where ``data`` is a .txt or .jsonl file of ``rows`` rows, so
     that a report names the line a leak is on; None for other data."""
@@ -39,6 +66,8 @@ def audit_command(args: argparse.Namespace) -> int:
     check_window(args.k, args.n)  # before the models load
     check_outputs(args.out, OUTPUTS, args.overwrite)
     texts = read_rows(args, "--data", main=True, keep_rows=args.reply)
+    _check_replies(args, texts)
+    _check_reference(args)
     args.max_length = args.n  # rows are read up to n tokens
     model, tokenizer, reference = load_models(args)
     report = audit(
@@ -85,6 +114,7 @@ def _max_extractable(args: argparse.Namespace) -> float:
 
 def protect_command(args: argparse.Namespace) -> int:
     from gss.protect import SearchSpace, check_options, check_report_dir, protect
+    from gss.protect.space import check_general
 
     space = SearchSpace(max_blocks=args.max_blocks)
     goal = _max_extractable(args)
@@ -92,7 +122,14 @@ def protect_command(args: argparse.Namespace) -> int:
     check_options(space, args.budget, "relative", goal, args.k, args.n, args.seed)
     check_report_dir(args.out, args.overwrite)
     texts = read_rows(args, "--data", main=True)
+    _check_replies(args, texts)
+    _check_reference(args)
     general = read_rows(args, "--general") if args.general else None
+    if isinstance(general, list):
+        try:
+            check_general(len(general))
+        except GSSError as err:
+            raise GSSError(f"--general: {err}") from None
     heldout = read_rows(args, "--heldout") if args.heldout else None
     args.max_length = args.n
     model, tokenizer, reference = load_models(args)

@@ -160,7 +160,7 @@ def check_device_map(device_map: Any) -> str | dict[str, Any]:
         )
     if isinstance(device_map, str):
         if device_map not in DEVICE_MAP_STRATEGIES:
-            check_device(device_map)
+            check_device(device_map, "--device-map")
         return device_map
     if not isinstance(device_map, dict) or not device_map:
         raise GSSError(
@@ -176,31 +176,36 @@ def check_device_map(device_map: Any) -> str | dict[str, Any]:
                 "cuda:N)."
             )
         if where != "disk":
-            check_device(f"cuda:{where}" if isinstance(where, int) else where)
+            device = f"cuda:{where}" if isinstance(where, int) else where
+            check_device(device, f"--device-map's {name!r} on")
     return device_map
 
 
-def check_device(device: str | torch.device) -> torch.device:
-    """``device`` as a `torch.device`, refused when this torch cannot run on it."""
+def check_device(device: str | torch.device, where: str = "--device") -> torch.device:
+    """``device`` as a `torch.device`, refused when this torch cannot run on it; ``where``
+    names what gave it (the flag, or a device map's entry)."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as err:
-        raise GSSError(f"{device!r} is not a torch device ({err}); e.g. cpu or cuda:0.") from None
+        raise GSSError(
+            f"{where} {device!r} is not a torch device ({err}); e.g. cpu or cuda:0."
+        ) from None
+    cpu = "--device cpu" if where == "--device" else "cpu"
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise GSSError(
-            f"--device {device}: this torch ({torch.__version__}) sees no CUDA GPU; use --device "
-            "cpu, or install a CUDA build of torch on a machine with a GPU."
+            f"{where} {device}: this torch ({torch.__version__}) sees no CUDA GPU; use {cpu}, or "
+            "install a CUDA build of torch on a machine with a GPU."
         )
     backend = getattr(torch, dev.type, None)  # torch.mps, torch.xpu, ...
     available = getattr(backend, "is_available", None)
     if dev.type not in ("cpu", "cuda", "meta") and not (callable(available) and available()):
         raise GSSError(
-            f"--device {device}: this torch ({torch.__version__}) cannot run on {dev.type} here; "
-            "use --device cpu, or cuda on a machine with a GPU."
+            f"{where} {device}: this torch ({torch.__version__}) cannot run on {dev.type} here; "
+            f"use {cpu}, or cuda on a machine with a GPU."
         )
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise GSSError(
-            f"--device {device}: there are {torch.cuda.device_count()} CUDA devices here."
+            f"{where} {device}: there are {torch.cuda.device_count()} CUDA devices here."
         )
     return dev
 

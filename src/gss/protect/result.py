@@ -168,8 +168,8 @@ class Protection:
     def write(self, directory: str | Path, overwrite: bool = False) -> list[Path]:
         """``protect.json``, ``protect.md``, ``frontier.png``, ``rows.png`` and, when a steer
         was chosen, the steer itself in ``steer/`` (an artifact or a stack)."""
+        check_report_dir(directory, overwrite)  # "" is refused, not read as "."
         out = Path(directory)
-        check_report_dir(out, overwrite)
         out.mkdir(parents=True, exist_ok=True)
         written = []
         if self.steer is not None:

@@ -22,8 +22,8 @@ from gss.data import TextsOrIds, encode
 from gss.errors import GSSError, GSSWarning
 from gss.evaluate.decoding import sample_generate
 from gss.evaluate.utility import perplexity
-from gss.hf.blocks import find_decoder_blocks
-from gss.hf.forward import check_sequences
+from gss.hf.blocks import find_decoder_blocks, residual_width
+from gss.hf.forward import check_sequences, context_length
 from gss.protect.measure import (
     Judge,
     Utility,
@@ -35,9 +35,28 @@ from gss.protect.measure import (
 )
 from gss.protect.replies import least_looping, what_it_says
 from gss.protect.result import Protection
-from gss.protect.space import SearchSpace, check_options, given_blocks
+from gss.protect.space import SearchSpace, check_general, check_options, given_blocks
 from gss.solve.thresholds import probe_responses, with_gates_set
 from gss.statistics.capture import calibration_mode
+
+
+def _within_context(
+    model: nn.Module, texts: TextsOrIds, tokenizer: Any, what: str
+) -> list[list[int]]:
+    """The token rows of ``texts``, each cut to the model's context where it is longer (as
+    `gss evaluate` reads held-out text), said once."""
+    rows = encode(texts, tokenizer, None)
+    limit = context_length(model)
+    longer = 0 if limit is None else sum(len(r) > limit[0] for r in rows)
+    if limit is None or not longer:
+        return rows
+    warnings.warn(
+        f"{longer} of the {len(rows)} {what} rows are longer than the model's context "
+        f"({limit[0]} positions, {limit[1]}): each is read up to its first {limit[0]} tokens.",
+        GSSWarning,
+        stacklevel=3,
+    )
+    return [r[: limit[0]] for r in rows]
 
 
 def _stacked(first: SteeringArtifact, second: SteeringArtifact) -> Callable[[float], Steer]:
@@ -160,6 +179,12 @@ def protect(
     check_options(space, budget, budget_mode, target, k, n, seed)
     if space.blocks is not None:  # in range, before any pass
         given_blocks(space.blocks, len(find_decoder_blocks(model)))
+    width = residual_width(model)
+    if max(space.ranks) > width:  # each block is calibrated once, at the largest rank
+        raise GSSError(
+            f"ranks {space.ranks} go past the model's hidden size ({width}): give ranks in "
+            f"1..{width} (SearchSpace(ranks=...))."
+        )
     if budget_mode == "relative" and budget > 1:
         warnings.warn(
             f"budget {budget:g} lets the utility rise by {100 * budget:.0f}%: a relative budget "
@@ -168,16 +193,17 @@ def protect(
             stacklevel=2,
         )
     # the texts given besides the data, read and checked before the audit
-    general_rows = None if general is None else encode(general, tokenizer, None)
-    heldout_rows = None if heldout is None else encode(heldout, tokenizer, None)
+    general_rows = (
+        None if general is None else _within_context(model, general, tokenizer, "general")
+    )
+    heldout_rows = (
+        None if heldout is None else _within_context(model, heldout, tokenizer, "heldout")
+    )
     for what, rows in (("general", general_rows), ("heldout", heldout_rows)):
         if rows is not None:
             check_sequences((model,), rows, what)
-    if general_rows is not None and len(general_rows) < 2:
-        raise GSSError(
-            f"the general text has {len(general_rows)} row(s): give at least 2 (half set the "
-            "gate thresholds, half measure how often the gates open), better hundreds."
-        )
+    if general_rows is not None:
+        check_general(len(general_rows))
     started = time.perf_counter()
     seconds: dict[str, float] = {}
 
@@ -273,19 +299,24 @@ def protect(
 
     def calibrated(preset: str, layer: int, rank: int) -> SteeringArtifact | None:
         try:
-            return calibrate(
-                model,
-                reference,
-                tune_rows,
-                preset,
-                layer=layer,
-                rank=rank,
-                gen_texts=fit,
-                # the condition direction too, when some point may use the discriminant gate
-                gate="discriminant" if "discriminant" in space.gates else "hard",
-                batch_size=batch_size,
-                progress=False,
-            )
+            with warnings.catch_warnings():
+                # its soundness warnings are of the largest rank, before a rank is chosen, and
+                # protect measures what they foretell (rows left, gates open on general text);
+                # the chosen steer records its own directions' (`gss show`)
+                warnings.filterwarnings("ignore", "calibration: ", GSSWarning)
+                return calibrate(
+                    model,
+                    reference,
+                    tune_rows,
+                    preset,
+                    layer=layer,
+                    rank=rank,
+                    gen_texts=fit,
+                    # the condition direction too, when some point may use the discriminant gate
+                    gate="discriminant" if "discriminant" in space.gates else "hard",
+                    batch_size=batch_size,
+                    progress=False,
+                )
         except GSSError as e:  # a block with nothing to steer against, say
             warnings.warn(
                 f"protect: skipped block {layer} ({preset}): {e}", GSSWarning, stacklevel=3

@@ -45,37 +45,75 @@ class SearchSpace:
     fluency_tolerance: float = 0.25
 
     def check(self) -> None:
-        blocks = self.blocks or ()
-        if any(isinstance(b, bool) or not isinstance(b, numbers.Integral) for b in blocks):
-            raise GSSError(f"blocks must be block indices (integers), got {self.blocks}.")
-        unknown = [p for p in self.presets if p not in PRESETS]
-        if not self.presets or unknown:
-            raise GSSError(f"presets must be among {sorted(PRESETS)}, got {self.presets}.")
-        if not self.ranks or any(not isinstance(r, int) or r < 1 for r in self.ranks):
-            raise GSSError(f"ranks must be integers >= 1, got {self.ranks}.")
-        if not self.gates or any(g not in GATES for g in self.gates):
-            raise GSSError(f"gates must be among {GATES}, got {self.gates}.")
-        lo, hi = self.delta_range
-        if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo < hi):
+        if self.blocks is not None and (not _ints(self.blocks) or not self.blocks):
+            raise GSSError(
+                f"blocks must be block indices (integers), a non-empty tuple, or None to let "
+                f"protect choose, got {self.blocks!r}."
+            )
+        if not _names(self.presets) or any(p not in PRESETS for p in self.presets):
+            raise GSSError(f"presets must be among {sorted(PRESETS)}, got {self.presets!r}.")
+        if not _ints(self.ranks) or not self.ranks or min(self.ranks) < 1:
+            raise GSSError(f"ranks must be integers >= 1 (a non-empty tuple), got {self.ranks!r}.")
+        if not _names(self.gates) or any(g not in GATES for g in self.gates):
+            raise GSSError(f"gates must be among {GATES}, got {self.gates!r}.")
+        pair = self.delta_range
+        if not (_numbers(pair) and len(pair) == 2 and all(math.isfinite(x) for x in pair)):
+            raise GSSError(f"delta_range must be two finite numbers 0 < lo < hi, got {pair!r}.")
+        lo, hi = pair
+        if not 0 < lo < hi:
             raise GSSError(f"delta_range must be two finite numbers 0 < lo < hi, got {lo, hi}.")
-        if not (math.isfinite(self.delta_ceiling) and self.delta_ceiling >= hi):
+        if not (_numbers((self.delta_ceiling,)) and math.isfinite(self.delta_ceiling)) or (
+            self.delta_ceiling < hi
+        ):
             raise GSSError(
                 f"delta_ceiling must be a finite number >= delta_range's top ({hi}), got "
-                f"{self.delta_ceiling}."
+                f"{self.delta_ceiling!r}."
             )
-        if min(self.steps, self.max_blocks, self.max_candidates, self.refine) < 1:
-            raise GSSError("steps, max_blocks, max_candidates and refine must be >= 1.")
+        counts = (self.steps, self.max_blocks, self.max_candidates, self.refine)
+        if not _ints(counts) or min(counts) < 1:
+            raise GSSError(
+                f"steps, max_blocks, max_candidates and refine must be >= 1 (integers), got "
+                f"{counts}."
+            )
         if self.prefer not in ("margin", "utility"):
             raise GSSError(f"prefer must be 'margin' or 'utility', got {self.prefer!r}.")
-        if not 0 < self.gate_share < 1:
-            raise GSSError(f"gate_share must be in (0, 1), got {self.gate_share}.")
+        if not (_numbers((self.gate_share,)) and 0 < self.gate_share < 1):
+            raise GSSError(f"gate_share must be in (0, 1) (a number), got {self.gate_share!r}.")
         tolerances = (self.loop_tolerance, self.fluency_tolerance)
-        if self.reply_check < 0 or not all(math.isfinite(t) and t >= 0 for t in tolerances):
+        if (
+            not _ints((self.reply_check,))
+            or self.reply_check < 0
+            or not _numbers(tolerances)
+            or not all(math.isfinite(t) and t >= 0 for t in tolerances)
+        ):
             raise GSSError(
-                f"reply_check must be >= 0 and loop_tolerance and fluency_tolerance finite "
-                f"numbers >= 0, got {self.reply_check}, {self.loop_tolerance}, "
-                f"{self.fluency_tolerance}."
+                f"reply_check must be >= 0 (an integer) and loop_tolerance and fluency_tolerance "
+                f"finite numbers >= 0, got {self.reply_check!r}, {self.loop_tolerance!r}, "
+                f"{self.fluency_tolerance!r}."
             )
+
+
+def _ints(values: object) -> bool:
+    """A tuple or list of integers (a bool is not one)."""
+    return isinstance(values, tuple | list) and all(
+        isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values
+    )
+
+
+def _numbers(values: object) -> bool:
+    """A tuple or list of real numbers (a bool is not one)."""
+    return isinstance(values, tuple | list) and all(
+        isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values
+    )
+
+
+def _names(values: object) -> bool:
+    """A non-empty tuple or list of strings (a bare string is not one)."""
+    return (
+        isinstance(values, tuple | list)
+        and bool(values)
+        and all(isinstance(v, str) for v in values)
+    )
 
 
 def check_options(
@@ -89,19 +127,37 @@ def check_options(
 ) -> None:
     """`protect`'s own options, refused before any work (`gss protect` calls this before the
     models load)."""
+    if not isinstance(space, SearchSpace):
+        raise GSSError(
+            f"search must be a gss.SearchSpace (e.g. SearchSpace(blocks=(3,))), got "
+            f"{type(space).__name__}."
+        )
     space.check()
     check_window(k, n)
-    if budget_mode not in ("relative", "absolute") or not (math.isfinite(budget) and budget >= 0):
+    if (
+        budget_mode not in ("relative", "absolute")
+        or not _numbers((budget,))
+        or not (math.isfinite(budget) and budget >= 0)
+    ):
         raise GSSError(
-            f"budget must be >= 0 with budget_mode 'relative' or 'absolute', got {budget!r}, "
-            f"{budget_mode!r}."
+            f"budget must be >= 0 (a number) with budget_mode 'relative' or 'absolute', got "
+            f"{budget!r}, {budget_mode!r}."
         )
-    if not 0 <= target <= 100:
+    if not (_numbers((target,)) and 0 <= target <= 100):
         raise GSSError(
             f"target (gss protect --max-extractable) is a % of rows, in [0, 100], got {target}."
         )
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise GSSError(f"seed must be an integer in [0, 2^63), got {seed!r}.")
+
+
+def check_general(rows: int) -> None:
+    """The general text needs a half to set the gate thresholds and a half to measure them."""
+    if rows < 2:
+        raise GSSError(
+            f"the general text has {rows} row(s): give at least 2 (half set the gate "
+            "thresholds, half measure how often the gates open), better hundreds."
+        )
 
 
 def given_blocks(blocks: Sequence[int], count: int) -> list[int]:

@@ -76,8 +76,8 @@ def check_names(names: Collection[str], default: str | None) -> None:
     if default is not None and default not in names:
         raise GSSError(
             f"the default artifact (--default) {default!r} is not one the server serves "
-            f"({sorted(names)}): name one of those, or none (requests that name none are then "
-            "not steered)."
+            f"({sorted(names)}): name one of those, or leave --default out (requests that name "
+            "no artifact are then not steered)."
         )
 
 

@@ -81,6 +81,19 @@ def problems(facts: dict[str, Any], rank: int) -> list[str]:
     return found
 
 
+def for_rank(facts: dict[str, Any], singular_values: list[float], rank: int) -> dict[str, Any]:
+    """``facts`` for the first ``rank`` directions kept of a calibration (``with_options(rank=)``):
+    the spectrum ratio and the problems of those directions, not of all that were solved for.
+    Facts an older artifact lacks are left as they were."""
+    needed = ("dimension", "general_tokens", "memorized_tokens", "memorized_share")
+    if not all(key in facts for key in needed):
+        return facts
+    top = singular_values[0] if singular_values else 0.0
+    kept = {**facts, "spectrum_ratio": singular_values[-1] / top if top > 0 else 0.0}
+    kept["warnings"] = problems(kept, rank)
+    return kept
+
+
 def warn_about(facts: dict[str, Any], rank: int, stacklevel: int) -> list[str]:
     """Say each problem as one `GSSWarning`; return them for the provenance."""
     found = problems(facts, rank)
