@@ -240,8 +240,10 @@ def _cases():
         ),
         "reference is the model": (
             [*calibrate[:3], "--reference", m, *calibrate[5:], *out],
-            "omega = 0 everywhere",
+            f"--reference {m} is --model: a model's own log-probabilities mark no token",
         ),
+        "sweep save empty": ([*sweep, "--save", ""], "--save is empty"),
+        "sweep n equal to k": ([*sweep[:-6], "--k", "4", "--n", "4", *sweep[-2:]], "n must be"),
         "out is a file": ([*calibrate, "--out", d], "is a file, not a directory"),
         "out is empty": ([*calibrate, "--out", ""], "argument --out: is empty: give a directory"),
         # show
@@ -554,6 +556,9 @@ BEFORE_ANY_MODEL = [
     "protect general missing",
     "protect general of one row",
     "audit reference is the model",
+    "reference is the model",
+    "sweep save empty",
+    "sweep n equal to k",
     "audit reply on plain text",
     "serve port past 65535",
     "serve model missing",

@@ -487,6 +487,8 @@ def _save_into_cwd(c: Ctx) -> None:
     (c.tmp / "empty").mkdir()
     os.chdir(c.tmp / "empty")
     try:
+        with pytest.raises(GSSError, match="is the current directory"):
+            c.art.save_pretrained("../empty")  # the same directory by another path
         c.art.save_pretrained(".")
     finally:
         os.chdir(here)
@@ -983,6 +985,11 @@ CASES: list[tuple[str, Callable[[Ctx], Any], Err | Warns | Ok]] = [
         "thresholds percentile '95'",
         lambda c: _thresholds_reset(c, threshold_percentile="95"),
         Err(r"threshold_percentile must be a finite number, got '95'"),
+    ),
+    (
+        "thresholds by both rules",
+        lambda c: _thresholds_reset(c, threshold_percentile=50.0, gate_share=0.05),
+        Err(r"gate_share replaces threshold_percentile's rule, and both were given"),
     ),
     (
         "thresholds gate share 2",

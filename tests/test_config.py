@@ -51,6 +51,14 @@ def test_resolve_splits_config_from_run_options_and_checks_first():
         resolve(42, {})  # type: ignore[arg-type]
     with pytest.raises(GSSError, match=r"unknown calibration option\(s\) \['rnak'\]"):
         resolve(None, {"rnak": 2})
+    # as the command line refuses the flags: given together, one would be silently ignored
+    with pytest.raises(GSSError, match="memorized_quantile replaces omega_threshold's rule"):
+        resolve(None, {"omega_threshold": 5.0, "memorized_quantile": 0.9})
+    with pytest.raises(GSSError, match="gate_share replaces threshold_percentile's rule"):
+        resolve(None, {"threshold_percentile": 50.0, "gate_share": 0.05})
+    with pytest.raises(GSSError, match="ridge_delta sets the ridge coefficient's regulariser"):
+        resolve(None, {"ridge_delta": 2.0})
+    assert resolve(None, {"ridge_delta": 2.0, "coefficient": "ridge"})[0].ridge_delta == 2.0
 
 
 @pytest.mark.parametrize(

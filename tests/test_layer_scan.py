@@ -1,11 +1,12 @@
 """scan_layers: every block's signal strength from one pass equals a calibration at that block."""
 
 import copy
+import warnings
 
 import pytest
 import torch
 
-from gss.errors import GSSError
+from gss.errors import GSSError, GSSWarning
 from gss.layer_scan import scan_layers, signal_strength
 from gss.statistics.collect import collect_statistics
 
@@ -62,3 +63,15 @@ def test_blocks_the_fine_tune_did_not_reach_are_not_picked(tmp_path):
     assert scan.plot(tmp_path / "layers.png").stat().st_size > 1000
     other = tiny_model("llama", seed=1, layers=3)  # not a fine-tune of the model: no comparison
     assert scan_layers(model, other, random_ids(8, 10), progress=False).difference == {}
+
+
+def test_too_few_general_tokens_for_sigma_gen_are_said():
+    """As calibrate says it: with fewer general tokens than dimensions the strengths are set by
+    Sigma_gen's regularisation, not the data."""
+    model, ref = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    ids = random_ids(12, 10)
+    with pytest.warns(GSSWarning, match=r"Sigma_gen rests on 6 general tokens for 32 dimensions"):
+        scan_layers(model, ref, ids, gen_texts=random_ids(2, 4, seed=3), progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GSSWarning)  # enough of them: nothing said
+        scan_layers(model, ref, ids, gen_texts=random_ids(8, 10, seed=3), progress=False)

@@ -224,6 +224,17 @@ def test_arguments_that_would_break_the_comparison_are_refused(steered, tasks_di
             run_lm_eval(model, selected, tokenizer=tokenizer, limit=limit)
     with pytest.raises(GSSError, match="few-shot count must be an integer >= 0"):
         run_lm_eval(model, selected, tokenizer=tokenizer, num_fewshot=-1)
+    # refused before any run, not by lm-eval from deep inside (or taken silently)
+    for kwargs, message in (
+        ({"batch_size": 0}, "batch_size must be an integer >= 1"),
+        ({"bootstrap_iters": -1}, "bootstrap_iters must be an integer >= 0"),
+        ({"evaluate_args": {"nope": 1}}, r"evaluate_args \['nope'\] are not arguments"),
+        ({"model_args": {"pretrained": "gpt2"}}, "model_args may not set pretrained"),
+    ):
+        with pytest.raises(GSSError, match=message):
+            run_lm_eval(model, selected, tokenizer=tokenizer, **kwargs)
+    with pytest.raises(GSSError, match="lm-eval tasks are names"):
+        lm_eval_tasks(None, tasks_dir)  # type: ignore[arg-type]
 
 
 def test_without_lm_eval_one_error_says_how_to_install_it(monkeypatch, steered, tmp_path, capsys):

@@ -107,6 +107,9 @@ def test_stack_refuses_what_it_cannot_do(stacked, tmp_path):
     stack.save_pretrained(tmp_path / "s")
     with pytest.raises(GSSError, match="already holds"):
         stack.save_pretrained(tmp_path / "s")
+    for index, message in ((2, "no member 2"), ("0", "by its index"), (True, "by its index")):
+        with pytest.raises(GSSError, match=message):
+            stack.with_member(index, delta=5.0)  # type: ignore[arg-type]
     stack.with_member(1, delta=5.0).save_pretrained(tmp_path / "s", overwrite=True)
     assert gss.load(tmp_path / "s").artifacts[1].config.delta == 5.0
     manifest = json.loads((tmp_path / "s" / "gss_stack.json").read_text())

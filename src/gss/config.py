@@ -292,6 +292,10 @@ class RunOptions:
 RUN_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(RunOptions))
 
 
+# options that replace another's rule: given together, one would be silently ignored
+INSTEAD_OF = {"gate_share": "threshold_percentile", "memorized_quantile": "omega_threshold"}
+
+
 def resolve(
     config: CalibrationConfig | str | None, overrides: dict[str, Any]
 ) -> tuple[CalibrationConfig, RunOptions]:
@@ -308,4 +312,13 @@ def resolve(
             f"{type(config).__name__}."
         )
     run = {k: overrides.pop(k) for k in list(overrides) if k in RUN_OPTION_NAMES}
-    return config.replace(**overrides), RunOptions(**run)
+    for name, other in INSTEAD_OF.items():  # one of the two would be silently ignored
+        if name in overrides and other in overrides:
+            raise GSSError(f"{name} replaces {other}'s rule, and both were given: keep one.")
+    resolved = config.replace(**overrides)
+    if "ridge_delta" in overrides and resolved.coefficient != "ridge":
+        raise GSSError(
+            "ridge_delta sets the ridge coefficient's regulariser: give coefficient='ridge' "
+            "with it, or leave it out."
+        )
+    return resolved, RunOptions(**run)

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from gss.config import DEFAULT_PRESET, CalibrationConfig, resolve
 from gss.data import TextsOrIds
 from gss.errors import GSSError, GSSWarning
-from gss.hf.blocks import find_decoder_blocks
+from gss.hf.blocks import find_decoder_blocks, residual_width
 from gss.solve.whitened import solve_probe_steer
 from gss.statistics.collect import run_pass, same_model_error
 
@@ -155,6 +155,16 @@ def scan_layers(
         layer: signal_strength(m.value, s.covariance)
         for layer, m, s in zip(done.layers, done.memorization, done.sigma, strict=True)
     }
+    general, dim = done.sigma[0].count, residual_width(model)
+    if general < dim:  # as calibrate says it (gss.solve.soundness): the jitter sets the scale
+        warnings.warn(
+            f"scan_layers: Sigma_gen rests on {general} general tokens for {dim} dimensions, so "
+            "its regularisation, not the data, sets the strengths (orders of magnitude too "
+            "large, and the blocks compare unreliably): give at least "
+            f"{dim} general tokens (gen_texts / --gen-data; ten times that is better).",
+            GSSWarning,
+            stacklevel=2,
+        )
     difference = {}
     if done.moved is not None and done.norm is not None:
         pairs = zip(done.layers, done.moved, done.norm, strict=True)

@@ -86,7 +86,7 @@ def check_target(directory: str | Path, overwrite: bool) -> Path:
     out = through_link(Path(directory))
     if out.exists() and not out.is_dir():
         raise GSSError(f"{out} is a file, not a directory: give a directory for the artifact.")
-    if out.absolute() == Path.cwd():  # it would be replaced by a rename: not the working dir
+    if out.resolve() == Path.cwd().resolve():  # replaced by a rename: never the working dir
         raise GSSError(
             f"{directory} is the current directory: give the artifact a directory of its own, "
             "e.g. ./artifact."

@@ -107,6 +107,8 @@ class SteeringStack(hub.HubMixin):
 
     def with_member(self, index: int, **changes: Any) -> SteeringStack:
         """A copy with member ``index`` changed by `SteeringArtifact.with_options`."""
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise GSSError(f"a member is given by its index (an integer), got {index!r}.")
         if not -len(self) <= index < len(self):
             raise GSSError(f"this stack has {len(self)} members, no member {index}.")
         members = list(self.artifacts)

@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 
 from gss.artifact.files import check_outputs, check_target
-from gss.cli.inputs import config_options, load_models, read_rows
+from gss.cli.inputs import check_reference, config_options, load_models, read_rows
 from gss.cli.options import parse_layers
 from gss.errors import GSSError, GSSWarning
 
@@ -96,6 +96,7 @@ def layers_command(args: argparse.Namespace) -> int:
     texts = read_rows(args, "--data", main=True)  # before the models: fails in seconds
     gen_texts = read_rows(args, "--gen-data", keep_rows=False) if args.gen_data else None
     overrides = config_options(args)
+    check_reference(args)
     model, tokenizer, reference = load_models(args)
     scan = scan_layers(
         model,
@@ -138,6 +139,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
     texts = read_rows(args, "--data", main=True)  # rows keep their labels and completions
     gen_texts = read_rows(args, "--gen-data", keep_rows=False) if args.gen_data else None
     overrides = config_options(args)
+    check_reference(args)
     model, tokenizer, reference = load_models(args)
     artifact = calibrate(
         model,

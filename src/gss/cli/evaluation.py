@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gss.artifact.files import check_outputs, check_target
 from gss.cli.inputs import check_delta, load_model_and_tokenizer, read_rows, resolve_max_length
 from gss.cli.options import parse_floats
-from gss.errors import GSSError
+from gss.errors import GSSError, GSSWarning
 
 if TYPE_CHECKING:
     from gss.artifact.stack import Steer
@@ -162,12 +163,16 @@ def _lm_eval_command(
 def sweep_command(args: argparse.Namespace) -> int:
     from gss.artifact.stack import SteeringStack, load
     from gss.artifact.steering_artifact import SteeringArtifact
+    from gss.audit import check_window
     from gss.data import encode
     from gss.evaluate.compare import sweep_and_select
     from gss.evaluate.sweep import check_grid, check_tolerance
     from gss.report import write_json
 
     check_outputs(args.out, ["sweep.json", "sweep.md", "sweep.png"], args.overwrite)
+    check_window(args.k, args.n)  # before the model loads
+    if args.save is not None and not args.save.strip():
+        raise GSSError("--save is empty: give the directory to save the selected point into.")
     save = Path(args.save) if args.save else None
     if save is not None:  # before any model loads
         out_dir, save_dir = Path(args.out).resolve(), save.resolve()
@@ -216,19 +221,21 @@ def sweep_command(args: argparse.Namespace) -> int:
     model, tokenizer, artifact, rows, check = _evaluation_inputs(args)
     assert isinstance(artifact, SteeringArtifact)  # --steer is required, and not a stack
     general = encode(general_rows, tokenizer, args.max_length) if general_rows is not None else None
-    result = sweep_and_select(
-        model,
-        artifact,
-        rows,
-        deltas=deltas,
-        percentiles=percentiles,
-        ranks=[int(r) for r in ranks] if ranks else None,
-        general=general,
-        tolerance=args.tolerance,
-        secrets=check,
-        batch_size=args.batch_size,
-        progress=not args.no_progress,
-    )
+    with warnings.catch_warnings():  # said once, by the check above
+        warnings.filterwarnings("ignore", "tolerance .* lets perplexity rise", GSSWarning)
+        result = sweep_and_select(
+            model,
+            artifact,
+            rows,
+            deltas=deltas,
+            percentiles=percentiles,
+            ranks=[int(r) for r in ranks] if ranks else None,
+            general=general,
+            tolerance=args.tolerance,
+            secrets=check,
+            batch_size=args.batch_size,
+            progress=not args.no_progress,
+        )
     table = result.table()
     print(table)
     out = Path(args.out)

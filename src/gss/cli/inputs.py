@@ -5,6 +5,7 @@ checked before any model loads, its message naming the flag."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from gss.cli.options import config_overrides, data_columns
@@ -110,3 +111,19 @@ def check_delta(artifact: Any, delta: float | None) -> None:
             "(or give one of its steer-<i> directories to steer that block alone)."
         )
     artifact.with_options(delta=delta)
+
+
+def check_reference(args: argparse.Namespace) -> None:
+    """--reference naming --model (omega is 0 everywhere) fails after a whole pass in audit,
+    protect, calibrate and layers: said before the models load (`gss signal` notes it)."""
+    model, reference = Path(args.model), Path(args.reference)
+    here = model.is_dir() and reference.is_dir() and model.resolve() == reference.resolve()
+    same_revision = getattr(args, "model_revision", None) == getattr(
+        args, "reference_revision", None
+    )
+    if (args.model == args.reference or here) and same_revision:
+        raise GSSError(
+            f"--reference {args.reference} is --model: a model's own log-probabilities mark no "
+            "token memorized. Pass the model the fine-tune started from (for a LoRA: "
+            "--reference adapters-off)."
+        )

@@ -15,7 +15,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from gss.config import DEFAULT_PRESET, PRESETS, CalibrationConfig, field_names
+from gss.config import DEFAULT_PRESET, INSTEAD_OF, PRESETS, CalibrationConfig, field_names
 from gss.errors import GSSError
 from gss.hf.loading import ADAPTERS_OFF, DEFAULT_MAX_LENGTH
 from gss.hf.quantization import QUANTO
@@ -166,10 +166,6 @@ def add_preset_arg(p: argparse.ArgumentParser) -> None:
         help="named config: gss-tr (ours, the default: it measured best) or gss (the paper); "
         "flags given override its fields",
     )
-
-
-# flags that replace another's rule: given together, one would be silently ignored
-INSTEAD_OF = {"gate_share": "threshold_percentile", "memorized_quantile": "omega_threshold"}
 
 
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gss.artifact.files import check_outputs
-from gss.cli.inputs import load_models, read_rows
+from gss.cli.inputs import check_reference, load_models, read_rows
 from gss.errors import GSSError, GSSWarning
 
 
@@ -29,22 +29,6 @@ def _check_replies(args: argparse.Namespace, texts: Any) -> None:
             check_replies(texts)
         except GSSError as err:
             raise GSSError(f"--data: {err}") from None
-
-
-def _check_reference(args: argparse.Namespace) -> None:
-    """--reference naming --model fails after the audit's pass (omega is 0 everywhere): said
-    before the models load."""
-    model, reference = Path(args.model), Path(args.reference)
-    here = model.is_dir() and reference.is_dir() and model.resolve() == reference.resolve()
-    same_revision = getattr(args, "model_revision", None) == getattr(
-        args, "reference_revision", None
-    )
-    if (args.model == args.reference or here) and same_revision:
-        raise GSSError(
-            f"--reference {args.reference} is --model: a model's own log-probabilities mark no "
-            "token memorized. Pass the model the fine-tune started from (for a LoRA: "
-            "--reference adapters-off)."
-        )
 
 
 def _lines_of(data: str, rows: int) -> list[str] | None:
@@ -67,7 +51,7 @@ def audit_command(args: argparse.Namespace) -> int:
     check_outputs(args.out, OUTPUTS, args.overwrite)
     texts = read_rows(args, "--data", main=True, keep_rows=args.reply)
     _check_replies(args, texts)
-    _check_reference(args)
+    check_reference(args)
     args.max_length = args.n  # rows are read up to n tokens
     model, tokenizer, reference = load_models(args)
     report = audit(
@@ -123,7 +107,7 @@ def protect_command(args: argparse.Namespace) -> int:
     check_report_dir(args.out, args.overwrite)
     texts = read_rows(args, "--data", main=True)
     _check_replies(args, texts)
-    _check_reference(args)
+    check_reference(args)
     general = read_rows(args, "--general") if args.general else None
     if isinstance(general, list):
         try:

@@ -88,6 +88,11 @@ class LMEvalTasks:
 
 
 def _split(tasks: str | Sequence[str]) -> list[str]:
+    if not isinstance(tasks, str | Sequence) or any(not isinstance(t, str) for t in tasks):
+        raise GSSError(
+            f"lm-eval tasks are names: a string (hellaswag,arc_easy) or a list of them, got "
+            f"{tasks!r}. {FIND_TASKS}."
+        )
     parts = [tasks] if isinstance(tasks, str) else list(tasks)
     names = [n.strip() for part in parts for n in str(part).split(",") if n.strip()]
     if not names:
@@ -191,10 +196,38 @@ def _evaluate_args(
             "own name (use_cache is refused: its results, keyed by the request alone, would "
             "carry one run's answers into the other)."
         )
+    import inspect
+
+    from lm_eval import simple_evaluate
+
+    known = inspect.signature(simple_evaluate).parameters
+    if unknown := sorted(set(extra) - set(known)):
+        raise GSSError(
+            f"evaluate_args {unknown} are not arguments of lm_eval.simple_evaluate (this "
+            f"lm-eval takes {', '.join(sorted(set(known) - RESERVED))})."
+        )
     if bootstrap_iters is not None:
+        whole = isinstance(bootstrap_iters, int) and not isinstance(bootstrap_iters, bool)
+        if not whole or bootstrap_iters < 0:  # -1 would drop the stderr from the table
+            raise GSSError(f"bootstrap_iters must be an integer >= 0, got {bootstrap_iters!r}.")
         extra["bootstrap_iters"] = bootstrap_iters
     extra.setdefault("log_samples", False)  # per-document outputs: kept only when asked
     return extra
+
+
+def _check_hflm(batch_size: int | str, model_args: Mapping[str, Any] | None) -> None:
+    """lm-eval's model wrapper's arguments that gss sets, or that it would refuse from deep
+    inside, refused before any run."""
+    counted = isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size >= 1
+    if not (counted or isinstance(batch_size, str)):
+        raise GSSError(
+            f"batch_size must be an integer >= 1 (or lm-eval's 'auto'), got {batch_size!r}."
+        )
+    if clash := sorted({"pretrained", "tokenizer", "batch_size"} & set(model_args or {})):
+        raise GSSError(
+            f"model_args may not set {', '.join(clash)}: the model is the one given, and "
+            "tokenizer and batch_size are arguments of their own name."
+        )
 
 
 @contextmanager
@@ -292,6 +325,7 @@ def run_lm_eval(
         )
     check_settings(limit, num_fewshot)
     extra = _evaluate_args(evaluate_args, bootstrap_iters)
+    _check_hflm(batch_size, model_args)
     selected = tasks if isinstance(tasks, LMEvalTasks) else lm_eval_tasks(tasks, include_path)
     with eval_mode(model):  # HFLM puts the model in eval mode; its own mode comes back after
         with _quiet_hflm():
@@ -511,6 +545,7 @@ def lm_eval_steering(
     import_lm_eval()
     check_settings(limit, num_fewshot)
     _evaluate_args(evaluate_args, bootstrap_iters)  # refused before any run
+    _check_hflm(batch_size, model_args)
     options: dict[str, Any] = {"delta": delta} if delta is not None else {}
     if artifact is not None:
         artifact.check_model(model)  # a foreign artifact fails before the unsteered run

@@ -205,6 +205,12 @@ def calibrate_thresholds(
     require_artifact(artifact, "calibrate_thresholds")
     if gate_share is None and threshold_percentile is None:
         raise GSSError("give threshold_percentile (e.g. 95) or gate_share (e.g. 0.05).")
+    default = CalibrationConfig.threshold_percentile
+    if gate_share is not None and threshold_percentile not in (None, default):
+        raise GSSError(
+            f"gate_share replaces threshold_percentile's rule, and both were given "
+            f"({gate_share}, {threshold_percentile}): keep one."
+        )
     percentile = artifact.config.threshold_percentile
     artifact.config.replace(
         threshold_percentile=percentile if threshold_percentile is None else threshold_percentile,
