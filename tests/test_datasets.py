@@ -165,6 +165,12 @@ def test_column_errors_say_what_there_is(tmp_path):
         read_data(path, text_column="body", messages_column="body", progress=False)
     with pytest.raises(GSSError, match="a prompt column needs a completion column"):
         read_data(path, prompt_column="body", progress=False)
+    # a column without text, or with nulls, is said from the schema (before any model loads)
+    with pytest.raises(GSSError, match=r"column 'id' \(--text-column\) holds int64 values"):
+        read_data(path, text_column="id", progress=False)
+    nulls = _write(datasets.Dataset.from_dict({"text": ["w1 w2", None]}), tmp_path / "n.parquet")
+    with pytest.raises(GSSError, match=r"column 'text' has 1 null value\(s\)"):
+        read_data(nulls, progress=False)
     # a .jsonl row without the column named
     rows = _jsonl(tmp_path / "rows.jsonl", [{"body": "w1 w2"}, {"text": "w3"}])
     assert read_data(rows, text_column="body", strict=False)[1] == {"text": "w3"}

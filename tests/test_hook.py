@@ -350,3 +350,19 @@ def test_the_wrapped_forward_keeps_a_forward_already_there_and_survives_a_deep_c
         handle.remove()  # cannot unwind what is on top: ours steers nothing from now on
         torch.testing.assert_close(model(ids).logits, unsteered, atol=0, rtol=0)
         del block.forward
+
+
+def test_a_steered_model_pickles_after_a_forward():
+    """torch.save of a model inside gss.steer (or a process that spawns with it): the fused
+    steers cached per device are closures, left out of the pickle and built again."""
+    import io
+
+    model, art = calibrated_llama()
+    ids = random_ids(2, 8, seed=5)
+    with gss.steer(model, art):
+        steered = model(ids).logits  # builds the fused steer
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)  # the steer travels with the model
+    assert torch.equal(loaded(ids).logits, steered)

@@ -179,6 +179,7 @@ def read_data(
     with _progress_bars(datasets, progress):
         table = _load(datasets, name, path, split, strict)
     table = select_columns(table, columns, name, strict)
+    check_text_columns(table, columns, name, datasets)
     if table.num_rows == 0:
         raise GSSError(f"{name} contains no sequences (its split has no rows).")
     return DatasetRows(table)
@@ -228,6 +229,33 @@ def select_columns(table: Any, columns: Columns, source: str, strict: bool) -> A
             "--messages-column, or --prompt-column and --completion-column)."
         )
     return table.select_columns([c for c in KEPT_COLUMNS if c in names])
+
+
+def check_text_columns(table: Any, columns: Columns, source: str, datasets: Any) -> None:
+    """A text column (``text``, ``prompt``, ``completion``, or the one named for it) that holds
+    something other than strings, or nulls, refused now, from the table's schema, rather than
+    at its first row once the models have loaded."""
+    features = getattr(table, "features", None) or {}
+    # a Dataset's Arrow table, when its rows are all of it (a slice or filter keeps indices into
+    # it: its nulls are found at their rows instead); an IterableDataset has none
+    arrow = getattr(table, "data", None) if getattr(table, "_indices", None) is None else None
+    for read_as in ("text", "prompt", "completion"):
+        feature = features.get(read_as)
+        if not isinstance(feature, datasets.Value):  # absent, or conversations (lists)
+            continue
+        column = columns.named.get(read_as, read_as)
+        flag = f" ({columns.flag(column)})" if read_as in columns.named else ""
+        if feature.dtype not in ("string", "large_string"):
+            raise GSSError(
+                f"{source}: column {column!r}{flag} holds {feature.dtype} values, not text: name "
+                "the column that holds the text."
+            )
+        nulls = arrow.column(read_as).null_count if arrow is not None else 0
+        if nulls:
+            raise GSSError(
+                f"{source}: column {column!r}{flag} has {nulls} null value(s): drop those rows "
+                "(dataset.filter(lambda row: row[...] is not None)) or fill them."
+            )
 
 
 def _looks_like_hub_id(name: str) -> bool:

@@ -199,6 +199,14 @@ class GatedSteer:
         # what the steer was made from (the artifact's probe): tells an artifact attached twice
         self.origin: object | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (``torch.save`` of a steered model, a process that spawns) without the fused
+        steers built for each device and dtype: closures, which pickle cannot take; the first
+        call after loading builds them again."""
+        state = self.__dict__.copy()
+        state["_fused_by"], state["_fast"] = {}, None
+        return state
+
     @property
     def track_gates(self) -> bool:
         """Count gate openings: every call then takes the checked path, which counts them."""
