@@ -171,6 +171,12 @@ def test_column_errors_say_what_there_is(tmp_path):
     nulls = _write(datasets.Dataset.from_dict({"text": ["w1 w2", None]}), tmp_path / "n.parquet")
     with pytest.raises(GSSError, match=r"column 'text' has 1 null value\(s\)"):
         read_data(nulls, progress=False)
+    empty = _write(datasets.Dataset.from_dict({"text": []}), tmp_path / "e.parquet")
+    with pytest.raises(GSSError, match=r"e\.parquet contains no sequences \(the table has no rows"):
+        read_data(empty, progress=False)
+    (tmp_path / "bad.csv").write_text('text,other\n"w1 w2,1\nw3\n')  # the parser's reason said
+    with pytest.raises(GSSError, match=r"bad\.csv: DatasetGenerationError: .* \(ParserError: "):
+        read_data(tmp_path / "bad.csv", progress=False)
     # a .jsonl row without the column named
     rows = _jsonl(tmp_path / "rows.jsonl", [{"body": "w1 w2"}, {"text": "w3"}])
     assert read_data(rows, text_column="body", strict=False)[1] == {"text": "w3"}

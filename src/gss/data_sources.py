@@ -17,6 +17,7 @@ The column options say which column holds the text when it is not one of the usu
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -304,12 +305,17 @@ def _load(datasets: Any, name: str, path: Path, split: str | None, strict: bool)
 
 def _call(load: Any, name: str, *args: Any, **kwargs: Any) -> Any:
     """`load(*args, **kwargs)`, its failures as one `GSSError` that says what to change."""
+    logger = logging.getLogger("datasets")  # it logs a broken file's error before raising it
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
     try:
         return load(*args, **kwargs)
     except GSSError:
         raise
     except ValueError as err:  # datasets: 'Unknown split "x". Should be one of [...]'
         text = str(err)
+        if "corresponds to no data" in text:  # a table file without rows
+            raise GSSError(f"{name} contains no sequences (the table has no rows).") from err
         found = re.search(r"one of (\[[^\]]*\])", text)
         if "split" in text.lower() and found:
             split = kwargs.get("split")
@@ -331,7 +337,14 @@ def _call(load: Any, name: str, *args: Any, **kwargs: Any) -> Any:
             ) from err
         raise GSSError(f"datasets could not read {name}: {type(err).__name__}: {err}") from err
     except Exception as err:  # datasets and pyarrow raise their own errors on a broken file
-        raise GSSError(f"datasets could not read {name}: {type(err).__name__}: {err}") from err
+        cause = err.__cause__ or err.__context__  # datasets wraps the parser's error
+        why = f"{type(cause).__name__}: {cause}" if cause is not None else ""
+        raise GSSError(
+            f"datasets could not read {name}: {type(err).__name__}: {err}"
+            + (f" ({why.strip()})" if why.strip() else "")
+        ) from err
+    finally:
+        logger.setLevel(level)
 
 
 @contextlib.contextmanager
