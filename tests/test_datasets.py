@@ -171,6 +171,8 @@ def test_column_errors_say_what_there_is(tmp_path):
     nulls = _write(datasets.Dataset.from_dict({"text": ["w1 w2", None]}), tmp_path / "n.parquet")
     with pytest.raises(GSSError, match=r"column 'text' has 1 null value\(s\)"):
         read_data(nulls, progress=False)
+    with pytest.raises(GSSError, match=r"split must be a split's name \(e\.g\. 'train'\), got 0"):
+        read_data(path, split=0, progress=False)  # type: ignore[arg-type]
     empty = _write(datasets.Dataset.from_dict({"text": []}), tmp_path / "e.parquet")
     with pytest.raises(GSSError, match=r"e\.parquet contains no sequences \(the table has no rows"):
         read_data(empty, progress=False)

@@ -199,9 +199,11 @@ _NUMERIC_FIELDS: dict[str, type] = {
 }
 
 
-def _integer(name: str, value: Any, low: int, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise GSSError(f"{name} must be an integer >= {low}, got {value!r}: {fix}.")
+def _integer(name: str, value: Any, low: int | None, fix: str) -> None:
+    """Refuse a non-integer ``value`` of field ``name``, or one below ``low`` (None: any)."""
+    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
+        at_least = "" if low is None else f" >= {low}"
+        raise GSSError(f"{name} must be an integer{at_least}, got {value!r}: {fix}.")
 
 
 def check_config(c: CalibrationConfig) -> None:
@@ -212,7 +214,7 @@ def check_config(c: CalibrationConfig) -> None:
         if choices and value not in choices:
             raise GSSError(f"{f.name} must be one of {choices}, got {value!r}.")
     if c.layer is not None:
-        _integer("layer", c.layer, -(2**31), "pass a block index such as 2 or -1")
+        _integer("layer", c.layer, None, "pass a block index such as 2 or -1")
     _integer("rank", c.rank, 1, "ask for at least one direction")
     if not _finite("delta", c.delta, "pass a positive strength such as 1.0") > 0:
         raise GSSError(f"delta must be > 0, got {c.delta!r}: pass a positive strength such as 1.0.")

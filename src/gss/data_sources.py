@@ -136,6 +136,8 @@ def read_data(
     columns gss reads alone (``secrets`` too, for `gss evaluate`).
     """
     columns = Columns(text_column, messages_column, prompt_column, completion_column)
+    if split is not None and (not isinstance(split, str) or not split.strip()):
+        raise GSSError(f"split must be a split's name (e.g. 'train'), got {split!r}.")
     name = str(source)
     if not name.strip():
         raise GSSError(
