@@ -34,17 +34,21 @@ def evidence(
     ``memorized`` are the tokens Sigma_gen and M were estimated from;
     ``general_from_calibration``: Sigma_gen came from the calibration tokens not marked
     memorized (no gen_texts), so the memorized share decides how much it rests on."""
-    top = singular_values[0] if singular_values else 0.0
-    ratio = singular_values[-1] / top if top > 0 else 0.0
     return {
         "dimension": dim,
         "general_tokens": general,
         "memorized_tokens": memorized,
         "memorized_share": float(counts.get("memorized_share", 0.0)),
         "general_from_calibration": general_from_calibration,
-        "spectrum_ratio": ratio,  # last over first whitened singular value
+        "spectrum_ratio": _ratio(singular_values),  # last over first whitened singular value
         "jitter": jitter,  # absolute diagonal loading the solve used
     }
+
+
+def _ratio(singular_values: list[float]) -> float:
+    """The last over the first singular value (0 when the first is 0, or there are none)."""
+    top = singular_values[0] if singular_values else 0.0
+    return singular_values[-1] / top if top > 0 else 0.0
 
 
 def problems(facts: dict[str, Any], rank: int) -> list[str]:
@@ -88,8 +92,7 @@ def for_rank(facts: dict[str, Any], singular_values: list[float], rank: int) -> 
     needed = ("dimension", "general_tokens", "memorized_tokens", "memorized_share")
     if not all(key in facts for key in needed):
         return facts
-    top = singular_values[0] if singular_values else 0.0
-    kept = {**facts, "spectrum_ratio": singular_values[-1] / top if top > 0 else 0.0}
+    kept = {**facts, "spectrum_ratio": _ratio(singular_values)}
     kept["warnings"] = problems(kept, rank)
     return kept
 
