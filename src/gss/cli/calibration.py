@@ -8,6 +8,7 @@ import json
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 from gss.artifact.files import check_outputs, check_target
 from gss.cli.inputs import check_reference, config_options, load_models, read_rows
@@ -87,17 +88,24 @@ def signal_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibration_inputs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any], Any]:
+    """--data (rows keep their labels and completions), --gen-data and the calibration options,
+    read and checked before the models load (a wrong path, column, split or option fails in
+    seconds); then the model, its tokenizer and the reference."""
+    texts = read_rows(args, "--data", main=True)
+    gen_texts = read_rows(args, "--gen-data", keep_rows=False) if args.gen_data else None
+    overrides = config_options(args)
+    check_reference(args)
+    return texts, gen_texts, overrides, load_models(args)
+
+
 def layers_command(args: argparse.Namespace) -> int:
     from gss.layer_scan import scan_layers
     from gss.report import write_json
 
     layers = parse_layers(args.layers)
     check_outputs(args.out, ["layers.json", "layers.png"], args.overwrite)
-    texts = read_rows(args, "--data", main=True)  # before the models: fails in seconds
-    gen_texts = read_rows(args, "--gen-data", keep_rows=False) if args.gen_data else None
-    overrides = config_options(args)
-    check_reference(args)
-    model, tokenizer, reference = load_models(args)
+    texts, gen_texts, overrides, (model, tokenizer, reference) = _calibration_inputs(args)
     scan = scan_layers(
         model,
         reference,
@@ -135,12 +143,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
     check_target(args.out, args.overwrite)  # before the models load
     if args.device_map is None:  # torchrun: each rank on its own device
         args.device = _init_distributed(args.device or "cpu")
-    # the data before the models: a wrong path, column or split fails in seconds
-    texts = read_rows(args, "--data", main=True)  # rows keep their labels and completions
-    gen_texts = read_rows(args, "--gen-data", keep_rows=False) if args.gen_data else None
-    overrides = config_options(args)
-    check_reference(args)
-    model, tokenizer, reference = load_models(args)
+    texts, gen_texts, overrides, (model, tokenizer, reference) = _calibration_inputs(args)
     artifact = calibrate(
         model,
         reference,
