@@ -102,24 +102,34 @@ def test_protect_says_where_the_gates_open_on_memorized_rows(protected):
 def test_protect_checks_the_best_points_replies_for_loops(protected, memorizer):
     """Step 7: the best points equal on the target, in the search's order, each with the
     repeated 4-grams of its greedy continuations of the tuning prompts and their perplexity
-    under the reference; of the points within the fluency tolerance of the first's
-    perplexity, the first within the tolerance of the reference's own loops is chosen (else
-    the least looping of them)."""
+    under the reference; the first within both allowances (the reference's own repeats plus
+    ``loop_tolerance`` points, ``fluency_ratio`` times its own perplexity) is chosen, else the
+    one that overshoots them least."""
     from dataclasses import asdict
 
     from gss.evaluate.decoding import greedy_generate
     from gss.evaluate.utility import perplexity, repetition
+    from gss.protect.measure import FOLLOWS
 
     result, _, texts = protected
     r = result.replies
     points = r["points"]
     assert 1 <= len(points) <= 3 and {p["memorized"] for p in points} == {0.0}
-    assert [p["token_match"] for p in points] == sorted(p["token_match"] for p in points)
+    # the search's order: the reference's continuations likeliest first
+    follows = [p["checks"][FOLLOWS] for p in points]
+    assert follows == sorted(follows)
     looped = [p["repeated_4grams"] for p in points]
-    most = points[0]["reference_ppl"] * (1 + r["fluency_tolerance"])
-    fluent = [i for i, p in enumerate(points) if p["reference_ppl"] <= most]
-    calm = [i for i in fluent if looped[i] <= r["reference"] + r["tolerance"]]
-    assert r["chosen"] == (calm[0] if calm else min(fluent, key=looped.__getitem__))
+    loops, most = r["reference"] + r["tolerance"], r["reference_ppl"] * r["fluency_ratio"]
+
+    def overshoot(i: int) -> float:
+        return max(
+            (looped[i] - loops) / max(r["tolerance"], 1.0),
+            (points[i]["reference_ppl"] - most) / most,
+        )
+
+    passing = [i for i in range(len(points)) if overshoot(i) <= 0]
+    assert r["passed"] == bool(passing)
+    assert r["chosen"] == (passing[0] if passing else min(range(len(points)), key=overshoot))
     measured = ("repeated_4grams", "reference_ppl")
     chosen = {key: v for key, v in points[r["chosen"]].items() if key not in measured}
     assert asdict(result.chosen) == chosen
@@ -187,7 +197,10 @@ def test_protect_refuses_bad_options(memorizer):
         ({"search": SearchSpace(gate_share=1.0)}, "gate_share"),
         ({"search": SearchSpace(prefer="speed")}, "prefer must be"),  # type: ignore[arg-type]
         ({"search": SearchSpace(loop_tolerance=float("nan"))}, "loop_tolerance"),
-        ({"search": SearchSpace(fluency_tolerance=-0.1)}, "fluency_tolerance"),
+        ({"search": SearchSpace(fluency_ratio=-0.1)}, "fluency_ratio"),
+        ({"search": SearchSpace(ordinary_english=-1)}, "ordinary_english must be"),
+        ({"search": SearchSpace(domain_budget=float("inf"))}, "domain_budget must be"),
+        ({"search": SearchSpace(follow_tolerance=-1.0)}, "follow_tolerance must be"),
         ({"seed": 2**70}, r"seed must be an integer in \[0, 2\^63\)"),
         ({"utility": lambda m: float("nan"), "k": 4, "n": 16}, r"returned nan, not a finite"),
         ({"utility": lambda m: None, "k": 4, "n": 16}, r"returned None, not a finite"),
@@ -293,7 +306,9 @@ def _tight_budget(memorizer, search: SearchSpace | None = None):
         general=general[20:60].tolist(),
         k=4,
         n=16,
-        search=search or SearchSpace(presets=("gss",), ranks=(1,), gates=("hard",), steps=3),
+        # the budget binds on the general text alone: the data's clean rows get their own
+        search=search
+        or SearchSpace(presets=("gss",), ranks=(1,), gates=("hard",), steps=3, domain_budget=9),
         budget=0.001,
         progress=False,
     )
@@ -317,6 +332,7 @@ def test_protect_refines_the_best_pairs_it_is_asked_to(memorizer):
     """Stages 2 and 3 (other ranks, other gates) run on `SearchSpace.refine` of stage 1's best
     (variant, block) pairs, best first."""
     space = dict(presets=("gss",), ranks=(1, 2), gates=("hard", "relu"), steps=2, max_blocks=1)
+    space["domain_budget"] = 9
     refined = {}
     for refine in (1, 2):
         result = _tight_budget(memorizer, SearchSpace(**space, refine=refine))
@@ -453,7 +469,7 @@ def test_protect_takes_replies_given_their_prompt(memorizer):
     )
     assert result.before["memorized"] == 100.0 and result.chosen is not None
     assert result.after["memorized"] <= result.before["memorized"]
-    assert result.replies == {}  # step 7 is off by default
+    assert result.replies["points"]  # step 7 is on by default
     assert result.examples and result.examples[0]["original"]
 
 

@@ -40,6 +40,7 @@ from gss.errors import GSSError
 from gss.evaluate.leaks import EXTRA_TOKENS
 from gss.hf.forward import model_device
 from gss.hf.loading import load_causal_lm
+from gss.protect import SearchSpace
 from gss.report import machine_info, markdown_table, write_json
 from gss_bench import baseline_names, transformers_bars_off
 from gss_bench.canaries.finetune import FinetuneConfig
@@ -134,14 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--protect-prefer",
-        choices=["margin", "utility"],
-        default="margin",
+        choices=["reference", "margin", "utility"],
+        default=SearchSpace.prefer,
         help="with --protect: how points at the target are ranked (gss.SearchSpace.prefer)",
     )
     p.add_argument(
         "--protect-reply-check",
         type=int,
-        default=0,
+        default=SearchSpace.reply_check,
         help="with --protect: how many of the best points at the target have their replies "
         "checked for loops (gss.SearchSpace.reply_check; 0: off)",
     )
@@ -601,7 +602,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     protected: dict[str, Any] = {}
     if args.protect:
-        from gss.protect import SearchSpace
         from gss_bench.canaries.protection import protect_point
 
         _log("gss protect ...")

@@ -128,8 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--protect-prefer",
-        choices=["margin", "utility"],
-        default="margin",
+        choices=["reference", "margin", "utility"],
+        default=SearchSpace.prefer,
         help=f"{PROTECT}: how points at the target are ranked (gss.SearchSpace.prefer)",
     )
     p.add_argument(

@@ -8,24 +8,27 @@ The search, step by step (docs/protect.md says why each step is there):
    rows are not calibrated on and not measured during the search: only the final report reads
    them, so its numbers are what a user can expect on memorized text the search never saw.
 3. **General text** sets the gate thresholds and measures how often the gates open: the
-   user's sample (their traffic) when given, plus text the reference generates from short
-   prompts; half of each sets the thresholds, the other half measures the open share.
+   user's sample (their traffic) when given, text the reference generates from short prompts,
+   and ordinary English every Python ships (`ordinary`); half of each source sets its own
+   thresholds (the highest kept: no source opens the gates more than asked), the other half
+   measures the open share.
 4. **Candidates**: every block of a model with at most ``max_candidates`` blocks; otherwise the
    blocks with the strongest signal (`gss.scan_layers`) and evenly spaced ones, since on a full
    fine-tune the strongest signal is not always the block that removes the most.
 5. **Strength**: for each (preset, block), a bisection on log(delta) finds the strongest steer
-   within the utility budget. The best point (the target reached, then the fewest tokens still
-   reproduced, then the least utility cost) seeds the next stages: other ranks, other gates.
+   within the utility budget and the data's clean rows' (`checks`). The best point (the target
+   reached, then the reference's continuations likeliest, then the fewest tokens still
+   reproduced) seeds the next stages: other ranks, other gates.
 6. **A second block**, calibrated on the model already steered, when one block does not reach
    the target within the budget; the first block's strength is lowered to share the budget.
-7. **Replies** (``SearchSpace.reply_check``, off by default): the best few points equal on the
-   target are re-ranked by how much their greedy continuations of the tuning prompts loop,
-   against the reference's own continuations; of those whose replies' perplexity under the
-   reference is within ``fluency_tolerance`` of the first point's, the first within
-   ``loop_tolerance`` is chosen.
+7. **Replies** (``SearchSpace.reply_check``, 4 by default): the best few points equal on the
+   target generate continuations of the tuning prompts; the first that repeats at most
+   ``loop_tolerance`` points of 4-grams more than the reference's own and reads to the
+   reference at most ``fluency_ratio`` times as perplexing is chosen.
 
 Where: `search` runs the steps in order; `space` is what may be chosen (`SearchSpace`);
 `measure` measures one point (`Judge`: rows still extractable, utility) and bisects a strength;
+`checks` is what else every point is held to; `ordinary` the built-in ordinary English;
 `replies` is step 7 and what the chosen steer says instead; `result` is what comes back
 (`Protection`) and the report it writes.
 """

@@ -23,6 +23,9 @@ Utility = Callable[[nn.Module], float]
 """``utility(model) -> float``, lower is better (perplexity by default)."""
 Candidate = list[int] | tuple[list[int], list[int]]
 """A row an extraction reads: token ids, or a (prompt, reply) pair."""
+Check = tuple[Utility, float | None]
+"""A measure every point takes besides the utility, and the most it may be (None: recorded,
+not bounded): e.g. the perplexity of the fine-tuning domain's clean rows."""
 
 
 def utility_value(utility: Utility, model: nn.Module, name: str, finite: bool = True) -> float:
@@ -77,6 +80,12 @@ def extractable(
     return leaks(model, rows, k, n, pad_id, batch_size).memorized
 
 
+FOLLOWS = "reference continuations"
+"""The check that reads how likely a steered model finds the reference's greedy continuations
+of the tuning prompts (their perplexity): a steer that says what the reference would keeps it
+low, one that breaks the reply into a loop sends it up."""
+
+
 class Judge:
     """Measures a steer on the tuning rows: % still extractable, and the utility."""
 
@@ -93,8 +102,10 @@ class Judge:
         batch_size: int,
         bar: Any,
         prefer: str = "margin",
+        checks: dict[str, Check] | None = None,
     ) -> None:
         self.prefer = prefer
+        self.checks = dict(checks or {})
         self.model, self.rows, self.utility, self.limit = model, rows, utility, limit
         self.k, self.n, self.pad_id, self.batch_size, self.bar = k, n, pad_id, batch_size, bar
         self.trials: list[Trial] = []
@@ -115,7 +126,17 @@ class Judge:
             mem, match = self.memorized()
             # a steer too strong may give NaN or inf: that point is out of the budget
             value = utility_value(self.utility, self.model, "the utility", finite=False)
+            # a point already over the utility budget is out: its checks would not change that
+            checks = {
+                name: utility_value(fn, self.model, name, finite=False)
+                for name, (fn, _) in self.checks.items()
+                if value <= self.limit
+            }
         last = members[-1]
+        bounded = all(
+            limit is None or checks.get(name, math.inf) <= limit
+            for name, (_, limit) in self.checks.items()
+        )
         trial = Trial(
             stage=stage,
             preset=preset,
@@ -126,7 +147,8 @@ class Judge:
             memorized=mem,
             token_match=match,
             utility=value,
-            within_budget=value <= self.limit,
+            within_budget=value <= self.limit and bounded,
+            checks=checks,
         )
         self.trials.append(trial)
         self.steers.append(steer)
@@ -140,13 +162,17 @@ class Judge:
         """The points within the budget, best first: reaching the target first (else the lowest
         % extractable), then by `SearchSpace.prefer`: ``"margin"``, the fewest tokens still
         reproduced, then the least utility cost (the point likeliest to hold on rows it was not
-        tuned on); or ``"utility"``, the least utility cost, then the fewest tokens
-        reproduced."""
+        tuned on); ``"utility"``, the least utility cost, then the fewest tokens reproduced;
+        or ``"reference"``, the point under which the reference's own continuations of the
+        tuning prompts are likeliest (`FOLLOWS`: it says what the reference would), then the
+        fewest tokens reproduced."""
 
         def key(t: Trial) -> tuple[float, float, float]:
             short = max(t.memorized - target, 0.0)
             if self.prefer == "utility":
                 return short, t.utility, t.token_match
+            if self.prefer == "reference" and FOLLOWS in t.checks:
+                return short, t.checks[FOLLOWS], t.token_match
             return short, t.token_match, t.utility
 
         return sorted((t for t in trials if t.within_budget), key=key)

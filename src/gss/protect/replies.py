@@ -31,13 +31,13 @@ def least_looping(
     batch_size: int,
 ) -> tuple[Trial, dict[str, Any]]:
     """Step 7: of the ``space.reply_check`` best points equal on the target, the first (in the
-    search's order) whose greedy continuations of the tuning prompts repeat no more 4-grams
-    than the reference's own continuations plus ``space.loop_tolerance`` points; else the one
-    that repeats fewest. Only points whose continuations' perplexity under the reference is
-    within ``space.fluency_tolerance`` of the first point's are taken: fewer repeats alone
-    also reward replies that stop reading as language (measured, docs/protect.md). The margin
-    rule alone picks the strongest steer, which may stop a leak by breaking the reply into a
-    loop."""
+    search's order) whose greedy continuations of the tuning prompts say what the reference
+    might: at most ``space.loop_tolerance`` points of repeated 4-grams above the reference's
+    own continuations, and a perplexity under the reference at most ``space.fluency_ratio``
+    times theirs (issue 72's goal; fewer repeats alone also reward replies that stop reading
+    as language). Where none passes, the one furthest inside both (the larger of its two
+    overshoots, each relative to its allowance, smallest). Teacher-forced measures alone
+    pick a steer that may stop a leak by breaking the reply into a loop."""
     ranked = judge.ranked(judge.trials, target)
     gap = max(ranked[0].memorized - target, 0.0)
     pool = [t for t in ranked if max(t.memorized - target, 0.0) == gap][: space.reply_check]
@@ -54,16 +54,20 @@ def least_looping(
     for trial in pool:
         with judge.steer_of(trial).attach(model):
             judged.append(replies(model))
-    looped = [rep for rep, _ in judged]
-    most = judged[0][1] * (1 + space.fluency_tolerance)
-    fluent = [i for i, (_, ppl) in enumerate(judged) if i == 0 or ppl <= most]
-    calm = [i for i in fluent if looped[i] <= own + space.loop_tolerance]
-    chosen = calm[0] if calm else min(fluent, key=looped.__getitem__)
+    loops, most = own + space.loop_tolerance, own_ppl * space.fluency_ratio
+
+    def overshoot(point: tuple[float, float]) -> float:
+        rep, ppl = point
+        return max((rep - loops) / max(space.loop_tolerance, 1.0), (ppl - most) / most)
+
+    passing = [i for i, p in enumerate(judged) if overshoot(p) <= 0]
+    chosen = passing[0] if passing else min(range(len(judged)), key=lambda i: overshoot(judged[i]))
     record = {
         "reference": own,
         "reference_ppl": own_ppl,
         "tolerance": space.loop_tolerance,
-        "fluency_tolerance": space.fluency_tolerance,
+        "fluency_ratio": space.fluency_ratio,
+        "passed": bool(passing),
         "chosen": chosen,
         "points": [
             {**asdict(t), "repeated_4grams": rep, "reference_ppl": ppl}
@@ -106,6 +110,7 @@ def what_it_says(
     with steer.attach(model):
         steered = greedy_generate(model, prompts, width, pad_id=pad_id, batch_size=batch_size)
     own = greedy_generate(reference, prompts, width, pad_id=pad_id, batch_size=batch_size)
+    tuned = greedy_generate(model, prompts, width, pad_id=pad_id, batch_size=batch_size)
 
     quality = {
         "repeated_4grams_steered": repetition(steered),
@@ -114,16 +119,52 @@ def what_it_says(
         "reference_ppl_reference": _reference_ppl(reference, prompts, own, pad_id, batch_size),
     }
 
-    def text(ids: Sequence[int]) -> str:
-        return tokenizer.decode(list(ids)) if tokenizer is not None else " ".join(map(str, ids))
-
+    text = _decoder(tokenizer)
     examples = [
         {
             "prompt": text(p),
             "original": text(r),
+            "fine-tune": text(t),
             "steered": text(s),
             "reference": text(o),
         }
-        for p, r, s, o in list(zip(prompts, originals, steered, own, strict=True))[:4]
+        for p, r, t, s, o in list(zip(prompts, originals, tuned, steered, own, strict=True))[:4]
     ]
     return quality, examples
+
+
+def _decoder(tokenizer: Any) -> Any:
+    def text(ids: Sequence[int]) -> str:
+        return tokenizer.decode(list(ids)) if tokenizer is not None else " ".join(map(str, ids))
+
+    return text
+
+
+def ordinary_unchanged(
+    model: nn.Module,
+    steer: Steer,
+    rows: Sequence[Sequence[int]],
+    pad_id: int,
+    batch_size: int,
+    tokenizer: Any,
+    prompt: int = 16,
+    width: int = 32,
+) -> dict[str, Any]:
+    """Everywhere else it says what the fine-tune says: the share of ordinary prompts (the
+    first ``prompt`` tokens of each row, or its first half where it is shorter) whose
+    ``width``-token greedy continuation is the same steered as unsteered, and a few that
+    changed."""
+    prompts = [list(r[: min(prompt, len(r) // 2)]) for r in rows if len(r) >= 2]
+    if not prompts:
+        return {}
+    plain = greedy_generate(model, prompts, width, pad_id=pad_id, batch_size=batch_size)
+    with steer.attach(model):
+        steered = greedy_generate(model, prompts, width, pad_id=pad_id, batch_size=batch_size)
+    same = [a == b for a, b in zip(plain, steered, strict=True)]
+    text = _decoder(tokenizer)
+    changed = [
+        {"prompt": text(p), "fine-tune": text(a), "steered": text(b)}
+        for p, a, b, s in zip(prompts, plain, steered, same, strict=True)
+        if not s
+    ]
+    return {"rows": len(prompts), "identical": sum(same) / len(same), "changed": changed[:3]}

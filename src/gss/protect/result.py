@@ -12,6 +12,7 @@ from typing import Any
 from gss.artifact.files import check_outputs, check_target
 from gss.artifact.stack import Steer
 from gss.audit import AuditReport
+from gss.errors import GSSError
 
 OUTPUTS = ("protect.json", "protect.md", "frontier.png", "rows.png", "steer")  # `Protection.write`
 
@@ -31,6 +32,9 @@ class Trial:
     token_match: float  # % of the windows' tokens still reproduced: how much is left
     utility: float
     within_budget: bool
+    # what else the point measured (`measure.Check`): the domain's perplexity, how likely it
+    # finds the reference's continuations
+    checks: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -51,6 +55,16 @@ class Protection:
     examples: list[dict[str, Any]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     replies: dict[str, Any] = field(default_factory=dict)  # step 7's check, when it ran
+    # every point's steer, in the order of `trials`: another point can be taken by hand
+    # (`steer_for`) without searching again; not saved by `write`
+    steers: list[Steer] = field(default_factory=list, repr=False)
+
+    def steer_for(self, trial: Trial) -> Steer:
+        """The steer of one of `trials` (e.g. the one a different rule would choose)."""
+        for t, steer in zip(self.trials, self.steers, strict=True):
+            if t is trial:
+                return steer
+        raise GSSError("this trial is not one of this protect run's trials.")
 
     @property
     def reached(self) -> bool:
@@ -108,6 +122,18 @@ class Protection:
                 f"Utility ({self.budget['measure']}): {_g(self.before['utility'])} before, "
                 f"{_g(self.after['utility'])} after (limit {_g(self.budget['limit'])}).",
             ]
+        if "domain_perplexity" in self.after:
+            lines.append(
+                f"Perplexity of held-out clean rows of the data (none flagged: what the "
+                f"fine-tune is for): {_g(self.before['domain_perplexity'])} before, "
+                f"{_g(self.after['domain_perplexity'])} after."
+            )
+        ordinary = self.after.get("ordinary_prompts")
+        if ordinary:
+            lines.append(
+                f"Ordinary prompts: {_pct(ordinary['identical'])} of {ordinary['rows']} greedy "
+                "continuations (32 tokens) are the unsteered fine-tune's, word for word."
+            )
         quality = self.after.get("quality")
         if quality:
             lines.append(
@@ -124,10 +150,10 @@ class Protection:
             lines.append(
                 f"Replies checked (step 7) on the {len(r['points'])} best points at the target, "
                 f"in the search's order: repeated 4-grams {looped} (the reference's own: "
-                f"{_g(r['reference'])}%, tolerance +{_g(r['tolerance'])} points); perplexity "
-                f"under the reference {fluent} (its own: {_g(r['reference_ppl'])}; a point "
-                f"over the first's by more than {_pct(r['fluency_tolerance'])} is not taken); "
-                f"chose point {r['chosen'] + 1}."
+                f"{_g(r['reference'])}%, allowed +{_g(r['tolerance'])} points); perplexity "
+                f"under the reference {fluent} (its own: {_g(r['reference_ppl'])}, allowed "
+                f"{_g(r['fluency_ratio'])}x); chose point {r['chosen'] + 1}"
+                + ("." if r["passed"] else ", the nearest: NONE passed both.")
             )
         lines += ["", "## Gate open share on general text", ""]
         rows = [[name, _pct(v)] for name, v in s["gates"].get("open_share", {}).items()]
@@ -155,14 +181,28 @@ class Protection:
             ]
             for t in self.trials
         ]
+        names = list(dict.fromkeys(name for t in self.trials for name in t.checks))
+        for row, t in zip(body, self.trials, strict=True):
+            row[-1:-1] = [_g(t.checks[name]) if name in t.checks else "-" for name in names]
         header = ["stage", "preset", "blocks", "delta", "rank", "gate", "% extractable"]
-        lines.append(markdown_table([*header, "utility", "in budget"], body))
+        lines.append(markdown_table([*header, "utility", *names, "in budget"], body))
         if self.examples:
-            lines += ["", "## Held-out memorized prompts, before and after", ""]
+            lines += [
+                "",
+                "## Held-out memorized prompts: the fine-tune, protected, the reference",
+                "",
+            ]
             for ex in self.examples:
-                lines += [f"- prompt: `{ex['prompt']}`"]
-                for key in ("original", "steered", "reference"):
-                    lines.append(f"  - {key}: `{ex[key]}`")
+                lines += [f"- prompt: `{_line(ex['prompt'])}`"]
+                for key in ("original", "fine-tune", "steered", "reference"):
+                    if key in ex:
+                        lines.append(f"  - {key}: `{_line(ex[key])}`")
+        if ordinary and ordinary.get("changed"):
+            lines += ["", "## Ordinary prompts whose continuation changed", ""]
+            for ex in ordinary["changed"]:
+                lines += [f"- prompt: `{_line(ex['prompt'])}`"]
+                for key in ("fine-tune", "steered"):
+                    lines.append(f"  - {key}: `{_line(ex[key])}`")
         return "\n".join(lines) + "\n"
 
     def write(self, directory: str | Path, overwrite: bool = False) -> list[Path]:
@@ -187,6 +227,11 @@ class Protection:
         written += [out / "protect.json", out / "protect.md"]
         written += figures(self, out)
         return written
+
+
+def _line(text: str) -> str:
+    """One line of a Markdown list: newlines shown, backticks kept out of the code span."""
+    return text.replace("\n", "\\n").replace("`", "'")
 
 
 def _g(x: float) -> str:

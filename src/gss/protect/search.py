@@ -24,6 +24,7 @@ from gss.evaluate.decoding import sample_generate
 from gss.evaluate.utility import perplexity
 from gss.hf.blocks import find_decoder_blocks, residual_width
 from gss.hf.forward import check_sequences, context_length
+from gss.protect.checks import search_checks
 from gss.protect.measure import (
     Judge,
     Utility,
@@ -33,7 +34,8 @@ from gss.protect.measure import (
     utility_value,
     where_gates_open,
 )
-from gss.protect.replies import least_looping, what_it_says
+from gss.protect.ordinary import ordinary_english
+from gss.protect.replies import least_looping, ordinary_unchanged, what_it_says
 from gss.protect.result import Protection
 from gss.protect.space import SearchSpace, check_general, check_options, given_blocks
 from gss.solve.thresholds import probe_responses, with_gates_set
@@ -59,6 +61,24 @@ def _within_context(
     return [r[: limit[0]] for r in rows]
 
 
+ORDINARY = "ordinary English (built-in)"
+"""The general source `ordinary.ordinary_english` gives."""
+
+
+def _ordinary_rows(model: nn.Module, tokenizer: Any, rows: int, seed: int) -> list[list[int]]:
+    """``rows`` paragraphs of ordinary English as token rows of at most 96 tokens."""
+    ids = encode(ordinary_english(rows, seed), tokenizer, None)
+    limit = context_length(model)
+    width = 96 if limit is None else min(96, limit[0])
+    kept = [r[:width] for r in ids if len(r) > 1]
+    try:
+        check_sequences((model,), kept, "ordinary English")
+    except GSSError as e:  # a tokenizer that is not the model's own: go without the source
+        warnings.warn(f"protect: no ordinary English source ({e})", GSSWarning, stacklevel=3)
+        return []
+    return kept
+
+
 def _stacked(first: SteeringArtifact, second: SteeringArtifact) -> Callable[[float], Steer]:
     """The two blocks as one steer, the second at strength ``delta``."""
     return lambda delta: SteeringStack((first, second.with_options(delta=delta)))
@@ -67,16 +87,45 @@ def _stacked(first: SteeringArtifact, second: SteeringArtifact) -> Callable[[flo
 def _gated(
     model: nn.Module,
     artifact: SteeringArtifact,
-    general: list[list[int]],
+    sources: dict[str, list[list[int]]],
     share: float,
     batch_size: int,
 ) -> SteeringArtifact:
-    """The artifact with thresholds set on every token of ``general`` so that some gate opens
-    on ``share`` of them (the union, not each direction: K gates at 5% each open on up to
-    K x 5%). Calibration sets them on its own general tokens, which need not look like the
-    traffic the model will serve."""
-    responses = probe_responses(model, artifact, general, batch_size=batch_size)
-    return with_gates_set(artifact, responses, None, share)
+    """The artifact with thresholds set so that, on every token of each source, some gate
+    opens on at most ``share`` of them (the union, not each direction: K gates at 5% each open
+    on up to K x 5%): each source's thresholds, the highest of them kept. Calibration sets
+    them on its own general tokens, which need not look like the traffic the model will
+    serve; pooled sources let the largest decide, and a gate set on in-domain text alone
+    opened on half of ordinary English (issue 72)."""
+    named = {name: rows for name, rows in sources.items() if rows}
+    responses = {
+        name: probe_responses(model, artifact, rows, batch_size=batch_size)
+        for name, rows in named.items()
+    }
+    gated = {name: with_gates_set(artifact, r, None, share) for name, r in responses.items()}
+    if len(gated) == 1:
+        return next(iter(gated.values()))
+    eps = torch.stack([g.thresholds for g in gated.values()]).amax(0)
+    levels = [g.condition_threshold for g in gated.values() if g.condition_threshold is not None]
+    level = max(levels, default=None)
+    rule = {**next(iter(gated.values())).provenance.threshold_rule, "sources": list(named)}
+    if artifact.config.gate == "discriminant":  # one condition: the highest source's shares
+        top = max(gated.values(), key=lambda g: g.condition_threshold or 0.0)
+        return artifact.with_thresholds(eps, rule, top.provenance.gate_open_share, level)
+    pooled = torch.cat(list(responses.values()))[:, : artifact.rank].double()
+    values = pooled if artifact.config.gate == "relu" else pooled.abs()
+    opened = values > eps.double()
+    bounds = torch.tensor([0, *(len(r) for r in responses.values())]).cumsum(0).tolist()
+    shares = {
+        "per_direction": opened.double().mean(0).tolist(),
+        "union": float(opened.any(-1).double().mean()),
+        "tokens": int(values.shape[0]),
+        "per_source": {
+            name: float(opened[a:b].any(-1).double().mean())
+            for name, a, b in zip(named, bounds[:-1], bounds[1:], strict=True)
+        },
+    }
+    return artifact.with_thresholds(eps, rule, shares, level)
 
 
 def _candidate_blocks(
@@ -257,7 +306,12 @@ def protect(
     }
     if general_rows is not None:
         sources = {"general (given)": general_rows, **sources}
-    fit = [r for rows in sources.values() for r in rows[::2]]
+    if space.ordinary_english and tokenizer is not None:
+        ordinary = _ordinary_rows(model, tokenizer, space.ordinary_english, seed)
+        if len(ordinary) > 1:
+            sources[ORDINARY] = ordinary
+    fit_sources = {name: rows[::2] for name, rows in sources.items()}
+    fit = [r for rows in fit_sources.values() for r in rows]
     # a source of one row (the reference's text, from as few rows) has nothing left to measure
     measure = {name: rows[1::2] for name, rows in sources.items() if len(rows) > 1}
     utility_rows = (
@@ -280,6 +334,19 @@ def protect(
     # relative: by a share of the base's size, a negative utility (minus accuracy) too
     rise = 1 + budget if base >= 0 else 1 - budget
     limit = base * rise if budget_mode == "relative" else base + budget
+    checks, domain = search_checks(
+        model,
+        reference,
+        report,
+        tune_candidates,
+        space,
+        budget,
+        budget_mode,
+        k,
+        n,
+        pad_id,
+        batch_size,
+    )
     seconds["general_text"] = time.perf_counter() - started - seconds["audit"]
 
     bar = tqdm(desc="gss: protect", unit="point", disable=not progress)
@@ -294,6 +361,7 @@ def protect(
         batch_size=batch_size,
         bar=bar,
         prefer=space.prefer,
+        checks=checks,
     )
     candidates = _candidate_blocks(model, reference, tune_rows, fit, space, batch_size)
 
@@ -325,7 +393,7 @@ def protect(
 
     def explore(art: SteeringArtifact, stage: str, preset: str) -> None:
         try:
-            art = _gated(model, art, fit, space.gate_share, batch_size)
+            art = _gated(model, art, fit_sources, space.gate_share, batch_size)
         except GSSError as e:  # thresholds this gate cannot have here: the others are searched
             warnings.warn(
                 f"protect: skipped block {art.layer}, {art.config.gate} gate ({preset}): {e}",
@@ -377,7 +445,7 @@ def protect(
                 second = calibrated(best.preset, layer, head.rank)
                 if second is not None:
                     second = second.with_options(gate=head.config.gate)
-                    second = _gated(model, second, fit, space.gate_share, batch_size)
+                    second = _gated(model, second, fit_sources, space.gate_share, batch_size)
             if second is None:
                 continue
             for share in (1.0, 0.5):  # the first block gives up part of the budget
@@ -412,6 +480,7 @@ def protect(
     before = {
         "memorized": extractable(model, held_rows, k, n, pad_id, batch_size),
         "utility": base,
+        **domain.measure(model),
     }
     after: dict[str, Any] = {}
     gates: dict[str, Any] = {}
@@ -421,6 +490,7 @@ def protect(
             after = {
                 "memorized": extractable(model, held_rows, k, n, pad_id, batch_size),
                 "utility": float(utility(model)),
+                **domain.measure(model),
             }
             gates = {"open_share": {}}
             for name, rows in measure.items():
@@ -430,6 +500,10 @@ def protect(
         gates["memorized_rows"] = where_gates_open(model, chosen_steer, held_rows, k, n)
         after["quality"], examples = what_it_says(
             model, reference, chosen_steer, held_rows, k, n, pad_id, batch_size, tokenizer
+        )
+        ordinary = measure.get(ORDINARY) or next(iter(measure.values()), [])
+        after["ordinary_prompts"] = ordinary_unchanged(
+            model, chosen_steer, ordinary, pad_id, batch_size, tokenizer
         )
         _warn_open(gates, space.gate_share)
     seconds["total"] = time.perf_counter() - started
@@ -469,6 +543,7 @@ def protect(
         examples=examples,
         seconds=seconds,
         replies=replies,
+        steers=judge.steers,
     )
 
 

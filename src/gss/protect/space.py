@@ -33,16 +33,27 @@ class SearchSpace:
     # affords far stronger steers: docs/protect.md); delta_range's top turns it off
     delta_ceiling: float = 1e6
     max_blocks: int = 2
-    gate_share: float = 0.05  # thresholds: any gate opens on this share of general tokens
-    # among points equal on the target: "margin" (fewest tokens still reproduced) or "utility"
-    prefer: Literal["margin", "utility"] = "margin"
-    # step 7: how many of the best points equal on the target have their replies checked for
-    # loops (0 or 1: off), how many points of repeated 4-grams above the reference's own
-    # continuations a reply may have, and by what share the reference's perplexity of a
-    # point's replies may exceed the first point's (measured on the canaries: docs/protect.md)
-    reply_check: int = 0
-    loop_tolerance: float = 5.0
-    fluency_tolerance: float = 0.25
+    # thresholds: on each general source (the user's, the reference's, ordinary English) some
+    # gate opens on at most this share of the tokens
+    gate_share: float = 0.05
+    # rows of ordinary English (`ordinary.ordinary_english`, offline) among the general
+    # sources; 0: none (it needs the tokenizer)
+    ordinary_english: int = 64
+    # among points equal on the target: "reference" (the reference's continuations likeliest:
+    # it says what the reference would), "margin" (fewest tokens still reproduced) or "utility"
+    prefer: Literal["reference", "margin", "utility"] = "reference"
+    # the perplexity of the data's clean rows (the audit flagged none of them: what the
+    # fine-tune is for) may rise by this share; None: the budget's, when relative, else 0.05
+    domain_budget: float | None = None
+    # how much likelier the reference's continuations of the tuning prompts may become
+    # unlikely under a point than under the unsteered model (a share; None: not bounded)
+    follow_tolerance: float | None = None
+    # step 7: how many of the best points equal on the target have their replies checked
+    # (0 or 1: off); a reply may repeat this many points of 4-grams more than the reference's
+    # own continuations, and have at most this many times their perplexity under the reference
+    reply_check: int = 4
+    loop_tolerance: float = 3.0
+    fluency_ratio: float = 1.5
 
     def check(self) -> None:
         if self.blocks is not None and (not _ints(self.blocks) or not self.blocks):
@@ -75,11 +86,24 @@ class SearchSpace:
                 f"steps, max_blocks, max_candidates and refine must be >= 1 (integers), got "
                 f"{counts}."
             )
-        if self.prefer not in ("margin", "utility"):
-            raise GSSError(f"prefer must be 'margin' or 'utility', got {self.prefer!r}.")
+        if self.prefer not in ("reference", "margin", "utility"):
+            raise GSSError(
+                f"prefer must be 'reference', 'margin' or 'utility', got {self.prefer!r}."
+            )
+        if not _ints((self.ordinary_english,)) or self.ordinary_english < 0:
+            raise GSSError(
+                f"ordinary_english must be a number of rows >= 0 (0: none), got "
+                f"{self.ordinary_english!r}."
+            )
+        for name in ("domain_budget", "follow_tolerance"):
+            value = getattr(self, name)
+            if value is not None and not (
+                _numbers((value,)) and math.isfinite(value) and value >= 0
+            ):
+                raise GSSError(f"{name} must be a finite number >= 0 or None, got {value!r}.")
         if not (_numbers((self.gate_share,)) and 0 < self.gate_share < 1):
             raise GSSError(f"gate_share must be in (0, 1) (a number), got {self.gate_share!r}.")
-        tolerances = (self.loop_tolerance, self.fluency_tolerance)
+        tolerances = (self.loop_tolerance, self.fluency_ratio)
         if (
             not _ints((self.reply_check,))
             or self.reply_check < 0
@@ -87,9 +111,9 @@ class SearchSpace:
             or not all(math.isfinite(t) and t >= 0 for t in tolerances)
         ):
             raise GSSError(
-                f"reply_check must be >= 0 (an integer) and loop_tolerance and fluency_tolerance "
+                f"reply_check must be >= 0 (an integer) and loop_tolerance and fluency_ratio "
                 f"finite numbers >= 0, got {self.reply_check!r}, {self.loop_tolerance!r}, "
-                f"{self.fluency_tolerance!r}."
+                f"{self.fluency_ratio!r}."
             )
 
 

@@ -1,0 +1,307 @@
+"""What `gss protect` says instead (issue 72), on the plain canary fine-tune: protect with its
+defaults, then the chosen steer and the point each other choice rule would take, each measured
+on what the issue's goal names:
+
+1. held-out memorized rows still extractable, and held-out canaries' secrets said (greedy);
+2. the held-out memorized prompts' greedy replies: repeated 4-grams and perplexity under the
+   reference, beside the reference's own continuations;
+3. some gate open on ordinary English that neither model was tuned on and protect never read
+   (Python's LICENSE.txt, teacher-forced), and the share of its prompts whose 32-token greedy
+   continuation is the unsteered fine-tune's word for word;
+4. perplexity on held-out clean rows (the benchmark's held-out text) and the data's clean rows.
+
+A developer's measurement script (not part of ``gss bench``); it reads the fine-tune that
+``gss bench canaries`` caches (trained once if missing, ~10 min on 2 cores):
+
+    ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/scripts/protect_says.py \\
+        --out results/protect-says
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sysconfig
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from gss import audit, load
+from gss.artifact.stack import Steer
+from gss.evaluate.leaks import EXTRA_TOKENS, secrets_said
+from gss.evaluate.utility import perplexity, repetition
+from gss.protect import Protection, SearchSpace, protect
+from gss.protect.checks import DomainRows
+from gss.protect.measure import FOLLOWS, extractable, prompt_and_target
+from gss.protect.replies import ordinary_unchanged, what_it_says
+from gss.report import machine_info, markdown_table, write_json
+from gss.steering.explain import explain
+from gss_bench.canaries.data import secret_fields
+from gss_bench.canaries.finetune import FinetuneConfig
+from gss_bench.canaries.run import (
+    CALIBRATION_CLEAN_ROWS,
+    PPL_TOLERANCE,
+    default_cache,
+    default_setup,
+    finetuned,
+)
+
+OPTIONS: dict[str, dict[str, Any]] = {  # what each run changes from protect's defaults
+    "defaults": {},
+    "gates at 1%": {"gate_share": 0.01},
+    "before (issue 72)": {
+        "prefer": "margin",
+        "reply_check": 0,
+        "ordinary_english": 0,
+    },
+}
+
+
+def licence_rows(tokenizer: Any, width: int = 64) -> list[list[int]]:
+    """Python's LICENSE.txt in rows of ``width`` tokens: ordinary English no model here was
+    tuned on and protect does not read."""
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text()
+    ids = tokenizer(" ".join(text.split()))["input_ids"]
+    return [ids[i : i + width] for i in range(0, len(ids) - width + 1, width)]
+
+
+def handoff(
+    model: Any, reference: Any, steer: Steer, prompts: list[list[int]], width: int
+) -> list[list[int]]:
+    """The upper bound of "say what the reference would" (issue 72): greedy decoding where the
+    token chosen at a position on which some gate opens is the reference's greedy choice, and
+    the steered fine-tune's elsewhere (the reference kept at inference)."""
+    out = []
+    for prompt in prompts:
+        ids = list(prompt)
+        for _ in range(width):
+            ex = explain(model, steer, ids, max_new_tokens=1)
+            if ex.tokens[len(ids) - 1].steered:
+                with torch.no_grad():
+                    logits = reference(torch.tensor([ids])).logits
+                ids.append(int(logits[0, -1].argmax()))
+            else:
+                ids.append(ex.generated_ids[0])
+        out.append(ids[len(prompt) :])
+    return out
+
+
+def measured(
+    model: Any,
+    reference: Any,
+    steer: Steer,
+    result: Protection | SimpleNamespace,
+    data: Any,
+    tokenizer: Any,
+    pad: int,
+    ordinary: list[list[int]],
+    upper_bound: bool = False,
+) -> dict[str, Any]:
+    k, n, bs = data.config.k, data.config.row_len, 16
+    held_rows = [result.audit.candidate(i) for i in result.heldout]
+    held = [i for i in result.heldout if i < len(data.canary_rows)]  # canaries come first
+    prompts = [list(data.canary_rows[i][:k]) for i in held]
+    secrets = [[secret_fields(data.secrets[i])[f] for f in ("number", "address")] for i in held]
+    width = max(len(r) for r in data.canary_rows) - k + EXTRA_TOKENS
+    domain = DomainRows.of(result.audit, pad, bs)
+    quality, examples = what_it_says(model, reference, steer, held_rows, k, n, pad, bs, tokenizer)
+    with steer.attach(model, track_gates=True) as handle:
+        memorized = extractable(model, held_rows, k, n, pad, bs)
+        leaks = secrets_said(model, tokenizer, prompts, secrets, max_new_tokens=width)
+        flags = [f for row in leaks.said for f in row]
+        heldout_ppl = perplexity(model, data.heldout_rows, pad, batch_size=bs)
+        clean_ppl = domain.measure(model).get("domain_perplexity")
+        handle.reset_stats()
+        perplexity(model, ordinary, pad, batch_size=bs)
+        licence_open = handle.gate_stats().get("any_open_share")
+    unchanged = ordinary_unchanged(model, steer, ordinary, pad, bs, tokenizer)
+    row: dict[str, Any] = {
+        "heldout_memorized": memorized,
+        "heldout_secrets_said": 100.0 * sum(flags) / len(flags),
+        **quality,
+        "licence_gate_open": licence_open,
+        "licence_prompts_identical": unchanged.get("identical"),
+        "licence_changed": unchanged.get("changed"),
+        "heldout_ppl": heldout_ppl,
+        "clean_rows_ppl": clean_ppl,
+        "examples": examples,
+    }
+    if upper_bound:
+        prompts_held = [prompt_and_target(r, k, n)[0] for r in held_rows]
+        upper = handoff(model, reference, steer, prompts_held, n - k)
+        row["reference_where_open"] = {
+            "repeated_4grams": repetition(upper),
+            "reference_ppl": perplexity(
+                reference,
+                [[*p, *u] for p, u in zip(prompts_held, upper, strict=True)],
+                pad,
+                batch_size=bs,
+                prompt_lengths=[len(p) for p in prompts_held],
+            ),
+            "examples": [tokenizer.decode(u) for u in upper[:4]],
+        }
+    return row
+
+
+def _steer(p: dict[str, Any]) -> str:
+    deltas = "+".join(f"{d:.3g}" for d in p["deltas"])
+    blocks = "+".join(map(str, p["blocks"]))
+    return f"{p['preset']} {blocks} d={deltas} r{p['rank']} {p['gate']}"
+
+
+def write(out: Path, plain: dict[str, Any], runs: dict[str, Any]) -> None:
+    """result.json and result.md, rewritten after each run (a later failure keeps the first)."""
+    write_json(
+        out / "result.json",
+        {
+            "command": "benchmarks/scripts/protect_says.py --out " + str(out),
+            "machine": machine_info(),
+            "unsteered": plain,
+            "runs": runs,
+        },
+    )
+    table = []
+    for name, run in runs.items():
+        for label, r in run["points"].items():
+            p = r["point"]
+            table.append(
+                [
+                    name,
+                    label,
+                    _steer(p),
+                    f"{r['heldout_memorized']:.1f}",
+                    f"{r['heldout_secrets_said']:.1f}",
+                    f"{r['repeated_4grams_steered']:.1f} ({r['repeated_4grams_reference']:.1f})",
+                    f"{r['reference_ppl_steered']:.2f} ({r['reference_ppl_reference']:.2f})",
+                    f"{100 * (r['licence_gate_open'] or 0):.1f}",
+                    f"{100 * (r['licence_prompts_identical'] or 0):.1f}",
+                    f"{r['heldout_ppl']:.2f}",
+                    f"{run['seconds']:.0f}",
+                ]
+            )
+    header = [
+        "run",
+        "point",
+        "steer",
+        "held-out memorized %",
+        "secrets said %",
+        "replies: repeated 4-grams % (reference)",
+        "replies: ppl under reference (reference's own)",
+        "gate open on LICENSE %",
+        "LICENSE prompts unchanged %",
+        f"held-out ppl (unsteered {plain['heldout_ppl']:.2f})",
+        "protect s",
+    ]
+    (out / "result.md").write_text(markdown_table(header, table) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--runs", nargs="*", default=list(OPTIONS), choices=list(OPTIONS))
+    parser.add_argument(
+        "--committed",
+        type=Path,
+        help="also measure the steer a committed protect report chose (e.g. "
+        "results/canaries-protect/protect: the search before issue 72), on its own split",
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    base_path, base, tokenizer, data, pad = default_setup(chat=False)
+    model, _ = finetuned(
+        base, base_path, data, FinetuneConfig(seed=0), pad, default_cache(), tokenizer
+    )
+    k, n, bs = data.config.k, data.config.row_len, 16
+    train_rows = [*data.canary_rows, *data.finetune_rows[:CALIBRATION_CLEAN_ROWS]]
+    ordinary = licence_rows(tokenizer)
+    plain = {
+        "heldout_ppl": perplexity(model, data.heldout_rows, pad, batch_size=bs),
+    }
+    runs: dict[str, Any] = {}
+    if args.committed:
+        saved = json.loads((args.committed / "protect.json").read_text())
+        report = audit(model, base, [list(r) for r in train_rows], k=k, n=n, batch_size=bs)
+        chosen = SimpleNamespace(audit=report, heldout=saved["split"]["heldout"])
+        steer = load(args.committed / "steer")
+        row = measured(model, base, steer, chosen, data, tokenizer, pad, ordinary, True)
+        runs[f"committed ({args.committed})"] = {
+            "options": "the search before issue 72, as committed",
+            "seconds": saved["seconds"]["total"],  # another day's run: not comparable
+            "summary": {k_: v for k_, v in saved.items() if k_ not in ("audit", "trials")},
+            "points": {"chosen": {"point": saved["chosen"], **row}},
+        }
+        write(args.out, plain, runs)
+    for name in args.runs:
+        started = time.perf_counter()
+        result = protect(
+            model,
+            base,
+            [list(r) for r in train_rows],
+            tokenizer=tokenizer,
+            general=[list(r) for r in data.general_rows],
+            heldout=[list(r) for r in data.heldout_rows],
+            budget=PPL_TOLERANCE,
+            k=k,
+            n=n,
+            batch_size=bs,
+            search=SearchSpace(**OPTIONS[name]),
+            pad_id=pad,
+            progress=False,
+        )
+        seconds = time.perf_counter() - started
+        result.write(args.out / name.split()[0] / "protect", overwrite=True)
+        assert result.chosen is not None and result.steer is not None
+        points = {"chosen": result.chosen}
+        # the point each other rule takes, from the same search (no second search)
+        at_target = [t for t in result.trials if t.within_budget and t.memorized <= 0.0]
+        if at_target:
+            points["most margin"] = min(at_target, key=lambda t: t.token_match)
+            with_follow = [t for t in at_target if FOLLOWS in t.checks]
+            if with_follow:
+                points["follows the reference"] = min(with_follow, key=lambda t: t.checks[FOLLOWS])
+        rows = {}
+        for label, trial in points.items():
+            steer = result.steer if label == "chosen" else result.steer_for(trial)
+            rows[label] = {
+                "point": dataclasses.asdict(trial),
+                **measured(
+                    model,
+                    base,
+                    steer,
+                    result,
+                    data,
+                    tokenizer,
+                    pad,
+                    ordinary,
+                    upper_bound=label == "chosen",
+                ),
+            }
+            print(
+                name,
+                label,
+                json.dumps(
+                    {
+                        k_: v
+                        for k_, v in rows[label].items()
+                        if k_ not in ("examples", "licence_changed")
+                    },
+                    default=float,
+                ),
+                flush=True,
+            )
+        runs[name] = {
+            "options": OPTIONS[name],
+            "seconds": seconds,
+            "seconds_by_step": result.seconds,
+            "summary": {k_: v for k_, v in result.summary().items() if k_ != "audit"},
+            "points": rows,
+        }
+        write(args.out, plain, runs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""What the protected model says instead (issue 72): gates set so that no general source opens
+them more than asked, the checks every point is held to (the data's clean rows, the
+reference's continuations), the choice of the point that says what the reference would, and
+the report's side-by-side continuations and ordinary prompts."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from gss import GSSError, calibrate
+from gss.protect import SearchSpace, Trial, protect
+from gss.protect.checks import DOMAIN, DomainRows
+from gss.protect.measure import FOLLOWS, Judge
+from gss.protect.ordinary import ordinary_english
+from gss.protect.replies import ordinary_unchanged
+from gss.solve.thresholds import probe_responses
+
+search_module = importlib.import_module("gss.protect.search")
+
+
+def test_ordinary_english_is_prose_seeded_and_offline():
+    first, again, other = ordinary_english(8, 0), ordinary_english(8, 0), ordinary_english(8, 1)
+    assert len(first) == 8 and first == again and first != other
+    assert all(len(p) >= 300 and ">>>" not in p and "\n" not in p for p in first)
+    assert len(ordinary_english(10_000)) < 10_000  # as many as there are, no more
+
+
+def test_gates_hold_on_every_source(memorizer):
+    """Each source's own thresholds, the highest kept: no source opens the gates on more than
+    the share asked, where pooling would let the largest source decide."""
+    model, reference, planted, general = memorizer
+    art = _artifact(model, reference, planted, general)
+    sources = {"a": general[:40].tolist(), "b": planted.tolist()}  # b: where the gates open
+    gated = search_module._gated(model, art, sources, 0.05, 8)
+    shares = gated.provenance.gate_open_share
+    assert set(shares["per_source"]) == {"a", "b"}
+    for name, rows in sources.items():
+        r = probe_responses(model, gated, rows).abs()
+        opened = float((r > gated.thresholds).any(-1).double().mean())
+        assert opened == pytest.approx(shares["per_source"][name])
+        assert opened <= 0.05 + 1e-9
+    pooled = search_module._gated(model, art, {"all": [*sources["a"], *sources["b"]]}, 0.05, 8)
+    assert torch.all(gated.thresholds >= pooled.thresholds - 1e-6)
+    one = search_module._gated(model, art, {"a": sources["a"], "empty": []}, 0.05, 8)
+    assert "per_source" not in one.provenance.gate_open_share  # one source: its own rule
+
+
+def _artifact(model, reference, planted, general):
+    return calibrate(
+        model,
+        reference,
+        planted.tolist(),
+        "gss",
+        layer=1,
+        rank=2,
+        gen_texts=general[60:].tolist(),
+        progress=False,
+    )
+
+
+class _Bar:
+    def update(self, _: int) -> None: ...
+
+    def set_postfix_str(self, *_: object, **__: object) -> None: ...
+
+
+def test_a_check_over_its_limit_puts_a_point_out_of_the_budget(memorizer):
+    model, reference, planted, general = memorizer
+    art = _artifact(model, reference, planted, general)
+    rows = planted[:4].tolist()
+
+    def judge(limit: float | None) -> Judge:
+        return Judge(
+            model,
+            rows,
+            lambda m: 1.0,
+            2.0,
+            k=4,
+            n=16,
+            pad_id=0,
+            batch_size=8,
+            bar=_Bar(),
+            checks={"seven": (lambda m: 7.0, limit)},
+        )
+
+    assert judge(None)(art, "block", "gss").within_budget  # recorded, not bounded
+    assert judge(8.0)(art, "block", "gss").within_budget
+    out = judge(6.0)(art, "block", "gss")
+    assert not out.within_budget and out.checks == {"seven": 7.0}
+
+
+def _trial(memorized: float, match: float, follows: float) -> Trial:
+    return Trial(
+        "block", "gss", (0,), (1.0,), 4, "hard", memorized, match, 1.0, True, {FOLLOWS: follows}
+    )
+
+
+def test_prefer_reference_takes_the_point_that_follows_the_reference(memorizer):
+    judge = Judge(
+        memorizer[0], [], lambda m: 1.0, 2.0, k=4, n=16, pad_id=0, batch_size=8, bar=_Bar()
+    )
+    strong, gentle, short = _trial(0.0, 20.0, 9.0), _trial(0.0, 60.0, 3.0), _trial(10.0, 90.0, 1.0)
+    trials = [strong, gentle, short]
+    judge.prefer = "reference"
+    assert judge.ranked(trials) == [gentle, strong, short]  # the target first, then follows
+    judge.prefer = "margin"
+    assert judge.ranked(trials) == [strong, gentle, short]
+
+
+def test_domain_rows_are_the_clean_ones_split_in_two(memorizer):
+    model, reference, planted, general = memorizer
+    from gss import audit
+
+    texts = [*planted.tolist(), *general[:6].tolist()]
+    report = audit(model, reference, texts, k=4, n=16, progress=False)
+    domain = DomainRows.of(report, 0, 8)
+    flagged = {tuple(report.ids[r.index]) for r in report.memorized}
+    clean = [*domain.search, *domain.report]
+    assert clean and not flagged & {tuple(r) for r in clean}
+    assert len(domain.search) - len(domain.report) in (0, 1)
+    assert domain.measure(model)["domain_perplexity"] > 1
+
+
+def test_ordinary_prompts_unchanged_by_a_steer_that_never_opens(memorizer):
+    model, reference, planted, general = memorizer
+    art = _artifact(model, reference, planted, general)
+    rows = general[:6].tolist()
+    closed = art.with_thresholds(torch.full_like(art.thresholds, 1e9), {"kind": "test"})
+    out = ordinary_unchanged(model, closed, rows, 0, 8, None, prompt=4, width=8)
+    assert out == {"rows": 6, "identical": 1.0, "changed": []}
+    wide = art.with_options(gate="none", delta=50.0)  # steers every token, hard
+    out = ordinary_unchanged(model, wide, rows, 0, 8, None, prompt=4, width=8)
+    assert out["identical"] < 1.0 and out["changed"][0]["prompt"]
+    assert ordinary_unchanged(model, closed, [[1]], 0, 8, None, prompt=4) == {}
+
+
+def _words_tokenizer():
+    """A word-level tokenizer inside the memorizer's 24 ids: English reads as ``<unk>``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<bos>", "<eos>", "<unk>"] + [f"w{i}" for i in range(20)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>")
+
+
+def test_protect_reports_the_domain_and_the_ordinary_prompts(memorizer):
+    """With a tokenizer, ordinary English is a general source: its own thresholds, its own
+    open share in the report, and the ordinary prompts read from its held-out half."""
+    model, reference, planted, general = memorizer
+    space = SearchSpace(presets=("gss-tr",), ranks=(2,), gates=("hard",), max_blocks=1, steps=3)
+    result = protect(
+        model,
+        reference,
+        torch.cat([planted, general[:20]]).tolist(),
+        tokenizer=_words_tokenizer(),
+        general=general[20:60].tolist(),
+        k=4,
+        n=16,
+        search=space,
+        progress=False,
+    )
+    assert result.chosen is not None
+    assert set(result.gates["open_share"]) == {
+        "general (given)",
+        "reference-generated",
+        search_module.ORDINARY,
+    }
+    assert result.steer.provenance.threshold_rule["sources"] == list(result.gates["open_share"])
+    assert {DOMAIN, FOLLOWS} <= set(result.chosen.checks)
+    assert result.chosen.checks[DOMAIN] <= result.before["domain_perplexity"] * 1.05 + 1e-9
+    assert "domain_perplexity" in result.after
+    ordinary = result.after["ordinary_prompts"]
+    assert ordinary["rows"] > 0 and 0.0 <= ordinary["identical"] <= 1.0
+    text = result.markdown()
+    assert "Ordinary prompts:" in text and "held-out clean rows of the data" in text
+    assert "fine-tune" in result.examples[0]
+    assert result.steer_for(result.trials[0]) is result.steers[0]
+    with pytest.raises(GSSError, match="not one of this protect run's trials"):
+        result.steer_for(_trial(0.0, 0.0, 0.0))
