@@ -22,6 +22,7 @@ search_module = importlib.import_module("gss.protect.search")
 
 
 def test_ordinary_english_is_prose_seeded_and_offline():
+    pytest.importorskip("pydoc_data.topics")  # a Python built without them: no source
     first, again, other = ordinary_english(8, 0), ordinary_english(8, 0), ordinary_english(8, 1)
     assert len(first) == 8 and first == again and first != other
     assert all(len(p) >= 300 and ">>>" not in p and "\n" not in p for p in first)
@@ -151,6 +152,7 @@ def _words_tokenizer():
 def test_protect_reports_the_domain_and_the_ordinary_prompts(memorizer):
     """With a tokenizer, ordinary English is a general source: its own thresholds, its own
     open share in the report, and the ordinary prompts read from its held-out half."""
+    pytest.importorskip("pydoc_data.topics")
     model, reference, planted, general = memorizer
     space = SearchSpace(presets=("gss-tr",), ranks=(2,), gates=("hard",), max_blocks=1, steps=3)
     result = protect(
@@ -182,3 +184,10 @@ def test_protect_reports_the_domain_and_the_ordinary_prompts(memorizer):
     assert result.steer_for(result.trials[0]) is result.steers[0]
     with pytest.raises(GSSError, match="not one of this protect run's trials"):
         result.steer_for(_trial(0.0, 0.0, 0.0))
+
+
+def test_without_the_documentation_topics_there_is_no_ordinary_source(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "pydoc_data.topics", None)  # import fails
+    assert ordinary_english(8) == []
