@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import random
 import sysconfig
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ from gss.evaluate.leaks import EXTRA_TOKENS, secrets_said
 from gss.evaluate.utility import perplexity, repetition
 from gss.protect import Protection, SearchSpace, protect
 from gss.protect.checks import DomainRows
-from gss.protect.measure import FOLLOWS, extractable, prompt_and_target
+from gss.protect.measure import FOLLOWS, extractable, extraction_window, prompt_and_target
 from gss.protect.replies import ordinary_unchanged, what_it_says
 from gss.report import machine_info, markdown_table, write_json
 from gss.steering.explain import explain
@@ -199,6 +200,16 @@ def write(out: Path, plain: dict[str, Any], runs: dict[str, Any]) -> None:
     (out / "result.md").write_text(markdown_table(header, table) + "\n")
 
 
+def heldout_split(report: Any, k: int, n: int, seed: int = 0) -> list[int]:
+    """The held-out half protect draws (seed 0), for a report that did not write its split."""
+    firsts: dict[Any, int] = {}
+    for r in report.memorized:
+        firsts.setdefault(extraction_window(report.candidate(r.index), k, n), r.index)
+    order = list(firsts.values())
+    random.Random(seed).shuffle(order)
+    return sorted(order[len(order) // 2 :])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -225,7 +236,8 @@ def main() -> None:
     if args.committed:
         saved = json.loads((args.committed / "protect.json").read_text())
         report = audit(model, base, [list(r) for r in train_rows], k=k, n=n, batch_size=bs)
-        chosen = SimpleNamespace(audit=report, heldout=saved["split"]["heldout"])
+        split = saved.get("split") or {"heldout": heldout_split(report, k, n)}
+        chosen = SimpleNamespace(audit=report, heldout=split["heldout"])
         steer = load(args.committed / "steer")
         row = measured(model, base, steer, chosen, data, tokenizer, pad, ordinary, True)
         runs[f"committed ({args.committed})"] = {
