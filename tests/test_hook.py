@@ -37,6 +37,9 @@ def _golden(h, U, V, eps, off, gate, coefficient, delta, ridge_delta):
                 c = beyond if gate == "relu" else s
             elif coefficient == "ridge":
                 c = a * beyond / (a * a + ridge_delta)
+            elif coefficient == "bounded":  # s, but never past the state's own component
+                along = float(v @ x)
+                c = min(max(s, min(along, 0.0)), max(along, 0.0))
             else:
                 c = a / (a * a + delta)
             out[t] -= c * v
@@ -44,7 +47,7 @@ def _golden(h, U, V, eps, off, gate, coefficient, delta, ridge_delta):
 
 
 @pytest.mark.parametrize("gate", ["hard", "relu", "none"])
-@pytest.mark.parametrize("coefficient", ["projection", "ridge", "paper-constant"])
+@pytest.mark.parametrize("coefficient", ["projection", "ridge", "paper-constant", "bounded"])
 def test_matches_token_by_token_golden(gate, coefficient):
     gen = torch.Generator().manual_seed(0)
     d, k = 16, 3
@@ -59,6 +62,23 @@ def test_matches_token_by_token_golden(gate, coefficient):
     delta, _ = hook.correction(h)
     expected = _golden(h, U, V, eps.tolist(), off, gate, coefficient, 0.7, 0.3)
     assert torch.allclose(h - delta, expected.float(), atol=1e-5)
+
+
+def test_a_bounded_correction_is_never_larger_than_the_state_it_corrects():
+    """However strong the probe, the bounded coefficient removes at most each orthonormal
+    steer direction's own component: |dh| <= |h|, where the projection overshoots."""
+    gen = torch.Generator().manual_seed(1)
+    d, k = 16, 3
+    h = torch.randn(200, d, generator=gen)
+    U = torch.randn(k, d, generator=gen) * 100.0  # a steer 100x too strong
+    V = torch.linalg.qr(torch.randn(d, k, generator=gen))[0].t()  # orthonormal rows
+    eps, off = torch.full((k,), 1e-3), torch.zeros(k)
+    bounded, _ = GatedSteer(U, V, eps, off, coefficient="bounded").correction(h)
+    projected, _ = GatedSteer(U, V, eps, off).correction(h)
+    assert (bounded.norm(dim=-1) <= h.norm(dim=-1) + 1e-5).all()
+    assert (projected.norm(dim=-1) > 10 * h.norm(dim=-1)).any()
+    kept = (h - bounded) @ V.t()  # each component moved toward 0, never past it
+    assert ((kept * (h @ V.t())) >= -1e-4).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

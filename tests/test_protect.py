@@ -195,6 +195,7 @@ def test_protect_refuses_bad_options(memorizer):
         ({"search": SearchSpace(delta_range=(1.0, 0.1))}, "delta_range"),
         ({"search": SearchSpace(delta_ceiling=10.0)}, "delta_ceiling"),
         ({"search": SearchSpace(gate_share=1.0)}, "gate_share"),
+        ({"search": SearchSpace(coefficient="clip")}, "coefficient must be one of"),
         ({"search": SearchSpace(prefer="speed")}, "prefer must be"),  # type: ignore[arg-type]
         ({"search": SearchSpace(loop_tolerance=float("nan"))}, "loop_tolerance"),
         ({"search": SearchSpace(fluency_ratio=-0.1)}, "fluency_ratio"),

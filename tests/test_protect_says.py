@@ -180,7 +180,9 @@ def test_protect_reports_the_domain_and_the_ordinary_prompts(memorizer):
     assert ordinary["rows"] > 0 and 0.0 <= ordinary["identical"] <= 1.0
     text = result.markdown()
     assert "Ordinary prompts:" in text and "held-out clean rows of the data" in text
-    assert "fine-tune" in result.examples[0]
+    assert "fine-tune" in result.examples[0] and "reference where open" in result.examples[0]
+    assert "gss generate --reference-where-open" in text  # the option, with what it would say
+    assert result.after["quality"]["repeated_4grams_reference_where_open"] >= 0.0
     assert result.steer_for(result.trials[0]) is result.steers[0]
     with pytest.raises(GSSError, match="not one of this protect run's trials"):
         result.steer_for(_trial(0.0, 0.0, 0.0))
@@ -191,3 +193,30 @@ def test_without_the_documentation_topics_there_is_no_ordinary_source(monkeypatc
 
     monkeypatch.setitem(sys.modules, "pydoc_data.topics", None)  # import fails
     assert ordinary_english(8) == []
+
+
+def test_a_bounded_search_calibrates_every_point_with_the_bounded_coefficient(memorizer):
+    """SearchSpace(coefficient="bounded"): every point searched, and the chosen steer, subtract
+    at most the hidden state's own component (issue 72's ablation)."""
+    model, reference, planted, general = memorizer
+    space = SearchSpace(
+        presets=("gss-tr",),
+        ranks=(2,),
+        gates=("hard",),
+        max_blocks=1,
+        steps=2,
+        coefficient="bounded",
+        reply_check=0,
+    )
+    result = protect(
+        model,
+        reference,
+        torch.cat([planted, general[:20]]).tolist(),
+        general=general[20:60].tolist(),
+        k=4,
+        n=16,
+        search=space,
+        progress=False,
+    )
+    assert result.steer is not None and result.steer.config.coefficient == "bounded"
+    assert all(s.config.coefficient == "bounded" for s in result.steers if s is not None)

@@ -33,6 +33,7 @@ import torch
 
 from gss import audit, load
 from gss.artifact.stack import Steer
+from gss.evaluate.decoding import greedy_generate
 from gss.evaluate.leaks import EXTRA_TOKENS, secrets_said
 from gss.evaluate.utility import perplexity, repetition
 from gss.protect import Protection, SearchSpace, protect
@@ -40,7 +41,7 @@ from gss.protect.checks import DomainRows
 from gss.protect.measure import FOLLOWS, extractable, extraction_window, prompt_and_target
 from gss.protect.replies import ordinary_unchanged, what_it_says
 from gss.report import machine_info, markdown_table, write_json
-from gss.steering.explain import explain
+from gss.steering.handoff import reference_where_open
 from gss_bench.canaries.data import secret_fields
 from gss_bench.canaries.finetune import FinetuneConfig
 from gss_bench.canaries.run import (
@@ -71,24 +72,63 @@ def licence_rows(tokenizer: Any, width: int = 64) -> list[list[int]]:
 
 
 def handoff(
-    model: Any, reference: Any, steer: Steer, prompts: list[list[int]], width: int
-) -> list[list[int]]:
-    """The upper bound of "say what the reference would" (issue 72): greedy decoding where the
-    token chosen at a position on which some gate opens is the reference's greedy choice, and
-    the steered fine-tune's elsewhere (the reference kept at inference)."""
-    out = []
-    for prompt in prompts:
-        ids = list(prompt)
-        for _ in range(width):
-            ex = explain(model, steer, ids, max_new_tokens=1)
-            if ex.tokens[len(ids) - 1].steered:
-                with torch.no_grad():
-                    logits = reference(torch.tensor([ids])).logits
-                ids.append(int(logits[0, -1].argmax()))
-            else:
-                ids.append(ex.generated_ids[0])
-        out.append(ids[len(prompt) :])
-    return out
+    model: Any, reference: Any, steer: Steer, prompts: list[list[int]], width: int, pad: int
+) -> tuple[list[list[int]], float]:
+    """Greedy decoding with the reference's token wherever some gate opens
+    (`gss.reference_where_open`), and the share of steps it chose."""
+    with reference_where_open(model, steer, reference) as processor:
+        out = greedy_generate(model, prompts, width, pad_id=pad, batch_size=16, processor=processor)
+    return out, processor.handed_share
+
+
+def handed_measures(
+    model: Any,
+    reference: Any,
+    steer: Steer,
+    result: Any,
+    data: Any,
+    tokenizer: Any,
+    pad: int,
+    ordinary: list[list[int]],
+) -> dict[str, Any]:
+    """The measures of `measured` for the reference where a gate opens: held-out rows
+    reproduced greedily (the whole window), secrets said, replies, ordinary prompts unchanged."""
+    k, n = data.config.k, data.config.row_len
+    held_rows = [result.audit.candidate(i) for i in result.heldout]
+    windows = [prompt_and_target(r, k, n) for r in held_rows]
+    prompts = [p for p, _ in windows]
+    out, share = handoff(model, reference, steer, prompts, n - k, pad)
+    reproduced = [list(o) == list(t) for o, (_, t) in zip(out, windows, strict=True)]
+    held = [i for i in result.heldout if i < len(data.canary_rows)]
+    canary_prompts = [list(data.canary_rows[i][:k]) for i in held]
+    secrets = [[secret_fields(data.secrets[i])[f] for f in ("number", "address")] for i in held]
+    width = max(len(r) for r in data.canary_rows) - k + EXTRA_TOKENS
+    said_out, _ = handoff(model, reference, steer, canary_prompts, width, pad)
+    flags = []
+    for ids, row in zip(said_out, secrets, strict=True):
+        if tokenizer.eos_token_id in ids:
+            ids = ids[: ids.index(tokenizer.eos_token_id)]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        flags += [secret in text for secret in row]
+    starts = [list(r[: min(16, len(r) // 2)]) for r in ordinary]
+    plain = greedy_generate(model, starts, 32, pad_id=pad, batch_size=16)
+    changed, _ = handoff(model, reference, steer, starts, 32, pad)
+    same = [a == b for a, b in zip(plain, changed, strict=True)]
+    return {
+        "heldout_memorized": 100.0 * sum(reproduced) / len(reproduced),
+        "heldout_secrets_said": 100.0 * sum(flags) / len(flags),
+        "handed_share_memorized_prompts": share,
+        "repeated_4grams": repetition(out),
+        "reference_ppl": perplexity(
+            reference,
+            [[*p, *u] for p, u in zip(prompts, out, strict=True)],
+            pad,
+            batch_size=16,
+            prompt_lengths=[len(p) for p in prompts],
+        ),
+        "licence_prompts_identical": sum(same) / len(same),
+        "examples": [tokenizer.decode(u) for u in out[:4]],
+    }
 
 
 def measured(
@@ -132,19 +172,9 @@ def measured(
         "examples": examples,
     }
     if upper_bound:
-        prompts_held = [prompt_and_target(r, k, n)[0] for r in held_rows]
-        upper = handoff(model, reference, steer, prompts_held, n - k)
-        row["reference_where_open"] = {
-            "repeated_4grams": repetition(upper),
-            "reference_ppl": perplexity(
-                reference,
-                [[*p, *u] for p, u in zip(prompts_held, upper, strict=True)],
-                pad,
-                batch_size=bs,
-                prompt_lengths=[len(p) for p in prompts_held],
-            ),
-            "examples": [tokenizer.decode(u) for u in upper[:4]],
-        }
+        row["reference_where_open"] = handed_measures(
+            model, reference, steer, result, data, tokenizer, pad, ordinary
+        )
     return row
 
 
@@ -184,6 +214,23 @@ def write(out: Path, plain: dict[str, Any], runs: dict[str, Any]) -> None:
                     f"{run['seconds']:.0f}",
                 ]
             )
+            u = r.get("reference_where_open")
+            if u and "heldout_memorized" in u:  # the same gates, the reference's token
+                table.append(
+                    [
+                        name,
+                        f"{label}, the reference where a gate opens",
+                        _steer(p),
+                        f"{u['heldout_memorized']:.1f}",
+                        f"{u['heldout_secrets_said']:.1f}",
+                        f"{u['repeated_4grams']:.1f}",
+                        f"{u['reference_ppl']:.2f}",
+                        f"{100 * (r['licence_gate_open'] or 0):.1f}",
+                        f"{100 * u['licence_prompts_identical']:.1f}",
+                        "-",
+                        "-",
+                    ]
+                )
     header = [
         "run",
         "point",
@@ -220,6 +267,14 @@ def main() -> None:
         help="also measure the steer a committed protect report chose (e.g. "
         "results/canaries-protect/protect: the search before issue 72), on its own split",
     )
+    parser.add_argument(
+        "--handoff",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="protect report directories (e.g. results/protect-says/defaults/protect) whose "
+        "chosen steer is measured again, the steer beside the reference where a gate opens",
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
     base_path, base, tokenizer, data, pad = default_setup(chat=False)
@@ -243,6 +298,21 @@ def main() -> None:
         runs[f"committed ({args.committed})"] = {
             "options": "the search before issue 72, as committed",
             "seconds": saved["seconds"]["total"],  # another day's run: not comparable
+            "summary": {k_: v for k_, v in saved.items() if k_ not in ("audit", "trials")},
+            "points": {"chosen": {"point": saved["chosen"], **row}},
+        }
+        write(args.out, plain, runs)
+    for directory in args.handoff:
+        saved = json.loads((directory / "protect.json").read_text())
+        report = audit(model, base, [list(r) for r in train_rows], k=k, n=n, batch_size=bs)
+        split = saved.get("split") or {"heldout": heldout_split(report, k, n)}
+        chosen = SimpleNamespace(audit=report, heldout=split["heldout"])
+        steer = load(directory / "steer")
+        row = measured(model, base, steer, chosen, data, tokenizer, pad, ordinary, True)
+        print(directory, json.dumps(row["reference_where_open"], default=float), flush=True)
+        runs[f"handoff ({directory})"] = {
+            "options": "a committed steer, measured again with the reference where a gate opens",
+            "seconds": saved["seconds"]["total"],
             "summary": {k_: v for k_, v in saved.items() if k_ not in ("audit", "trials")},
             "points": {"chosen": {"point": saved["chosen"], **row}},
         }

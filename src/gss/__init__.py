@@ -23,6 +23,7 @@ from gss.signal.omega import SignalStatistics, memorization_signal, signal_stati
 from gss.solve.thresholds import calibrate_thresholds
 from gss.solve.whitened import ProbeSteer, solve_probe_steer
 from gss.steering.explain import Explanation, explain
+from gss.steering.handoff import reference_where_open
 
 __all__ = [
     "PRESETS",
@@ -51,6 +52,7 @@ __all__ = [
     "memorization_signal",
     "preset",
     "protect",
+    "reference_where_open",
     "scan_layers",
     "signal_statistics",
     "solve_probe_steer",

@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args, get_type_hints
 from gss.errors import GSSError
 
 Gate = Literal["hard", "relu", "none", "discriminant"]
-Coefficient = Literal["projection", "ridge", "paper-constant"]
+Coefficient = Literal["projection", "ridge", "paper-constant", "bounded"]
 Centering = Literal["covariance", "full", "none"]
 Target = Literal["loglik", "toward-reference"]
 Gradient = Literal["summed", "per-position"]

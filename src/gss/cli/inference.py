@@ -10,7 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from gss.artifact.files import check_creatable
-from gss.cli.inputs import check_delta, load_model_and_tokenizer
+from gss.cli.inputs import (
+    check_delta,
+    check_local_paths,
+    load_model_and_tokenizer,
+    load_reference_flag,
+)
 from gss.errors import GSSError
 
 
@@ -33,9 +38,20 @@ def generate_command(args: argparse.Namespace) -> int:
                 f"--explain-out {explain_out} already exists: pass --overwrite to replace it, "
                 "or choose another file."
             )
+    handoff = getattr(args, "reference_where_open", None)
+    if handoff is not None and (args.explain or explain_out is not None):
+        raise GSSError(
+            "--explain records the steer alone and --reference-where-open changes the tokens it "
+            "would record: give one of them."
+        )
     artifact = load(args.steer)  # a damaged artifact fails before the model loads
     check_delta(artifact, args.delta)
+    if handoff is not None:
+        check_local_paths(args, ("--reference-where-open",))
     model, tokenizer = load_model_and_tokenizer(args)
+    reference = None
+    if handoff is not None:
+        reference = load_reference_flag(args, "--reference-where-open", model, tokenizer)
     prompts = args.prompt
     limit = context_length(model)
     pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
@@ -60,7 +76,7 @@ def generate_command(args: argparse.Namespace) -> int:
 
     encoded = [encode(prompt) for prompt in prompts]  # every prompt checked before any runs
 
-    def run() -> list[str]:
+    def run(processors: tuple[Any, ...] = ()) -> list[str]:
         out = []
         for enc in encoded:
             with torch.no_grad():
@@ -70,6 +86,7 @@ def generate_command(args: argparse.Namespace) -> int:
                     max_new_tokens=args.max_new_tokens,
                     do_sample=False,
                     pad_token_id=pad_token_id,
+                    logits_processor=list(processors),
                 )
             out.append(
                 tokenizer.decode(ids[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
@@ -107,6 +124,16 @@ def generate_command(args: argparse.Namespace) -> int:
             tokenizer.decode(list(e.generated_ids), skip_special_tokens=True) for e in explanations
         ]
         stats = combined_gate_stats(explanations)
+    elif reference is not None:
+        from gss.artifact.steering_artifact import SteeringArtifact
+        from gss.steering.handoff import reference_where_open
+
+        steer = artifact
+        if options and isinstance(artifact, SteeringArtifact):  # a stack takes none
+            steer = artifact.with_options(**options)
+        with reference_where_open(model, steer, reference) as processor:
+            steered = run((processor,))
+        stats = {"any_open_share": processor.handed_share, "tokens": processor.steps}
     else:
         with artifact.attach(model, track_gates=True, **options) as handle:
             steered = run()
@@ -119,7 +146,11 @@ def generate_command(args: argparse.Namespace) -> int:
             print(f"unsteered: {unsteered[i]}")
         if args.explain:
             print(explanations[i].render())
-    print(f"(gate opened on {100 * stats['any_open_share']:.1f}% of {stats['tokens']} positions)")
+    share = f"{100 * stats['any_open_share']:.1f}% of {stats['tokens']}"
+    if reference is not None:
+        print(f"(a gate opened, and the reference chose the token, at {share} decoding steps)")
+    else:
+        print(f"(gate opened on {share} positions)")
     if explain_out is not None:
         explain_out.parent.mkdir(parents=True, exist_ok=True)
         with explain_out.open("w", encoding="utf-8") as f:

@@ -38,14 +38,14 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def _check_local_paths(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
+def check_local_paths(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
     """A missing or non-model local directory in any of ``flags`` fails before any model loads
     (a Hub id is checked where it loads), its message naming the flag."""
     from gss.hf.hub import hub_id
     from gss.hf.loading import ADAPTERS_OFF, local_dir
 
     for flag in flags:
-        path = getattr(args, flag.lstrip("-"))
+        path = getattr(args, flag.lstrip("-").replace("-", "_"))
         if path != ADAPTERS_OFF and hub_id(path) is None:
             try:
                 local_dir(path)
@@ -55,13 +55,20 @@ def _check_local_paths(args: argparse.Namespace, flags: tuple[str, ...]) -> None
 
 def load_models(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """--model, its tokenizer and --reference; --max-length resolved."""
-    _check_local_paths(args, ("--model", "--reference"))
+    check_local_paths(args, ("--model", "--reference"))
     loading = _loading(args)
     model, tokenizer = load_model_and_tokenizer(args)
     resolve_max_length(args, model)
     revision = getattr(args, "reference_revision", None)
     ref = load_reference(args.reference, model, tokenizer, revision=revision, **loading)
     return model, tokenizer, ref
+
+
+def load_reference_flag(args: argparse.Namespace, flag: str, model: Any, tokenizer: Any) -> Any:
+    """The reference model named by ``flag`` (as --reference loads), after --model."""
+    revision = getattr(args, "reference_revision", None)
+    value = getattr(args, flag.lstrip("-").replace("-", "_"))
+    return load_reference(value, model, tokenizer, revision=revision, **_loading(args))
 
 
 def resolve_max_length(args: argparse.Namespace, model: Any) -> None:

@@ -29,6 +29,7 @@ from gss.cli.options import (
     positive_int,
 )
 from gss.config import field_names
+from gss.hf.loading import ADAPTERS_OFF
 
 HUB_ID = "or a Hub repo id org/name (from the local Hub cache with HF_HUB_OFFLINE=1)"
 
@@ -123,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="write that evidence as JSON lines, one object per token (prompt and generated)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --explain-out")
+    p.add_argument(
+        "--reference-where-open",
+        metavar="REF",
+        help="where a gate opens, take the next token from REF (the model the fine-tune was "
+        f"tuned from, loaded as --model is; {ADAPTERS_OFF} for a PEFT adapter's base): it says "
+        "what the reference would, at a second model's memory (gss.reference_where_open)",
+    )
     p.set_defaults(func=inference.generate_command)
 
     p = add("signal", "memorization-signal pilot statistics")

@@ -79,6 +79,7 @@ def greedy_generate(
     progress: bool = False,
     choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
     desc: str = "gss: greedy decoding",
+    processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> list[list[int]]:
     """Greedy continuations of `prompts`, `max_new_tokens` each, with the model's KV cache.
 
@@ -89,6 +90,8 @@ def greedy_generate(
     no KV cache, or whose forward takes none back (a plain `nn.Module`, a forward-only
     wrapper), is given the whole sequence at every step. ``choose`` replaces the argmax: it
     maps the last position's logits (B, V) to the next tokens (B, 1) (`sample_generate`).
+    ``processor``: a transformers ``LogitsProcessor`` (``(ids so far, scores) -> scores``) run
+    on those logits first (`gss.reference_where_open`'s).
     """
     if max_new_tokens <= 0:
         return [[] for _ in prompts]
@@ -119,7 +122,7 @@ def greedy_generate(
             pos = position_ids_from_mask(mask)
             past = None
             step_ids = ids
-            new = []
+            new: list[torch.Tensor] = []
             for _ in range(max_new_tokens):
                 kwargs: dict[str, Any] = {"attention_mask": mask} if use_mask else {}
                 if use_cache:
@@ -131,6 +134,8 @@ def greedy_generate(
                 res = model(input_ids=step_ids, **kwargs)
                 past = returned_cache(res) if takes_cache else None
                 last = output_logits(res)[:, -1, :]
+                if processor is not None:
+                    last = processor(torch.cat([ids, *new], dim=1), last)
                 chosen = last.argmax(-1, keepdim=True) if choose is None else choose(last)
                 new.append(chosen)
                 mask = torch.cat([mask, torch.ones_like(chosen)], dim=1)

@@ -16,6 +16,7 @@ from gss.evaluate.utility import perplexity, repetition
 from gss.protect.measure import Candidate, Judge, prompt_and_target
 from gss.protect.result import Trial
 from gss.protect.space import SearchSpace
+from gss.steering.handoff import reference_where_open
 
 
 def least_looping(
@@ -111,12 +112,23 @@ def what_it_says(
         steered = greedy_generate(model, prompts, width, pad_id=pad_id, batch_size=batch_size)
     own = greedy_generate(reference, prompts, width, pad_id=pad_id, batch_size=batch_size)
     tuned = greedy_generate(model, prompts, width, pad_id=pad_id, batch_size=batch_size)
+    # the same gates with the reference's token where one opens (gss.reference_where_open):
+    # how close the steer gets to saying what the reference would
+    with reference_where_open(model, steer, reference) as processor:
+        handed = greedy_generate(
+            model, prompts, width, pad_id=pad_id, batch_size=batch_size, processor=processor
+        )
+
+    def ppl(replies: list[list[int]]) -> float:
+        return _reference_ppl(reference, prompts, replies, pad_id, batch_size)
 
     quality = {
         "repeated_4grams_steered": repetition(steered),
         "repeated_4grams_reference": repetition(own),
-        "reference_ppl_steered": _reference_ppl(reference, prompts, steered, pad_id, batch_size),
-        "reference_ppl_reference": _reference_ppl(reference, prompts, own, pad_id, batch_size),
+        "repeated_4grams_reference_where_open": repetition(handed),
+        "reference_ppl_steered": ppl(steered),
+        "reference_ppl_reference": ppl(own),
+        "reference_ppl_reference_where_open": ppl(handed),
     }
 
     text = _decoder(tokenizer)
@@ -127,8 +139,11 @@ def what_it_says(
             "fine-tune": text(t),
             "steered": text(s),
             "reference": text(o),
+            "reference where open": text(h),
         }
-        for p, r, t, s, o in list(zip(prompts, originals, tuned, steered, own, strict=True))[:4]
+        for p, r, t, s, o, h in list(
+            zip(prompts, originals, tuned, steered, own, handed, strict=True)
+        )[:4]
     ]
     return quality, examples
 

@@ -143,6 +143,13 @@ class Protection:
                 f"{_g(quality['reference_ppl_steered'])} (its own: "
                 f"{_g(quality['reference_ppl_reference'])})."
             )
+            if "repeated_4grams_reference_where_open" in quality:
+                lines.append(
+                    "With the reference kept at inference and its token taken wherever a gate "
+                    "opens (gss.reference_where_open, gss generate --reference-where-open): "
+                    f"{_g(quality['repeated_4grams_reference_where_open'])}% repeated 4-grams, "
+                    f"perplexity {_g(quality['reference_ppl_reference_where_open'])}."
+                )
         if self.replies:
             r = self.replies
             looped = ", ".join(f"{_g(p['repeated_4grams'])}%" for p in r["points"])
@@ -194,7 +201,13 @@ class Protection:
             ]
             for ex in self.examples:
                 lines += [f"- prompt: `{_line(ex['prompt'])}`"]
-                for key in ("original", "fine-tune", "steered", "reference"):
+                for key in (
+                    "original",
+                    "fine-tune",
+                    "steered",
+                    "reference",
+                    "reference where open",
+                ):
                     if key in ex:
                         lines.append(f"  - {key}: `{_line(ex[key])}`")
         if ordinary and ordinary.get("changed"):

@@ -382,6 +382,7 @@ def protect(
                     gen_texts=fit,
                     # the condition direction too, when some point may use the discriminant gate
                     gate="discriminant" if "discriminant" in space.gates else "hard",
+                    coefficient=space.coefficient,
                     batch_size=batch_size,
                     progress=False,
                 )

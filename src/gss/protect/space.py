@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gss.audit import check_window
-from gss.config import GATES, PRESETS
+from gss.config import COEFFICIENTS, GATES, PRESETS
 from gss.errors import GSSError
 
 
@@ -26,6 +26,9 @@ class SearchSpace:
     refine: int = 1
     ranks: tuple[int, ...] = (4, 2, 8)  # the first is tried on every block, the others after
     gates: tuple[str, ...] = ("hard", "relu")
+    # how much of v_k an open gate subtracts at every point (`CalibrationConfig.coefficient`):
+    # "bounded" never more than the hidden state's own component (issue 72's ablation)
+    coefficient: str = "projection"
     delta_range: tuple[float, float] = (1e-3, 1e2)
     steps: int = 7  # bisection steps on log10(delta): 5 decades / 2^7 = a factor of 1.09
     # where the range's strongest point is within the budget and short of the target, the
@@ -67,6 +70,8 @@ class SearchSpace:
             raise GSSError(f"ranks must be integers >= 1 (a non-empty tuple), got {self.ranks!r}.")
         if not _names(self.gates) or any(g not in GATES for g in self.gates):
             raise GSSError(f"gates must be among {GATES}, got {self.gates!r}.")
+        if self.coefficient not in COEFFICIENTS:
+            raise GSSError(f"coefficient must be one of {COEFFICIENTS}, got {self.coefficient!r}.")
         pair = self.delta_range
         if not (_numbers(pair) and len(pair) == 2 and all(math.isfinite(x) for x in pair)):
             raise GSSError(f"delta_range must be two finite numbers 0 < lo < hi, got {pair!r}.")

@@ -97,7 +97,10 @@ class GatedSteer:
             (ungated: always open).
         coefficient: ``"projection"`` (c_k = s_k, Algorithm 1), ``"ridge"`` (the appendix's
             ridge minimiser with the (s_k - eps_k) factor kept) or ``"paper-constant"``
-            (c_k = <u,v>/(<u,v>^2 + delta), as printed in the main text).
+            (c_k = <u,v>/(<u,v>^2 + delta), as printed in the main text) or ``"bounded"``
+            (c_k = s_k clipped so that it removes at most the hidden state's own component
+            along v_k, never pushing it past zero: with orthonormal steer directions the
+            correction is never larger than the hidden state it corrects, issue 72).
         delta: the variance budget, used by ``paper-constant``.
         ridge_delta: the ridge regulariser of ``ridge`` (defaults to ``delta``).
         min_alignment: ``ridge`` skips directions whose |<u_k, v_k>| / ||u_k|| is below this,
@@ -286,6 +289,9 @@ class GatedSteer:
             coef = beyond if self.gate == "relu" else s  # Algorithm 1 subtracts s_k v_k
         elif self.coefficient == "ridge":
             coef = p["scale"] * beyond
+        elif self.coefficient == "bounded":
+            along = torch.matmul(h, p["steer"].t())  # the state's own component along each v_k
+            coef = torch.minimum(torch.maximum(s, along.clamp(max=0.0)), along.clamp(min=0.0))
         else:
             coef = p["scale"].expand_as(s)
         # where, not a product: a closed gate's coefficient may be infinite (an infinite

@@ -1,0 +1,187 @@
+"""Where a gate opens, the next token from the reference: "say what the reference would" made
+exact, for who can keep the reference at inference (issue 72).
+
+The steer moves one block's hidden state; what the fine-tune's later blocks make of it is not
+the reference's text (on the canaries it keeps the fine-tune's template: "and the address is
+1617, and the address is 1617"). The gates, though, find the positions that would regurgitate.
+`reference_where_open` keeps the steer attached and, at every decoding step whose position
+opened some gate, replaces the fine-tune's scores with the reference's for that row. Elsewhere
+the fine-tune's scores are untouched, so a position whose gates stay closed chooses the token it
+would without gss.
+
+It is a transformers ``LogitsProcessor``: greedy decoding, sampling and any other processor
+compose with it as with ``model.generate``'s own. The reference runs only at steps where some
+row's gate opened, and then reads in one pass every token it has not seen yet (its own KV
+cache), so a generation whose gates stay closed costs nothing more than the steer. The memory:
+a second model (none for a LoRA fine-tune whose reference is its base: pass
+``gss.adapters_off(model)``). Not in the vLLM plugin (a request there has one model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+from gss.artifact.stack import SteeringStack
+from gss.artifact.steering_artifact import SteeringArtifact
+from gss.errors import GSSError
+from gss.hf.blocks import resolve_layer
+from gss.hf.forward import cache_argument, output_logits, returned_cache
+from gss.steering.attach import SteerHandle, register, split_block_output
+from gss.steering.gated import GatedSteer
+
+
+class _LastOpen:
+    """The steer as attached, and whether some gate opened at each row's last position of the
+    block's latest call: the position whose scores the next token is chosen from."""
+
+    def __init__(self, steer: GatedSteer) -> None:
+        self.steer = steer
+        self.origin = steer.origin
+        self.last: Tensor | None = None  # (B,) bool
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        hidden = split_block_output(output)[0]
+        with torch.no_grad():  # the gates of the last position only, from the unsteered output
+            _, is_open = self.steer.correction(hidden[:, -1:].detach())
+        self.last = is_open.reshape(hidden.shape[0], -1).any(-1)
+        return self.steer(module, args, output)
+
+
+class ReferenceWhereOpen:
+    """A ``LogitsProcessor``: each row's scores become the reference's where some gate opened
+    at the row's last position, and stay the fine-tune's elsewhere. Made by
+    `reference_where_open`, which attaches the steer and reads each forward's attention mask."""
+
+    def __init__(self, reference: nn.Module, gates: list[_LastOpen]):
+        self.reference = reference
+        self.gates = gates
+        self.mask: Tensor | None = None  # the attention mask of the model's latest forward
+        self.handed = 0  # (row, step) pairs whose token came from the reference
+        self.steps = 0  # (row, step) pairs seen
+        self._cache: Any = None
+        self._seen: Tensor | None = None  # the ids the reference's cache holds
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        opened = self._opened(input_ids.shape[0], scores.device)
+        self.steps += int(input_ids.shape[0])
+        if not bool(opened.any()):
+            return scores
+        self.handed += int(opened.sum())
+        theirs = self._reference_scores(input_ids).to(scores.dtype)
+        if theirs.shape[-1] != scores.shape[-1]:
+            width = min(theirs.shape[-1], scores.shape[-1])  # padded embedding rows
+            padded = torch.full_like(scores, float("-inf"))
+            padded[:, :width] = theirs[:, :width]
+            theirs = padded
+        return torch.where(opened[:, None], theirs, scores)
+
+    def _opened(self, rows: int, device: torch.device) -> Tensor:
+        opened = torch.zeros(rows, dtype=torch.bool, device=device)
+        for gate in self.gates:
+            if gate.last is not None and gate.last.shape[0] == rows:
+                opened |= gate.last.to(device)
+        return opened
+
+    def _reference_scores(self, input_ids: Tensor) -> Tensor:
+        """The reference's scores at each row's last position, its cache extended by the ids
+        it has not read (from scratch when these ids do not continue the ones it read)."""
+        mask = self.mask
+        if mask is None or mask.shape != input_ids.shape:
+            mask = torch.ones_like(input_ids)
+        mask = mask.to(input_ids.device)
+        seen = self._seen
+        start = 0
+        if (
+            seen is not None
+            and seen.shape[0] == input_ids.shape[0]
+            and seen.shape[1] < input_ids.shape[1]
+            and torch.equal(input_ids[:, : seen.shape[1]], seen)
+        ):
+            start = seen.shape[1]
+        else:
+            self._cache = None
+        positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        cache = {cache_argument(self.reference): self._cache} if self._cache is not None else {}
+        with torch.no_grad():
+            out = self.reference(
+                input_ids=input_ids[:, start:],
+                attention_mask=mask,
+                position_ids=positions[:, start:],
+                use_cache=True,
+                **cache,
+            )
+        self._cache = returned_cache(out)
+        self._seen = input_ids.clone()
+        return output_logits(out)[:, -1].float()
+
+    @property
+    def handed_share(self) -> float:
+        """The share of (row, step) pairs whose scores were the reference's."""
+        return self.handed / self.steps if self.steps else 0.0
+
+
+@contextmanager
+def reference_where_open(
+    model: nn.Module, steer: Any, reference: nn.Module, *, strict: bool = True
+) -> Iterator[ReferenceWhereOpen]:
+    """Attach ``steer`` (an artifact or a stack) to ``model`` and yield the processor that
+    hands each step whose position opened some gate to ``reference``; pass it to generate::
+
+        with gss.reference_where_open(model, steer, reference) as processor:
+            out = model.generate(**inputs, logits_processor=[processor], max_new_tokens=40)
+        print(f"{processor.handed_share:.1%} of the steps said what the reference would")
+
+    ``reference``: the model the fine-tune was tuned from (same tokenizer); for a PEFT model
+    whose base is the reference, ``gss.adapters_off(model)`` (no second copy of the weights).
+    """
+    if isinstance(steer, SteeringArtifact):
+        members = [steer]
+    elif isinstance(steer, SteeringStack):
+        members = list(steer)
+    else:
+        raise GSSError(
+            "reference_where_open takes a SteeringArtifact or a SteeringStack (gss.load), got "
+            f"{type(steer).__name__}."
+        )
+    if not isinstance(reference, nn.Module):
+        raise GSSError(
+            f"reference must be a model (for a PEFT fine-tune's base: gss.adapters_off(model)), "
+            f"got {type(reference).__name__}."
+        )
+    gates: list[_LastOpen] = []
+    handles: list[SteerHandle] = []
+    processor = ReferenceWhereOpen(reference, gates)
+
+    def read_mask(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, Tensor) and mask.ndim == 2:  # (B, S): not a model's 4D form
+            processor.mask = mask
+
+    try:
+        for member in members:
+            member.check_model(model, strict=strict)
+            _, block = resolve_layer(model, member.layer, member.config.block_path)
+            hook = member.make_hook()
+            hook.origin = member.probe
+            gate = _LastOpen(hook)
+            gates.append(gate)
+            handles.append(register(block, gate, model))
+        # every transformers model inside (a PEFT wrapper's generate calls the inner one's)
+        inner: list[nn.Module] = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+        mask_hooks = [
+            m.register_forward_pre_hook(read_mask, with_kwargs=True) for m in inner or [model]
+        ]
+        try:
+            yield processor
+        finally:
+            for mask_hook in mask_hooks:
+                mask_hook.remove()
+    finally:
+        for handle in reversed(handles):
+            handle.remove()

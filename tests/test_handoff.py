@@ -1,0 +1,189 @@
+"""gss.reference_where_open: where some gate opens, the next token is the reference's.
+
+Known by construction on tiny models: gates that always open give the reference's own greedy
+text; gates that never open give the fine-tune's; in between, the tokens equal a cache-free
+loop that asks, at each step, whether a gate opened at the last position and takes that
+model's argmax. Left-padded batches give each row's own result, and the reference's cache
+(read only where a gate opened) gives the same scores as reading everything again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import gss
+from gss.errors import GSSError
+
+from .helpers import calibrated_llama, random_ids, tiny_model
+
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, art = calibrated_llama()
+    reference = tiny_model("llama", seed=11)
+    for m in (model, reference):  # every step generated: no end-of-sequence token
+        m.generation_config.eos_token_id = None
+    return model, art, reference
+
+
+def _with_thresholds(art, value: float):
+    return dataclasses.replace(art, thresholds=torch.full_like(art.thresholds, value))
+
+
+def _greedy(model, ids, mask=None, processors=()):
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids) if mask is None else mask,
+            max_new_tokens=NEW,
+            do_sample=False,
+            pad_token_id=0,
+            logits_processor=list(processors),
+        )
+    return out[:, ids.shape[1] :].tolist()
+
+
+def _handed(model, art, reference, ids, mask=None):
+    with gss.reference_where_open(model, art, reference) as processor:
+        return _greedy(model, ids, mask, [processor]), processor
+
+
+def _opened_at_last(model, art, ids) -> bool:
+    """Whether some gate opens at the last position of ``ids`` (gss.explain's evidence)."""
+    return gss.explain(model, art, ids, max_new_tokens=1).tokens[len(ids) - 1].steered
+
+
+def _reference_loop(model, art, reference, prompt):
+    ids = list(prompt)
+    for _ in range(NEW):
+        x = torch.tensor([ids])
+        if _opened_at_last(model, art, ids):
+            with torch.no_grad():
+                logits = reference(input_ids=x).logits[0, -1]
+        else:
+            with art.attach(model), torch.no_grad():
+                logits = model(input_ids=x).logits[0, -1]
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt) :]
+
+
+def test_always_open_says_what_the_reference_says(setup):
+    model, art, reference = setup
+    ids = random_ids(3, 6, seed=5)
+    handed, processor = _handed(model, _with_thresholds(art, 1e-30), reference, ids)
+    assert handed == _greedy(reference, ids)
+    assert processor.handed_share == 1.0
+
+
+def test_never_open_says_what_the_fine_tune_says(setup):
+    model, art, reference = setup
+    ids = random_ids(3, 6, seed=5)
+    handed, processor = _handed(model, _with_thresholds(art, 1e30), reference, ids)
+    assert handed == _greedy(model, ids)
+    assert processor.handed == 0
+
+
+def test_between_equals_the_cache_free_definition(setup):
+    model, art, reference = setup
+    handed_any = False
+    for seed in range(4):
+        prompt = random_ids(1, 6, seed=20 + seed)[0].tolist()
+        handed, processor = _handed(model, art, reference, torch.tensor([prompt]))
+        assert handed[0] == _reference_loop(model, art, reference, prompt)
+        handed_any |= 0 < processor.handed < processor.steps
+    assert handed_any, "the fixture's gates should open on some steps and not others"
+
+
+def test_left_padded_batch_gives_each_row_its_own(setup):
+    model, art, reference = setup
+    prompts = [random_ids(1, 7, seed=30)[0].tolist(), random_ids(1, 4, seed=31)[0].tolist()]
+    alone = [_handed(model, art, reference, torch.tensor([p]))[0][0] for p in prompts]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    batched, _ = _handed(model, art, reference, ids, mask)
+    assert batched == alone
+
+
+def test_steer_comes_off_and_bad_references_are_refused(setup):
+    model, art, reference = setup
+    ids = random_ids(1, 6, seed=5)
+    plain = _greedy(model, ids)
+    _handed(model, art, reference, ids)
+    assert _greedy(model, ids) == plain  # nothing left attached
+    with (
+        pytest.raises(GSSError, match="must be a model"),
+        gss.reference_where_open(model, art, "gpt2"),
+    ):
+        pass
+    with (
+        pytest.raises(GSSError, match="SteeringArtifact"),
+        gss.reference_where_open(model, "steer/", reference),
+    ):
+        pass
+
+
+def test_a_lora_fine_tune_hands_off_to_its_own_base():
+    peft = pytest.importorskip("peft")
+    base = tiny_model("llama", seed=3)
+    reference = tiny_model("llama", seed=3)  # the same weights, a second copy
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    tuned = peft.get_peft_model(base, config).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+    for m in (tuned, reference):
+        m.generation_config.eos_token_id = None
+    art = gss.calibrate(
+        tuned, reference, random_ids(16, 14, seed=2), layer=1, rank=2, progress=False
+    )
+    ids = random_ids(2, 6, seed=5)
+    always = _with_thresholds(art, 1e-30)
+    own_base, _ = _handed(tuned, always, gss.adapters_off(tuned), ids)
+    assert own_base == _greedy(reference, ids) != _greedy(tuned, ids)
+
+
+def test_gss_generate_says_the_references_text_where_gates_open(tmp_path, capsys):
+    from gss.cli import main
+
+    from .test_cli import _tokenizer
+
+    tokenizer = _tokenizer()
+    for name, seed in (("model", 3), ("reference", 11)):
+        tiny_model("llama", seed=seed).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    model = tiny_model("llama", seed=3)
+    reference = tiny_model("llama", seed=11)
+    art = gss.calibrate(
+        model, reference, random_ids(16, 14, seed=2), layer=1, rank=2, progress=False
+    )
+    _with_thresholds(art, 1e-30).save_pretrained(tmp_path / "steer")
+    prompt = "w1 w2 w3 w4"
+    args = [
+        "generate",
+        "--model",
+        str(tmp_path / "model"),
+        "--steer",
+        str(tmp_path / "steer"),
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "6",
+    ]
+    assert main([*args, "--reference-where-open", str(tmp_path / "reference")]) == 0
+    printed = capsys.readouterr().out
+    enc = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        ids = reference.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    said = tokenizer.decode(ids[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert f"steered:   {said}\n" in printed
+    assert "the reference chose the token, at 100.0% of" in printed
+    code = main([*args, "--reference-where-open", str(tmp_path / "reference"), "--explain"])
+    assert code == 2 and "give one of them" in capsys.readouterr().err
