@@ -187,3 +187,42 @@ def test_gss_generate_says_the_references_text_where_gates_open(tmp_path, capsys
     assert "the reference chose the token, at 100.0% of" in printed
     code = main([*args, "--reference-where-open", str(tmp_path / "reference"), "--explain"])
     assert code == 2 and "give one of them" in capsys.readouterr().err
+
+
+def test_min_signal_hands_over_only_where_the_fine_tunes_choice_is_memorized(setup):
+    """With ``min_signal``, an open gate hands the step over only where the fine-tune's own
+    choice is that many nats likelier under it than under the reference: the definition,
+    step by step, with gates that always open."""
+    model, art, reference = setup
+    always = _with_thresholds(art, 1e-30)
+    prompt = random_ids(1, 6, seed=41)[0].tolist()
+    ids = torch.tensor([prompt])
+    with always.attach(model):  # never handed over: the steered fine-tune's own
+        steered = _greedy(model, ids)
+    assert _handed_with(model, always, reference, ids, 1e9)[0] == steered
+    assert _handed_with(model, always, reference, ids, -1e9)[0] == _greedy(reference, ids)
+    signals = []
+    for cut in (0.3, 0.5):
+        out, processor = _handed_with(model, always, reference, ids, cut)
+        expected, steps = list(prompt), []
+        for _ in range(NEW):
+            x = torch.tensor([expected])
+            with always.attach(model), torch.no_grad():
+                mine = model(input_ids=x).logits[0, -1].log_softmax(-1)
+            with torch.no_grad():
+                theirs = reference(input_ids=x).logits[0, -1].log_softmax(-1)
+            top = int(mine.argmax())
+            signal = float(mine[top] - theirs[top])
+            steps.append(signal > cut)
+            signals.append(signal)
+            expected.append(int(theirs.argmax()) if signal > cut else top)
+        assert out[0] == expected[len(prompt) :]
+        assert processor.handed == sum(steps)
+    assert min(signals) < 0.3 < 0.5 < max(signals), "both kinds of steps, at each cut"
+    with pytest.raises(GSSError, match="min_signal must be a finite number"):
+        _handed_with(model, always, reference, ids, float("nan"))
+
+
+def _handed_with(model, art, reference, ids, min_signal):
+    with gss.reference_where_open(model, art, reference, min_signal=min_signal) as processor:
+        return _greedy(model, ids, None, [processor]), processor

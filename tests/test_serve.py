@@ -103,12 +103,25 @@ def test_server_argv() -> None:
 
 
 def test_server_argv_default() -> None:
-    """``--default NAME`` goes to the plugin as ``gss_default``; it must name a served artifact,
-    and is not given through ``--additional-config``."""
+    """``--default NAME`` goes to the plugin as ``gss_default``, locked (no opt-out) unless
+    ``--allow-opt-out``; it must name a served artifact, and is not given through
+    ``--additional-config``."""
     argv = serve.server_argv("/m", {"a": "/art/a", "b": "/art/b"}, default="b")
     config = json.loads(argv[argv.index("--additional-config") + 1])
-    assert config == {"gss_artifacts": {"a": "/art/a", "b": "/art/b"}, "gss_default": "b"}
+    assert config == {
+        "gss_artifacts": {"a": "/art/a", "b": "/art/b"},
+        "gss_default": "b",
+        "gss_allow_opt_out": False,
+    }
+    argv = serve.server_argv("/m", {"a": "/art/a"}, default="a", allow_opt_out=True)
+    assert json.loads(argv[argv.index("--additional-config") + 1])["gss_allow_opt_out"] is True
     assert "gss_default" not in serve.server_argv("/m", {"a": "/art/a"})[-1]
+    with pytest.raises(GSSError, match="--allow-opt-out lets a request opt out of the default"):
+        serve.server_argv("/m", {"a": "/x"}, allow_opt_out=True)
+    with pytest.raises(GSSError, match="'gss_allow_opt_out': give --allow-opt-out instead"):
+        serve.server_argv(
+            "/m", {"a": "/x"}, extra=['--additional-config={"gss_allow_opt_out": true}']
+        )
     with pytest.raises(GSSError, match=r"default artifact \(--default\) 'c' is not one"):
         serve.server_argv("/m", {"a": "/x", "b": "/y"}, default="c")
     with pytest.raises(GSSError, match="'gss_default': give --default instead"):
@@ -132,17 +145,33 @@ def test_default_and_opt_out_choose_each_requests_slot(
     def request(name: str | None) -> Any:
         return NS(extra_args={"gss": name} if name is not None else None)
 
-    with_default, without = vllm_op.State(), vllm_op.State()
+    with_default, opting_out, without = vllm_op.State(), vllm_op.State(), vllm_op.State()
     with_default.load(paths, default="b")
+    opting_out.load(paths, default="b", allow_opt_out=True)
     without.load(paths)
     slot = with_default.names
+    # the default is locked: "none" is steered by it (the frontend refuses it first)
     assert [with_default.slot_of(request(n)) for n in (None, "none", "a", "b")] == [
         slot["b"],
-        -1,
+        slot["b"],
         slot["a"],
         slot["b"],
     ]
+    assert [opting_out.slot_of(request(n)) for n in (None, "none", "a")] == [
+        slot["b"],
+        -1,
+        slot["a"],
+    ]
     assert [without.slot_of(request(n)) for n in (None, "none", "a")] == [-1, -1, slot["a"]]
+    # whether opting out is allowed: the engine's additional_config, else the environment
+    monkeypatch.setenv(vllm_settings.OPT_OUT_ENV, "1")
+    assert (
+        vllm_settings.opt_out_allowed(NS(additional_config={"gss_allow_opt_out": False})) is False
+    )
+    assert vllm_settings.opt_out_allowed(NS(additional_config={})) is True
+    monkeypatch.delenv(vllm_settings.OPT_OUT_ENV)
+    assert vllm_settings.opt_out_allowed(None) is False
+    assert "did not allow opting out" in vllm_settings.opt_out_message("b")
     # where the default comes from: the engine's additional_config, else the environment
     monkeypatch.setenv(vllm_settings.DEFAULT_ENV, "a")
     assert vllm_settings.default_name(NS(additional_config={"gss_default": "b"})) == "b"
@@ -153,8 +182,12 @@ def test_default_and_opt_out_choose_each_requests_slot(
     monkeypatch.delenv(vllm_settings.ENV, raising=False)
     vllm_settings.configure(paths, default="a")
     assert os.environ[vllm_settings.DEFAULT_ENV] == "a" and vllm_settings.artifact_paths() == paths
+    assert vllm_settings.OPT_OUT_ENV not in os.environ
+    vllm_settings.configure(paths, default="a", allow_opt_out=True)
+    assert os.environ[vllm_settings.OPT_OUT_ENV] == "1"
     vllm_settings.configure(paths)
     assert vllm_settings.DEFAULT_ENV not in os.environ
+    assert vllm_settings.OPT_OUT_ENV not in os.environ
     monkeypatch.delenv(vllm_settings.ENV)
     for bad, default, message in (
         ({"none": paths["a"]}, None, "an artifact is named 'none'"),
@@ -195,6 +228,8 @@ def test_serve_runs_vllms_server(served: Path, vllm_here: Exec, capsys: Any) -> 
         "gss.serving.vllm_cli",
         "serve",
         str(served / "model"),
+        "--host",  # this machine only, unless told: a leaking model is not put on the network
+        "127.0.0.1",
         "--port",
         "8123",
         "--additional-config",
@@ -205,6 +240,20 @@ def test_serve_runs_vllms_server(served: Path, vllm_here: Exec, capsys: Any) -> 
     err = capsys.readouterr().err
     assert "VLLM_USE_V2_MODEL_RUNNER=0 " in err
     assert "requests that name no artifact are not steered (--default NAME" in err
+    assert "beyond this machine" not in err
+
+
+def test_serve_warns_when_it_listens_beyond_this_machine_with_no_api_key(
+    served: Path, vllm_here: Exec, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    args = ["serve", "--model", str(served / "model"), "--artifact", f"tiny={served / 'artifact'}"]
+    assert main([*args, "--host", "0.0.0.0", "--default", "tiny"]) == 0
+    err = capsys.readouterr().err
+    assert "listens on 0.0.0.0, beyond this machine, and asks no API key" in err
+    assert main([*args, "--host", "0.0.0.0", "--", "--api-key", "k"]) == 0
+    assert "beyond this machine" not in capsys.readouterr().err
+    assert serve.exposure_warning("127.0.0.1", []) is None
     # the server starts with vLLM's V1 model runner, the one the plugin steers
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     # --default: requests that name no artifact are steered by it
@@ -474,3 +523,51 @@ def test_plugin_refuses_a_vllm_whose_runner_it_cannot_hook(
     assert vllm_plugin.untested_runner(on_cpu) is None and vllm_plugin.untested_runner(v1) is None
     renamed = runner_v2(*(name for name in every if name != "prepare_inputs"))
     assert "Model Runner V2 has no prepare_inputs" in (vllm_plugin.missing_hooks(renamed) or "")
+
+
+def test_the_frontend_refuses_opting_out_of_a_locked_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where vLLM validates a request (its InputProcessor), a request asking for ``"none"`` is
+    refused when a default steers every request, unless the operator allowed opting out; an
+    unknown name is refused too. vLLM's error type is stood in for (no vLLM here)."""
+    import types
+    from types import SimpleNamespace as NS
+
+    from gss.serving import vllm_plugin
+
+    class Refused(ValueError):
+        def __init__(self, message: str, **kwargs: Any) -> None:
+            super().__init__(message)
+
+    fake = types.ModuleType("vllm.exceptions")
+    fake.VLLMValidationError = Refused  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.exceptions", fake)
+    monkeypatch.delenv("GSS_VLLM_ALLOW_OPT_OUT", raising=False)
+    monkeypatch.delenv("GSS_VLLM_DEFAULT", raising=False)
+    monkeypatch.delenv("GSS_VLLM_ARTIFACTS", raising=False)
+
+    class Processor:
+        def __init__(self, config: dict[str, Any]) -> None:
+            self.vllm_config = NS(additional_config=config)
+
+        def _validate_params(self, params: Any) -> str:
+            return "valid"
+
+    vllm_plugin._patch_input_processor_class(Processor)
+
+    def asks(name: str | None) -> Any:
+        return NS(extra_args=None if name is None else {"gss": name})
+
+    served = {"gss_artifacts": {"a": "/a"}}
+    locked = Processor({**served, "gss_default": "a", "gss_allow_opt_out": False})
+    with pytest.raises(Refused, match="its operator did not allow opting out"):
+        locked._validate_params(asks("none"))
+    assert locked._validate_params(asks(None)) == locked._validate_params(asks("a")) == "valid"
+    with pytest.raises(Refused, match="asks for the gss artifact 'b'"):
+        locked._validate_params(asks("b"))
+    allowed = Processor({**served, "gss_default": "a", "gss_allow_opt_out": True})
+    assert allowed._validate_params(asks("none")) == "valid"
+    no_default = Processor(served)
+    assert no_default._validate_params(asks("none")) == "valid"

@@ -55,6 +55,8 @@ from gss_bench.canaries.run import (
 OPTIONS: dict[str, dict[str, Any]] = {  # what each run changes from protect's defaults
     "defaults": {},
     "gates at 1%": {"gate_share": 0.01},
+    "bounded (coefficient)": {"coefficient": "bounded"},
+    "bounded+gates at 1%": {"coefficient": "bounded", "gate_share": 0.01},
     "before (issue 72)": {
         "prefer": "margin",
         "reply_check": 0,
@@ -72,11 +74,17 @@ def licence_rows(tokenizer: Any, width: int = 64) -> list[list[int]]:
 
 
 def handoff(
-    model: Any, reference: Any, steer: Steer, prompts: list[list[int]], width: int, pad: int
+    model: Any,
+    reference: Any,
+    steer: Steer,
+    prompts: list[list[int]],
+    width: int,
+    pad: int,
+    min_signal: float | None = None,
 ) -> tuple[list[list[int]], float]:
     """Greedy decoding with the reference's token wherever some gate opens
     (`gss.reference_where_open`), and the share of steps it chose."""
-    with reference_where_open(model, steer, reference) as processor:
+    with reference_where_open(model, steer, reference, min_signal=min_signal) as processor:
         out = greedy_generate(model, prompts, width, pad_id=pad, batch_size=16, processor=processor)
     return out, processor.handed_share
 
@@ -90,20 +98,22 @@ def handed_measures(
     tokenizer: Any,
     pad: int,
     ordinary: list[list[int]],
+    min_signal: float | None = None,
 ) -> dict[str, Any]:
-    """The measures of `measured` for the reference where a gate opens: held-out rows
+    """The measures of `measured` for the reference where a gate opens (and, with
+    ``min_signal``, the fine-tune's choice has that memorization signal): held-out rows
     reproduced greedily (the whole window), secrets said, replies, ordinary prompts unchanged."""
     k, n = data.config.k, data.config.row_len
     held_rows = [result.audit.candidate(i) for i in result.heldout]
     windows = [prompt_and_target(r, k, n) for r in held_rows]
     prompts = [p for p, _ in windows]
-    out, share = handoff(model, reference, steer, prompts, n - k, pad)
+    out, share = handoff(model, reference, steer, prompts, n - k, pad, min_signal)
     reproduced = [list(o) == list(t) for o, (_, t) in zip(out, windows, strict=True)]
     held = [i for i in result.heldout if i < len(data.canary_rows)]
     canary_prompts = [list(data.canary_rows[i][:k]) for i in held]
     secrets = [[secret_fields(data.secrets[i])[f] for f in ("number", "address")] for i in held]
     width = max(len(r) for r in data.canary_rows) - k + EXTRA_TOKENS
-    said_out, _ = handoff(model, reference, steer, canary_prompts, width, pad)
+    said_out, _ = handoff(model, reference, steer, canary_prompts, width, pad, min_signal)
     flags = []
     for ids, row in zip(said_out, secrets, strict=True):
         if tokenizer.eos_token_id in ids:
@@ -112,7 +122,7 @@ def handed_measures(
         flags += [secret in text for secret in row]
     starts = [list(r[: min(16, len(r) // 2)]) for r in ordinary]
     plain = greedy_generate(model, starts, 32, pad_id=pad, batch_size=16)
-    changed, _ = handoff(model, reference, steer, starts, 32, pad)
+    changed, _ = handoff(model, reference, steer, starts, 32, pad, min_signal)
     same = [a == b for a, b in zip(plain, changed, strict=True)]
     return {
         "heldout_memorized": 100.0 * sum(reproduced) / len(reproduced),
@@ -214,12 +224,16 @@ def write(out: Path, plain: dict[str, Any], runs: dict[str, Any]) -> None:
                     f"{run['seconds']:.0f}",
                 ]
             )
-            u = r.get("reference_where_open")
-            if u and "heldout_memorized" in u:  # the same gates, the reference's token
+            handed = [(key, u) for key, u in r.items() if key.startswith("reference_where_open")]
+            for key, u in handed:  # the same gates, the reference's token
+                if "heldout_memorized" not in u:
+                    continue
+                signal = key.removeprefix("reference_where_open").removeprefix("_signal_")
+                where = f" and its signal > {signal}" if signal else ""
                 table.append(
                     [
                         name,
-                        f"{label}, the reference where a gate opens",
+                        f"{label}, the reference where a gate opens{where}",
                         _steer(p),
                         f"{u['heldout_memorized']:.1f}",
                         f"{u['heldout_secrets_said']:.1f}",
@@ -275,6 +289,14 @@ def main() -> None:
         help="protect report directories (e.g. results/protect-says/defaults/protect) whose "
         "chosen steer is measured again, the steer beside the reference where a gate opens",
     )
+    parser.add_argument(
+        "--min-signal",
+        type=float,
+        nargs="*",
+        default=[],
+        help="with --handoff: also hand over only where the fine-tune's choice has this "
+        "memorization signal (nats; gss.reference_where_open's min_signal)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
     base_path, base, tokenizer, data, pad = default_setup(chat=False)
@@ -310,6 +332,11 @@ def main() -> None:
         steer = load(directory / "steer")
         row = measured(model, base, steer, chosen, data, tokenizer, pad, ordinary, True)
         print(directory, json.dumps(row["reference_where_open"], default=float), flush=True)
+        for cut in args.min_signal:
+            row[f"reference_where_open_signal_{cut:g}"] = handed_measures(
+                model, base, steer, chosen, data, tokenizer, pad, ordinary, cut
+            )
+            print(directory, cut, json.dumps(row[f"reference_where_open_signal_{cut:g}"]))
         runs[f"handoff ({directory})"] = {
             "options": "a committed steer, measured again with the reference where a gate opens",
             "seconds": saved["seconds"]["total"],

@@ -348,12 +348,15 @@ def test_bfloat16_unsteered_requests_stay_bit_identical(
 
 def test_server_default_steers_requests_that_name_none(setup: dict[str, Any]) -> None:
     """With a server-wide default (``additional_config={"gss_default": NAME}``, what ``gss
-    serve --default`` passes), a request naming no artifact is steered by it and one naming
-    ``"none"`` is served unsteered, in the same mixed batch."""
+    serve --default`` passes), a request naming no artifact is steered by it and, where the
+    operator allowed opting out (``--allow-opt-out``), one naming ``"none"`` is served
+    unsteered, in the same mixed batch."""
     from gss.serving import vllm_plugin
 
     names: list[str | None] = [None if on else vllm_plugin.NO_STEER for _, on in PROMPTS]
-    default = {"additional_config": {vllm_plugin.DEFAULT_KEY: STEER_NAME}}
+    default = {
+        "additional_config": {vllm_plugin.DEFAULT_KEY: STEER_NAME, vllm_plugin.OPT_OUT_KEY: True}
+    }
     got = run_engine(
         setup["root"], setup["prompts"], names, plugin=True, tag="default", engine_args=default
     )
@@ -677,7 +680,8 @@ def test_gss_serve_openai_server(
     (HTTP 400) and the server goes on. Also with two data-parallel engines, behind two API
     server processes (vLLM's default for data parallelism 2): each engine and each API server
     loads the plugin by its entry point. That server has the artifact as its default
-    (``--default``): the steered requests name none, the others ask for ``"none"``."""
+    (``--default``, opting out allowed): the steered requests name none, the others ask for
+    ``"none"``."""
     skip_unless_workers(2 if processes else 1)
     root, prompts = setup["root"], setup["prompts"]
     on = next(
@@ -690,7 +694,7 @@ def test_gss_serve_openai_server(
     command = [sys.executable, "-m", "gss", "serve", "--model", model]
     command += ["--artifact", f"{STEER_NAME}={root / 'artifact'}"]
     by_default = bool(processes)
-    command += ["--default", STEER_NAME] if by_default else []
+    command += ["--default", STEER_NAME, "--allow-opt-out"] if by_default else []
     command += ["--host", "127.0.0.1", "--port", str(port), "--"]
     command += ["--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager", "--seed", "0"]
     command += ["--max-model-len", "128", "--max-num-batched-tokens", "32", *processes]

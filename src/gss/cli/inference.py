@@ -173,7 +173,13 @@ def serve_command(args: argparse.Namespace) -> int:
     if extra and extra[0] == "--":
         extra = extra[1:]
     argv = serve.server_argv(
-        args.model, artifacts, host=args.host, port=args.port, extra=extra, default=args.default
+        args.model,
+        artifacts,
+        host=args.host,
+        port=args.port,
+        extra=extra,
+        default=args.default,
+        allow_opt_out=args.allow_opt_out,
     )
     config = serve.model_config(args.model)
     serve.check_model(args.model, config, serve.check_artifacts(artifacts))
@@ -185,10 +191,13 @@ def serve_command(args: argparse.Namespace) -> int:
     if args.default is None:
         print(
             "gss serve: requests that name no artifact are not steered (--default NAME steers "
-            'them; a request may still opt out with "vllm_xargs": {"gss": "none"})',
+            "every request, and no client can opt out of it)",
             file=sys.stderr,
             flush=True,
         )
+    exposed = serve.exposure_warning(args.host, extra)
+    if exposed is not None:
+        print(exposed, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os.execv(argv[0], argv)  # the server replaces this process: signals reach vLLM directly
     return 0  # not reached

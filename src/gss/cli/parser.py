@@ -299,10 +299,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--default",
         metavar="NAME",
-        help="the artifact that steers requests naming none; a request opts out with "
-        '{"gss": "none"} (default: requests naming none are not steered)',
+        help="the artifact that steers every request that names no other served artifact; "
+        'one asking for {"gss": "none"} is refused unless --allow-opt-out (default: requests '
+        "naming none are not steered)",
     )
-    p.add_argument("--host", help="the address the server listens on (default: vLLM's)")
+    p.add_argument(
+        "--allow-opt-out",
+        action="store_true",
+        help='let a request ask for {"gss": "none"} and be served unsteered despite --default',
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address the server listens on (default: 127.0.0.1, this machine only; "
+        "0.0.0.0 for every interface, with -- --api-key KEY)",
+    )
     p.add_argument("--port", type=port_number, default=8000, help="the server's port")
     p.add_argument(
         "vllm_args",

@@ -27,6 +27,7 @@ from gss.serving.vllm_settings import (
     CONFIG_KEY,
     DEFAULT_KEY,
     NO_STEER,
+    OPT_OUT_KEY,
     PLUGIN_NAME,
     V2_ENV,
     check_names,
@@ -170,10 +171,14 @@ def runner_environment(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def _merge_additional_config(
-    extra: Sequence[str], artifacts: Mapping[str, str], default: str | None = None
+    extra: Sequence[str],
+    artifacts: Mapping[str, str],
+    default: str | None = None,
+    allow_opt_out: bool = False,
 ) -> tuple[list[str], dict[str, Any]]:
     """``extra`` without its ``--additional-config`` (if any), and that config with the
-    artifacts added under ``gss_artifacts`` (and the default under ``gss_default``)."""
+    artifacts added under ``gss_artifacts`` (the default under ``gss_default``, and whether a
+    request may opt out of it under ``gss_allow_opt_out``)."""
     rest: list[str] = []
     config: dict[str, Any] = {}
     i = 0
@@ -193,7 +198,11 @@ def _merge_additional_config(
                 given = None
             if not isinstance(given, dict):
                 raise GSSError(f"--additional-config takes a JSON object, got {raw!r}.")
-            for key, flag in ((CONFIG_KEY, "--artifact NAME=DIR"), (DEFAULT_KEY, "--default")):
+            for key, flag in (
+                (CONFIG_KEY, "--artifact NAME=DIR"),
+                (DEFAULT_KEY, "--default"),
+                (OPT_OUT_KEY, "--allow-opt-out"),
+            ):
                 if key in given:
                     raise GSSError(f"--additional-config sets {key!r}: give {flag} instead.")
             config.update(given)
@@ -203,6 +212,7 @@ def _merge_additional_config(
     config[CONFIG_KEY] = dict(artifacts)
     if default is not None:
         config[DEFAULT_KEY] = default
+        config[OPT_OUT_KEY] = bool(allow_opt_out)
     return rest, config
 
 
@@ -215,15 +225,22 @@ def server_argv(
     extra: Sequence[str] = (),
     python: str | None = None,
     default: str | None = None,
+    allow_opt_out: bool = False,
 ) -> list[str]:
     """The command line of vLLM's OpenAI server for ``model`` with ``artifacts`` ({name:
     directory}) configured for gss's plugin, ``default`` (one of them) steering the requests
-    that name none; ``extra`` (vLLM's own flags) is passed on, an ``--additional-config`` in it
-    merged with the artifacts'."""
+    that name none, and those that ask for ``"none"`` unless ``allow_opt_out``; ``extra``
+    (vLLM's own flags) is passed on, an ``--additional-config`` in it merged with the
+    artifacts'. ``host``: where the server listens (gss's CLI passes 127.0.0.1 unless told)."""
     if not artifacts:
         raise GSSError("give at least one --artifact NAME=DIR.")
     check_names(artifacts, default)
-    rest, config = _merge_additional_config(list(extra), artifacts, default)
+    if allow_opt_out and default is None:
+        raise GSSError(
+            "--allow-opt-out lets a request opt out of the default artifact, and there is none: "
+            "give --default NAME, or leave --allow-opt-out out."
+        )
+    rest, config = _merge_additional_config(list(extra), artifacts, default, allow_opt_out)
     for flag in ("--model", "--host", "--port"):
         if any(a == flag or a.startswith(flag + "=") for a in rest):
             raise GSSError(f"give {flag} to gss serve itself, not after --.")
@@ -236,10 +253,28 @@ def server_argv(
     return argv + rest
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def exposure_warning(host: str, extra: Sequence[str]) -> str | None:
+    """What to say when the server listens beyond this machine with no API key (vLLM's
+    ``--api-key``, or ``VLLM_API_KEY``): anyone who reaches it may query the model."""
+    keyed = any(a == "--api-key" or a.startswith("--api-key=") for a in extra)
+    if host in LOOPBACK or keyed or os.environ.get("VLLM_API_KEY"):
+        return None
+    return (
+        f"gss serve: the server listens on {host}, beyond this machine, and asks no API key: "
+        "anyone who reaches it can query the model (and, without --default, the unprotected "
+        "fine-tune). Add -- --api-key KEY (or set VLLM_API_KEY), or --host 127.0.0.1."
+    )
+
+
 __all__ = [
+    "LOOPBACK",
     "check_artifacts",
     "check_model",
     "check_vllm",
+    "exposure_warning",
     "model_config",
     "parse_artifacts",
     "runner_environment",

@@ -56,6 +56,7 @@ class State:
     def __init__(self) -> None:
         self.names: dict[str, int] = {}  # artifact name -> slot
         self.default = NO_SLOT  # the slot of a request that names no artifact
+        self.opt_out = NO_SLOT  # the slot of one asking for "none": the default's if locked
         self.by_layer: dict[int, list[tuple[int, Any]]] = {}  # layer -> [(slot, GatedSteer)]
         # layer -> [(slot, TritonSteer)] where the Triton kernel steers it (`prepare`), and
         # the device it was built for
@@ -75,9 +76,12 @@ class State:
         self.loaded = False
         self.lock = threading.Lock()
 
-    def load(self, paths: Mapping[str, str], default: str | None = None) -> None:
+    def load(
+        self, paths: Mapping[str, str], default: str | None = None, allow_opt_out: bool = False
+    ) -> None:
         """Load the artifacts (once a process): their hooks, by layer; ``default`` names the
-        one that steers requests naming none."""
+        one that steers requests naming none, and, unless ``allow_opt_out``, those asking for
+        ``"none"`` too (the frontend refuses them first: `vllm_plugin`)."""
         with self.lock:
             if self.loaded:
                 return
@@ -95,6 +99,7 @@ class State:
                     hook.origin = art
                     self.by_layer.setdefault(art.layer, []).append((slot, hook))
             self.default = NO_SLOT if default is None else self.names[default]
+            self.opt_out = NO_SLOT if default is None or allow_opt_out else self.default
             self.loaded = True
 
     def slot_of(self, params: Any) -> int:
@@ -102,7 +107,7 @@ class State:
         if name is None:
             return self.default
         if name == NO_STEER:
-            return NO_SLOT
+            return self.opt_out
         slot = self.names.get(name)
         if slot is None:
             from gss.errors import GSSError

@@ -52,6 +52,8 @@ from gss.serving.vllm_settings import (
     ENV,
     EXTRA_ARG,
     NO_STEER,
+    OPT_OUT_ENV,
+    OPT_OUT_KEY,
     PLUGIN_NAME,
     TRITON_ENV,
     V2_ENV,
@@ -59,6 +61,8 @@ from gss.serving.vllm_settings import (
     check_names,
     configure,
     default_name,
+    opt_out_allowed,
+    opt_out_message,
     steer_name,
     unknown_name_message,
 )
@@ -70,6 +74,8 @@ __all__ = [  # the settings too, where the plugin's first users found them
     "ENV",
     "EXTRA_ARG",
     "NO_STEER",
+    "OPT_OUT_ENV",
+    "OPT_OUT_KEY",
     "PLUGIN_NAME",
     "TRITON_ENV",
     "V2_ENV",
@@ -80,6 +86,7 @@ __all__ = [  # the settings too, where the plugin's first users found them
     "forget_batch",
     "install",
     "missing_hooks",
+    "opt_out_allowed",
     "register",
     "steer_name",
     "unknown_name_message",
@@ -194,7 +201,7 @@ def install(runner: Any) -> bool:
             "0.26 (CUDA) and read against 0.33's source: install one of those (docs/serving.md)."
         )
     state = vllm_op.STATE  # the process's state, read once here
-    state.load(paths, default)
+    state.load(paths, default, opt_out_allowed(runner.vllm_config))
     hf_config = runner.model_config.hf_config
     text = getattr(hf_config, "get_text_config", lambda: hf_config)()
     layers = _decoder_layers(model, int(text.num_hidden_layers))
@@ -430,10 +437,19 @@ def _patch_input_processor_class(cls: type) -> None:
     def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
         result = validate(self, params, *args, **kwargs)
         name = steer_name(params)
+        config = getattr(self, "vllm_config", None)
+        if name == NO_STEER:
+            default = default_name(config)
+            if default is not None and not opt_out_allowed(config):
+                from vllm.exceptions import VLLMValidationError
+
+                raise VLLMValidationError(
+                    opt_out_message(default), parameter="vllm_xargs", value=name
+                )
         if name is not None and name != NO_STEER:
             names = getattr(self, "_gss_names", None)
             if names is None:
-                names = frozenset(artifact_paths(getattr(self, "vllm_config", None)))
+                names = frozenset(artifact_paths(config))
                 self._gss_names = names
             if name not in names:
                 from vllm.exceptions import VLLMValidationError

@@ -13,8 +13,10 @@ server with ``--additional-config '{"gss_artifacts": {"no-leaks": "/path"}}'``, 
 request body (``extra_body`` in the OpenAI client). A request without the ``gss`` key is not
 steered, bit for bit, unless the server has a default artifact (``gss serve --default NAME``,
 ``additional_config={"gss_default": NAME}``, ``configure(..., default=NAME)``): then it is
-steered by that one, and ``{"gss": "none"}`` opts a request out. One naming an artifact the
-server does not have is refused (HTTP 400).
+steered by that one, and no client can switch it off: a request asking for ``{"gss": "none"}``
+is refused (HTTP 400) unless the operator allows it (``gss serve --allow-opt-out``,
+``additional_config={"gss_allow_opt_out": true}``, ``configure(..., allow_opt_out=True)``).
+One naming an artifact the server does not have is refused too.
 
 This module imports neither torch nor vLLM: `gss serve` checks its arguments with it, before
 it starts the server, and the op (`gss.serving.vllm_op`) and vLLM's hooks
@@ -41,6 +43,10 @@ DEFAULT_KEY = "gss_default"
 """The key of ``additional_config`` naming the artifact that steers requests naming none."""
 DEFAULT_ENV = "GSS_VLLM_DEFAULT"
 """The same as an environment variable (``configure(..., default=NAME)`` sets it)."""
+OPT_OUT_KEY = "gss_allow_opt_out"
+"""The key of ``additional_config`` that lets a request opt out of the default (``"none"``)."""
+OPT_OUT_ENV = "GSS_VLLM_ALLOW_OPT_OUT"
+"""The same as an environment variable (``1``; ``configure(..., allow_opt_out=True)``)."""
 TRITON_ENV = "GSS_VLLM_TRITON"
 """``0``: the op steers with torch's ops on CUDA too; ``1``: with the Triton kernel anywhere;
 unset or ``auto``: the kernel on CUDA where Triton is (`gss.serving.vllm_op.use_triton`)."""
@@ -50,10 +56,16 @@ NO_STEER = "none"
 """The name a request asks for to be served unsteered, whatever the server's default."""
 
 
-def configure(artifacts: Mapping[str, str | os.PathLike[str]], default: str | None = None) -> None:
+def configure(
+    artifacts: Mapping[str, str | os.PathLike[str]],
+    default: str | None = None,
+    *,
+    allow_opt_out: bool = False,
+) -> None:
     """Name the artifacts requests may ask for, and the one (if any) that steers the requests
     that name none, in this process's environment (which vLLM's engine and worker processes
-    inherit): call it before creating the engine."""
+    inherit): call it before creating the engine. ``allow_opt_out``: a request may then ask
+    for ``"none"`` and be served unsteered despite the default (refused otherwise)."""
     names = {str(k): str(Path(v).resolve()) for k, v in artifacts.items()}
     check_names(names, default)
     os.environ[ENV] = json.dumps(names)
@@ -61,6 +73,10 @@ def configure(artifacts: Mapping[str, str | os.PathLike[str]], default: str | No
         os.environ.pop(DEFAULT_ENV, None)
     else:
         os.environ[DEFAULT_ENV] = default
+    if allow_opt_out:
+        os.environ[OPT_OUT_ENV] = "1"
+    else:
+        os.environ.pop(OPT_OUT_ENV, None)
 
 
 def check_names(names: Collection[str], default: str | None) -> None:
@@ -88,6 +104,24 @@ def default_name(vllm_config: Any = None) -> str | None:
     if isinstance(extra, dict) and extra.get(DEFAULT_KEY) is not None:
         return str(extra[DEFAULT_KEY])
     return os.environ.get(DEFAULT_ENV, "").strip() or None
+
+
+def opt_out_allowed(vllm_config: Any = None) -> bool:
+    """Whether a request may ask for ``"none"`` despite a default: the engine's
+    ``additional_config`` ``gss_allow_opt_out`` (true), else ``GSS_VLLM_ALLOW_OPT_OUT=1``."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, dict) and OPT_OUT_KEY in extra:
+        return extra[OPT_OUT_KEY] is True
+    return os.environ.get(OPT_OUT_ENV, "").strip() == "1"
+
+
+def opt_out_message(default: str) -> str:
+    """Why a request asking for ``"none"`` is refused where a default steers every request."""
+    return (
+        f"the request asks to be served unsteered ({{{EXTRA_ARG!r}: {NO_STEER!r}}}), but this "
+        f"server steers every request with {default!r} unless it names another artifact it "
+        "serves: its operator did not allow opting out (gss serve --allow-opt-out)."
+    )
 
 
 def artifact_paths(vllm_config: Any = None) -> dict[str, str]:

@@ -19,6 +19,7 @@ a second model (none for a LoRA fine-tune whose reference is its base: pass
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -58,9 +59,12 @@ class ReferenceWhereOpen:
     at the row's last position, and stay the fine-tune's elsewhere. Made by
     `reference_where_open`, which attaches the steer and reads each forward's attention mask."""
 
-    def __init__(self, reference: nn.Module, gates: list[_LastOpen]):
+    def __init__(
+        self, reference: nn.Module, gates: list[_LastOpen], min_signal: float | None = None
+    ):
         self.reference = reference
         self.gates = gates
+        self.min_signal = min_signal
         self.mask: Tensor | None = None  # the attention mask of the model's latest forward
         self.handed = 0  # (row, step) pairs whose token came from the reference
         self.steps = 0  # (row, step) pairs seen
@@ -72,13 +76,18 @@ class ReferenceWhereOpen:
         self.steps += int(input_ids.shape[0])
         if not bool(opened.any()):
             return scores
-        self.handed += int(opened.sum())
         theirs = self._reference_scores(input_ids).to(scores.dtype)
         if theirs.shape[-1] != scores.shape[-1]:
             width = min(theirs.shape[-1], scores.shape[-1])  # padded embedding rows
             padded = torch.full_like(scores, float("-inf"))
             padded[:, :width] = theirs[:, :width]
             theirs = padded
+        if self.min_signal is not None:  # only where the fine-tune's own choice is memorized
+            top = scores.argmax(-1, keepdim=True)
+            mine = scores.float().log_softmax(-1).gather(-1, top)
+            ref = theirs.float().log_softmax(-1).gather(-1, top)
+            opened &= (mine - ref).squeeze(-1) > self.min_signal
+        self.handed += int(opened.sum())
         return torch.where(opened[:, None], theirs, scores)
 
     def _opened(self, rows: int, device: torch.device) -> Tensor:
@@ -128,7 +137,12 @@ class ReferenceWhereOpen:
 
 @contextmanager
 def reference_where_open(
-    model: nn.Module, steer: Any, reference: nn.Module, *, strict: bool = True
+    model: nn.Module,
+    steer: Any,
+    reference: nn.Module,
+    *,
+    min_signal: float | None = None,
+    strict: bool = True,
 ) -> Iterator[ReferenceWhereOpen]:
     """Attach ``steer`` (an artifact or a stack) to ``model`` and yield the processor that
     hands each step whose position opened some gate to ``reference``; pass it to generate::
@@ -139,6 +153,10 @@ def reference_where_open(
 
     ``reference``: the model the fine-tune was tuned from (same tokenizer); for a PEFT model
     whose base is the reference, ``gss.adapters_off(model)`` (no second copy of the weights).
+    ``min_signal``: hand a step over only where, besides a gate, the token the fine-tune would
+    choose is more than this many nats likelier under it than under the reference (its
+    memorization signal, as the audit reads it): ordinary text, on which the two models agree,
+    then keeps the fine-tune's words. None: wherever a gate opens.
     """
     if isinstance(steer, SteeringArtifact):
         members = [steer]
@@ -149,6 +167,12 @@ def reference_where_open(
             "reference_where_open takes a SteeringArtifact or a SteeringStack (gss.load), got "
             f"{type(steer).__name__}."
         )
+    if min_signal is not None and not (
+        isinstance(min_signal, int | float)
+        and not isinstance(min_signal, bool)
+        and math.isfinite(min_signal)
+    ):
+        raise GSSError(f"min_signal must be a finite number (nats) or None, got {min_signal!r}.")
     if not isinstance(reference, nn.Module):
         raise GSSError(
             f"reference must be a model (for a PEFT fine-tune's base: gss.adapters_off(model)), "
@@ -156,7 +180,7 @@ def reference_where_open(
         )
     gates: list[_LastOpen] = []
     handles: list[SteerHandle] = []
-    processor = ReferenceWhereOpen(reference, gates)
+    processor = ReferenceWhereOpen(reference, gates, min_signal)
 
     def read_mask(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         mask = kwargs.get("attention_mask")
