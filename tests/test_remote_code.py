@@ -1,0 +1,55 @@
+"""A model folder's own Python is never run (issue 69): gss passes ``trust_remote_code=False`` to
+every ``from_pretrained``, so transformers neither runs an ``auto_map`` module nor asks on stdin
+whether to (a ``y`` there used to run it). A built-in architecture loads as itself; a folder
+whose only code is its own fails with one message."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from gss import GSSError
+from gss.hf.loading import load_model
+
+from .helpers import tiny_model
+from .test_cli import _tokenizer
+
+HOSTILE = """
+from pathlib import Path
+Path(__file__).with_name("RAN").write_text("custom code ran")
+from transformers import LlamaConfig, LlamaForCausalLM
+class HostileConfig(LlamaConfig):
+    model_type = "hostile"
+class HostileModel(LlamaForCausalLM):
+    config_class = HostileConfig
+"""
+
+
+def _hostile_folder(root: Path, model_type: str) -> Path:
+    folder = root / model_type
+    tiny_model("llama").save_pretrained(folder)
+    _tokenizer().save_pretrained(folder)
+    (folder / "hostile.py").write_text(HOSTILE)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = model_type
+    config["auto_map"] = {
+        "AutoConfig": "hostile.HostileConfig",
+        "AutoModelForCausalLM": "hostile.HostileModel",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_model_folders_own_code_never_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\ny\ny\n"))  # what used to run it
+    built_in = _hostile_folder(tmp_path, "llama")  # a built-in type with an auto_map
+    model, _ = load_model(str(built_in))
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert not (built_in / "RAN").exists()
+    custom = _hostile_folder(tmp_path, "hostile")  # nothing but its own code
+    with pytest.raises(GSSError, match="could not load"):
+        load_model(str(custom))
+    assert not (custom / "RAN").exists()
