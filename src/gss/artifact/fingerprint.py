@@ -1,5 +1,6 @@
 """Which model an artifact was calibrated for: its fingerprint (shape, a sample of the input
-embedding, a few weights of every block) and what differs between two fingerprints.
+embedding, a few entries of every weight tensor of every block) and what differs between two
+fingerprints.
 
 Attaching a steer compares the model's fingerprint with the one saved in the artifact and
 refuses another model (`SteeringArtifact.check_model`); another fine-tune of the same base
@@ -57,7 +58,51 @@ def model_fingerprint(model: nn.Module, block_path: str | None = None) -> dict[s
         "embedding_sample": embedding_sample(emb),
         "embedding_hash": digest.hexdigest()[:16],
         "blocks_sample": blocks_sample(model, block_path),
+        "block_weights": block_weights(model, block_path),
     }
+
+
+_WEIGHT_SAMPLE = 8  # entries read from every weight tensor of every block
+# two weights are the same up to rounding where they differ by at most this share of their
+# size (bfloat16 rounds to 2^-8 of it, float16 to 2^-11) plus float16's smallest step
+_ROUNDING, _TINY = 2.0**-7, 1e-7
+
+
+def block_weights(model: nn.Module, block_path: str | None = None) -> list[dict[str, list[float]]]:
+    """A few entries of every weight tensor of every decoder block, in float32: a fine-tune
+    that changes any of them (an MLP-only or attention-output-only one too) changes some, while
+    the same weights in bfloat16 or float16 stay within rounding of them
+    (`fingerprint_differences`). A tensor not in memory (meta) or stored quantized is left out;
+    under an unmerged PEFT adapter the weight is read as the block computes it (base + delta)."""
+    out: list[dict[str, list[float]]] = []
+    for block in find_decoder_blocks(model, block_path):
+        entry: dict[str, list[float]] = {}
+        for name, weight, adapters in _block_weights(block):
+            if weight.device.type == "meta" or is_quantized_weight(weight) or not weight.numel():
+                continue
+            count = min(_WEIGHT_SAMPLE, weight.numel())
+            index = torch.linspace(0, weight.numel() - 1, count).long().to(weight.device)
+            plain = weight.detach().reshape(-1)[index]
+            values = plain if adapters is None else _plus_adapters(adapters, weight, index, plain)
+            if values is not None:
+                entry[name] = [float(v) for v in values.float().cpu().tolist()]
+        out.append(entry)
+    return out
+
+
+def _changed_tensors(ours: dict[str, list[float]], theirs: dict[str, list[float]]) -> list[str]:
+    """The tensors sampled in both whose entries differ beyond rounding: two or more of them
+    (any, for a tensor of fewer than four entries)."""
+    changed = []
+    for name, values in ours.items():
+        other = theirs.get(name)
+        if other is None or len(other) != len(values) or not values:
+            continue
+        a, b = torch.tensor(values, dtype=torch.float64), torch.tensor(other, dtype=torch.float64)
+        beyond = int(((a - b).abs() > a.abs() * _ROUNDING + _TINY).sum())
+        if beyond >= min(2, len(values)) or not bool(torch.isfinite(b).all()):
+            changed.append(name)
+    return changed
 
 
 _BLOCK_SAMPLE = 16  # weights read from each of a block's first two weight tensors
@@ -181,7 +226,23 @@ def fingerprint_differences(expected: dict[str, Any], actual: dict[str, Any]) ->
         rel = float((a - b).norm() / a.norm().clamp_min(1e-12))
         if rel > 2e-2:
             diffs.append(f"input embeddings differ (relative difference {rel:.3f} on a sample)")
-    changed = []
+    if expected.get("block_weights") and actual.get("block_weights"):
+        per_block = [
+            (i, _changed_tensors(ours, theirs))
+            for i, (ours, theirs) in enumerate(
+                zip(expected["block_weights"], actual["block_weights"], strict=False)
+            )
+        ]
+        blocks = [(i, names) for i, names in per_block if names]
+        if blocks:
+            first = ", ".join(blocks[0][1][:3])
+            diffs.append(
+                f"the weights of decoder block(s) {[i for i, _ in blocks]} differ from the model "
+                f"the artifact was calibrated on, beyond float16/bfloat16 rounding (block "
+                f"{blocks[0][0]}: {first}), as another fine-tune of the same base would"
+            )
+        return diffs
+    changed = []  # an artifact saved before every tensor was sampled: its first two
     for i, (ours, theirs) in enumerate(
         zip(expected.get("blocks_sample", []), actual.get("blocks_sample", []), strict=False)
     ):
