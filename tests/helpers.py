@@ -125,3 +125,20 @@ def train(model, rows: torch.Tensor, steps: int, seed: int) -> None:
         loss.backward()
         opt.step()
     model.eval()
+
+
+def at_block(art, layer: int):
+    """``art``'s tensors as a steer of another block (a stack holds one steer per block)."""
+    import dataclasses
+
+    return dataclasses.replace(art, config=art.config.replace(layer=layer))
+
+
+def sealed(raw: dict) -> dict:
+    """An artifact's config file edited by hand and sealed again (its content checksum
+    recomputed), as a forger would: for tests of what gss checks beyond the checksum."""
+    from gss.artifact.steering_artifact import content_sha256
+
+    if "content_sha256" in raw:
+        raw["content_sha256"] = content_sha256(raw)
+    return raw

@@ -6,9 +6,10 @@ import torch
 
 import gss
 from gss import GSSError
+from gss.artifact.files import sha256_of
 from gss.solve import soundness
 
-from .helpers import random_ids
+from .helpers import random_ids, sealed
 
 
 @pytest.fixture
@@ -29,7 +30,7 @@ def test_round_trip(tmp_path, calibrated):
     assert loaded.config == art.config and loaded.provenance == art.provenance
     assert loaded == art and [art].index(loaded) == 0 and hash(loaded) != hash(art)
     assert loaded != art.with_options(delta=2.0) and art != art.with_options(rank=1)
-    assert gss.SteeringStack((loaded, art)) == gss.SteeringStack((art, loaded))
+    assert gss.SteeringStack((loaded,)) == gss.SteeringStack((art,))
     ids = random_ids(2, 8, seed=9)
     with torch.no_grad():
         with gss.steer(model, art, gate="none"):
@@ -38,7 +39,7 @@ def test_round_trip(tmp_path, calibrated):
             b = model(input_ids=ids).logits
     assert torch.equal(a, b)
     saved = json.loads((tmp_path / "a" / "gss_config.json").read_text())
-    assert saved["format_version"] == 2
+    assert saved["format_version"] == 3
     assert saved["config"] == art.config.to_dict()  # every option, and nothing else
     for key in ("fingerprint", "hook_point", "threshold_rule", "token_counts", "timings"):
         assert key in saved["provenance"]
@@ -84,10 +85,10 @@ def test_unknown_entries_are_refused_or_warned(tmp_path, calibrated):
     art.save_pretrained(tmp_path / "a")
     path = tmp_path / "a" / "gss_config.json"
     saved = json.loads(path.read_text())
-    path.write_text(json.dumps({**saved, "config": {**saved["config"], "strength": 3}}))
+    path.write_text(json.dumps(sealed({**saved, "config": {**saved["config"], "strength": 3}})))
     with pytest.raises(GSSError, match=r"unknown calibration option.*strength"):
         gss.load(tmp_path / "a")
-    path.write_text(json.dumps({**saved, "provenance": {**saved["provenance"], "note": 1}}))
+    path.write_text(json.dumps(sealed({**saved, "provenance": {**saved["provenance"], "note": 1}})))
     with pytest.warns(gss.GSSWarning, match=r"unknown artifact entries.*note"):
         gss.load(tmp_path / "a")
 
@@ -277,8 +278,8 @@ def test_damaged_tensors_are_refused(tmp_path, calibrated):
         tensors.update(change)
         save_file({k: v for k, v in tensors.items() if v is not None}, str(path))
         config = json.loads((folder / "gss_config.json").read_text())
-        del config["tensors_sha256"]  # as a format without the checksum would have it
-        (folder / "gss_config.json").write_text(json.dumps(config))
+        config["tensors_sha256"] = sha256_of(path)  # only the values are wrong
+        (folder / "gss_config.json").write_text(json.dumps(sealed(config)))
         with pytest.raises(GSSError, match=messages[name]):
             gss.load(folder)
 

@@ -15,6 +15,7 @@ import shutil
 import pytest
 import torch
 
+from gss.artifact.steering_artifact import content_sha256
 from gss.cli import main
 
 from .helpers import tiny_model
@@ -90,6 +91,8 @@ def root(tmp_path_factory):
         shutil.copytree(root / "art", root / name)
         config = json.loads((root / name / "gss_config.json").read_text())
         edit(config)
+        # re-sealed, as a forger would: what is tested is the check of the entries' types
+        config["content_sha256"] = content_sha256(config)
         (root / name / "gss_config.json").write_text(json.dumps(config))
     return root
 

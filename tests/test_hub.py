@@ -30,7 +30,7 @@ from gss.artifact import card as cards
 from gss.artifact import hub
 from gss.cli import main
 
-from .helpers import random_ids, tiny_model
+from .helpers import at_block, random_ids, tiny_model
 from .test_cli import _tokenizer
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "hub.md"
@@ -138,7 +138,7 @@ def test_load_by_repo_id_at_a_revision(made, offline_cache, tmp_path):
 
 def test_a_stack_loads_by_repo_id(made, offline_cache, tmp_path):
     _, model, art = made
-    stack = gss.SteeringStack((art, art.with_options(delta=2.0)))
+    stack = gss.SteeringStack((art, at_block(art.with_options(delta=2.0), 0)))
     stack.save_pretrained(tmp_path / "stack")
     assert (tmp_path / "stack" / "README.md").is_file()
     put_in_cache(offline_cache, "org/stack", tmp_path / "stack", MAIN)
@@ -292,14 +292,14 @@ def test_push_to_hub_uploads_what_loads_back(made, fake_hub, offline_cache, monk
 
 def test_push_defaults_and_a_stack(made, fake_hub):
     _, _, art = made
-    stack = gss.SteeringStack((art, art.with_options(delta=2.0)))
+    stack = gss.SteeringStack((art, at_block(art.with_options(delta=2.0), 0)))
     stack.push_to_hub("org/stack", create_pr=True)
     assert not calls(fake_hub, "create_branch")  # no revision: the main branch
     [(_, create)] = calls(fake_hub, "create_repo")
     assert create["private"] is None  # an existing repo keeps its visibility
     [(_, upload)] = calls(fake_hub, "upload_folder")
     assert upload["revision"] is None and upload["create_pr"] is True
-    assert upload["commit_message"] == "Upload gss steering stack (blocks [1, 1])"
+    assert upload["commit_message"] == "Upload gss steering stack (blocks [1, 0])"
     assert (fake_hub.remote / "gss_stack.json").is_file()
     assert sorted(p.name for p in (fake_hub.remote / "steer-1").iterdir()) == [
         "gss_config.json",
@@ -424,9 +424,9 @@ def test_the_card_names_a_hub_model_and_what_was_measured(made):
         "gate_open_share": {"general (given)": 0.102, "reference-generated": 0.12},
     }
     provenance = dataclasses.replace(art.provenance, extra={"protect": protect})
-    stack = gss.SteeringStack((dataclasses.replace(art, provenance=provenance), art))
+    stack = gss.SteeringStack((dataclasses.replace(art, provenance=provenance), at_block(art, 0)))
     text = cards.model_card(stack, "org/steer")
-    assert text.startswith("---\n") and "# gss steering stack (blocks [1, 1])" in text
+    assert text.startswith("---\n") and "# gss steering stack (blocks [1, 0])" in text
     assert "on 8 held-out memorized rows" in text
     assert "| unsteered | 75.0% | 3.2 |" in text and "| steered | 0.0% | 3.3 |" in text
     assert "(reached)" in text and "- Block 1:" in text

@@ -49,6 +49,14 @@ class SteeringStack(hub.HubMixin):
         for a in self.artifacts:
             if not isinstance(a, SteeringArtifact):
                 raise GSSError(f"a SteeringStack holds SteeringArtifacts, got {type(a).__name__}.")
+        seen: set[int] = set()
+        for a in self.artifacts:
+            if a.layer in seen:
+                raise GSSError(
+                    f"a SteeringStack holds two steers of block {a.layer} (or one twice): it "
+                    "would steer that block twice. A stack holds one steer per block."
+                )
+            seen.add(a.layer)
         object.__setattr__(self, "artifacts", tuple(self.artifacts))
 
     @property
@@ -175,11 +183,15 @@ class SteeringStack(hub.HubMixin):
         if not isinstance(members, list) or not members:
             raise GSSError(f"{manifest_path} lists no members: the stack is damaged.")
         artifacts = []
+        listed: set[str] = set()
         for entry in members:
             name = entry.get("dir") if isinstance(entry, dict) else None
             if not isinstance(name, str) or not MEMBER.fullmatch(name):
                 raise GSSError(f"{manifest_path} has a bad member entry {entry!r}: damaged.")
             member = path / name
+            if name in listed:
+                raise GSSError(f"{manifest_path} lists {name} twice: the stack is damaged.")
+            listed.add(name)
             artifact = SteeringArtifact.from_pretrained(member)
             if entry.get("tensors_sha256") != sha256_of(member / TENSORS_NAME):
                 raise GSSError(

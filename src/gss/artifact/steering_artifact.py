@@ -10,6 +10,7 @@ are in `gss.artifact.hub`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import warnings
@@ -28,7 +29,7 @@ from gss.artifact.card import model_card
 from gss.artifact.files import sha256_of, write_atomically
 from gss.artifact.fingerprint import fingerprint_differences, model_fingerprint
 from gss.artifact.names import CONFIG_NAME, STACK_NAME, TENSORS_NAME
-from gss.config import CalibrationConfig
+from gss.config import CalibrationConfig, field_names
 from gss.errors import GSSError, GSSWarning
 from gss.hf.blocks import resolve_layer
 from gss.hf.forward import check_models
@@ -36,7 +37,9 @@ from gss.solve import soundness
 from gss.steering.attach import SteerHandle, register, warn_if_steering
 from gss.steering.gated import GatedSteer, count_real_tokens
 
-FORMAT_VERSION = 2  # 1: options and measurements in one flat dict (still read)
+# 1: options and measurements in one flat dict; 2: config and provenance apart, the tensors
+# under a checksum; 3: the config and provenance too, every config field written (1, 2 read)
+FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,14 @@ class SteeringArtifact(hub.HubMixin):
     @property
     def rank(self) -> int:
         return int(self.probe.shape[0])
+
+    @property
+    def identity(self) -> tuple[int | None, str]:
+        """What tells this steer from another: its block and a digest of its probe directions.
+        The same artifact loaded twice (two objects) has the same identity, so attaching it
+        again warns (`gss.steering.attach.warn_if_steering`), and a stack refuses it twice."""
+        probe = self.probe.detach().float().contiguous().cpu().numpy()
+        return self.config.layer, hashlib.sha256(probe.tobytes()).hexdigest()[:16]
 
     @property
     def layer(self) -> int:
@@ -285,9 +296,9 @@ class SteeringArtifact(hub.HubMixin):
         artifact = self.with_options(**options) if options else self
         artifact.check_model(model, strict=strict)
         _, block = resolve_layer(model, artifact.layer, artifact.config.block_path)
-        warn_if_steering(block, self.probe, "attaching it again")
+        warn_if_steering(block, self.identity, "attaching it again")
         hook = artifact.make_hook(track_gates=track_gates)
-        hook.origin = self.probe  # kept alive by the hook, so `is` cannot match another
+        hook.origin = self.identity
         handle = register(block, hook, model)
         if track_gates:  # counted on real tokens only: shares that do not depend on padding
             handle.remove_with(count_real_tokens(model, hook))
@@ -328,6 +339,7 @@ class SteeringArtifact(hub.HubMixin):
             "config": self.config.to_dict(),
             "provenance": dataclasses.asdict(self.provenance),
         }
+        saved["content_sha256"] = content_sha256(saved)
         (directory / CONFIG_NAME).write_text(json.dumps(saved, indent=2))
 
     @classmethod
@@ -367,13 +379,18 @@ class SteeringArtifact(hub.HubMixin):
         if not isinstance(raw, dict):
             raise GSSError(f"{cfg_path} does not hold a JSON object: the artifact is damaged.")
         version = raw.get("format_version")
+        if type(version) is not int:  # "2" (a string) or 2.0 is no version this gss wrote
+            raise GSSError(
+                f"{cfg_path}: format_version is {version!r}, not a version number: the "
+                "artifact is damaged (or edited by hand). Save it again."
+            )
         if version == 1:
             config, provenance = _read_format_1(raw, path)
-        elif version == FORMAT_VERSION:
-            config, provenance = _read_format_2(raw, path)
+        elif version in (2, FORMAT_VERSION):
+            config, provenance = _read_format_2(raw, path, version)
         else:
             raise GSSError(
-                f"{path} has artifact format version {version}, this gss reads versions 1 and "
+                f"{path} has artifact format version {version}, this gss reads versions 1 to "
                 f"{FORMAT_VERSION}. Re-calibrate, or install the gss version that wrote it "
                 f"({raw.get('gss_version')})."
             )
@@ -384,6 +401,12 @@ class SteeringArtifact(hub.HubMixin):
                 f"{tensors_path} does not load ({e}): the artifact is damaged."
             ) from None
         recorded = raw.get("tensors_sha256")
+        if version >= 2 and not isinstance(recorded, str):
+            raise GSSError(
+                f"{cfg_path} records no SHA-256 of {TENSORS_NAME} (tensors_sha256 is "
+                f"{recorded!r}): nothing ties the tensors to this config, so the artifact is "
+                "refused. Save it again from the object that has both (gss.load of the original)."
+            )
         if recorded is not None and recorded != sha256_of(tensors_path):
             raise GSSError(
                 f"{path}: {TENSORS_NAME} is not the file {CONFIG_NAME} was saved with (its "
@@ -445,14 +468,45 @@ def _provenance(values: Any, path: Path) -> Provenance:
     return Provenance(**{k: v for k, v in values.items() if k in known})
 
 
-def _read_format_2(raw: dict[str, Any], path: Path) -> tuple[CalibrationConfig, Provenance]:
+def content_sha256(saved: dict[str, Any]) -> str:
+    """The SHA-256 of what a format-3 config file says (its version, the tensors' checksum, the
+    config and the provenance, as canonical JSON): an edited layer, delta or target, or a
+    provenance from another save, no longer matches it."""
+    content = {k: v for k, v in saved.items() if k not in ("content_sha256", "gss_version")}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _read_format_2(
+    raw: dict[str, Any], path: Path, version: int = 2
+) -> tuple[CalibrationConfig, Provenance]:
+    """Formats 2 and 3; a format-3 file must hold every config field (no default fills a
+    missing one: a GSS-TR artifact without its target would steer as the paper's) and match
+    its own checksum."""
     known = {"format_version", "gss_version", "tensors_sha256", "config", "provenance"}
+    if version >= 3:
+        known.add("content_sha256")
     _warn_unknown(path, set(raw) - known)
     values = raw.get("config", {})
     if not isinstance(values, dict):
         raise GSSError(
             f"{path / CONFIG_NAME}: its config is not a JSON object: the artifact is damaged."
         )
+    if version >= 3:
+        missing = sorted(set(field_names()) - set(values))
+        if missing:
+            raise GSSError(
+                f"{path / CONFIG_NAME}: its config lacks {missing}: the artifact is damaged "
+                "(or edited by hand); a default in their place would steer otherwise than it "
+                "was calibrated. Save it again."
+            )
+        if raw.get("content_sha256") != content_sha256(raw):
+            raise GSSError(
+                f"{path / CONFIG_NAME} does not match its own checksum (content_sha256): its "
+                "config or provenance was changed after it was saved (a hand edit, or parts "
+                "of two saves). Change an artifact with with_options(...) and save_pretrained, "
+                "or save it again."
+            )
     try:
         config = CalibrationConfig.from_dict(values)
     except GSSError as e:

@@ -174,10 +174,18 @@ def register(
     return SteerHandle(hook, wrapper)
 
 
+def _same(a: object, b: object) -> bool:
+    """Two steers' origins name the same steer: equal identities (tuples: an artifact's
+    `identity`), else the same object."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return a == b
+    return a is b
+
+
 def warn_if_steering(block: nn.Module, origin: object, doing: str) -> None:
     """Warn when the steer whose hooks carry ``origin`` already steers ``block``: ``doing``
     it again would apply the steer twice."""
-    if any(getattr(hook, "origin", None) is origin for hook in active_hooks(block)):
+    if any(_same(getattr(hook, "origin", None), origin) for hook in active_hooks(block)):
         warnings.warn(
             "this artifact already steers this block (a gss.steer or attach not yet removed): "
             f"{doing} applies the steer twice.",

@@ -401,9 +401,9 @@ def explain(
         for original, member in zip(members, configured, strict=True):
             member.check_model(model, strict=strict)
             _, block = resolve_layer(model, member.layer, member.config.block_path)
-            warn_if_steering(block, original.probe, "explaining it")
+            warn_if_steering(block, original.identity, "explaining it")
             steer = member.make_hook(track_gates=True)
-            steer.origin = original.probe
+            steer.origin = original.identity
             recorder = _Recorder(steer)
             handles.append(register(block, recorder, model))
             recorders.append(recorder)

@@ -33,7 +33,7 @@ from gss.artifact.steering_artifact import SteeringArtifact
 from gss.errors import GSSError
 from gss.hf.blocks import resolve_layer
 from gss.hf.forward import cache_argument, output_logits, returned_cache
-from gss.steering.attach import SteerHandle, register, split_block_output
+from gss.steering.attach import SteerHandle, register, split_block_output, warn_if_steering
 from gss.steering.gated import GatedSteer
 
 
@@ -192,7 +192,8 @@ def reference_where_open(
             member.check_model(model, strict=strict)
             _, block = resolve_layer(model, member.layer, member.config.block_path)
             hook = member.make_hook()
-            hook.origin = member.probe
+            warn_if_steering(block, member.identity, "handing over where it opens")
+            hook.origin = member.identity
             gate = _LastOpen(hook)
             gates.append(gate)
             handles.append(register(block, gate, model))

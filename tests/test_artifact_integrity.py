@@ -1,0 +1,110 @@
+"""Artifacts that cannot lie about themselves (issue 69): a config edited by hand, a config
+missing a field, a checksum removed, a version that is a string, a stack listing one member
+twice, the same artifact loaded twice and attached twice."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+import gss
+from gss import GSSError, GSSWarning
+from gss.artifact.steering_artifact import SteeringArtifact
+
+from .helpers import calibrated_llama
+
+
+@pytest.fixture(scope="module")
+def steered():
+    return calibrated_llama(layers=3)
+
+
+def _saved(tmp_path, art, edit=None):
+    art.save_pretrained(tmp_path / "a")
+    path = tmp_path / "a" / "gss_config.json"
+    if edit is not None:
+        raw = json.loads(path.read_text())
+        edit(raw)
+        path.write_text(json.dumps(raw))
+    return tmp_path / "a"
+
+
+def test_a_saved_artifact_loads_as_it_was(tmp_path, steered):
+    _, art = steered
+    assert gss.load(_saved(tmp_path, art)) == art
+
+
+def _as_format_2(raw):
+    """The file as gss wrote it before format 3 (no content checksum)."""
+    raw.pop("content_sha256")
+    raw["format_version"] = 2
+    return raw
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda r: r["config"].update(layer=0), "does not match its own checksum"),
+        (lambda r: r["config"].update(delta=1.0), "does not match its own checksum"),
+        (lambda r: r["provenance"].update(layers_scanned=[9]), "does not match its own"),
+        (lambda r: r["config"].pop("target"), r"its config lacks \['target'\]"),
+        (lambda r: r.pop("tensors_sha256"), "does not match its own checksum"),
+        (lambda r: r.update(tensors_sha256=None), "does not match its own checksum"),
+        (lambda r: _as_format_2(r).pop("tensors_sha256"), "records no SHA-256"),
+        (lambda r: _as_format_2(r).update(tensors_sha256=None), "records no SHA-256"),
+        (lambda r: r.update(format_version="3"), "format_version is '3', not a version"),
+    ],
+)
+def test_a_config_that_lies_is_refused(tmp_path, steered, edit, message):
+    _, art = steered
+    with pytest.raises(GSSError, match=message):
+        gss.load(_saved(tmp_path, art, edit))
+
+
+def test_a_stack_refuses_one_steer_twice(tmp_path, steered):
+    _, art = steered
+    with pytest.raises(GSSError, match=r"holds two steers of block 1 \(or one twice\)"):
+        gss.SteeringStack((art, art))
+    other = art.with_options(delta=art.config.delta * 2)  # the same block, another strength
+    with pytest.raises(GSSError, match="one steer per block"):
+        gss.SteeringStack((art, other))
+    second = (
+        gss.calibrate(
+            steered[0],
+            steered[0],
+            [[5, 6, 7, 8, 9, 10, 11, 12]] * 4,
+            layer=2,
+            rank=1,
+            progress=False,
+        )
+        if False
+        else None
+    )
+    del second
+    stack = gss.SteeringStack((art,))
+    stack.save_pretrained(tmp_path / "s")
+    manifest = tmp_path / "s" / "gss_stack.json"
+    raw = json.loads(manifest.read_text())
+    raw["members"] = raw["members"] * 2
+    manifest.write_text(json.dumps(raw))
+    with pytest.raises(GSSError, match="twice: the stack is damaged"):
+        gss.load(tmp_path / "s")
+
+
+def test_the_same_artifact_loaded_twice_warns_when_attached_twice(tmp_path, steered):
+    model, art = steered
+    path = _saved(tmp_path, art)
+    first, second = SteeringArtifact.from_pretrained(path), SteeringArtifact.from_pretrained(path)
+    assert first is not second and first.probe is not second.probe
+    with (
+        first.attach(model),
+        pytest.warns(GSSWarning, match="already steers this block"),
+        second.attach(model),
+    ):
+        pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with first.attach(model):  # once: no warning
+            pass
