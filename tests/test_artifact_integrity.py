@@ -108,3 +108,22 @@ def test_the_same_artifact_loaded_twice_warns_when_attached_twice(tmp_path, stee
         warnings.simplefilter("error")
         with first.attach(model):  # once: no warning
             pass
+
+
+def test_overwrite_replaces_only_what_gss_wrote(tmp_path, memorizer):
+    """--overwrite (overwrite=True) replaces a results file a gss run wrote there, as written,
+    and never one the user wrote or changed since (issue 69: a user's audit.md was replaced)."""
+    model, reference, planted, general = memorizer
+    report = gss.audit(model, reference, planted.tolist(), k=4, n=16, progress=False)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "audit.md").write_text("my notes\n")
+    with pytest.raises(GSSError, match=r"audit.md was not written by gss"):
+        report.write(mine, overwrite=True)
+    assert (mine / "audit.md").read_text() == "my notes\n"
+    ours = tmp_path / "ours"
+    report.write(ours)
+    report.write(ours, overwrite=True)  # its own files, as written: replaced
+    (ours / "audit.md").write_text("edited since\n")
+    with pytest.raises(GSSError, match=r"was not written by gss \(or was changed since\)"):
+        report.write(ours, overwrite=True)

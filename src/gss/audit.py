@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from gss.artifact.files import check_outputs
+from gss.artifact.files import check_outputs, record_outputs
 from gss.config import RunOptions
 from gss.data import TextsOrIds, batches, count_batches, encode_every, predictable
 from gss.errors import GSSError, GSSWarning
@@ -196,6 +196,7 @@ class AuditReport:
                 "".join(json.dumps({"input_ids": self.ids[r.index]}) + "\n" for r in rows)
             )
         self.plot(out / "audit.png")
+        record_outputs(out, OUTPUTS)
         return [out / name for name in OUTPUTS]
 
     def _origin(self, row: AuditRow) -> dict[str, Any]:

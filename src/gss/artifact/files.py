@@ -13,6 +13,7 @@ edited beside an artifact is carried over into the new save, not overwritten.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -152,9 +153,34 @@ def write_atomically(
     return out
 
 
+WRITTEN = ".gss-written.json"
+"""In a results directory: {file name: SHA-256} of the files gss wrote there, so that
+``--overwrite`` replaces those, as written, and never a file of the user's (`check_outputs`)."""
+
+
+def _written(out: Path) -> dict[str, str]:
+    try:
+        known = json.loads((out / WRITTEN).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def record_outputs(directory: str | Path, names: Iterable[str]) -> None:
+    """Note the SHA-256 of each of ``names`` just written into ``directory`` by gss: a later
+    ``--overwrite`` may replace them while they are as written."""
+    out = Path(directory)
+    known = _written(out)
+    for name in names:
+        if (out / name).is_file():
+            known[name] = sha256_of(out / name)
+    (out / WRITTEN).write_text(json.dumps(known, indent=1, sort_keys=True), encoding="utf-8")
+
+
 def check_outputs(directory: str | Path | None, names: Iterable[str], overwrite: bool) -> None:
     """Refuse, before any work, to replace result files a command would write into
-    ``directory`` unless ``overwrite``."""
+    ``directory`` unless ``overwrite``, and even then any that gss did not write there (or
+    that changed since: `record_outputs`)."""
     if directory is None:
         return
     if not str(directory):
@@ -188,6 +214,13 @@ def check_outputs(directory: str | Path | None, names: Iterable[str], overwrite:
         raise GSSError(
             f"{out} already holds {', '.join(existing)}: pass --overwrite (overwrite=True) to "
             f"replace {'it' if len(existing) == 1 else 'them'}, or choose another --out."
+        )
+    known = _written(out) if existing else {}
+    theirs = [n for n in existing if (out / n).is_file() and known.get(n) != sha256_of(out / n)]
+    if theirs:
+        raise GSSError(
+            f"{out / theirs[0]} was not written by gss (or was changed since): --overwrite "
+            "replaces only the files a gss run wrote there. Move it, or choose another --out."
         )
 
 

@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from gss.artifact.files import check_outputs, check_target
+from gss.artifact.files import check_outputs, check_target, record_outputs
 from gss.cli.inputs import check_reference, config_options, load_models, read_rows
 from gss.cli.options import parse_layers
 from gss.errors import GSSError, GSSWarning
@@ -84,6 +84,7 @@ def signal_command(args: argparse.Namespace) -> int:
         (out / "signal.json").write_text(json.dumps(report.to_dict(), indent=2))
         if args.plot:
             report.plot(out / "signal.png", f"omega: {args.model}")
+        record_outputs(out, written)
         print(f"wrote {out}")
     return 0
 
@@ -131,6 +132,7 @@ def layers_command(args: argparse.Namespace) -> int:
         out = Path(args.out)
         write_json(out / "layers.json", scan.to_dict())
         scan.plot(out / "layers.png", f"signal strength per block: {Path(args.model).name}")
+        record_outputs(out, ["layers.json", "layers.png"])
         print(f"wrote {out}/layers.json and layers.png")
     return 0
 

@@ -9,7 +9,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gss.artifact.files import check_outputs, check_target
+from gss.artifact.files import check_outputs, check_target, record_outputs
 from gss.cli.inputs import check_delta, load_model_and_tokenizer, read_rows, resolve_max_length
 from gss.cli.options import parse_floats
 from gss.errors import GSSError, GSSWarning
@@ -73,6 +73,7 @@ def _report(args: argparse.Namespace, result: Any, headline: str, stem: str) -> 
         out = Path(args.out)
         write_json(out / f"{stem}.json", result.record(args.model, args.steer))
         (out / f"{stem}.md").write_text(text)  # what was printed
+        record_outputs(out, [f"{stem}.json", f"{stem}.md"])
         print(f"wrote {out}/{stem}.json and {stem}.md")
 
 
@@ -242,6 +243,7 @@ def sweep_command(args: argparse.Namespace) -> int:
     write_json(out / "sweep.json", result.record())
     (out / "sweep.md").write_text(table)
     result.plot(out / "sweep.png")
+    record_outputs(out, ["sweep.json", "sweep.md", "sweep.png"])
     print(f"wrote {out}/sweep.json, sweep.md and sweep.png")
     if save is not None:
         if result.selected is None:

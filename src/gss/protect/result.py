@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gss.artifact.files import check_outputs, check_target
+from gss.artifact.files import check_outputs, check_target, record_outputs
 from gss.artifact.stack import Steer
 from gss.audit import AuditReport
 from gss.errors import GSSError
@@ -239,6 +239,7 @@ class Protection:
         (out / "protect.md").write_text(self.markdown())
         written += [out / "protect.json", out / "protect.md"]
         written += figures(self, out)
+        record_outputs(out, OUTPUTS)
         return written
 
 
