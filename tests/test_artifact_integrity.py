@@ -113,7 +113,7 @@ def test_the_same_artifact_loaded_twice_warns_when_attached_twice(tmp_path, stee
 def test_overwrite_replaces_only_what_gss_wrote(tmp_path, memorizer):
     """--overwrite (overwrite=True) replaces a results file a gss run wrote there, as written,
     and never one the user wrote or changed since (issue 69: a user's audit.md was replaced)."""
-    model, reference, planted, general = memorizer
+    model, reference, planted, _ = memorizer
     report = gss.audit(model, reference, planted.tolist(), k=4, n=16, progress=False)
     mine = tmp_path / "mine"
     mine.mkdir()

@@ -226,3 +226,19 @@ def test_min_signal_hands_over_only_where_the_fine_tunes_choice_is_memorized(set
 def _handed_with(model, art, reference, ids, min_signal):
     with gss.reference_where_open(model, art, reference, min_signal=min_signal) as processor:
         return _greedy(model, ids, None, [processor]), processor
+
+
+def test_without_the_correction_every_other_token_is_the_unsteered_fine_tunes(setup):
+    """``correct=False``: the gates only choose where the reference speaks; with gates that
+    never open the text is the unsteered fine-tune's, with gates that always open the
+    reference's."""
+    model, art, reference = setup
+    ids = random_ids(2, 6, seed=7)
+    with gss.reference_where_open(
+        model, _with_thresholds(art, 1e30), reference, correct=False
+    ) as processor:
+        assert _greedy(model, ids, None, [processor]) == _greedy(model, ids)
+    with gss.reference_where_open(
+        model, _with_thresholds(art, 1e-30), reference, correct=False
+    ) as processor:
+        assert _greedy(model, ids, None, [processor]) == _greedy(reference, ids)

@@ -81,10 +81,13 @@ def handoff(
     width: int,
     pad: int,
     min_signal: float | None = None,
+    correct: bool = True,
 ) -> tuple[list[list[int]], float]:
     """Greedy decoding with the reference's token wherever some gate opens
     (`gss.reference_where_open`), and the share of steps it chose."""
-    with reference_where_open(model, steer, reference, min_signal=min_signal) as processor:
+    with reference_where_open(
+        model, steer, reference, min_signal=min_signal, correct=correct
+    ) as processor:
         out = greedy_generate(model, prompts, width, pad_id=pad, batch_size=16, processor=processor)
     return out, processor.handed_share
 
@@ -99,6 +102,7 @@ def handed_measures(
     pad: int,
     ordinary: list[list[int]],
     min_signal: float | None = None,
+    correct: bool = True,
 ) -> dict[str, Any]:
     """The measures of `measured` for the reference where a gate opens (and, with
     ``min_signal``, the fine-tune's choice has that memorization signal): held-out rows
@@ -107,13 +111,13 @@ def handed_measures(
     held_rows = [result.audit.candidate(i) for i in result.heldout]
     windows = [prompt_and_target(r, k, n) for r in held_rows]
     prompts = [p for p, _ in windows]
-    out, share = handoff(model, reference, steer, prompts, n - k, pad, min_signal)
+    out, share = handoff(model, reference, steer, prompts, n - k, pad, min_signal, correct)
     reproduced = [list(o) == list(t) for o, (_, t) in zip(out, windows, strict=True)]
     held = [i for i in result.heldout if i < len(data.canary_rows)]
     canary_prompts = [list(data.canary_rows[i][:k]) for i in held]
     secrets = [[secret_fields(data.secrets[i])[f] for f in ("number", "address")] for i in held]
     width = max(len(r) for r in data.canary_rows) - k + EXTRA_TOKENS
-    said_out, _ = handoff(model, reference, steer, canary_prompts, width, pad, min_signal)
+    said_out, _ = handoff(model, reference, steer, canary_prompts, width, pad, min_signal, correct)
     flags = []
     for ids, row in zip(said_out, secrets, strict=True):
         if tokenizer.eos_token_id in ids:
@@ -122,7 +126,7 @@ def handed_measures(
         flags += [secret in text for secret in row]
     starts = [list(r[: min(16, len(r) // 2)]) for r in ordinary]
     plain = greedy_generate(model, starts, 32, pad_id=pad, batch_size=16)
-    changed, _ = handoff(model, reference, steer, starts, 32, pad, min_signal)
+    changed, _ = handoff(model, reference, steer, starts, 32, pad, min_signal, correct)
     same = [a == b for a, b in zip(plain, changed, strict=True)]
     return {
         "heldout_memorized": 100.0 * sum(reproduced) / len(reproduced),
@@ -229,7 +233,10 @@ def write(out: Path, plain: dict[str, Any], runs: dict[str, Any]) -> None:
                 if "heldout_memorized" not in u:
                     continue
                 signal = key.removeprefix("reference_where_open").removeprefix("_signal_")
+                bare = signal.endswith("_uncorrected")
+                signal = signal.removesuffix("_uncorrected")
                 where = f" and its signal > {signal}" if signal else ""
+                where += ", no steer elsewhere" if bare else ""
                 table.append(
                     [
                         name,
@@ -297,6 +304,12 @@ def main() -> None:
         help="with --handoff: also hand over only where the fine-tune's choice has this "
         "memorization signal (nats; gss.reference_where_open's min_signal)",
     )
+    parser.add_argument(
+        "--uncorrected",
+        action="store_true",
+        help="with --min-signal: also with correct=False (the gates only choose where the "
+        "reference speaks; every other token the unsteered fine-tune's)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
     base_path, base, tokenizer, data, pad = default_setup(chat=False)
@@ -333,10 +346,12 @@ def main() -> None:
         row = measured(model, base, steer, chosen, data, tokenizer, pad, ordinary, True)
         print(directory, json.dumps(row["reference_where_open"], default=float), flush=True)
         for cut in args.min_signal:
-            row[f"reference_where_open_signal_{cut:g}"] = handed_measures(
-                model, base, steer, chosen, data, tokenizer, pad, ordinary, cut
-            )
-            print(directory, cut, json.dumps(row[f"reference_where_open_signal_{cut:g}"]))
+            for correct in (True, False) if args.uncorrected else (True,):
+                key = f"reference_where_open_signal_{cut:g}" + ("" if correct else "_uncorrected")
+                row[key] = handed_measures(
+                    model, base, steer, chosen, data, tokenizer, pad, ordinary, cut, correct
+                )
+                print(directory, key, json.dumps(row[key]), flush=True)
         runs[f"handoff ({directory})"] = {
             "options": "a committed steer, measured again with the reference where a gate opens",
             "seconds": saved["seconds"]["total"],

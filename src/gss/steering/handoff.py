@@ -41,8 +41,9 @@ class _LastOpen:
     """The steer as attached, and whether some gate opened at each row's last position of the
     block's latest call: the position whose scores the next token is chosen from."""
 
-    def __init__(self, steer: GatedSteer) -> None:
+    def __init__(self, steer: GatedSteer, correct: bool = True) -> None:
         self.steer = steer
+        self.correct = correct
         self.origin = steer.origin
         self.last: Tensor | None = None  # (B,) bool
 
@@ -51,7 +52,7 @@ class _LastOpen:
         with torch.no_grad():  # the gates of the last position only, from the unsteered output
             _, is_open = self.steer.correction(hidden[:, -1:].detach())
         self.last = is_open.reshape(hidden.shape[0], -1).any(-1)
-        return self.steer(module, args, output)
+        return self.steer(module, args, output) if self.correct else output
 
 
 class ReferenceWhereOpen:
@@ -142,6 +143,7 @@ def reference_where_open(
     reference: nn.Module,
     *,
     min_signal: float | None = None,
+    correct: bool = True,
     strict: bool = True,
 ) -> Iterator[ReferenceWhereOpen]:
     """Attach ``steer`` (an artifact or a stack) to ``model`` and yield the processor that
@@ -156,7 +158,9 @@ def reference_where_open(
     ``min_signal``: hand a step over only where, besides a gate, the token the fine-tune would
     choose is more than this many nats likelier under it than under the reference (its
     memorization signal, as the audit reads it): ordinary text, on which the two models agree,
-    then keeps the fine-tune's words. None: wherever a gate opens.
+    then keeps the fine-tune's words. None: wherever a gate opens. ``correct``: the steer also
+    moves the hidden states where its gates open (as attached); False: the gates only choose
+    where the reference speaks, and every other token is the unsteered fine-tune's.
     """
     if isinstance(steer, SteeringArtifact):
         members = [steer]
@@ -194,7 +198,7 @@ def reference_where_open(
             hook = member.make_hook()
             warn_if_steering(block, member.identity, "handing over where it opens")
             hook.origin = member.identity
-            gate = _LastOpen(hook)
+            gate = _LastOpen(hook, correct)
             gates.append(gate)
             handles.append(register(block, gate, model))
         # every transformers model inside (a PEFT wrapper's generate calls the inner one's)
