@@ -127,3 +127,17 @@ def test_overwrite_replaces_only_what_gss_wrote(tmp_path, memorizer):
     (ours / "audit.md").write_text("edited since\n")
     with pytest.raises(GSSError, match=r"was not written by gss \(or was changed since\)"):
         report.write(ours, overwrite=True)
+
+
+def test_protect_writes_no_steer_through_a_link(tmp_path):
+    """A steer/ that links elsewhere is refused before any work: a save would write through it
+    into an artifact outside --out (issue 69)."""
+    from gss.protect.result import check_report_dir
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "steer").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(GSSError, match="is a link .*protect writes its steer into"):
+        check_report_dir(out, overwrite=True)

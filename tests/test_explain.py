@@ -277,9 +277,19 @@ def test_generate_explain_prints_the_same_text_and_writes_one_row_per_token(cli_
     # an existing file is refused before the model loads (the model path does not exist)
     missing = ["generate", "--model", str(cli_model / "nowhere"), "--steer", "x", "--prompt", "w1"]
     assert main([*missing, "--explain-out", str(out)]) == 2
-    assert "already exists: pass --overwrite" in capsys.readouterr().err
+    assert "already holds explain.jsonl: pass --overwrite" in capsys.readouterr().err
     assert main([*missing, "--explain-out", str(cli_model)]) == 2
     assert "is a directory" in capsys.readouterr().err
+    # never into a model's folder, nor over a file gss did not write, nor --overwrite alone
+    into_model = str(cli_model / "model" / "config.json")
+    assert main([*missing, "--explain-out", into_model, "--overwrite"]) == 2
+    assert "holds a model: results go into a directory of their own" in capsys.readouterr().err
+    (cli_model / "rows" / "notes.jsonl").write_text("mine\n")
+    notes = str(cli_model / "rows" / "notes.jsonl")
+    assert main([*missing, "--explain-out", notes, "--overwrite"]) == 2
+    assert "notes.jsonl was not written by gss" in capsys.readouterr().err
+    assert main([*missing, "--overwrite"]) == 2
+    assert "--overwrite replaces an existing --explain-out" in capsys.readouterr().err
     # --explain-out alone: written, nothing extra printed; --overwrite replaces it
     assert (
         main([*args[:-2], "--max-new-tokens", "2", "--explain-out", str(out), "--overwrite"]) == 0

@@ -177,17 +177,19 @@ def record_outputs(directory: str | Path, names: Iterable[str]) -> None:
     (out / WRITTEN).write_text(json.dumps(known, indent=1, sort_keys=True), encoding="utf-8")
 
 
-def check_outputs(directory: str | Path | None, names: Iterable[str], overwrite: bool) -> None:
+def check_outputs(
+    directory: str | Path | None, names: Iterable[str], overwrite: bool, flag: str = "--out"
+) -> None:
     """Refuse, before any work, to replace result files a command would write into
     ``directory`` unless ``overwrite``, and even then any that gss did not write there (or
     that changed since: `record_outputs`)."""
     if directory is None:
         return
     if not str(directory):
-        raise GSSError("--out is empty: give a directory for the results.")
-    out = through_link(Path(directory), "--out")
+        raise GSSError(f"{flag} is empty: give a directory for the results.")
+    out = through_link(Path(directory), flag)
     if out.exists() and not out.is_dir():
-        raise GSSError(f"--out {out} is a file, not a directory: give a directory.")
+        raise GSSError(f"{flag} {out} is a file, not a directory: give a directory.")
     if out.is_dir():
         holds = (
             "a gss artifact"
@@ -198,29 +200,29 @@ def check_outputs(directory: str | Path | None, names: Iterable[str], overwrite:
         )
         if holds:  # results beside its files would be taken for its own, or block its save
             raise GSSError(
-                f"--out {out} holds {holds}: results go into a directory of their own; choose "
-                "another --out."
+                f"{flag} {out} holds {holds}: results go into a directory of their own; choose "
+                f"another {flag}."
             )
     if not out.is_dir():
-        check_creatable(out, "--out")
+        check_creatable(out, flag)
     folders = [name for name in names if "." in name and (out / name).is_dir()]
     if folders:  # a file the command writes cannot replace a folder: refused before the work
         raise GSSError(
             f"{out / folders[0]} is a directory, and the command writes a file there: move it, "
-            "or choose another --out."
+            f"or choose another {flag}."
         )
     existing = [name for name in names if (out / name).exists()]
     if existing and not overwrite:
         raise GSSError(
             f"{out} already holds {', '.join(existing)}: pass --overwrite (overwrite=True) to "
-            f"replace {'it' if len(existing) == 1 else 'them'}, or choose another --out."
+            f"replace {'it' if len(existing) == 1 else 'them'}, or choose another {flag}."
         )
     known = _written(out) if existing else {}
     theirs = [n for n in existing if (out / n).is_file() and known.get(n) != sha256_of(out / n)]
     if theirs:
         raise GSSError(
             f"{out / theirs[0]} was not written by gss (or was changed since): --overwrite "
-            "replaces only the files a gss run wrote there. Move it, or choose another --out."
+            f"replaces only the files a gss run wrote there. Move it, or choose another {flag}."
         )
 
 

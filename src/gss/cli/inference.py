@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gss.artifact.files import check_creatable
+from gss.artifact.files import check_creatable, check_outputs, record_outputs
 from gss.cli.inputs import (
     check_delta,
     check_local_paths,
@@ -29,15 +29,19 @@ def generate_command(args: argparse.Namespace) -> int:
     if any(not prompt.strip() for prompt in args.prompt):
         raise GSSError("--prompt is empty: give the text to continue.")
     explain_out = Path(args.explain_out) if args.explain_out else None
+    if args.overwrite and explain_out is None:
+        raise GSSError("--overwrite replaces an existing --explain-out: give --explain-out FILE.")
     if explain_out is not None:  # before the model loads
         if explain_out.is_dir():
             raise GSSError(f"--explain-out {explain_out} is a directory: give a file (.jsonl).")
-        check_creatable(explain_out, "--explain-out")
-        if explain_out.exists() and not args.overwrite:
+        if explain_out.is_symlink():
             raise GSSError(
-                f"--explain-out {explain_out} already exists: pass --overwrite to replace it, "
-                "or choose another file."
+                f"--explain-out {explain_out} is a link: give the file itself (gss writes no "
+                "file through a link)."
             )
+        check_creatable(explain_out, "--explain-out")
+        # not into a model's or an artifact's folder, and over a file only if gss wrote it
+        check_outputs(explain_out.parent, [explain_out.name], args.overwrite, "--explain-out")
     handoff = getattr(args, "reference_where_open", None)
     if handoff is not None and (args.explain or explain_out is not None):
         raise GSSError(
@@ -157,6 +161,7 @@ def generate_command(args: argparse.Namespace) -> int:
             for i, (prompt, e) in enumerate(zip(prompts, explanations, strict=True)):
                 for row in e.rows():
                     f.write(json.dumps({"prompt_index": i, "prompt": prompt, **row}) + "\n")
+        record_outputs(explain_out.parent, [explain_out.name])
         count = sum(len(e.tokens) for e in explanations)
         print(f"wrote {explain_out}: one JSON object per token ({count} tokens)")
     return 0

@@ -4,6 +4,7 @@ report it writes: ``protect.json``, ``protect.md``, two figures and the steer.""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -260,7 +261,13 @@ def check_report_dir(directory: str | Path, overwrite: bool) -> None:
     """Refuse, before any work, a directory `Protection.write` could not write: its files
     there without ``overwrite``, or a ``steer/`` that is a file or holds other files."""
     check_outputs(directory, OUTPUTS, overwrite)
-    check_target(Path(directory) / "steer", overwrite)
+    steer = Path(directory) / "steer"
+    if steer.is_symlink():  # a save would write through it, into an artifact outside
+        raise GSSError(
+            f"{steer} is a link (to {os.path.realpath(steer)}): protect writes its steer into "
+            "a steer/ directory of its own. Remove the link, or choose another --out."
+        )
+    check_target(steer, overwrite)
 
 
 def figures(result: Protection, out: Path) -> list[Path]:
