@@ -139,5 +139,24 @@ def test_protect_writes_no_steer_through_a_link(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "steer").symlink_to(elsewhere, target_is_directory=True)
-    with pytest.raises(GSSError, match="is a link .*protect writes its steer into"):
+    with pytest.raises(GSSError, match=r"is a link .*protect writes its steer into"):
         check_report_dir(out, overwrite=True)
+
+
+def test_an_overwrite_killed_between_its_renames_is_restored_and_said(tmp_path, steered):
+    """A kill between the two renames of an overwrite leaves the old artifact set aside and
+    nothing at the path: loading says where it is, the next save puts it back and says so."""
+    _, art = steered
+    out = tmp_path / "a"
+    art.save_pretrained(out)
+    aside = tmp_path / ".a.old-killed"
+    aside.mkdir()
+    out.rename(aside / "artifact")  # what the kill left
+    with pytest.raises(GSSError, match="An interrupted save set it aside in"):
+        gss.load(out)
+    with (
+        pytest.warns(GSSWarning, match=r"restored .* stopped between its two renames"),
+        pytest.raises(GSSError, match="already holds a gss artifact"),
+    ):
+        art.save_pretrained(out)  # no overwrite asked: the restored one stays
+    assert gss.load(out) == art and not aside.exists()

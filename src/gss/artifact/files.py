@@ -85,6 +85,7 @@ def check_target(directory: str | Path, overwrite: bool) -> Path:
     if not str(directory):
         raise GSSError("the directory to save into is empty: give a path, e.g. ./artifact.")
     out = through_link(Path(directory))
+    restore_interrupted(out)
     if out.exists() and not out.is_dir():
         raise GSSError(f"{out} is a file, not a directory: give a directory for the artifact.")
     if out.resolve() == Path.cwd().resolve():  # replaced by a rename: never the working dir
@@ -114,6 +115,35 @@ def check_target(directory: str | Path, overwrite: bool) -> Path:
             "--overwrite) to replace it, or choose another directory."
         )
     return out
+
+
+def interrupted_saves(out: Path) -> list[Path]:
+    """The artifacts an overwrite of ``out`` set aside and was stopped before it put the new
+    one in place (killed between its two renames: `write_atomically`)."""
+    if not out.parent.is_dir():
+        return []
+    return [
+        p / "artifact"
+        for p in sorted(out.parent.glob(f".{out.name}.old-*"))
+        if (p / "artifact").is_dir()
+    ]
+
+
+def restore_interrupted(out: Path) -> None:
+    """Put back the artifact an interrupted overwrite left aside, where nothing took its
+    place, and say so: a kill between the two renames must not lose it."""
+    if out.exists() or out.is_symlink():
+        return
+    aside = interrupted_saves(out)
+    if aside:
+        aside[-1].rename(out)
+        shutil.rmtree(aside[-1].parent, ignore_errors=True)
+        warnings.warn(
+            f"restored {out}: an earlier save over it was stopped between its two renames and "
+            f"had set it aside in {aside[-1].parent.name}.",
+            GSSWarning,
+            stacklevel=3,
+        )
 
 
 def write_atomically(

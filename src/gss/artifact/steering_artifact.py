@@ -26,7 +26,7 @@ from gss import __version__
 from gss.artifact import describe as summary
 from gss.artifact import hub
 from gss.artifact.card import model_card
-from gss.artifact.files import sha256_of, write_atomically
+from gss.artifact.files import interrupted_saves, sha256_of, write_atomically
 from gss.artifact.fingerprint import fingerprint_differences, model_fingerprint
 from gss.artifact.names import CONFIG_NAME, STACK_NAME, TENSORS_NAME
 from gss.config import CalibrationConfig, field_names
@@ -366,6 +366,12 @@ class SteeringArtifact(hub.HubMixin):
             inner = path / "steer"  # gss protect's --out holds its artifact there
             hint = f" Did you mean {inner}?" if (inner / CONFIG_NAME).is_file() else ""
             hint = f" Did you mean {inner} (a stack)?" if (inner / STACK_NAME).is_file() else hint
+            aside = interrupted_saves(path)
+            if aside and not path.exists():
+                hint = (
+                    f" An interrupted save set it aside in {aside[-1].parent}: saving there "
+                    "again restores it first, or rename that folder's artifact/ back."
+                )
             raise GSSError(
                 f"{path} is not a gss artifact directory{lacks}: expected {CONFIG_NAME} and "
                 f"{TENSORS_NAME} in it (written by SteeringArtifact.save_pretrained).{hint}"

@@ -225,6 +225,9 @@ class Protection:
         check_report_dir(directory, overwrite)  # "" is refused, not read as "."
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
+        for name in OUTPUTS:  # an earlier run's report must not outlive a kill mid-write
+            if (out / name).is_file():
+                (out / name).unlink()
         written = []
         if self.steer is not None:
             written.append(self.steer.save_pretrained(out / "steer", overwrite=overwrite))
