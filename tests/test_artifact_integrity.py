@@ -13,7 +13,7 @@ import gss
 from gss import GSSError, GSSWarning
 from gss.artifact.steering_artifact import SteeringArtifact
 
-from .helpers import calibrated_llama
+from .helpers import calibrated_llama, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +160,45 @@ def test_an_overwrite_killed_between_its_renames_is_restored_and_said(tmp_path, 
     ):
         art.save_pretrained(out)  # no overwrite asked: the restored one stays
     assert gss.load(out) == art and not aside.exists()
+
+
+def test_options_that_would_be_silently_dropped_or_overflow_are_refused(memorizer):
+    """A config with both of a pair one of which replaces the other's rule, an absurd delta,
+    and a progress flag that is not a bool are refused, not silently read (issue 69)."""
+    from gss.config import CalibrationConfig
+
+    with pytest.raises(GSSError, match="gate_share replaces threshold_percentile's rule"):
+        CalibrationConfig(gate_share=0.05, threshold_percentile=90.0)
+    with pytest.raises(GSSError, match="memorized_quantile replaces omega_threshold's rule"):
+        CalibrationConfig(memorized_quantile=0.05, omega_threshold=1.0)
+    with pytest.raises(GSSError, match="delta must be at most 1e"):
+        CalibrationConfig(delta=1e30)
+    model, reference, planted, _ = memorizer
+    with pytest.raises(GSSError, match="progress must be True or False"):
+        gss.audit(model, reference, planted.tolist(), k=4, n=16, progress="no")
+    with pytest.raises(GSSError, match="progress must be True or False"):
+        gss.protect(model, reference, planted.tolist(), k=4, n=16, progress="no")
+
+
+def test_calibrate_warns_when_gen_data_is_data(tmp_path, capsys):
+    from gss.cli import main
+
+    from .test_cli import _tokenizer
+
+    for name, seed in (("model", 0), ("reference", 1)):
+        tiny_model("llama", seed=seed).save_pretrained(tmp_path / name)
+        _tokenizer().save_pretrained(tmp_path / name)
+    lines = [" ".join(f"w{(i * 7 + j * 3) % 44}" for j in range(12)) for i in range(20)]
+    (tmp_path / "data.txt").write_text("\n".join(lines) + "\n")
+    args = ["calibrate", "--model", str(tmp_path / "model"), "--reference"]
+    args += [str(tmp_path / "reference"), "--data", str(tmp_path / "data.txt"), "--layer", "1"]
+    args += [
+        "--rank",
+        "2",
+        "--out",
+        str(tmp_path / "art"),
+        "--gen-data",
+        str(tmp_path / "data.txt"),
+    ]
+    main(args)  # the CLI prints its warnings, one line each
+    assert "is --data: the general statistics and the gates" in capsys.readouterr().err

@@ -279,7 +279,7 @@ def audit(
     them from chats): a pair is extractable when greedy decoding from its whole prompt
     reproduces the first ``n - k`` tokens of its reply, the reply given the conversation."""
     check_window(k, n)
-    RunOptions(batch_size=batch_size)  # checks it
+    RunOptions(batch_size=batch_size, progress=progress)  # checks both
     vocab = check_same_vocab(model, reference, tokenizer)
     starts: list[int] | None = None
     if isinstance(texts, Sequence) and texts and all(is_pair(r) for r in texts):

@@ -206,6 +206,11 @@ def _integer(name: str, value: Any, low: int | None, fix: str) -> None:
         raise GSSError(f"{name} must be an integer{at_least}, got {value!r}: {fix}.")
 
 
+# options that replace another's rule: given together, one would be silently ignored
+INSTEAD_OF = {"gate_share": "threshold_percentile", "memorized_quantile": "omega_threshold"}
+MAX_DELTA = 1e12  # the strongest delta a steer takes (gss protect's search goes to 1e6)
+
+
 def check_config(c: CalibrationConfig) -> None:
     """Refuse a value no calibration can run with, naming the field and the fix."""
     for f in dataclasses.fields(c):
@@ -227,6 +232,19 @@ def check_config(c: CalibrationConfig) -> None:
     q = c.memorized_quantile
     if q is not None and not 0 < _finite("memorized_quantile", q, "e.g. 0.05") < 1:
         raise GSSError(f"memorized_quantile must be in (0, 1), got {q}: e.g. 0.05.")
+    defaults = CalibrationConfig.__dataclass_fields__
+    for name, other in INSTEAD_OF.items():  # the other's value would be silently ignored
+        if getattr(c, name) is not None and getattr(c, other) != defaults[other].default:
+            raise GSSError(
+                f"{name} replaces {other}'s rule, and both were set ({name}="
+                f"{getattr(c, name)!r}, {other}={getattr(c, other)!r}): keep one."
+            )
+    if not _finite("delta", c.delta, "") <= MAX_DELTA:
+        raise GSSError(
+            f"delta must be at most {MAX_DELTA:g}, got {c.delta!r}: the probe scales with "
+            "sqrt(delta), and past this the steer's values leave float range. gss protect "
+            "searches up to 1e6."
+        )
     rd = c.ridge_delta
     if rd is not None and not _finite("ridge_delta", rd, "or leave it None (delta)") > 0:
         raise GSSError(f"ridge_delta must be > 0, got {rd}: or leave it None (delta).")
@@ -292,10 +310,6 @@ class RunOptions:
 
 
 RUN_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(RunOptions))
-
-
-# options that replace another's rule: given together, one would be silently ignored
-INSTEAD_OF = {"gate_share": "threshold_percentile", "memorized_quantile": "omega_threshold"}
 
 
 def resolve(

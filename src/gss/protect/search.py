@@ -18,6 +18,7 @@ from gss.artifact.stack import Steer, SteeringStack
 from gss.artifact.steering_artifact import SteeringArtifact
 from gss.audit import AuditReport, audit
 from gss.calibrate import calibrate
+from gss.config import RunOptions
 from gss.data import TextsOrIds, encode
 from gss.errors import GSSError, GSSWarning
 from gss.evaluate.decoding import sample_generate
@@ -226,6 +227,7 @@ def protect(
     """
     space = search or SearchSpace()
     check_options(space, budget, budget_mode, target, k, n, seed)
+    RunOptions(batch_size=batch_size, progress=progress)  # checks both
     if space.blocks is not None:  # in range, before any pass
         given_blocks(space.blocks, len(find_decoder_blocks(model)))
     width = residual_width(model)
