@@ -220,3 +220,20 @@ def test_a_bounded_search_calibrates_every_point_with_the_bounded_coefficient(me
     )
     assert result.steer is not None and result.steer.config.coefficient == "bounded"
     assert all(s.config.coefficient == "bounded" for s in result.steers if s is not None)
+
+
+def test_protect_shows_one_explain_table_without_being_asked(memorizer):
+    model, reference, planted, general = memorizer
+    space = SearchSpace(presets=("gss-tr",), ranks=(2,), gates=("hard",), max_blocks=1, steps=2)
+    result = protect(
+        model,
+        reference,
+        torch.cat([planted, general[:20]]).tolist(),
+        general=general[20:60].tolist(),
+        k=4,
+        n=16,
+        search=space,
+        progress=False,
+    )
+    assert "gates open" in result.explanation and "|dh|/|h|" in result.explanation
+    assert "## Where the gates opened: one held-out memorized prompt" in result.markdown()

@@ -59,6 +59,8 @@ class Protection:
     # every point's steer, in the order of `trials`: another point can be taken by hand
     # (`steer_for`) without searching again; not saved by `write`
     steers: list[Steer] = field(default_factory=list, repr=False)
+    # gss.explain's table of the chosen steer on the first held-out memorized prompt
+    explanation: str = ""
 
     def steer_for(self, trial: Trial) -> Steer:
         """The steer of one of `trials` (e.g. the one a different rule would choose)."""
@@ -211,6 +213,15 @@ class Protection:
                 ):
                     if key in ex:
                         lines.append(f"  - {key}: `{_line(ex[key])}`")
+        if self.explanation:
+            lines += [
+                "",
+                "## Where the gates opened: one held-out memorized prompt (gss.explain)",
+                "",
+                "```",
+                self.explanation.rstrip(),
+                "```",
+            ]
         if ordinary and ordinary.get("changed"):
             lines += ["", "## Ordinary prompts whose continuation changed", ""]
             for ex in ordinary["changed"]:
@@ -238,6 +249,7 @@ class Protection:
             "split": {"tuning": self.tuning, "heldout": self.heldout},  # audit row indices
             "trials": [asdict(t) for t in self.trials],
             "examples": self.examples,
+            "explanation": self.explanation,
         }
         (out / "protect.json").write_text(json.dumps(data, indent=2, default=float))
         (out / "protect.md").write_text(self.markdown())

@@ -31,6 +31,7 @@ from gss.protect.measure import (
     Utility,
     extractable,
     extraction_window,
+    prompt_and_target,
     strength_search,
     utility_value,
     where_gates_open,
@@ -41,6 +42,7 @@ from gss.protect.result import Protection
 from gss.protect.space import SearchSpace, check_general, check_options, given_blocks
 from gss.solve.thresholds import probe_responses, with_gates_set
 from gss.statistics.capture import calibration_mode
+from gss.steering.explain import explain
 
 
 def _within_context(
@@ -488,6 +490,7 @@ def protect(
     after: dict[str, Any] = {}
     gates: dict[str, Any] = {}
     examples: list[dict[str, Any]] = []
+    explanation = ""
     if chosen_steer is not None:
         with chosen_steer.attach(model, track_gates=True) as handle:
             after = {
@@ -508,6 +511,11 @@ def protect(
         after["ordinary_prompts"] = ordinary_unchanged(
             model, chosen_steer, ordinary, pad_id, batch_size, tokenizer
         )
+        if held_rows:  # one --explain table: where the gates opened on a held-out prompt
+            shown = prompt_and_target(held_rows[0], k, n)[0]
+            explanation = explain(
+                model, chosen_steer, shown, max_new_tokens=n - k, tokenizer=tokenizer
+            ).render()
         _warn_open(gates, space.gate_share)
     seconds["total"] = time.perf_counter() - started
     if chosen_steer is not None:  # the held-out report travels with the steer (its model card)
@@ -547,6 +555,7 @@ def protect(
         seconds=seconds,
         replies=replies,
         steers=judge.steers,
+        explanation=explanation,
     )
 
 
