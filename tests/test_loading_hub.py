@@ -380,3 +380,39 @@ def test_hub_failures_online_are_one_clear_error(hub, monkeypatch, error, messag
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fail)
     with pytest.raises(GSSError, match=message):
         load_model("gss-test/elsewhere", revision="v9")
+
+
+def test_a_missing_reference_shaped_like_a_repo_id_fails_before_the_model_loads(
+    tmp_path, monkeypatch, capsys
+):
+    """``--reference a/b`` that is neither a directory here nor in the offline cache is said
+    before ``--model`` loads (a model whose weights are damaged would fail first otherwise),
+    and the message says no such directory is here either (issue 69)."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = tmp_path / "model"
+    tiny_model("llama").save_pretrained(model)
+    _tokenizer().save_pretrained(model)
+    for weights in model.glob("*.safetensors"):
+        weights.write_bytes(b"damaged")
+    (tmp_path / "data.txt").write_text("w1 w2 w3 w4 w5 w6\n" * 4)
+    code = main(
+        [
+            "audit",
+            "--model",
+            str(model),
+            "--reference",
+            "nowhere/model",
+            "--data",
+            str(tmp_path / "data.txt"),
+            "--k",
+            "2",
+            "--n",
+            "4",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "gss: error: --reference: nowhere/model is not in" in err
+    assert "no directory of that name is here" in err

@@ -40,17 +40,22 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def check_local_paths(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
     """A missing or non-model local directory in any of ``flags`` fails before any model loads
-    (a Hub id is checked where it loads), its message naming the flag."""
-    from gss.hf.hub import hub_id
+    (a Hub id: its config fetched or found in the cache), its message naming the flag."""
+    from gss.hf.hub import hub_id, resolve
     from gss.hf.loading import ADAPTERS_OFF, local_dir
 
     for flag in flags:
         path = getattr(args, flag.lstrip("-").replace("-", "_"))
-        if path != ADAPTERS_OFF and hub_id(path) is None:
-            try:
+        if path == ADAPTERS_OFF:
+            continue
+        try:
+            if hub_id(path) is None:
                 local_dir(path)
-            except GSSError as err:
-                raise GSSError(f"{flag}: {err}") from None
+            else:  # its config fetched (or found in the cache) now, not after --model loads
+                revision = getattr(args, f"{flag.lstrip('-').replace('-', '_')}_revision", None)
+                resolve(path, revision)
+        except GSSError as err:
+            raise GSSError(f"{flag}: {err}") from None
 
 
 def load_models(args: argparse.Namespace) -> tuple[Any, Any, Any]:

@@ -315,8 +315,9 @@ def hub_error(e: Exception, repo_id: str, revision: str | None, what: str = "mod
         if offline():
             return (
                 f"{at} is not in the local Hub cache ({cache_dir()}) and HF_HUB_OFFLINE is "
-                f"set: run {fetch} once online, point HF_HUB_CACHE at the cache that holds it, "
-                f"unset HF_HUB_OFFLINE, or give the {what}'s directory."
+                f"set, and no directory of that name is here: run {fetch} once online, point "
+                f"HF_HUB_CACHE at the cache that holds it, unset HF_HUB_OFFLINE, or give the "
+                f"{what}'s directory (a path that exists)."
             )
         return (
             f"{at} is not a local directory, the Hub cannot be reached to fetch it, and it is "
