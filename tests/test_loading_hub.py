@@ -416,3 +416,30 @@ def test_a_missing_reference_shaped_like_a_repo_id_fails_before_the_model_loads(
     err = capsys.readouterr().err
     assert code == 2 and "gss: error: --reference: nowhere/model is not in" in err
     assert "no directory of that name is here" in err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["calibrate", "--layer", "99"], r"--layer 99: .* has 2 decoder blocks"),
+        (["calibrate", "--layer", "1", "--rank", "999"], r"--rank 999 passes .* hidden size"),
+        (["audit", "--k", "8", "--n", "999"], r"--n 999 passes .*context \(128 positions\)"),
+    ],
+)
+def test_what_config_json_tells_is_said_before_the_weights_load(tmp_path, capsys, flags, message):
+    """The weights are damaged here: the error comes from config.json, before they load."""
+    import re
+
+    model = tmp_path / "model"
+    tiny_model("llama").save_pretrained(model)
+    _tokenizer().save_pretrained(model)
+    for weights in model.glob("*.safetensors"):
+        weights.write_bytes(b"damaged")
+    (tmp_path / "data.txt").write_text("w1 w2 w3 w4 w5 w6\n" * 4)
+    command, *rest = flags
+    args = [command, "--model", str(model), "--reference", str(model), "--data"]
+    args += [str(tmp_path / "data.txt"), "--out", str(tmp_path / "out"), *rest]
+    shutil.copytree(model, tmp_path / "reference")  # the same directory twice is refused
+    args[4] = str(tmp_path / "reference")
+    assert main(args) == 2
+    assert re.search(message, capsys.readouterr().err)

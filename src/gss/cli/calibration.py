@@ -11,7 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from gss.artifact.files import check_outputs, check_target, record_outputs
-from gss.cli.inputs import check_reference, config_options, load_models, read_rows
+from gss.cli.inputs import (
+    check_against_config,
+    check_reference,
+    config_options,
+    load_models,
+    read_rows,
+)
 from gss.cli.options import parse_layers
 from gss.errors import GSSError, GSSWarning
 
@@ -114,6 +120,7 @@ def _calibration_inputs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, A
         )
     overrides = config_options(args)
     check_reference(args)
+    check_against_config(args, overrides)
     return texts, gen_texts, overrides, load_models(args)
 
 

@@ -58,6 +58,51 @@ def check_local_paths(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
             raise GSSError(f"{flag}: {err}") from None
 
 
+def check_against_config(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> None:
+    """What --model's config.json already tells, said before any weights load: a --layer past
+    its blocks, a --rank past its hidden size, a --n past its context. A config that does
+    not load here (a Hub id, remote code) is left to the checks after loading."""
+    config = _local_config(args.model)
+    if config is None:
+        return
+    text = getattr(config, "get_text_config", lambda: config)()
+    blocks = getattr(text, "num_hidden_layers", None)
+    width = getattr(text, "hidden_size", None)
+    context = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    given = overrides or {}
+    layer, rank = given.get("layer"), given.get("rank")
+    if isinstance(blocks, int) and isinstance(layer, int) and not -blocks <= layer < blocks:
+        raise GSSError(
+            f"--layer {layer}: {args.model} has {blocks} decoder blocks (0..{blocks - 1}, or "
+            f"-{blocks}..-1 from the end)."
+        )
+    if isinstance(width, int) and isinstance(rank, int) and rank > width:
+        raise GSSError(
+            f"--rank {rank} passes {args.model}'s hidden size ({width}): give at most {width}."
+        )
+    n = getattr(args, "n", None)
+    if isinstance(context, int) and isinstance(n, int) and n > context:
+        raise GSSError(
+            f"--n {n} passes {args.model}'s context ({context} positions): lower --n to "
+            f"{context} or less."
+        )
+
+
+def _local_config(path: str) -> Any:
+    """The transformers config of a local model directory (never fetched, no code run), or
+    None where there is none to read here."""
+    from transformers import AutoConfig
+
+    from gss.hf.loading import NO_CODE
+
+    if not (Path(path) / "config.json").is_file():
+        return None
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True, **NO_CODE)
+    except Exception:  # unreadable or unknown: the load says what is wrong, in its words
+        return None
+
+
 def load_models(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """--model, its tokenizer and --reference; --max-length resolved."""
     check_local_paths(args, ("--model", "--reference"))

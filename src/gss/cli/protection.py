@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gss.artifact.files import check_outputs
-from gss.cli.inputs import check_reference, load_models, read_rows
+from gss.cli.inputs import check_against_config, check_reference, load_models, read_rows
 from gss.errors import GSSError, GSSWarning
 
 
@@ -52,6 +52,7 @@ def audit_command(args: argparse.Namespace) -> int:
     texts = read_rows(args, "--data", main=True, keep_rows=args.reply)
     _check_replies(args, texts)
     check_reference(args)
+    check_against_config(args)
     args.max_length = args.n  # rows are read up to n tokens
     model, tokenizer, reference = load_models(args)
     report = audit(
@@ -115,6 +116,7 @@ def protect_command(args: argparse.Namespace) -> int:
         except GSSError as err:
             raise GSSError(f"--general: {err}") from None
     heldout = read_rows(args, "--heldout") if args.heldout else None
+    check_against_config(args)
     args.max_length = args.n
     model, tokenizer, reference = load_models(args)
     result = protect(
