@@ -421,9 +421,12 @@ def test_a_missing_reference_shaped_like_a_repo_id_fails_before_the_model_loads(
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["calibrate", "--layer", "99"], r"--layer 99: .* has 2 decoder blocks"),
-        (["calibrate", "--layer", "1", "--rank", "999"], r"--rank 999 passes .* hidden size"),
-        (["audit", "--k", "8", "--n", "999"], r"--n 999 passes .*context \(128 positions\)"),
+        (["calibrate", "--layer", "99"], r"layer 99 is out of range: .* has 2 decoder blocks"),
+        (["calibrate", "--layer", "1", "--rank", "999"], r"rank must be at most the hidden size"),
+        (
+            ["audit", "--k", "8", "--n", "999"],
+            r"n = 999 passes the model's context \(128 positions",
+        ),
     ],
 )
 def test_what_config_json_tells_is_said_before_the_weights_load(tmp_path, capsys, flags, message):

@@ -73,18 +73,18 @@ def check_against_config(args: argparse.Namespace, overrides: dict[str, Any] | N
     layer, rank = given.get("layer"), given.get("rank")
     if isinstance(blocks, int) and isinstance(layer, int) and not -blocks <= layer < blocks:
         raise GSSError(
-            f"--layer {layer}: {args.model} has {blocks} decoder blocks (0..{blocks - 1}, or "
-            f"-{blocks}..-1 from the end)."
+            f"--layer: layer {layer} is out of range: {args.model} has {blocks} decoder blocks "
+            f"(0..{blocks - 1}, or -{blocks}..-1 from the end)."
         )
     if isinstance(width, int) and isinstance(rank, int) and rank > width:
         raise GSSError(
-            f"--rank {rank} passes {args.model}'s hidden size ({width}): give at most {width}."
+            f"--rank: rank must be at most the hidden size of {args.model} ({width}), got {rank}."
         )
     n = getattr(args, "n", None)
     if isinstance(context, int) and isinstance(n, int) and n > context:
         raise GSSError(
-            f"--n {n} passes {args.model}'s context ({context} positions): lower --n to "
-            f"{context} or less."
+            f"--n: n = {n} passes the model's context ({context} positions): lower n (--n) "
+            f"to {context} or less."
         )
 
 
