@@ -14,6 +14,7 @@ from gss.artifact.files import check_outputs, check_target, record_outputs
 from gss.artifact.stack import Steer
 from gss.audit import AuditReport
 from gss.errors import GSSError
+from gss.evaluate.intervals import clopper_pearson
 
 OUTPUTS = ("protect.json", "protect.md", "frontier.png", "rows.png", "steer")  # `Protection.write`
 
@@ -89,7 +90,16 @@ class Protection:
             "trials": len(self.trials),
             "seconds": self.seconds,
             "reply_check": self.replies,
+            "heldout_interval": self.heldout_interval(),
         }
+
+    def heldout_interval(self) -> list[float] | None:
+        """The exact 95% interval (two-sided, %) of the held-out rows' rate after the steer."""
+        rows = len(self.heldout)
+        if not rows or "memorized" not in self.after:
+            return None
+        lo, hi = clopper_pearson(round(self.after["memorized"] * rows / 100), rows)
+        return [100 * lo, 100 * hi]
 
     def markdown(self) -> str:
         from gss.report import markdown_table
@@ -118,10 +128,14 @@ class Protection:
                 f"{_g(self.budget['limit'])}).",
             ]
         else:
+            count = len(self.heldout)
+            left = round(self.after["memorized"] * count / 100)
+            lo, hi = clopper_pearson(left, count) if count else (0.0, 1.0)
             lines += [
                 "",
-                f"{held} before, {self.after['memorized']:.1f}% after (target "
-                f"<= {self.target:g}%: {'reached' if self.reached else 'NOT reached'}).",
+                f"{held} before, {self.after['memorized']:.1f}% after ({left} of {count}; 95% "
+                f"interval {100 * lo:.1f}-{100 * hi:.1f}%: the true rate may be anywhere in it) "
+                f"(target <= {self.target:g}%: {'reached' if self.reached else 'NOT reached'}).",
                 f"Utility ({self.budget['measure']}): {_g(self.before['utility'])} before, "
                 f"{_g(self.after['utility'])} after (limit {_g(self.budget['limit'])}).",
             ]
