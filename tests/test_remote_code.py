@@ -53,3 +53,32 @@ def test_a_model_folders_own_code_never_runs(tmp_path, monkeypatch):
     with pytest.raises(GSSError, match="could not load"):
         load_model(str(custom))
     assert not (custom / "RAN").exists()
+
+
+def test_a_pickled_weights_file_and_a_config_nested_too_deep_are_one_message(tmp_path):
+    """torch's restricted unpickler refuses a pickle that would run code (no code runs): said
+    as one GSSError, not a traceback; an artifact config nested past Python's recursion limit
+    too (issue 69)."""
+    import pickle
+
+    import gss
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("pickled code ran",))
+
+    folder = tmp_path / "model"
+    tiny_model("llama").save_pretrained(folder)
+    _tokenizer().save_pretrained(folder)
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()
+    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(GSSError, match="could not load the model"):
+        load_model(str(folder))
+    art = tmp_path / "art"
+    art.mkdir()
+    (art / "gss_config.json").write_text("[" * 100000 + "]" * 100000)
+    (art / "gss_tensors.safetensors").write_bytes(b"")
+    with pytest.raises(GSSError, match="is not valid JSON"):
+        gss.load(art)

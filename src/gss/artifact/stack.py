@@ -167,7 +167,7 @@ class SteeringStack(hub.HubMixin):
             raw = json.loads(manifest_path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise GSSError(f"{path} is not a gss steering stack: no {STACK_NAME} in it.") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise GSSError(
                 f"{manifest_path} is not valid JSON ({e}): the stack is damaged."
             ) from None

@@ -378,7 +378,7 @@ class SteeringArtifact(hub.HubMixin):
             )
         try:
             raw = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise GSSError(
                 f"{cfg_path} is not valid JSON ({e}): the artifact is damaged."
             ) from None

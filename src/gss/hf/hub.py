@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -379,5 +380,7 @@ def load_error(source: ModelSource, what: str, call: Callable[[], T]) -> T:
         TypeError,
         AttributeError,
         SafetensorError,  # a damaged weights file
+        pickle.UnpicklingError,  # a pickled .bin torch's restricted unpickler refused
+        RecursionError,  # a config nested past Python's limit
     ) as e:
         raise load_failure(source, what, e) from e
