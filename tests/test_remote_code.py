@@ -82,3 +82,10 @@ def test_a_pickled_weights_file_and_a_config_nested_too_deep_are_one_message(tmp
     (art / "gss_tensors.safetensors").write_bytes(b"")
     with pytest.raises(GSSError, match="is not valid JSON"):
         gss.load(art)
+
+
+def test_a_model_folder_without_tokenizer_files_is_said_so(tmp_path):
+    folder = tmp_path / "model"
+    tiny_model("llama").save_pretrained(folder)
+    with pytest.raises(GSSError, match="holds no tokenizer files .*tokenizer.save_pretrained"):
+        load_model(str(folder))

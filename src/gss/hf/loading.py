@@ -93,6 +93,18 @@ and transformers never asks on stdin whether to run it (a ``y`` there ran it): a
 built-in architecture loads as that, one without fails with one message (docs/security.md)."""
 
 
+# the files a tokenizer saved with a model is read from (any one of them)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "merges.txt",
+)
+
+
 def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
     """The causal LM saved in the local directory ``path``, in ``dtype``; never downloads
     (the benchmarks' models, converted once).
@@ -329,6 +341,14 @@ def load_tokenizer(path: Source, revision: str | None = None) -> Any:
 
     source = model_source(path, revision)
     base = source.adapter_base
+    folder = Path(source.name)
+    here = not source.repo and base is None and folder.is_dir()
+    if here and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise GSSError(
+            f"{source.name} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, "
+            "...): save the model's tokenizer beside it (tokenizer.save_pretrained(path)), "
+            "or give the directory that has it."
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.name, **source.options, **NO_CODE)
     except (OSError, ValueError) as e:
