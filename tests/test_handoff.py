@@ -49,7 +49,10 @@ def _greedy(model, ids, mask=None, processors=()):
 
 
 def _handed(model, art, reference, ids, mask=None):
-    with gss.reference_where_open(model, art, reference) as processor:
+    """The definition's form: every open gate hands over, the steer attached as it is."""
+    with gss.reference_where_open(
+        model, art, reference, min_signal=None, correct=True
+    ) as processor:
         return _greedy(model, ids, mask, [processor]), processor
 
 
@@ -180,11 +183,15 @@ def test_gss_generate_says_the_references_text_where_gates_open(tmp_path, capsys
     assert main([*args, "--reference-where-open", str(tmp_path / "reference")]) == 0
     printed = capsys.readouterr().out
     enc = tokenizer(prompt, return_tensors="pt")
-    with torch.no_grad():
-        ids = reference.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    # what the library's defaults say (min_signal 1 nat, no correction elsewhere)
+    always = _with_thresholds(art, 1e-30)
+    with gss.reference_where_open(model, always, reference) as p, torch.no_grad():
+        ids = model.generate(
+            **enc, max_new_tokens=6, do_sample=False, pad_token_id=0, logits_processor=[p]
+        )
     said = tokenizer.decode(ids[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     assert f"steered:   {said}\n" in printed
-    assert "the reference chose the token, at 100.0% of" in printed
+    assert f"the reference chose the token, at {100 * p.handed_share:.1f}% of" in printed
     code = main([*args, "--reference-where-open", str(tmp_path / "reference"), "--explain"])
     assert code == 2 and "give one of them" in capsys.readouterr().err
 
@@ -224,7 +231,9 @@ def test_min_signal_hands_over_only_where_the_fine_tunes_choice_is_memorized(set
 
 
 def _handed_with(model, art, reference, ids, min_signal):
-    with gss.reference_where_open(model, art, reference, min_signal=min_signal) as processor:
+    with gss.reference_where_open(
+        model, art, reference, min_signal=min_signal, correct=True
+    ) as processor:
         return _greedy(model, ids, None, [processor]), processor
 
 
@@ -235,10 +244,17 @@ def test_without_the_correction_every_other_token_is_the_unsteered_fine_tunes(se
     model, art, reference = setup
     ids = random_ids(2, 6, seed=7)
     with gss.reference_where_open(
-        model, _with_thresholds(art, 1e30), reference, correct=False
+        model, _with_thresholds(art, 1e30), reference, min_signal=None, correct=False
     ) as processor:
         assert _greedy(model, ids, None, [processor]) == _greedy(model, ids)
     with gss.reference_where_open(
-        model, _with_thresholds(art, 1e-30), reference, correct=False
+        model, _with_thresholds(art, 1e-30), reference, min_signal=None, correct=False
     ) as processor:
         assert _greedy(model, ids, None, [processor]) == _greedy(reference, ids)
+
+
+def test_the_defaults_are_the_measured_ones():
+    import inspect
+
+    defaults = inspect.signature(gss.reference_where_open).parameters
+    assert defaults["min_signal"].default == 1.0 and defaults["correct"].default is False

@@ -275,7 +275,8 @@ def test_gss_evaluate_lm_eval_alone_writes_its_files(saved, tasks_dir, compariso
     print(f"gss evaluate --lm-eval: {took:.2f} s")
     assert "%|" not in err and "it/s]" not in err  # --no-progress: lm-eval's bars too
     assert "| task | metric | unsteered | steered | difference | better |" in printed
-    assert sorted(p.name for p in out.iterdir()) == ["lm_eval.json", "lm_eval.md"]
+    written = sorted(p.name for p in out.iterdir())
+    assert written == [".gss-written.json", "lm_eval.json", "lm_eval.md"]  # + what gss wrote
     record = json.loads((out / "lm_eval.json").read_text())
     assert record["model"] == str(saved / "model") and record["steer"] == str(saved / "steer")
     # the saved model, loaded back, gives what the one in memory gave (the stderr aside: the
@@ -299,7 +300,13 @@ def test_gss_evaluate_runs_both_with_memorized_and_lm_eval(saved, tasks_dir, cap
     args += ["--lm-eval-include", str(tasks_dir), "--lm-eval-limit", "4", "--no-progress"]
     assert main([*args, "--out", str(out)]) == 0, capsys.readouterr().err
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["evaluation.json", "evaluation.md", "lm_eval.json", "lm_eval.md"]
+    assert names == [
+        ".gss-written.json",  # what gss wrote there, for --overwrite
+        "evaluation.json",
+        "evaluation.md",
+        "lm_eval.json",
+        "lm_eval.md",
+    ]
     record = json.loads((out / "lm_eval.json").read_text())
     assert record["num_fewshot"] == 1 and record["steer"] is None
     assert record["lm_eval"]["unsteered"]["n-shot"] == {"gss_tiny_mc": 1}

@@ -36,6 +36,8 @@ from gss.hf.forward import cache_argument, output_logits, returned_cache
 from gss.steering.attach import SteerHandle, register, split_block_output, warn_if_steering
 from gss.steering.gated import GatedSteer
 
+MIN_SIGNAL = 1.0  # nats: reference_where_open's default (measured: results/protect-says)
+
 
 class _LastOpen:
     """The steer as attached, and whether some gate opened at each row's last position of the
@@ -142,8 +144,8 @@ def reference_where_open(
     steer: Any,
     reference: nn.Module,
     *,
-    min_signal: float | None = None,
-    correct: bool = True,
+    min_signal: float | None = MIN_SIGNAL,
+    correct: bool = False,
     strict: bool = True,
 ) -> Iterator[ReferenceWhereOpen]:
     """Attach ``steer`` (an artifact or a stack) to ``model`` and yield the processor that
@@ -155,6 +157,9 @@ def reference_where_open(
 
     ``reference``: the model the fine-tune was tuned from (same tokenizer); for a PEFT model
     whose base is the reference, ``gss.adapters_off(model)`` (no second copy of the weights).
+    The defaults are the measured best on the canaries (results/protect-says/README.md): no
+    leak, replies as fluent as the reference's, and the most ordinary prompts unchanged.
+
     ``min_signal``: hand a step over only where, besides a gate, the token the fine-tune would
     choose is more than this many nats likelier under it than under the reference (its
     memorization signal, as the audit reads it): ordinary text, on which the two models agree,
