@@ -183,6 +183,8 @@ def test_protect_reports_the_domain_and_the_ordinary_prompts(memorizer):
     assert "fine-tune" in result.examples[0] and "reference where open" in result.examples[0]
     assert "gss generate --reference-where-open" in text  # the option, with what it would say
     assert result.after["quality"]["repeated_4grams_reference_where_open"] >= 0.0
+    assert 0.0 <= result.after["quality"]["memorized_reference_where_open"] <= 100.0
+    assert "of the held-out memorized rows reproduced greedily" in text
     assert result.steer_for(result.trials[0]) is result.steers[0]
     with pytest.raises(GSSError, match="not one of this protect run's trials"):
         result.steer_for(_trial(0.0, 0.0, 0.0))

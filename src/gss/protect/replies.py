@@ -122,7 +122,10 @@ def what_it_says(
     def ppl(replies: list[list[int]]) -> float:
         return _reference_ppl(reference, prompts, replies, pad_id, batch_size)
 
+    # the held-out rows a greedy reply with the reference where a gate opens still reproduces
+    kept = [list(h[: len(o)]) == list(o) for h, o in zip(handed, originals, strict=True)]
     quality = {
+        "memorized_reference_where_open": 100.0 * sum(kept) / max(len(kept), 1),
         "repeated_4grams_steered": repetition(steered),
         "repeated_4grams_reference": repetition(own),
         "repeated_4grams_reference_where_open": repetition(handed),

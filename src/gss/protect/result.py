@@ -164,6 +164,8 @@ class Protection:
                 lines.append(
                     "With the reference kept at inference and its token taken wherever a gate "
                     "opens (gss.reference_where_open, gss generate --reference-where-open): "
+                    f"{quality.get('memorized_reference_where_open', float('nan')):.1f}% of the "
+                    "held-out memorized rows reproduced greedily, "
                     f"{_g(quality['repeated_4grams_reference_where_open'])}% repeated 4-grams, "
                     f"perplexity {_g(quality['reference_ppl_reference_where_open'])}."
                 )
