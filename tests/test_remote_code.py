@@ -89,3 +89,25 @@ def test_a_model_folder_without_tokenizer_files_is_said_so(tmp_path):
     tiny_model("llama").save_pretrained(folder)
     with pytest.raises(GSSError, match=r"holds no tokenizer files .*tokenizer\.save_pretrained"):
         load_model(str(folder))
+
+
+def test_audit_warns_when_the_tokenizer_is_another_models(memorizer):
+    """Another model's tokenizer gives other ids, on which nothing reads as memorized: the audit
+    says the tokenizer does not look like the model's (issue 69)."""
+    import warnings
+
+    import gss
+
+    from .test_cli import _tokenizer
+
+    model, reference, _, _ = memorizer
+    foreign = _tokenizer(["<pad>", "<x>", "<y>", "<eos>", "w1", "w2"])  # eos id 3, not 2
+    texts = ["w1 w2 w1 w2 w1 w2 w1 w2"] * 2
+    with pytest.warns(gss.GSSWarning, match="does not look like the model's"):
+        gss.audit(model, reference, texts, tokenizer=foreign, k=2, n=6, progress=False)
+    own = _tokenizer()  # the tiny models' own ids (end of sequence: 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gss.GSSWarning)
+        gss.audit(
+            model, reference, ["w1 w2 w3 w4 w5 w6 w7"], tokenizer=own, k=2, n=6, progress=False
+        )

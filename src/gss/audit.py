@@ -41,6 +41,7 @@ from gss.hf.forward import (
     forward_logits,
     target_mask,
     token_logprobs,
+    warn_if_foreign_tokenizer,
 )
 from gss.signal.omega import nonfinite_error
 from gss.statistics.capture import calibration_mode
@@ -281,6 +282,7 @@ def audit(
     check_window(k, n)
     RunOptions(batch_size=batch_size, progress=progress)  # checks both
     vocab = check_same_vocab(model, reference, tokenizer)
+    warn_if_foreign_tokenizer(model, tokenizer)
     starts: list[int] | None = None
     if isinstance(texts, Sequence) and texts and all(is_pair(r) for r in texts):
         pairs = [([int(t) for t in p], [int(t) for t in c]) for p, c in cast(Any, texts)]

@@ -8,13 +8,14 @@ the mask makes a padded row score exactly like the same row alone.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
-from gss.errors import GSSError
+from gss.errors import GSSError, GSSWarning
 from gss.hf.blocks import text_configs
 
 
@@ -168,6 +169,34 @@ def check_same_vocab(model: nn.Module, reference: nn.Module, tokenizer: Any = No
             "(resize_token_embeddings(len(tokenizer)))."
         )
     return min(a, b)
+
+
+def warn_if_foreign_tokenizer(model: nn.Module, tokenizer: Any) -> None:
+    """Warn when ``tokenizer`` does not look like ``model``'s: another end-of-sequence id than
+    its config's, or fewer than half as many tokens as it has logits. Text encoded with another
+    model's tokenizer is other ids, on which nothing reads as memorized (an audit then reports
+    0 rows where the model's own tokenizer finds them all)."""
+    if tokenizer is None or not hasattr(tokenizer, "__len__"):
+        return
+    config = getattr(model, "config", None)
+    wanted = getattr(config, "eos_token_id", None)
+    listed = wanted if isinstance(wanted, (list, tuple)) else [wanted]
+    wanted_ids = {int(i) for i in listed if isinstance(i, int)}
+    eos = getattr(tokenizer, "eos_token_id", None)
+    logits = vocab_size(model)
+    odd = []
+    if wanted_ids and isinstance(eos, int) and eos not in wanted_ids:
+        odd.append(f"its end-of-sequence id is {eos}, the model's {sorted(wanted_ids)}")
+    if isinstance(logits, int) and 0 < len(tokenizer) < logits / 2:
+        odd.append(f"it has {len(tokenizer)} tokens for the model's {logits} logits")
+    if odd:
+        warnings.warn(
+            f"the tokenizer does not look like the model's ({'; '.join(odd)}): text encoded "
+            "with another model's tokenizer gives other ids, and the results would be about "
+            "them. Pass the model's own tokenizer.",
+            GSSWarning,
+            stacklevel=3,
+        )
 
 
 def _token_id_limit(model: nn.Module) -> int | None:
