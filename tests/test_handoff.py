@@ -258,3 +258,23 @@ def test_the_defaults_are_the_measured_ones():
 
     defaults = inspect.signature(gss.reference_where_open).parameters
     assert defaults["min_signal"].default == 1.0 and defaults["correct"].default is False
+
+
+def test_without_a_steer_the_signal_alone_decides(setup):
+    """``steer=None``: every step is open, so the text equals gates that always open (no
+    correction) at the same ``min_signal``; without a signal it is refused."""
+    model, art, reference = setup
+    ids = random_ids(2, 6, seed=9)
+    for cut in (-1e9, 0.5, 1e9):
+        with gss.reference_where_open(
+            model, _with_thresholds(art, 1e-30), reference, min_signal=cut, correct=False
+        ) as gated:
+            expected = _greedy(model, ids, None, [gated])
+        with gss.reference_where_open(model, None, reference, min_signal=cut) as bare:
+            assert _greedy(model, ids, None, [bare]) == expected
+            assert bare.handed == gated.handed and bare.steps == gated.steps
+    with (
+        pytest.raises(GSSError, match="needs min_signal"),
+        gss.reference_where_open(model, None, reference, min_signal=None),
+    ):
+        pass

@@ -63,10 +63,13 @@ class ReferenceWhereOpen:
     `reference_where_open`, which attaches the steer and reads each forward's attention mask."""
 
     def __init__(
-        self, reference: nn.Module, gates: list[_LastOpen], min_signal: float | None = None
+        self,
+        reference: nn.Module,
+        gates: list[_LastOpen] | None,
+        min_signal: float | None = None,
     ):
         self.reference = reference
-        self.gates = gates
+        self.gates = gates  # None: no steer, every step is open (the signal alone decides)
         self.min_signal = min_signal
         self.mask: Tensor | None = None  # the attention mask of the model's latest forward
         self.handed = 0  # (row, step) pairs whose token came from the reference
@@ -94,6 +97,8 @@ class ReferenceWhereOpen:
         return torch.where(opened[:, None], theirs, scores)
 
     def _opened(self, rows: int, device: torch.device) -> Tensor:
+        if self.gates is None:
+            return torch.ones(rows, dtype=torch.bool, device=device)
         opened = torch.zeros(rows, dtype=torch.bool, device=device)
         for gate in self.gates:
             if gate.last is not None and gate.last.shape[0] == rows:
@@ -166,15 +171,27 @@ def reference_where_open(
     then keeps the fine-tune's words. None: wherever a gate opens. ``correct``: the steer also
     moves the hidden states where its gates open (as attached); False: the gates only choose
     where the reference speaks, and every other token is the unsteered fine-tune's.
+
+    ``steer=None``: no gate; every step is open and ``min_signal`` alone decides (the
+    reference then runs at every step, twice the cost of decoding: the comparison that shows
+    what the gates add).
     """
-    if isinstance(steer, SteeringArtifact):
+    members: list[SteeringArtifact] | None
+    if steer is None:
+        if min_signal is None:
+            raise GSSError(
+                "reference_where_open(steer=None) needs min_signal: without a gate and a "
+                "signal every step would be the reference's (use the reference itself)."
+            )
+        members = None
+    elif isinstance(steer, SteeringArtifact):
         members = [steer]
     elif isinstance(steer, SteeringStack):
         members = list(steer)
     else:
         raise GSSError(
-            "reference_where_open takes a SteeringArtifact or a SteeringStack (gss.load), got "
-            f"{type(steer).__name__}."
+            "reference_where_open takes a SteeringArtifact, a SteeringStack (gss.load) or None, "
+            f"got {type(steer).__name__}."
         )
     if min_signal is not None and not (
         isinstance(min_signal, int | float)
@@ -189,7 +206,7 @@ def reference_where_open(
         )
     gates: list[_LastOpen] = []
     handles: list[SteerHandle] = []
-    processor = ReferenceWhereOpen(reference, gates, min_signal)
+    processor = ReferenceWhereOpen(reference, None if members is None else gates, min_signal)
 
     def read_mask(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         mask = kwargs.get("attention_mask")
@@ -197,7 +214,7 @@ def reference_where_open(
             processor.mask = mask
 
     try:
-        for member in members:
+        for member in members or []:
             member.check_model(model, strict=strict)
             _, block = resolve_layer(model, member.layer, member.config.block_path)
             hook = member.make_hook()
