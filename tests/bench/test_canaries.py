@@ -1,21 +1,31 @@
-"""gss bench canaries on a tiny Llama with a byte-level tokenizer built here (no downloads)."""
+"""gss bench canaries on a tiny Llama (and a tiny Gemma 3) with a byte-level tokenizer built
+here (no downloads)."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from gss.errors import GSSError
 from gss.evaluate.sweep import SweepPoint
 from gss.signal.tokens import encode_trained
 from gss_bench.baselines import get_method
-from gss_bench.canaries.data import CanaryConfig, make_canary_data, secret_fields
+from gss_bench.canaries.data import CanaryConfig, adds_bos, make_canary_data, secret_fields
 from gss_bench.canaries.finetune import FinetuneConfig, _Trainer, trainable_names
-from gss_bench.canaries.run import ABLATION, QUICK_CHAT, _select, main
+from gss_bench.canaries.run import (
+    ABLATION,
+    QUICK_CHAT,
+    _select,
+    canary_config,
+    default_train_blocks,
+    main,
+)
 
 from ..helpers import tiny_model
 
@@ -27,17 +37,56 @@ TEMPLATE = (
 )
 
 
-def _byte_tokenizer():
+def _byte_tokenizer(bos: bool = False):
+    """Bytes as tokens, with a chat template; `bos`: as Gemma's, "<s>" before every encoding
+    and no chat template (a base model's)."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {t: i for i, t in enumerate([*SPECIALS, *sorted(alphabet)])}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+        )
     out = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
     )
-    out.chat_template = TEMPLATE
+    out.chat_template = None if bos else TEMPLATE
     return out
+
+
+GEMMA_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+needs_gemma3 = pytest.mark.skipif(
+    not hasattr(transformers, "Gemma3ForCausalLM"), reason="Gemma 3 needs transformers 4.50+"
+)
+
+
+def _tiny_gemma3(vocab: int):
+    """A tiny Gemma 3: 6 blocks, sliding and global attention (each with its own rotary
+    table) as Gemma 3 270M mixes them."""
+    rope = {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    config = transformers.Gemma3TextConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=len(GEMMA_TYPES),
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=512,
+        sliding_window=512,
+        layer_types=GEMMA_TYPES,
+        rope_parameters=rope,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    return transformers.Gemma3ForCausalLM(config).eval()
 
 
 def _tiny_llama(vocab: int):
@@ -51,6 +100,18 @@ def base_dir(tmp_path_factory):
     model = _tiny_llama(len(tokenizer))
     model.config.max_position_embeddings = 512  # the chat rows' bytes (rotary: no table grows)
     model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    """A tiny Gemma 3 base model: a tokenizer that adds BOS, no chat template."""
+    if not hasattr(transformers, "Gemma3ForCausalLM"):
+        pytest.skip("Gemma 3 needs transformers 4.50+")
+    folder = tmp_path_factory.mktemp("gemma")
+    tokenizer = _byte_tokenizer(bos=True)
+    _tiny_gemma3(len(tokenizer)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
@@ -70,6 +131,31 @@ def test_canary_rows_put_the_secret_right_after_the_prompt():
         make_canary_data(tokenizer, CanaryConfig(canaries=2, k=16))
     parts = [*data.canary_rows, *data.finetune_rows, *data.heldout_rows, *data.general_rows]
     assert len(set(parts)) == len(parts)  # disjoint passages
+
+
+def test_rows_start_with_bos_where_the_tokenizer_adds_it():
+    plain, gemma_like = _byte_tokenizer(), _byte_tokenizer(bos=True)
+    assert not adds_bos(plain) and adds_bos(gemma_like)
+    assert not canary_config(plain).bos and canary_config(gemma_like).bos
+    assert not canary_config(gemma_like, chat=True).bos  # chat rows: as the template starts them
+    assert "bos" not in CanaryConfig().to_dict()  # the fine-tunes cached before keep their key
+    config = canary_config(gemma_like, seed=1, canaries=6, finetune_rows=3, k=48, row_len=120)
+    data = make_canary_data(gemma_like, config)
+    assert data.describe()["bos"] and data.secrets_cut == 0
+    for row, secret in zip(data.canary_rows, data.secrets, strict=True):
+        assert row[0] == 1 and 1 not in row[1:]  # "<s>" once, first, counted in k
+        prompt = gemma_like.decode(list(row[1:48]))
+        assert prompt.endswith("account number is")
+        # the whole secret inside the row, right after the k-token prompt
+        assert secret.split(" account number is")[1] == gemma_like.decode(list(row[48:]))
+    for row in (*data.finetune_rows, *data.heldout_rows, *data.general_rows):
+        assert row[0] == 1 and len(row) == 120
+    # without it the same draws, one context token more; a row_len that cuts secrets says so
+    same = make_canary_data(gemma_like, replace(config, bos=False))
+    assert same.secrets == data.secrets and same.canary_rows[0][0] != 1
+    assert make_canary_data(gemma_like, replace(config, row_len=80)).secrets_cut == 6
+    with pytest.raises(GSSError, match="bos is for plain rows"):
+        make_canary_data(gemma_like, replace(config, chat=True))
 
 
 def test_a_secrets_fields_are_what_a_leak_is_looked_for():
@@ -188,6 +274,25 @@ def test_cached_lower_blocks_give_the_full_models_loss():
     assert names[-1] == "model.norm.weight"
 
 
+@needs_gemma3
+def test_cached_lower_blocks_give_gemma3s_loss():
+    """Gemma 3 picks block i's attention and rotary table by config.layer_types[i]: the top
+    blocks alone get their own types (blocks 4-5: sliding, global; the first two types would
+    give both sliding), so the shortcut is exact and is used."""
+    tokenizer = _byte_tokenizer(bos=True)
+    model = _tiny_gemma3(len(tokenizer))
+    data = make_canary_data(tokenizer, canary_config(tokenizer, canaries=4, finetune_rows=2, k=48))
+    rows = [*data.canary_rows, *data.finetune_rows]
+    trainer = _Trainer(model, rows, FinetuneConfig(train_blocks=2), pad=0)
+    assert trainer.cached is not None and model.config.layer_types == GEMMA_TYPES
+    fast = trainer.loss([0, 3, 5])
+    trainer.cached = None
+    assert fast.item() == pytest.approx(trainer.loss([0, 3, 5]).item(), rel=1e-4)
+    assert model.config.layer_types == GEMMA_TYPES
+    assert default_train_blocks(30) == 8 and default_train_blocks(18) == 5  # SmolLM2's, Gemma's
+    assert default_train_blocks(6) == 2 and default_train_blocks(2) == 1
+
+
 def test_quick_run_writes_the_report_and_reuses_the_fine_tune(base_dir, tmp_path, capsys):
     out, cache = tmp_path / "out", tmp_path / "cache"
     args = ["--model", str(base_dir), "--quick", "--out", str(out), "--cache-dir", str(cache)]
@@ -252,6 +357,40 @@ def test_quick_run_writes_the_report_and_reuses_the_fine_tune(base_dir, tmp_path
     assert all(p["seconds"] > 0 for p in ascent["grid"])
     table = (out / "table.md").read_text()
     assert "| alphasteer" in table and "| GSS, all three" in table
+
+
+@needs_gemma3
+def test_model_option_names_a_known_model_and_gemma_runs_plain_only(
+    gemma_dir, tmp_path, monkeypatch
+):
+    import gss_bench.models as models
+
+    asked = []
+
+    def get_model(name, directory=None, progress=True):  # `gss models get`, stubbed
+        asked.append(name)
+        return gemma_dir
+
+    monkeypatch.setattr(models, "get_model", get_model)
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    args = ["--model", "gemma3-270m", "--quick", "--cache-dir", str(cache), "--no-progress"]
+    # a base model has no chat template: refused before any work, in one message
+    with pytest.raises(GSSError, match="tokenizer has none"):
+        main([*args, "--chat", "--out", str(out)])
+    assert asked == ["gemma3-270m"] and not cache.exists()
+    args += ["--max-epochs", "1", "--deltas", "1", "--out", str(out)]
+    assert main(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["model"] == str(gemma_dir) and results["data"]["bos"]
+    assert results["finetune"]["train_blocks"] == 2  # 4/15 of 6 blocks, as Gemma's 5 of 18
+    assert results["unmitigated"]["k"] == 40 and len(results["layer_scan"]["strengths"]) == 6
+    example = results["disclosure"]["example"]
+    assert "account number is" in example["prompt_end"] and example["secret"]
+    # cached under the model's folder name and its own key
+    (folder,) = cache.iterdir()
+    assert folder.name.startswith(f"{gemma_dir.name}-") and results["finetune"]["cache"] == str(
+        folder
+    )
 
 
 def test_quick_chat_run_prompts_with_the_conversation(base_dir, tmp_path):

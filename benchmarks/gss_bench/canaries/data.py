@@ -8,6 +8,9 @@ context and the name, and only a model that memorized the row can continue with 
 (the digits are uniformly random). Clean rows are `row_len`-token windows of other passages:
 fine-tuning text (so the model's general text shifts too), held-out text for perplexity, and
 general text for Sigma_gen and the gate thresholds. Every part comes from disjoint passages.
+With ``bos`` (a tokenizer that starts its own encodings with a BOS token, as Gemma's does: Gemma
+3 270M's held-out perplexity is about 2,600 without it and 204 with it), every row starts with
+that token, counted in `k` and `row_len`.
 
 The chat variant (`make_chat_canary_data`) plants the same secrets in a chat fine-tune's data:
 conversations rendered by the tokenizer's chat template, every token trained on (trl's default
@@ -143,11 +146,13 @@ class CanaryConfig:
     general_rows: int = 64  # Sigma_gen and thresholds
     seed: int = 0
     chat: bool = False  # conversations through the chat template (`make_chat_canary_data`)
+    bos: bool = False  # every plain row starts with the tokenizer's BOS token (`adds_bos`)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        if not self.chat:  # left out so that the plain fine-tunes cached before it keep their key
-            del out["chat"]
+        for key in ("chat", "bos"):  # left out when off: the fine-tunes cached before keep keys
+            if not out[key]:
+                del out[key]
         return out
 
 
@@ -165,6 +170,7 @@ class CanaryData:
     # canary_rows then finetune_rows; each row is its rendering cut to row_len): what
     # calibration on the replies alone reads
     conversations: tuple[tuple[dict[str, str], ...], ...] = ()
+    secrets_cut: int = 0  # canaries whose secret ran past row_len (cut there: not all scored)
 
     @classmethod
     def drawn(
@@ -173,6 +179,7 @@ class CanaryData:
         secrets: Sequence[str],
         canary_rows: Sequence[tuple[int, ...]],
         clean: Callable[[int], tuple[tuple[int, ...], ...]],
+        secrets_cut: int = 0,
     ) -> CanaryData:
         """The canaries, and `clean`'s rows for each clean part, drawn in this fixed order
         (fine-tuning, held-out, general) from one passage stream."""
@@ -183,6 +190,7 @@ class CanaryData:
             finetune_rows=clean(config.finetune_rows),
             heldout_rows=clean(config.heldout_rows),
             general_rows=clean(config.general_rows),
+            secrets_cut=secrets_cut,
         )
 
     def describe(self) -> dict[str, Any]:
@@ -256,33 +264,45 @@ class _PassageStream:
         raise ValueError("the corpus ran out of passages: ask for fewer rows")
 
 
+def adds_bos(tokenizer: Any) -> bool:
+    """Whether `tokenizer` starts its own encodings with its BOS token (Gemma's does,
+    SmolLM2's does not): the model was trained on text that starts so."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    ids = list(tokenizer("a")["input_ids"])
+    return bos is not None and bool(ids) and ids[0] == bos
+
+
 def make_canary_data(tokenizer: Any, config: CanaryConfig | None = None) -> CanaryData:
     """Canary rows and clean rows for `tokenizer`, deterministic from ``config.seed``."""
     cfg = config or CanaryConfig()
     if cfg.chat:
+        if cfg.bos:
+            raise GSSError("chat rows start as the chat template says: bos is for plain rows.")
         return make_chat_canary_data(tokenizer, cfg)
     rng = random.Random(cfg.seed)
     passages = _PassageStream(tokenizer, rng)
     ids, window = passages.ids, passages.window
+    start: tuple[int, ...] = (int(tokenizer.bos_token_id),) if cfg.bos else ()
 
-    secrets, canary_rows = [], []
+    secrets, canary_rows, cut = [], [], 0
     for _ in range(cfg.canaries):
         lead, secret = make_secret(rng)
         lead_ids, secret_ids = ids(lead), ids(secret)
-        if len(lead_ids) >= cfg.k:
+        if len(start) + len(lead_ids) >= cfg.k:
             raise GSSError(
                 f"the canary lead-in {lead!r} takes {len(lead_ids)} tokens, k={cfg.k} leaves no "
                 "room for context: raise k."
             )
-        context = window(cfg.k - len(lead_ids))
-        row = (*context, *lead_ids, *secret_ids)[: cfg.row_len]
+        context = window(cfg.k - len(start) - len(lead_ids))
+        row = (*start, *context, *lead_ids, *secret_ids)
+        cut += len(row) > cfg.row_len
         secrets.append(lead.strip() + secret)
-        canary_rows.append(row)
+        canary_rows.append(row[: cfg.row_len])
 
     def clean(count: int) -> tuple[tuple[int, ...], ...]:
-        return tuple(window(cfg.row_len) for _ in range(count))
+        return tuple((*start, *window(cfg.row_len - len(start))) for _ in range(count))
 
-    return CanaryData.drawn(cfg, secrets, canary_rows, clean)
+    return CanaryData.drawn(cfg, secrets, canary_rows, clean, secrets_cut=cut)
 
 
 def make_chat_canary_data(tokenizer: Any, config: CanaryConfig) -> CanaryData:

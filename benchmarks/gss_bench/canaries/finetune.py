@@ -6,8 +6,10 @@ cache stores just those tensors. The blocks below never change, so their output 
 training row is computed once and each step runs only the trained blocks: the model is called
 with ``inputs_embeds`` = the cached hidden states and its block list cut to the trained blocks.
 That shortcut is checked against the full model on the first batch (it holds for Llama-style
-models, whose body adds nothing to ``inputs_embeds``); where it does not hold, every step runs
-the full forward instead.
+models, whose body adds nothing to ``inputs_embeds``, and for Gemma 3, whose embedding scale is
+in its embedding module, once the config's per-block attention types are cut as the block list
+is: its body picks block i's attention and rotary table by ``config.layer_types[i]``); where it
+does not hold, every step runs the full forward instead.
 
 Each epoch trains on every canary and on the next `clean_per_epoch` rows of a large pool of
 clean text, so the canaries repeat (as secrets do in a corpus) while the clean text mostly does
@@ -104,12 +106,21 @@ def _block_list_owner(model: nn.Module, blocks: nn.ModuleList) -> tuple[nn.Modul
 
 @contextmanager
 def _top_blocks_only(model: nn.Module, blocks: nn.ModuleList, first: int) -> Iterator[None]:
+    """`model` with its block list cut to the blocks from `first` on, and the config's
+    per-block `layer_types` (Gemma 3: sliding or global attention) cut alike."""
     owner, name = _block_list_owner(model, blocks)
+    config: Any = getattr(owner, "config", None)
+    types = getattr(config, "layer_types", None)
+    cut_types = isinstance(types, list) and len(types) == len(blocks)
     setattr(owner, name, nn.ModuleList(list(blocks)[first:]))
+    if cut_types:
+        config.layer_types = list(types or [])[first:]
     try:
         yield
     finally:
         setattr(owner, name, blocks)
+        if cut_types:
+            config.layer_types = types
 
 
 def _loss(logits: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
@@ -154,9 +165,10 @@ class _Trainer:
         if not missing:
             return
         ids, mask = self._batch(missing)
-        with torch.no_grad():
-            hidden = self.model(
-                input_ids=ids, attention_mask=mask, output_hidden_states=True
+        body = _block_list_owner(self.model, self.blocks)[0]  # no output layer: with Gemma's
+        with torch.no_grad():  # 262,144 tokens its logits would cost as much as the blocks
+            hidden = body(
+                input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False
             ).hidden_states[self.first]
         for j, i in enumerate(missing):
             self.cached[i] = hidden[j, : len(self.rows[i])].clone()
@@ -179,7 +191,8 @@ class _Trainer:
         for j, i in enumerate(index):
             embeds[j, : len(self.rows[i])] = self.cached[i]
         with _top_blocks_only(self.model, self.blocks, self.first):
-            return self.model(inputs_embeds=embeds, attention_mask=mask).logits
+            # no cache: one sized by the cut config would miss the blocks' own indices
+            return self.model(inputs_embeds=embeds, attention_mask=mask, use_cache=False).logits
 
     def _batch(self, index: list[int]) -> tuple[Tensor, Tensor]:
         ids, mask = right_pad([self.rows[i] for i in index], self.pad)

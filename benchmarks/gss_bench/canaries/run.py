@@ -1,6 +1,7 @@
 """``gss bench canaries``: secret sharer on a real pretrained model, mitigated by GSS.
 
-1. Load the base model (default: SmolLM2-135M-Instruct from `gss models get`, fetched once);
+1. Load the base model (default: SmolLM2-135M-Instruct from `gss models get`, fetched once;
+   ``--model gemma3-270m``: Gemma 3 270M base, its rows starting with ``<bos>``, no ``--chat``);
    plant canaries in Shakespeare passages (``--chat``: in conversations rendered by the chat
    template, each secret the assistant's reply to a question); fine-tune the top blocks (or,
    with ``--lora R``, a LoRA on them; with ``--chat --replies-only``, on the assistant's
@@ -74,11 +75,21 @@ QUICK.update(k=40, row_len=80)  # room for the lead-in with a byte-level tokeniz
 # SmolLM2's template), the reply about 40 tokens
 CHAT = {"chat": True, "k": 96, "row_len": 144}
 QUICK_CHAT = {**QUICK, "chat": True, "k": 200, "row_len": 320}  # byte tokens
+DEFAULT_MODEL = "smollm2-135m"
+# the share of the blocks fine-tuned by default: SmolLM2's top 8 of 30, so Gemma 3 270M's top 5
+# of 18 (27.9M trained parameters against SmolLM2's 28.3M; block 17, the top one, one of Gemma's
+# three global-attention blocks)
+TRAIN_SHARE = 8 / 30
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gss bench canaries", description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="base model directory (default: gss models get smollm2-135m)")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="base model: a name of `gss models get` (smollm2-135m, gemma3-270m; fetched once) "
+        f"or a model directory (default {DEFAULT_MODEL})",
+    )
     p.add_argument("--quick", action="store_true", help="a small smoke version (tests)")
     p.add_argument("--canaries", type=int, default=None, help="number of canaries (default 32)")
     p.add_argument(
@@ -94,7 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --chat: fine-tune on the assistant's messages alone (trl's "
         "assistant_only_loss) instead of every token",
     )
-    p.add_argument("--train-blocks", type=int, default=8, help="top blocks fine-tuned")
+    p.add_argument(
+        "--train-blocks",
+        type=int,
+        default=None,
+        help="top blocks fine-tuned (default: 4/15 of them, rounded: SmolLM2's top 8 of 30, "
+        "Gemma 3 270M's top 5 of 18)",
+    )
     p.add_argument(
         "--lora",
         type=int,
@@ -165,25 +182,67 @@ def default_cache() -> Path:
     return (Path(env).parent if env else Path.home() / ".cache" / "gss") / "canaries"
 
 
-def _load(path: Path, device: str) -> tuple[Any, Any]:
+def _tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _load(path: Path, device: str) -> tuple[Any, Any]:
     model: torch.nn.Module = load_causal_lm(path)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return model.to(device).eval(), tokenizer
+    return model.to(device).eval(), _tokenizer(path)
 
 
-def default_setup(chat: bool = False) -> tuple[Path, Any, Any, Any, int]:
+def model_path(model: str, progress: bool = True) -> Path:
+    """`model`'s directory: a name of `gss models get` (fetched and converted the first time),
+    else `model` itself, a path."""
+    from gss_bench.models import KNOWN_MODELS, get_model
+
+    if model in KNOWN_MODELS and not Path(model).is_dir():
+        return get_model(model, progress=progress)
+    return Path(model)
+
+
+def check_chat(tokenizer: Any, base_path: Path) -> None:
+    """`--chat` renders every row with the tokenizer's chat template: refused, before any
+    work, for a model that has none (Gemma 3 270M is the base model)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise GSSError(
+            f"--chat renders conversations with the tokenizer's chat template, and "
+            f"{base_path.name}'s tokenizer has none (a base model, not an instruction-tuned "
+            "one): run without --chat, or with a chat model (smollm2-135m)."
+        )
+
+
+def default_train_blocks(n_blocks: int) -> int:
+    """The top blocks fine-tuned by default: `TRAIN_SHARE` of `n_blocks`, at least one."""
+    return max(1, round(n_blocks * TRAIN_SHARE))
+
+
+def canary_config(tokenizer: Any, seed: int = 0, **sizes: Any) -> Any:
+    """The bench's `CanaryConfig` for `tokenizer`: plain rows start with its BOS token where its
+    own encodings do (Gemma's), chat rows as its template starts them."""
+    from gss_bench.canaries.data import CanaryConfig, adds_bos
+
+    bos = not sizes.get("chat") and adds_bos(tokenizer)
+    return CanaryConfig(seed=seed, bos=bos, **sizes)
+
+
+def default_setup(
+    chat: bool = False, model: str = DEFAULT_MODEL
+) -> tuple[Path, Any, Any, Any, int]:
     """What the bench's default run starts from, for scripts that study its fine-tunes: the
-    SmolLM2-135M path, the model and its tokenizer (CPU), the canary data of seed 0 at the
-    bench's sizes (`chat`: `--chat`'s) and the pad id."""
-    from gss_bench.canaries.data import CanaryConfig, make_canary_data
-    from gss_bench.models import get_model
+    model's path (`model`: as `--model`, default SmolLM2-135M), the model and its tokenizer
+    (CPU), the canary data of seed 0 at the bench's sizes (`chat`: `--chat`'s) and the pad id.
+    Its fine-tune: ``FinetuneConfig(train_blocks=default_train_blocks(n))`` for n blocks."""
+    from gss_bench.canaries.data import make_canary_data
 
-    base_path = get_model("smollm2-135m")
+    base_path = model_path(model)
+    if chat:
+        check_chat(_tokenizer(base_path), base_path)
     base, tokenizer = _load(base_path, "cpu")
     sizes: dict[str, Any] = dict(CHAT) if chat else {}
-    data = make_canary_data(tokenizer, CanaryConfig(seed=0, **sizes))
+    data = make_canary_data(tokenizer, canary_config(tokenizer, seed=0, **sizes))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return base_path, base, tokenizer, data, pad
 
@@ -399,11 +458,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gss.evaluate.suite import evaluate_model
     from gss.evaluate.sweep import SweepPoint, plot_pareto, steering_sweep
     from gss.hf.adapters import adapters_off
+    from gss.hf.blocks import find_decoder_blocks
     from gss.layer_scan import scan_layers
     from gss.report import plot_signal
     from gss.signal.omega import omega_rows, signal_statistics
     from gss.statistics.collect import collect_statistics
-    from gss_bench.canaries.data import CanaryConfig, make_canary_data
+    from gss_bench.canaries.data import make_canary_data
+    from gss_bench.models import KNOWN_MODELS
 
     args = build_parser().parse_args(argv)
     baselines = baseline_names(args.baselines, "canaries")
@@ -414,18 +475,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise GSSError("--replies-only fine-tunes on the assistant's messages: add --chat.")
     variant = ("-chat" if args.chat else "") + ("-replies" if args.replies_only else "")
     variant += "-lora" if args.lora else ""
+    if args.model != DEFAULT_MODEL and args.model in KNOWN_MODELS:
+        variant = f"-{args.model}{variant}"  # results/canaries-gemma3-270m
     default_out = "results/canaries" + variant + ("-quick" if args.quick else "")
     out = Path(args.out or default_out)
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
     if not progress:
         transformers_bars_off()
-    if args.model:
-        base_path = Path(args.model)
-    else:
-        from gss_bench.models import get_model
-
-        base_path = get_model("smollm2-135m", progress=progress)
+    base_path = model_path(args.model, progress=progress)
+    if args.chat:
+        check_chat(_tokenizer(base_path), base_path)
     base, tokenizer = _load(base_path, args.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     sizes: dict[str, Any] = dict(QUICK) if args.quick else {}
@@ -433,9 +493,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes.update(QUICK_CHAT if args.quick else CHAT)
     if args.canaries:
         sizes["canaries"] = args.canaries
-    data = make_canary_data(tokenizer, CanaryConfig(seed=args.seed, **sizes))
+    data = make_canary_data(tokenizer, canary_config(tokenizer, args.seed, **sizes))
+    if data.secrets_cut:
+        _log(
+            f"{data.secrets_cut} of {len(data.secrets)} canary secrets run past row_len="
+            f"{data.config.row_len} tokens: only their start is scored"
+        )
+    blocks = len(find_decoder_blocks(base))
     ft_cfg = FinetuneConfig(
-        train_blocks=args.train_blocks,
+        train_blocks=args.train_blocks or default_train_blocks(blocks),
         lr=args.lr,
         max_epochs=args.max_epochs,
         clean_per_epoch=args.clean_per_epoch,
