@@ -152,3 +152,159 @@ def test_audit_reads_replies_given_their_prompt(memorizer):
     assert all(r.extractable for r in report.rows[: len(planted)])
     assert not any(r.reference_extractable for r in report.rows[: len(planted)])
     assert [r.index for r in report.memorized] == list(range(len(planted)))
+
+
+def _cut_late(row: list[int]) -> list[int]:
+    """``row`` with its 15th token changed: greedy decoding from its first 8 tokens no longer
+    reproduces tokens 8..15, from its first 4 it still reproduces tokens 4..11."""
+    return [*row[:14], 3 + (row[14] - 2) % 21, *row[15:]]
+
+
+def test_a_row_extracted_only_from_a_shorter_prompt_is_found_with_prefixes(memorizer):
+    """Issue 72: where the first k tokens already hold part of what is memorized, a shorter
+    prompt extracts the row when k does not; the same forward says so, exact against greedy
+    decoding from that prompt."""
+    model, reference, planted, general = memorizer
+    rows = [_cut_late(r) for r in planted.tolist()] + general[:6].tolist()
+    k, n = 8, 16
+    plain = gss.audit(model, reference, rows, k=k, n=n, progress=False)
+    assert plain.prefixes == (8,)  # k = 8 has no halving down to the floor of 8
+    assert not plain.memorized and not any(r.extracted_from for r in plain.rows[: len(planted)])
+    scored = gss.audit(model, reference, rows, k=k, n=n, prefixes=[4], progress=False)
+    assert scored.prefixes == (4, 8) and scored.memorized == []  # "k" stays the default
+    found = scored.rows[: len(planted)]
+    assert [r.extracted_from for r in found] == [(4,)] * len(planted)
+    assert [r.leaks_from for r in found] == [4] * len(planted)
+    assert not any(r.extractable for r in found)  # from k: not extractable
+    for row in rows:  # exact: greedy decoding from the first 4 tokens
+        (out,) = greedy_generate(model, [row[:4]], 8, pad_id=0)
+        assert (out == row[4:12]) == (4 in scored.rows[rows.index(row)].extracted_from)
+    assert scored.memorized_per_prefix() == {4: len(planted), 8: 0}
+    assert "from prompts shorter than k" in scored.headline() and "6 from 4" in scored.headline()
+    shortest = gss.audit(
+        model, reference, rows, k=k, n=n, prefixes=[4], memorized_from="shortest", progress=False
+    )
+    assert [r.index for r in shortest.memorized] == list(range(len(planted)))
+    assert shortest.window(shortest.rows[0]) == (4, 8)
+    assert shortest.candidate(0) == (rows[0][:4], rows[0][4:12])  # measured on what leaks
+    assert shortest.window(shortest.rows[-1]) == (8, 8)  # a clean row: the paper's window
+    assert "from the shortest prompt of 4 and 8 tokens" in shortest.headline()
+
+
+def test_audit_reports_which_part_of_each_row_was_scored(memorizer, tmp_path):
+    """The table and audit.jsonl say where each row's prompt ends and its window starts, with
+    the text either side when the audit had the tokenizer."""
+    from .test_cli import WORDS, _tokenizer
+
+    model, reference, planted, _ = memorizer
+    rows = [_cut_late(r) for r in planted.tolist()]
+    tok = _tokenizer(WORDS[:24])  # the memorizer's 24 ids
+    report = gss.audit(
+        model, reference, rows, tokenizer=tok, k=8, n=16, prefixes=[4],
+        memorized_from="shortest", progress=False,
+    )  # fmt: skip
+    assert "| 0-3 / 4-11 |" in report.table() and "| 4 |" in report.table()
+    prompt_end = tok.decode(rows[0][:4]).split()[-1]
+    assert f"{prompt_end} ‖ {tok.decode(rows[0][4:12]).split()[0]}" in report.table()
+    report.write(tmp_path / "audit")
+    first = json.loads((tmp_path / "audit" / "audit.jsonl").read_text().splitlines()[0])
+    assert (first["prompt_tokens"], first["window_tokens"]) == (4, 8)
+    assert first["prompt_text"] == tok.decode(rows[0][:4])
+    assert first["window_text"] == tok.decode(rows[0][4:12])
+    assert first["extracted_from"] == [4] and first["reference_extracted_from"] == []
+    md = (tmp_path / "audit" / "audit.md").read_text()
+    assert md.startswith("6 of 6 rows extractable, 6 of them not by the reference (from the ")
+
+
+def test_prefix_windows_shorter_than_the_minimum_are_not_counted(memorizer):
+    """A window of a few tokens is a weak finding (issue 72 saw clean passages flagged from
+    7-13): a prompt's window counts with `MIN_WINDOW` tokens, or all of n - k."""
+    from gss.audit import MIN_WINDOW
+
+    model, reference, planted, _ = memorizer
+    rows = [r[:11] for r in planted.tolist()]  # 3 tokens after k = 8; 7 after 4
+    report = gss.audit(model, reference, rows, k=8, n=16, prefixes=[4], progress=False)
+    assert MIN_WINDOW > 8 and all(r.extractable for r in report.rows)  # k's rule: to the end
+    assert not any(r.extracted_from for r in report.rows)  # 3 or 7 of 8 tokens: not counted
+    shortest = gss.audit(
+        model, reference, rows, k=8, n=16, prefixes=[4], memorized_from="shortest", progress=False
+    )
+    assert shortest.memorized == [] and shortest.summary()["checkable"] == 0
+
+
+def test_audit_refuses_prefixes_it_cannot_score(memorizer):
+    model, reference, planted, _ = memorizer
+    rows = planted.tolist()
+    for prefixes, message in [
+        ([], "prefixes must be a list"),
+        ("8", "prefixes must be a list"),
+        ([0], "from 1 to 4 "),
+        ([5], "from 1 to 4 "),  # n = 16, k = 4: 12 tokens must follow
+        ([2.5], "whole numbers"),
+        ([True], "whole numbers"),
+    ]:
+        with pytest.raises(GSSError, match=message):
+            gss.audit(model, reference, rows, k=4, n=16, prefixes=prefixes, progress=False)
+    with pytest.raises(GSSError, match="memorized_from must be one of k, shortest"):
+        gss.audit(model, reference, rows, k=4, n=16, memorized_from="any", progress=False)
+    assert gss.audit(model, reference, rows, k=4, n=16, prefixes=[2, 2]).prefixes == (2, 4)
+
+
+def test_default_prefixes_halve_k_down_to_the_floor():
+    from gss.audit import default_prefixes
+
+    assert default_prefixes(32) == (8, 16, 32)
+    assert default_prefixes(96) == (12, 24, 48, 96)
+    assert default_prefixes(4) == (4,)
+
+
+def test_an_older_audit_jsonl_still_loads(memorizer, tmp_path):
+    """audit.jsonl keeps its keys; a row written before the prompts were scored loads with
+    the new fields at their defaults, and a new row loads back as it was."""
+    from gss.audit import AuditRow
+
+    old = {
+        "index": 2, "tokens": 16, "extractable": True, "matched": 1.0, "longest_run": 15,
+        "omega_mean": 1.5, "omega_max": 3.0, "omega_burst": 12, "reference_extractable": False,
+        "row": 2, "text": "w1 w2", "window_tokens": 12,
+    }  # fmt: skip
+    row = AuditRow.from_json(old)
+    assert row.memorized and row.extracted_from == () and row.leaks_from is None
+    model, reference, planted, _ = memorizer
+    report = gss.audit(model, reference, planted.tolist(), k=8, n=16, prefixes=[4])
+    report.write(tmp_path / "audit")
+    lines = (tmp_path / "audit" / "audit.jsonl").read_text().splitlines()
+    assert set(old) - {"text"} <= set(json.loads(lines[0]))  # the old keys are all there
+    assert [AuditRow.from_json(json.loads(line)) for line in lines] == report.rows
+    assert report.rows[0].extracted_from == (4, 8)
+
+
+def test_audit_command_scores_shorter_prompts(memorizer, tmp_path, capsys):
+    """--prefixes and --memorized-from, and a bad list refused in one line before the models
+    load (the model directories here do not exist)."""
+    from .test_cli import WORDS, _tokenizer
+
+    args = ["audit", "--model", str(tmp_path / "none"), "--reference", str(tmp_path / "nor")]
+    args += ["--data", str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "out")]
+    for given, message in [
+        (["--prefixes", "8,x"], "--prefixes takes comma-separated prompt lengths"),
+        (["--prefixes", "0,8"], "--prefixes: prefixes must be whole numbers of prompt tokens "),
+        (["--prefixes", "60"], "from 1 to 56 (a window of 16 tokens before n = 72)"),
+        (["--prefixes", "8", "--reply"], "--prefixes scores plain rows"),
+    ]:
+        assert main([*args, *given]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1
+    model, reference, planted, _ = memorizer
+    for name, m in (("none", model), ("nor", reference)):
+        m.save_pretrained(tmp_path / name)
+        _tokenizer(WORDS[:24]).save_pretrained(tmp_path / name)
+    rows = [_cut_late(r) for r in planted.tolist()]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    window = ["--k", "8", "--n", "16", "--prefixes", "4", "--no-progress"]
+    assert main([*args, *window, "--memorized-from", "shortest"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("6 of 6 rows extractable, 6 of them not by the reference (from")
+    assert "| 0-3 / 4-11 |" in printed
+    memorized = read_texts(tmp_path / "out" / "memorized.jsonl", keep_rows=True)
+    assert [row["input_ids"] for row in memorized] == rows

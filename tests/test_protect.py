@@ -15,6 +15,7 @@ import torch
 import gss
 from gss import GSSError, GSSWarning
 from gss.cli import main
+from gss.evaluate.decoding import greedy_generate
 from gss.protect import SearchSpace, protect
 
 protect_module = importlib.import_module("gss.protect")  # gss.protect is the function
@@ -511,3 +512,56 @@ def test_protect_on_cuda(memorizer, tmp_path):
     rows = [result.audit.ids[i] for i in result.heldout]
     with gss.steer(model, gss.load(tmp_path / "out" / "steer")):
         assert measure_module.extractable(model, rows, 4, 16, 0, 8) == result.after["memorized"]
+
+
+def test_protect_report_says_which_window_each_heldout_row_was_scored_on(protected, tmp_path):
+    result, _, _ = protected
+    windows = result.heldout_windows()
+    assert [w["row"] for w in windows] == result.heldout  # no row left out: positions = indices
+    assert {(w["prompt_tokens"], w["window_tokens"]) for w in windows} == {(4, 12)}
+    assert f"first 4 tokens ({len(result.heldout)} rows), each on the next 12" in result.markdown()
+    result.write(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "protect.json").read_text())["heldout_windows"] == windows
+
+
+def test_protect_measures_rows_from_the_shortest_prompt_that_extracts_them(memorizer):
+    """Issue 72: rows whose first k tokens already hold part of what is memorized; scored from
+    k, none is found; with memorized_from="shortest" each is tuned on or held out and measured
+    from the prompt that extracts it, and the report says so."""
+    from .test_audit import _cut_late
+
+    model, reference, planted, general = memorizer
+    texts = [_cut_late(r) for r in planted.tolist()] + general[:20].tolist()
+    space = SearchSpace(presets=("gss",), ranks=(1,), gates=("hard",), steps=2, max_blocks=1)
+    options = dict(general=general[20:60].tolist(), k=8, n=16, prefixes=[4], search=space)
+    with pytest.raises(GSSError, match=r"too few to tune on and hold out"):
+        protect(model, reference, texts, progress=False, **options)
+    result = protect(model, reference, texts, memorized_from="shortest", progress=False, **options)
+    assert sorted(result.tuning + result.heldout) == list(range(len(planted)))
+    assert {(w["prompt_tokens"], w["window_tokens"]) for w in result.heldout_windows()} == {(4, 8)}
+    assert result.before["memorized"] == 100.0  # from 4 tokens: all of them
+    assert result.chosen is not None
+    with result.steer.attach(model):  # what "after" counts: greedy from the first 4 tokens
+        out = greedy_generate(model, [texts[i][:4] for i in result.heldout], 8, pad_id=0)
+    left = [o == texts[i][4:12] for o, i in zip(out, result.heldout, strict=True)]
+    assert result.after["memorized"] == pytest.approx(100 * sum(left) / len(left))
+    assert "Held-out rows scored from their first 4 tokens" in result.markdown()
+    record = result.steer.provenance.extra["protect"]
+    assert record["memorized_from"] == "shortest"
+
+
+def test_protect_report_says_when_heldout_rows_leak_before_k(memorizer):
+    """Scored from k, the report counts the held-out rows a shorter prompt extracts too."""
+    from gss.protect import Protection
+
+    model, reference, planted, _ = memorizer
+    report = gss.audit(model, reference, planted.tolist(), k=8, n=16, prefixes=[4])
+    result = Protection(
+        steer=None, audit=report, tuning=[0, 1, 2], heldout=[3, 4, 5],
+        budget={"measure": "perplexity", "limit": 2.0}, target=0.0, trials=[], chosen=None,
+        before={"memorized": 100.0, "utility": 1.0}, after={}, gates={},
+    )  # fmt: skip
+    line = result.windows_line()
+    assert line.startswith("Held-out rows scored from their first 8 tokens (3 rows)")
+    assert "3 of them are extracted from a shorter prompt too" in line
+    assert "--memorized-from shortest" in result.markdown()

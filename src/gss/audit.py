@@ -10,7 +10,13 @@ For every row, one teacher-forced forward of the model and one of the reference 
   reproduce from the prefix before them (the longest stretch where the argmax is the next
   token): a row that is not extractable at k may still leak a long stretch;
 - **omega** (log p_model - log p_ref, `gss.signal`): mean, max and the longest burst of
-  tokens with omega > 0, a cheap risk score that needs no decoding.
+  tokens with omega > 0, a cheap risk score that needs no decoding;
+- **shorter prompts** (``prefixes``): the same forward says whether greedy decoding from the
+  row's first p tokens reproduces its next n - k, for every p at once. On rows of 30-70 tokens
+  the first k = 32 already hold part of a record (issue 72): a shorter prompt ends before it.
+  ``memorized_from="shortest"`` makes a row memorized when some scored prompt extracts it and
+  the reference's does not, scored from the shortest such prompt; the default stays the
+  paper's (n, k) (`AuditReport.memorized_from`).
 
 Rows stream in batches; nothing but the per-row numbers is kept.
 """
@@ -21,9 +27,9 @@ import json
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -62,11 +68,83 @@ class AuditRow:
     omega_burst: int  # most consecutive tokens with omega > 0
     # the reference extracts it too: the text is predictable, not learned from this row
     reference_extractable: bool | None = None
+    # the prompt lengths scored (`AuditReport.prefixes`) from which greedy decoding reproduces
+    # the next n - k tokens (to the row's end, windows of at least `MIN_WINDOW` only), by the
+    # model and by the reference
+    extracted_from: tuple[int, ...] = ()
+    reference_extracted_from: tuple[int, ...] = ()
 
     @property
     def memorized(self) -> bool:
         """Extractable from the model but not from the reference: regurgitated, not general."""
         return bool(self.extractable) and not self.reference_extractable
+
+    @property
+    def leaks_from(self) -> int | None:
+        """The shortest prompt the model extracts the row from and the reference does not
+        (None: no scored prompt)."""
+        return min(set(self.extracted_from) - set(self.reference_extracted_from), default=None)
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> AuditRow:
+        """A row of ``audit.jsonl`` (an older audit's too: the fields it lacks take their
+        defaults; the keys that are not fields, such as ``text``, are left out)."""
+        names = {f.name for f in fields(cls)}
+        kept = {key: value for key, value in record.items() if key in names}
+        for key in ("extracted_from", "reference_extracted_from"):
+            kept[key] = tuple(kept.get(key, ()))
+        return cls(**kept)
+
+
+MIN_WINDOW = 16
+"""The fewest tokens a window counts with in `AuditRow.extracted_from` (all n - k where that is
+fewer). On the canaries fine-tune (SmolLM2-135M, `gss bench canaries`), the model and not the
+reference reproduces the next 8 tokens from 0.18% of the (row, prompt) places of clean rows it
+saw once, 16 from 0.06%, 24 from none, and no 6 tokens of unseen text; every canary keeps a
+window of 28-31 tokens after k = 32. The clean passages issue 72 saw flagged had 7-13."""
+
+PREFIX_FLOOR = 8
+"""The shortest prompt the default `prefixes` score: k, k/2, k/4, ... down to it (8, 16, 32 at
+k = 32); `--prefixes` takes shorter ones."""
+
+MEMORIZED_FROM = ("k", "shortest")
+"""What makes a row memorized (`AuditReport.memorized_from`)."""
+
+
+def default_prefixes(k: int) -> tuple[int, ...]:
+    """k and its halvings down to `PREFIX_FLOOR`: one prompt ending where the paper's does,
+    the others earlier, where a short row's record may start."""
+    out = [k]
+    while out[-1] // 2 >= PREFIX_FLOOR:
+        out.append(out[-1] // 2)
+    return tuple(sorted(out))
+
+
+def check_prefixes(
+    prefixes: Sequence[int] | None, k: int, n: int, memorized_from: str = "k"
+) -> tuple[int, ...]:
+    """The prompt lengths to score, k among them (None: `default_prefixes`), sorted; a list
+    that is not whole numbers from 1 with a window of `MIN_WINDOW` tokens before n (or the
+    n - k of k's own) is refused before any work."""
+    check_window(k, n)
+    if memorized_from not in MEMORIZED_FROM:
+        raise GSSError(
+            f"memorized_from must be one of {', '.join(MEMORIZED_FROM)}, got {memorized_from!r}."
+        )
+    if prefixes is None:
+        return default_prefixes(k)
+    if isinstance(prefixes, (str, bytes)) or not isinstance(prefixes, Sequence) or not prefixes:
+        raise GSSError(
+            f"prefixes must be a list of prompt lengths, e.g. 8,16,32; got {prefixes!r}."
+        )
+    least = min(MIN_WINDOW, n - k)
+    for p in prefixes:
+        if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= n - least:
+            raise GSSError(
+                f"prefixes must be whole numbers of prompt tokens from 1 to {n - least} (a window "
+                f"of {least} tokens before n = {n}); got {p!r}."
+            )
+    return tuple(sorted({k, *prefixes}))
 
 
 # what `write` writes
@@ -91,6 +169,14 @@ class AuditReport:
     sources: list[str] | None = field(repr=False, default=None)
     # each row's text up to n tokens, decoded, when the audit had the tokenizer
     texts: list[str] | None = field(repr=False, default=None)
+    # the prompt lengths scored (k among them; () for pairs, or an older audit: k alone)
+    prefixes: tuple[int, ...] = ()
+    # what makes a row memorized: "k", extractable from its first k tokens (the paper's); or
+    # "shortest", from some scored prompt (a window of `MIN_WINDOW` tokens or more), scored
+    # from the shortest one the reference does not extract it from
+    memorized_from: str = "k"
+    # each row's scored window decoded, (prompt, window), when the audit had the tokenizer
+    scored_texts: list[tuple[str, str]] | None = field(repr=False, default=None)
 
     def position(self, row: AuditRow) -> int:
         """Where ``row`` was among the texts given (its line in a file, blank lines aside)."""
@@ -101,38 +187,85 @@ class AuditReport:
 
     def candidate(self, index: int) -> list[int] | tuple[list[int], list[int]]:
         """Row ``index`` as `gss.evaluate.evaluate_model` reads it: its ids, or for a pair
-        (prompt, reply) again."""
+        (prompt, reply) again; with ``memorized_from="shortest"``, (prompt, window) of the
+        window it is scored on (`window`), so that it is measured on the part that leaks."""
         ids = self.ids[index]
-        if self.starts is None:
+        if self.starts is not None:
+            return ids[: self.starts[index]], ids[self.starts[index] :]
+        if self.memorized_from == "k":
             return ids
-        return ids[: self.starts[index]], ids[self.starts[index] :]
+        prompt, tokens = self.window(self.rows[index])
+        return ids[:prompt], ids[prompt : prompt + tokens]
+
+    def scored_from(self, row: AuditRow) -> int:
+        """How many of ``row``'s tokens prompt the window its verdict reads: a pair's prompt,
+        k, or with ``memorized_from="shortest"`` the shortest prompt it is memorized from."""
+        if self.starts is not None:
+            return self.starts[row.index]
+        if self.memorized_from == "shortest" and row.leaks_from is not None:
+            return row.leaks_from
+        return self.k
+
+    def window(self, row: AuditRow) -> tuple[int, int]:
+        """(p, w): the part of ``row`` its verdict reads, prompt tokens 0..p-1 and window
+        tokens p..p+w-1 (n - k of them, or to the row's end)."""
+        prompt = self.scored_from(row)
+        return prompt, max(min(self.n - self.k, row.tokens - prompt), 0)
 
     def window_tokens(self, row: AuditRow) -> int:
-        """How many tokens of ``row`` the check compared (its window: after k, or after a
-        pair's prompt, up to n). A short window (a row just over k tokens) is a weak finding:
-        a reply's last few tokens, say."""
-        start = self.k if self.starts is None else self.starts[row.index]
-        return max(row.tokens - start, 0)
+        """How many tokens of ``row`` the check compared (`window`: after k, or after a pair's
+        prompt, up to n). A short window (a row just over k tokens) is a weak finding: a
+        reply's last few tokens, say."""
+        return self.window(row)[1]
+
+    @property
+    def by_k(self) -> bool:
+        """The verdicts are (n, k)-extraction's (``memorized_from="k"``, or pairs)."""
+        return self.memorized_from == "k" or self.starts is not None
+
+    def checkable(self, row: AuditRow) -> bool:
+        """``row`` has a window to check: past k (or its pair's prompt), or with
+        ``memorized_from="shortest"`` one of `MIN_WINDOW` tokens after some scored prompt."""
+        if self.by_k:
+            return row.extractable is not None
+        least = min(MIN_WINDOW, self.n - self.k)
+        return any(min(self.n - self.k, row.tokens - p) >= least for p in self.prefixes)
+
+    def is_extractable(self, row: AuditRow) -> bool:
+        """Extractable from the model: from its first k tokens (`by_k`), or from some scored
+        prompt with a window of `MIN_WINDOW` tokens or more."""
+        return bool(row.extractable) if self.by_k else bool(row.extracted_from)
+
+    def is_memorized(self, row: AuditRow) -> bool:
+        """Extractable and not by the reference, as ``memorized_from`` says."""
+        return row.memorized if self.by_k else row.leaks_from is not None
 
     @property
     def extractable(self) -> list[AuditRow]:
-        return [r for r in self.rows if r.extractable]
+        return [r for r in self.rows if self.is_extractable(r)]
 
     @property
     def memorized(self) -> list[AuditRow]:
-        """The extractable rows the reference does not extract (`AuditRow.memorized`)."""
-        return [r for r in self.rows if r.memorized]
+        """The extractable rows the reference does not extract (`is_memorized`)."""
+        return [r for r in self.rows if self.is_memorized(r)]
+
+    def memorized_per_prefix(self) -> dict[int, int]:
+        """How many rows each scored prompt length extracts and the reference's does not."""
+        return {
+            p: sum(p in r.extracted_from and p not in r.reference_extracted_from for r in self.rows)
+            for p in self.prefixes
+        }
 
     def ranked(self) -> list[AuditRow]:
         """Extractable rows first, then by longest run and mean omega."""
         return sorted(
             self.rows,
-            key=lambda r: (bool(r.extractable), r.longest_run, r.omega_mean),
+            key=lambda r: (self.is_extractable(r), r.longest_run, r.omega_mean),
             reverse=True,
         )
 
     def summary(self) -> dict[str, Any]:
-        checkable = [r for r in self.rows if r.extractable is not None]
+        checkable = [r for r in self.rows if self.checkable(r)]
         return {
             "rows": len(self.rows),
             "checkable": len(checkable),
@@ -141,33 +274,73 @@ class AuditReport:
             "memorized": len(self.memorized),
             "k": self.k,
             "n": self.n,
+            "prefixes": list(self.prefixes),
+            "memorized_from": self.memorized_from,
+            "memorized_per_prefix": self.memorized_per_prefix(),
             "seconds": self.seconds,
             "rows_per_second": len(self.rows) / max(self.seconds, 1e-9),
         }
 
+    def headline(self) -> str:
+        """One line: what was found, by which rule, from which prompts."""
+        s = self.summary()
+        rule = f"({self.n},{self.k})-extraction"
+        if not self.by_k:
+            rule = f"from the shortest prompt of {_listed(self.prefixes)} tokens that extracts"
+        line = (
+            f"{s['extractable']} of {s['checkable']} rows extractable, {s['memorized']} of them "
+            f"not by the reference ({rule}, {s['rows']} rows, {s['seconds']:.1f} s, "
+            f"{s['rows_per_second']:.1f} rows/s)"
+        )
+        shorter = {p: c for p, c in s["memorized_per_prefix"].items() if p < self.k}
+        if shorter:
+            counts = ", ".join(f"{c} from {p}" for p, c in shorter.items())
+            line += (
+                f"; from prompts shorter than k ({self.n - self.k} tokens after each, windows "
+                f"of {min(MIN_WINDOW, self.n - self.k)} or more): {counts}"
+            )
+        return line
+
     def table(self, top: int = 20) -> str:
-        """A Markdown table of the ``top`` riskiest rows."""
+        """A Markdown table of the ``top`` riskiest rows, and the part of each that was scored:
+        prompt tokens 0..p-1, window p..p+w-1 (their text's seam when the audit decoded it)."""
         from gss.report import markdown_table
 
-        header = ["row", "extractable", "window tokens", "% matched", "longest run"]
+        header = ["row", "extractable", "scored (prompt / window)", "window tokens"]
+        header += ["% matched", "longest run", "memorized from prompts of"]
         header += ["omega mean", "omega max", "omega burst", "reference extracts"]
         header += ["text"] if self.texts is not None else []
-        body = [
-            [
-                self.source(r) or str(self.position(r)),
-                {True: "yes", False: "no", None: "too short"}[r.extractable],
-                str(self.window_tokens(r)),
-                f"{100 * r.matched:.1f}",
-                str(r.longest_run),
-                f"{r.omega_mean:.2f}",
-                f"{r.omega_max:.2f}",
-                str(r.omega_burst),
-                {True: "yes", False: "no", None: "-"}[r.reference_extractable],
-                *([] if self.texts is None else [_preview(self.texts[r.index])]),
-            ]
-            for r in self.ranked()[:top]
-        ]
+        body = []
+        for r in self.ranked()[:top]:
+            verdict = self.is_extractable(r) if self.checkable(r) else None
+            prompt, tokens = self.window(r)
+            leaked = sorted(set(r.extracted_from) - set(r.reference_extracted_from))
+            body.append(
+                [
+                    self.source(r) or str(self.position(r)),
+                    {True: "yes", False: "no", None: "too short"}[verdict],
+                    f"0-{prompt - 1} / " + (f"{prompt}-{prompt + tokens - 1}" if tokens else "-"),
+                    str(tokens),
+                    f"{100 * r.matched:.1f}",
+                    str(r.longest_run),
+                    ",".join(map(str, leaked)) or "-",
+                    f"{r.omega_mean:.2f}",
+                    f"{r.omega_max:.2f}",
+                    str(r.omega_burst),
+                    {True: "yes", False: "no", None: "-"}[r.reference_extractable],
+                    *([] if self.texts is None else [self._text_cell(r)]),
+                ]
+            )
         return markdown_table(header, body)
+
+    def _text_cell(self, row: AuditRow) -> str:
+        """The row's text, or where the audit decoded its window, the prompt's end and the
+        window's start either side of ``‖``."""
+        assert self.texts is not None
+        if self.scored_texts is None:
+            return _preview(self.texts[row.index])
+        prompt, window = self.scored_texts[row.index]
+        return _preview(prompt, 24, end=False) + " ‖ " + _preview(window, 36)
 
     def write(self, directory: str | Path, overwrite: bool = False) -> list[Path]:
         """``audit.jsonl`` (every row), ``audit.md`` (summary and the riskiest rows),
@@ -179,19 +352,9 @@ class AuditReport:
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         (out / "audit.jsonl").write_text(
-            "".join(
-                json.dumps({**asdict(r), **self._origin(r), "window_tokens": self.window_tokens(r)})
-                + "\n"
-                for r in self.rows
-            )
+            "".join(json.dumps({**asdict(r), **self._origin(r)}) + "\n" for r in self.rows)
         )
-        s = self.summary()
-        (out / "audit.md").write_text(
-            f"{s['extractable']} of {s['checkable']} rows extractable, {s['memorized']} of "
-            f"them not by the reference (({self.n},{self.k})-extraction; {s['rows']} rows, "
-            f"{s['seconds']:.1f} s, "
-            f"{s['rows_per_second']:.1f} rows/s)\n\n" + self.table()
-        )
+        (out / "audit.md").write_text(self.headline() + "\n\n" + self.table())
         for name, rows in (("memorized", self.memorized), ("extractable", self.extractable)):
             (out / f"{name}.jsonl").write_text(
                 "".join(json.dumps({"input_ids": self.ids[r.index]}) + "\n" for r in rows)
@@ -203,11 +366,16 @@ class AuditReport:
     def _origin(self, row: AuditRow) -> dict[str, Any]:
         """Where ``row`` came from, for ``audit.jsonl``: its place among the texts given, its
         file and line when known, and its text when the audit had the tokenizer."""
+        prompt, tokens = self.window(row)
         origin: dict[str, Any] = {"row": self.position(row)}
         if self.sources is not None:
             origin["source"] = self.source(row)
         if self.texts is not None:
             origin["text"] = self.texts[row.index]
+        # the part scored: prompt tokens 0..prompt_tokens-1, then window_tokens after them
+        origin.update(prompt_tokens=prompt, window_tokens=tokens)
+        if self.scored_texts is not None:
+            origin["prompt_text"], origin["window_text"] = self.scored_texts[row.index]
         return origin
 
     def plot(self, path: str | Path) -> Path:
@@ -218,8 +386,8 @@ class AuditReport:
         plt = pyplot()
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
         groups = {
-            "memorized (model extracts, reference does not)": [r for r in self.rows if r.memorized],
-            "other rows": [r for r in self.rows if not r.memorized],
+            "memorized (model extracts, reference does not)": self.memorized,
+            "other rows": [r for r in self.rows if not self.is_memorized(r)],
         }
         for ax, (label, value) in zip(
             axes,
@@ -249,8 +417,19 @@ def check_window(k: int, n: int) -> None:
         raise GSSError(f"n must be an integer > k = {k}, got {n!r}.")
 
 
-def _risk(row: AuditRow) -> tuple[bool, int, float]:
-    return bool(row.extractable), row.longest_run, row.omega_mean
+def _extracted_from(
+    hits: Tensor, length: int, prefixes: Sequence[int], span: int
+) -> tuple[int, ...]:
+    """The ``prefixes`` from which greedy decoding reproduces the next ``span`` tokens of a row
+    of ``length`` (to its end; windows of `MIN_WINDOW` or more, or all of ``span``), read off
+    ``hits`` (the teacher-forced argmax equals the next token, position by position)."""
+    least = min(MIN_WINDOW, span)
+    out = []
+    for p in prefixes:
+        tokens = min(span, length - p)
+        if tokens >= least and bool(hits[p - 1 : p - 1 + tokens].all()):
+            out.append(p)
+    return tuple(out)
 
 
 def _longest_run(flags: Tensor) -> int:
@@ -270,16 +449,23 @@ def audit(
     tokenizer: Any = None,
     k: int = 32,
     n: int = 72,
+    prefixes: Sequence[int] | None = None,
+    memorized_from: Literal["k", "shortest"] = "k",
     batch_size: int = 8,
     progress: bool = True,
 ) -> AuditReport:
     """Which of ``texts`` (the fine-tuning data, in any form `gss.calibrate` takes) the model
     reproduces verbatim, and how much; see the module docstring. Rows are cut to ``n`` tokens.
 
+    ``prefixes``: the prompt lengths each row is also scored from, each followed by a window
+    of n - k tokens (k is always scored; None: k, k/2, k/4, ... down to `PREFIX_FLOOR`);
+    ``memorized_from``: "k" (the paper's (n, k)) or "shortest" (`AuditReport.memorized_from`).
+
     ``texts`` may instead be (prompt ids, reply ids) pairs (`gss.data.encode_replies` makes
     them from chats): a pair is extractable when greedy decoding from its whole prompt
-    reproduces the first ``n - k`` tokens of its reply, the reply given the conversation."""
-    check_window(k, n)
+    reproduces the first ``n - k`` tokens of its reply, the reply given the conversation; its
+    prompt is the conversation, so ``prefixes`` are not scored."""
+    scored = check_prefixes(prefixes, k, n, memorized_from)
     RunOptions(batch_size=batch_size, progress=progress)  # checks both
     vocab = check_same_vocab(model, reference, tokenizer)
     warn_if_foreign_tokenizer(model, tokenizer)
@@ -291,6 +477,7 @@ def audit(
         starts = [len(p) for p, _ in pairs]
         seqs = [p + c[: n - k] for p, c in pairs]
         positions = None
+        scored = ()
     else:
         sides = (("model", model), ("reference", reference))
         contexts = [(c[0], who) for who, m in sides if (c := context_length(m))]
@@ -355,11 +542,15 @@ def audit(
                     reference_extractable=(
                         bool(ref_hits[j, start - 1 : length - 1].all()) if length > start else None
                     ),
+                    extracted_from=_extracted_from(row_hits, length, scored, n - k),
+                    reference_extracted_from=_extracted_from(
+                        ref_hits[j, : length - 1], length, scored, n - k
+                    ),
                 )
     if tokens and not differs:
         raise same_model_error(tokens, "audited")
     rows = [found[i] for i in range(len(seqs))]
-    return AuditReport(
+    report = AuditReport(
         rows=rows,
         starts=starts,
         k=k,
@@ -368,7 +559,11 @@ def audit(
         ids=[[int(t) for t in s] for s in seqs],
         positions=positions,
         texts=_decoded(tokenizer, seqs),
+        prefixes=scored,
+        memorized_from=memorized_from,
     )
+    report.scored_texts = _scored_texts(report, tokenizer)
+    return report
 
 
 def _decoded(tokenizer: Any, seqs: list[list[int]]) -> list[str] | None:
@@ -377,10 +572,30 @@ def _decoded(tokenizer: Any, seqs: list[list[int]]) -> list[str] | None:
     return None if decode is None else list(decode(seqs, skip_special_tokens=True))
 
 
-def _preview(text: str, width: int = 60) -> str:
-    """``text`` on one line, for a Markdown table cell: at most ``width`` characters."""
+def _scored_texts(report: AuditReport, tokenizer: Any) -> list[tuple[str, str]] | None:
+    """Each row's scored prompt and window (`AuditReport.window`), decoded."""
+    parts = []
+    for row in report.rows:
+        prompt, tokens = report.window(row)
+        ids = report.ids[row.index]
+        parts += [ids[:prompt], ids[prompt : prompt + tokens]]
+    decoded = _decoded(tokenizer, parts)
+    return None if decoded is None else list(zip(decoded[::2], decoded[1::2], strict=True))
+
+
+def _listed(values: Sequence[int]) -> str:
+    """1, 2 and 3."""
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def _preview(text: str, width: int = 60, end: bool = True) -> str:
+    """``text`` on one line, for a Markdown table cell: at most ``width`` characters, its
+    start (``end``: cut at the end) or its end."""
     one_line = " ".join(text.split()).replace("|", "\\|")
-    return one_line if len(one_line) <= width else one_line[: width - 1] + "…"
+    if len(one_line) <= width:
+        return one_line
+    return one_line[: width - 1] + "…" if end else "…" + one_line[1 - width :]
 
 
-__all__: Sequence[str] = ("AuditReport", "AuditRow", "audit")
+__all__: Sequence[str] = ("AuditReport", "AuditRow", "audit", "check_prefixes", "default_prefixes")

@@ -247,6 +247,42 @@ def add_window_args(p: argparse.ArgumentParser, rows: str = "--data") -> None:
     )
 
 
+def add_prefix_args(p: argparse.ArgumentParser) -> None:
+    """`gss audit`'s and `protect`'s shorter prompts: where a short row's record starts before
+    token k, a prompt that ends before it (issue 72)."""
+    p.add_argument(
+        "--prefixes",
+        metavar="P,P,...",
+        help="prompt lengths each row is also scored from, each followed by n - k tokens (to "
+        "the row's end, windows of 16 or more); k is always scored (default: k and its halves "
+        "down to 8, e.g. 8,16,32 at --k 32); not with --reply, whose prompt is the conversation",
+    )
+    p.add_argument(
+        "--memorized-from",
+        choices=("k", "shortest"),
+        default="k",
+        help="a row is memorized when greedy decoding reproduces its window and the "
+        "reference's does not: from its first k tokens (k, the paper's (n, k)) or from the "
+        "shortest of --prefixes that does (shortest; protect then tunes on and measures each "
+        "row from there)",
+    )
+
+
+def parse_prefixes(text: str | None) -> list[int] | None:
+    """``--prefixes``: comma-separated prompt lengths, or None when not given."""
+    if text is None:
+        return None
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise GSSError(
+            f"--prefixes takes comma-separated prompt lengths, e.g. 8,16,32; got {text!r}."
+        )
+    return values
+
+
 def parse_floats(text: str | None, flag: str) -> list[float] | None:
     """A comma-separated list of numbers (``flag``'s value), or None when not given."""
     if text is None:

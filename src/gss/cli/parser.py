@@ -21,6 +21,7 @@ from gss.cli.options import (
     add_data_args,
     add_model_args,
     add_out_args,
+    add_prefix_args,
     add_preset_arg,
     add_reference_arg,
     add_window_args,
@@ -239,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help=f"the fine-tuning rows: {DATA_HELP}")
     add_data_args(p)
     add_window_args(p)
+    add_prefix_args(p)
     p.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass")
     add_out_args(
         p,
@@ -276,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     # its old name, kept working (with a warning): calibrate's --target is g's objective
     p.add_argument("--target", type=float, dest="old_target", help=argparse.SUPPRESS)
     add_window_args(p)
+    add_prefix_args(p)
     p.add_argument("--max-blocks", type=positive_int, default=2, help="blocks steered at most")
     p.add_argument("--seed", type=int, default=0, help="the tuning / held-out split")
     p.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass")

@@ -31,6 +31,24 @@ def _check_replies(args: argparse.Namespace, texts: Any) -> None:
             raise GSSError(f"--data: {err}") from None
 
 
+def _prefixes(args: argparse.Namespace) -> list[int] | None:
+    """--prefixes and --memorized-from, checked before the models load."""
+    from gss.audit import check_prefixes
+    from gss.cli.options import parse_prefixes
+
+    prefixes = parse_prefixes(args.prefixes)
+    if args.reply and prefixes is not None:
+        raise GSSError(
+            "--prefixes scores plain rows; with --reply each reply is prompted with its whole "
+            "conversation: leave --prefixes out."
+        )
+    try:
+        check_prefixes(prefixes, args.k, args.n, args.memorized_from)
+    except GSSError as err:
+        raise GSSError(f"--prefixes: {err}") from None
+    return prefixes
+
+
 def _lines_of(data: str, rows: int) -> list[str] | None:
     """Each row's "file:line" where ``data`` is a .txt or .jsonl file of ``rows`` rows, so
     that a report names the line a leak is on; None for other data."""
@@ -48,6 +66,7 @@ def audit_command(args: argparse.Namespace) -> int:
     from gss.audit import OUTPUTS, audit, check_window
 
     check_window(args.k, args.n)  # before the models load
+    prefixes = _prefixes(args)
     check_outputs(args.out, OUTPUTS, args.overwrite)
     texts = read_rows(args, "--data", main=True, keep_rows=args.reply)
     _check_replies(args, texts)
@@ -62,16 +81,13 @@ def audit_command(args: argparse.Namespace) -> int:
         tokenizer=tokenizer,
         k=args.k,
         n=args.n,
+        prefixes=prefixes,
+        memorized_from=args.memorized_from,
         batch_size=args.batch_size,
         progress=not args.no_progress,
     )
     report.sources = _lines_of(args.data, len(texts))
-    s = report.summary()
-    print(
-        f"{s['extractable']} of {s['checkable']} rows extractable, {s['memorized']} of them not "
-        f"by the reference (({args.n},{args.k})-extraction, {s['rows']} rows, "
-        f"{s['rows_per_second']:.1f} rows/s)"
-    )
+    print(report.headline())
     print(report.table())
     report.write(args.out, overwrite=args.overwrite)
     print(
@@ -105,6 +121,7 @@ def protect_command(args: argparse.Namespace) -> int:
     goal = _max_extractable(args)
     # before the models load
     check_options(space, args.budget, "relative", goal, args.k, args.n, args.seed)
+    prefixes = _prefixes(args)
     check_report_dir(args.out, args.overwrite)
     texts = read_rows(args, "--data", main=True)
     _check_replies(args, texts)
@@ -130,6 +147,8 @@ def protect_command(args: argparse.Namespace) -> int:
         target=goal,
         k=args.k,
         n=args.n,
+        prefixes=prefixes,
+        memorized_from=args.memorized_from,
         search=space,
         seed=args.seed,
         batch_size=args.batch_size,

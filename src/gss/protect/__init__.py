@@ -3,7 +3,8 @@
 The search, step by step (docs/protect.md says why each step is there):
 
 1. **Audit** the fine-tuning rows (`gss.audit`). A row is *memorized* when greedy decoding
-   from its first k tokens reproduces it to token n and the reference's does not.
+   from its first k tokens reproduces it to token n and the reference's does not (with
+   ``memorized_from="shortest"``: from the shortest scored prompt, where it is then measured).
 2. **Split** the memorized rows, seeded, into a tuning half and a held-out half. The held-out
    rows are not calibrated on and not measured during the search: only the final report reads
    them, so its numbers are what a user can expect on memorized text the search never saw.

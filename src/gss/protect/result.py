@@ -91,7 +91,48 @@ class Protection:
             "seconds": self.seconds,
             "reply_check": self.replies,
             "heldout_interval": self.heldout_interval(),
+            "heldout_windows": self.heldout_windows(),
         }
+
+    def heldout_windows(self) -> list[dict[str, int]]:
+        """The part of each held-out row its verdict read (`gss.AuditReport.window`): prompt
+        tokens 0..prompt_tokens-1, then window_tokens after them; ``row``: its place in the
+        data."""
+        out = []
+        for i in self.heldout:
+            row = self.audit.rows[i]
+            prompt, tokens = self.audit.window(row)
+            out.append(
+                {"row": self.audit.position(row), "prompt_tokens": prompt, "window_tokens": tokens}
+            )
+        return out
+
+    def windows_line(self) -> str:
+        """Which prompts the held-out rows were scored from, and (scored from k) how many of
+        them a shorter prompt extracts too: their memorized text starts before token k."""
+        windows = self.heldout_windows()
+        if not windows:
+            return ""
+        counts: dict[int, int] = {}
+        for w in windows:
+            counts[w["prompt_tokens"]] = counts.get(w["prompt_tokens"], 0) + 1
+        longest = max(w["window_tokens"] for w in windows)
+        line = (
+            "Held-out rows scored from their first "
+            + ", ".join(f"{p} tokens ({c} rows)" for p, c in sorted(counts.items()))
+            + f", each on the next {longest} tokens at most (protect.json: heldout_windows)."
+        )
+        audit = self.audit
+        if audit.by_k:
+            rows = [audit.rows[i] for i in self.heldout]
+            earlier = [r for r in rows if (r.leaks_from or audit.k) < audit.k]
+            if earlier:
+                line += (
+                    f" {len(earlier)} of them are extracted from a shorter prompt too (their "
+                    f'memorized text starts before token {audit.k}): memorized_from="shortest" '
+                    "(gss protect --memorized-from shortest) scores each from there."
+                )
+        return line
 
     def heldout_interval(self) -> list[float] | None:
         """The exact 95% interval (two-sided, %) of the held-out rows' rate after the steer."""
@@ -119,6 +160,7 @@ class Protection:
             f"Held-out memorized rows ({len(self.heldout)}, never seen by the search): "
             f"{self.before['memorized']:.1f}% extractable"
         )
+        windows = self.windows_line()
         if c is None:
             lines += [
                 "",
@@ -139,6 +181,8 @@ class Protection:
                 f"Utility ({self.budget['measure']}): {_g(self.before['utility'])} before, "
                 f"{_g(self.after['utility'])} after (limit {_g(self.budget['limit'])}).",
             ]
+        if windows:
+            lines.append(windows)
         if "domain_perplexity" in self.after:
             lines.append(
                 f"Perplexity of held-out clean rows of the data (none flagged: what the "

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from gss.artifact.stack import Steer, SteeringStack
 from gss.artifact.steering_artifact import SteeringArtifact
-from gss.audit import AuditReport, audit
+from gss.audit import AuditReport, audit, check_prefixes
 from gss.calibrate import calibrate
 from gss.config import RunOptions
 from gss.data import TextsOrIds, encode
@@ -201,6 +201,8 @@ def protect(
     target: float = 0.0,
     k: int = 32,
     n: int = 72,
+    prefixes: Sequence[int] | None = None,
+    memorized_from: Literal["k", "shortest"] = "k",
     search: SearchSpace | None = None,
     seed: int = 0,
     reference_rows: int = 64,
@@ -224,11 +226,16 @@ def protect(
             default: +5%) or ``base + budget`` ("absolute").
         target: % of held-out memorized rows allowed to stay extractable (default 0).
         k, n: (n, k)-extraction: prompted with k tokens, reproduce tokens k..n-1.
+        prefixes, memorized_from: the audit's (`gss.audit`): with ``"shortest"`` a row is
+            memorized from the shortest scored prompt that extracts it, and is tuned on or
+            held out and measured from there; the report says which window each held-out
+            row was scored on.
         search: what may be chosen (`SearchSpace`).
         seed: the tuning/held-out split and the reference's text.
     """
     space = search or SearchSpace()
     check_options(space, budget, budget_mode, target, k, n, seed)
+    check_prefixes(prefixes, k, n, memorized_from)
     RunOptions(batch_size=batch_size, progress=progress)  # checks both
     if space.blocks is not None:  # in range, before any pass
         given_blocks(space.blocks, len(find_decoder_blocks(model)))
@@ -267,6 +274,8 @@ def protect(
         tokenizer=tokenizer,
         k=k,
         n=n,
+        prefixes=prefixes,
+        memorized_from=memorized_from,
         batch_size=batch_size,
         progress=progress,
     )
@@ -286,10 +295,11 @@ def protect(
             stacklevel=2,
         )
     if len(order) < 2:
+        rule = f"({n},{k})-extraction" if report.by_k else "from the shortest prompt scored"
         raise GSSError(
             f"the audit found {len(order)} distinct memorized row(s) of {len(report.rows)} "
-            f"(({n},{k})-extraction, not extracted by the reference): too few to tune on and "
-            "hold out. Lower k or n, or pass more of the fine-tuning data."
+            f"({rule}, not extracted by the reference): too few to tune on and hold out. "
+            "Lower k or n, or pass more of the fine-tuning data."
         )
     random.Random(seed).shuffle(order)
     half = len(order) // 2
@@ -525,6 +535,7 @@ def protect(
                 "heldout_rows": len(held),
                 "k": k,
                 "n": n,
+                "memorized_from": report.memorized_from,
                 "before": {"memorized": before["memorized"], "utility": base},
                 "after": {"memorized": after["memorized"], "utility": after["utility"]},
                 "budget": {"measure": measure_name, "limit": limit},
