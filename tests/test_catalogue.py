@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -640,6 +644,79 @@ def test_ctrl_c_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(artifacts, "show_command", interrupted)
     assert main(["show", "anything"]) == 130
     assert capsys.readouterr().err == "gss: interrupted\n"
+
+
+def test_ctrl_c_while_the_command_line_is_read_is_one_line(monkeypatch, capsys):
+    import gss.cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gss.cli, "build_parser", interrupted)
+    assert main(["show", "anything"]) == 130
+    assert capsys.readouterr().err == "gss: interrupted\n"
+
+
+# the console script (`gss`), with a Ctrl-C landing while `import gss` loads torch
+_INTERRUPTED_IMPORT = textwrap.dedent(
+    """
+    import sys
+
+    class Interrupt:
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch":
+                raise KeyboardInterrupt
+
+    sys.meta_path.insert(0, Interrupt())
+    from gss.cli import main
+    sys.exit(main())
+    """
+)
+
+
+@pytest.mark.parametrize("script", ["gss", "mine.py"])
+def test_ctrl_c_while_torch_loads(tmp_path, script):
+    """In the gss command, one line and 130 before `main` runs; in anyone else's program that
+    imports gss, Python's own KeyboardInterrupt, untouched."""
+    (tmp_path / script).write_text(_INTERRUPTED_IMPORT)
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / script), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if script == "gss":
+        assert (done.returncode, done.stdout, done.stderr) == (130, "", "gss: interrupted\n")
+    else:
+        assert done.returncode != 0 and "KeyboardInterrupt" in done.stderr
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process: POSIX")
+def test_sigint_during_start_up_is_one_line():
+    """A real Ctrl-C (SIGINT) while `python -m gss` imports torch: sent once the child has
+    imported its first torch module (-X importtime says so), i.e. long before gss is loaded."""
+    child = subprocess.Popen(
+        [sys.executable, "-X", "importtime", "-m", "gss", "--help"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stderr is not None
+        lines = []
+        for line in child.stderr:
+            lines.append(line)
+            if line.rsplit("|", 1)[-1].strip().startswith("torch."):  # torch is loading
+                child.send_signal(signal.SIGINT)
+                break
+        else:
+            pytest.skip("the child finished before torch loaded")
+        lines += child.stderr.readlines()
+        code = child.wait(timeout=120)
+    finally:
+        child.kill()
+    said = [line for line in lines if not line.startswith("import time:")]
+    assert (code, said) == (130, ["gss: interrupted\n"]), "".join(said)
 
 
 def test_a_reader_that_leaves_is_no_error(monkeypatch, capsys):

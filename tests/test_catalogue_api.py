@@ -398,6 +398,12 @@ def _bad_json(c: Ctx) -> Path:
     return out
 
 
+def _on_meta(seed: int = 1) -> nn.Module:
+    """A tiny model built under ``torch.device("meta")``: shapes, no weights."""
+    with torch.device("meta"):
+        return tiny_model("llama", seed=seed)
+
+
 def _unknown_entry(raw: dict[str, Any]) -> None:
     raw["from_the_future"] = 1
 
@@ -1045,6 +1051,31 @@ CASES: list[tuple[str, Callable[[Ctx], Any], Err | Warns | Ok]] = [
         "reference None",
         lambda c: gss.calibrate(c.model, None, c.ids, layer=1),
         Err(r"the reference must be a torch.nn.Module"),
+    ),
+    (
+        "audit, a reference on the meta device",
+        lambda c: gss.audit(c.model, _on_meta(), c.ids, progress=False),
+        Err(r"the reference's weights are on the meta device, not loaded \(model\.embed_tokens"),
+    ),
+    (
+        "calibrate, a reference on the meta device",
+        lambda c: gss.calibrate(c.model, _on_meta(), c.ids, layer=1, progress=False),
+        Err(r"the reference's weights are on the meta device.*load it with from_pretrained"),
+    ),
+    (
+        "calibrate, a model on the meta device",
+        lambda c: gss.calibrate(_on_meta(0), c.ref, c.ids, layer=1, progress=False),
+        Err(r"the model's weights are on the meta device.*\.to_empty\(device=\.\.\.\)"),
+    ),
+    (
+        "protect, a reference on the meta device",
+        lambda c: gss.protect(c.model, _on_meta(), c.ids, progress=False),
+        Err(r"the reference's weights are on the meta device"),
+    ),
+    (
+        "handoff to a reference on the meta device",
+        lambda c: gss.reference_where_open(c.model, c.art, _on_meta()).__enter__(),
+        Err(r"the reference's weights are on the meta device"),
     ),
     (
         "steer None",

@@ -9,21 +9,25 @@ threshold. The pipeline, in the order data flows: `gss.signal` -> `gss.statistic
 
 __version__ = "0.1.0"
 
-from gss.artifact.stack import SteeringStack, load, steer
-from gss.artifact.steering_artifact import Provenance, SteeringArtifact
-from gss.audit import AuditReport, audit
-from gss.calibrate import calibrate
-from gss.config import PRESETS, CalibrationConfig, RunOptions, preset
-from gss.errors import GSSError, GSSWarning
-from gss.hf.adapters import adapters_off
-from gss.hf.blocks import find_decoder_blocks
-from gss.layer_scan import LayerScan, scan_layers
-from gss.protect import Protection, SearchSpace, protect
-from gss.signal.omega import SignalStatistics, memorization_signal, signal_statistics
-from gss.solve.thresholds import calibrate_thresholds
-from gss.solve.whitened import ProbeSteer, solve_probe_steer
-from gss.steering.explain import Explanation, explain
-from gss.steering.handoff import reference_where_open
+from gss import _startup
+
+# in the gss command, a Ctrl-C while torch and transformers load is one line and exit 130
+with _startup.interruptible():
+    from gss.artifact.stack import SteeringStack, load, steer
+    from gss.artifact.steering_artifact import Provenance, SteeringArtifact
+    from gss.audit import AuditReport, audit
+    from gss.calibrate import calibrate
+    from gss.config import PRESETS, CalibrationConfig, RunOptions, preset
+    from gss.errors import GSSError, GSSWarning
+    from gss.hf.adapters import adapters_off
+    from gss.hf.blocks import find_decoder_blocks
+    from gss.layer_scan import LayerScan, scan_layers
+    from gss.protect import Protection, SearchSpace, protect
+    from gss.signal.omega import SignalStatistics, memorization_signal, signal_statistics
+    from gss.solve.thresholds import calibrate_thresholds
+    from gss.solve.whitened import ProbeSteer, solve_probe_steer
+    from gss.steering.explain import Explanation, explain
+    from gss.steering.handoff import reference_where_open
 
 __all__ = [
     "PRESETS",

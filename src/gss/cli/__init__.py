@@ -15,8 +15,11 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from gss.cli.parser import build_parser
+from gss._startup import EXIT_INTERRUPTED, INTERRUPTED, interruptible
 from gss.errors import GSSError, GSSWarning
+
+with interruptible():  # the command's modules load before `main` can catch a Ctrl-C
+    from gss.cli.parser import build_parser
 
 __all__ = ["build_parser", "main"]
 
@@ -35,16 +38,20 @@ def _show_warning(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``gss`` with ``argv`` (default: the process's arguments); the exit status: 0, or 2
-    after a `GSSError`, printed as one line."""
-    args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    quiet = getattr(args, "no_progress", False)
-    if quiet:
-        from transformers.utils import logging as transformers_logging
-
-        quiet = transformers_logging.is_progress_bar_enabled()
-        transformers_logging.disable_progress_bar()
+    after a `GSSError`, printed as one line; 130 after a Ctrl-C, from start-up on."""
     try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        return EXIT_INTERRUPTED
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    quiet = False
+    try:
+        if getattr(args, "no_progress", False):
+            from transformers.utils import logging as transformers_logging
+
+            quiet = transformers_logging.is_progress_bar_enabled()
+            transformers_logging.disable_progress_bar()
         with warnings.catch_warnings():
             warnings.showwarning = _show_warning
             return int(args.func(args))
@@ -52,8 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gss: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback from wherever it landed
-        print("gss: interrupted", file=sys.stderr)
-        return 130
+        print(INTERRUPTED, file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # `gss ... | head`: the reader left; nothing more to say
         with contextlib.suppress(OSError, ValueError):  # stdout may have no descriptor
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit

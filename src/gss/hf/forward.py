@@ -122,9 +122,41 @@ def vocab_size(model: nn.Module) -> int:
     return int(size)
 
 
+def _offloads(module: nn.Module) -> bool:
+    """Whether ``module`` has an ``accelerate`` hook that keeps its weights elsewhere (cpu or
+    disk) and brings them in for each call: its parameters on "meta" are then loaded."""
+    hook = getattr(module, "_hf_hook", None)
+    hooks = getattr(hook, "hooks", None) or ([] if hook is None else [hook])  # SequentialHook
+    return any(getattr(h, "weights_map", None) is not None for h in hooks)
+
+
+def check_loaded(model: nn.Module, what: str = "model") -> None:
+    """Refuse a model with a parameter on the "meta" device that no ``accelerate`` hook loads
+    (``from_config`` under ``torch.device("meta")``, ``init_empty_weights()``, a
+    ``device_map`` that left weights unloaded): its forward would fail deep inside torch, or
+    compute on shapes alone. Offloaded modules (a ``device_map`` with "cpu" or "disk" beside
+    a GPU) are loaded: their weights sit on "meta" between calls."""
+    offloaded: list[str] = []
+    for name, module in model.named_modules():
+        if _offloads(module):
+            offloaded.append(name + ".")
+        for p_name, param in module.named_parameters(recurse=False):
+            if param.device.type != "meta" or any(
+                (name + ".").startswith(prefix) for prefix in offloaded
+            ):
+                continue
+            where = f"{name}.{p_name}" if name else p_name
+            raise GSSError(
+                f"the {what}'s weights are on the meta device, not loaded ({where}, and maybe "
+                "more): load it with from_pretrained (without device_map='meta' or "
+                "init_empty_weights), or give a model built on meta real weights with "
+                ".to_empty(device=...) and load_state_dict(...) before passing it to gss."
+            )
+
+
 def check_models(model: Any, *reference: Any) -> None:
     """Refuse a model (or the reference, when one is passed: None too) that is not a torch
-    module, e.g. a path not yet loaded."""
+    module, e.g. a path not yet loaded, or whose weights are not loaded (`check_loaded`)."""
     for what, m in (("model", model), *(("reference", r) for r in reference)):
         if not isinstance(m, nn.Module):
             raise GSSError(
@@ -132,6 +164,7 @@ def check_models(model: Any, *reference: Any) -> None:
                 "load it first, e.g. gss.hf.loading.load_model(path) or "
                 "AutoModelForCausalLM.from_pretrained(path)."
             )
+        check_loaded(m, what)
 
 
 def check_same_vocab(model: nn.Module, reference: nn.Module, tokenizer: Any = None) -> int | None:

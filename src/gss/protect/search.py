@@ -24,7 +24,7 @@ from gss.errors import GSSError, GSSWarning
 from gss.evaluate.decoding import sample_generate
 from gss.evaluate.utility import perplexity
 from gss.hf.blocks import find_decoder_blocks, residual_width
-from gss.hf.forward import check_sequences, context_length
+from gss.hf.forward import check_models, check_sequences, context_length
 from gss.protect.checks import search_checks
 from gss.protect.measure import (
     Judge,
@@ -234,6 +234,7 @@ def protect(
         seed: the tuning/held-out split and the reference's text.
     """
     space = search or SearchSpace()
+    check_models(model, reference)  # a path, or weights left on "meta": before any pass
     check_options(space, budget, budget_mode, target, k, n, seed)
     check_prefixes(prefixes, k, n, memorized_from)
     RunOptions(batch_size=batch_size, progress=progress)  # checks both

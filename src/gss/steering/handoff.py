@@ -32,7 +32,7 @@ from gss.artifact.stack import SteeringStack
 from gss.artifact.steering_artifact import SteeringArtifact
 from gss.errors import GSSError
 from gss.hf.blocks import resolve_layer
-from gss.hf.forward import cache_argument, output_logits, returned_cache
+from gss.hf.forward import cache_argument, check_loaded, output_logits, returned_cache
 from gss.steering.attach import SteerHandle, register, split_block_output, warn_if_steering
 from gss.steering.gated import GatedSteer
 
@@ -204,6 +204,9 @@ def reference_where_open(
             f"reference must be a model (for a PEFT fine-tune's base: gss.adapters_off(model)), "
             f"got {type(reference).__name__}."
         )
+    check_loaded(reference, "reference")
+    if isinstance(model, nn.Module):
+        check_loaded(model)
     gates: list[_LastOpen] = []
     handles: list[SteerHandle] = []
     processor = ReferenceWhereOpen(reference, None if members is None else gates, min_signal)
