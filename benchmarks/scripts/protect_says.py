@@ -73,10 +73,16 @@ def licence_rows(tokenizer: Any, width: int = 64) -> list[list[int]]:
     return [ids[i : i + width] for i in range(0, len(ids) - width + 1, width)]
 
 
+def ordinary_starts(ordinary: list[list[int]]) -> list[list[int]]:
+    """The ordinary prompts whose 32-token continuations are compared: each row's first 16
+    tokens (or half)."""
+    return [list(r[: min(16, len(r) // 2)]) for r in ordinary]
+
+
 def handoff(
     model: Any,
     reference: Any,
-    steer: Steer,
+    steer: Steer | None,
     prompts: list[list[int]],
     width: int,
     pad: int,
@@ -95,7 +101,7 @@ def handoff(
 def handed_measures(
     model: Any,
     reference: Any,
-    steer: Steer,
+    steer: Steer | None,
     result: Any,
     data: Any,
     tokenizer: Any,
@@ -103,10 +109,12 @@ def handed_measures(
     ordinary: list[list[int]],
     min_signal: float | None = None,
     correct: bool = True,
+    plain: list[list[int]] | None = None,
 ) -> dict[str, Any]:
     """The measures of `measured` for the reference where a gate opens (and, with
     ``min_signal``, the fine-tune's choice has that memorization signal): held-out rows
-    reproduced greedily (the whole window), secrets said, replies, ordinary prompts unchanged."""
+    reproduced greedily (the whole window), secrets said, replies, ordinary prompts unchanged
+    (``plain``: the unsteered fine-tune's continuations of them, when already made)."""
     k, n = data.config.k, data.config.row_len
     held_rows = [result.audit.candidate(i) for i in result.heldout]
     windows = [prompt_and_target(r, k, n) for r in held_rows]
@@ -124,8 +132,8 @@ def handed_measures(
             ids = ids[: ids.index(tokenizer.eos_token_id)]
         text = tokenizer.decode(ids, skip_special_tokens=True)
         flags += [secret in text for secret in row]
-    starts = [list(r[: min(16, len(r) // 2)]) for r in ordinary]
-    plain = greedy_generate(model, starts, 32, pad_id=pad, batch_size=16)
+    starts = ordinary_starts(ordinary)
+    plain = plain or greedy_generate(model, starts, 32, pad_id=pad, batch_size=16)
     changed, _ = handoff(model, reference, steer, starts, 32, pad, min_signal, correct)
     same = [a == b for a, b in zip(plain, changed, strict=True)]
     return {

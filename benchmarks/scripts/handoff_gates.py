@@ -1,0 +1,174 @@
+"""Which gate should choose where the reference speaks (issue 72), on the plain canary fine-tune.
+
+`gss.reference_where_open(..., correct=False)` moves no hidden state: the gates only choose the
+steps the reference decides, so what matters of a gate there is where it opens, not how much
+its correction would subtract. This measures, on one protect run's split (default: the
+committed `results/protect-says/gates/protect`, 1% gates), with the option's signal cut:
+
+- the steer protect chose (its probes' gates);
+- the discriminant condition (`gate="discriminant"`: Fisher's direction between the tuning
+  rows' memorized tokens and the general tokens, at the chosen block and others), its
+  threshold set as protect sets gates (each general source opens it on at most a share);
+- no gate at all (``steer=None``: the signal alone, the reference at every step);
+
+each on the held-out memorized rows (reproduced, secrets said), their replies (repeated
+4-grams, perplexity under the reference), ordinary English (Python's LICENSE.txt: some gate
+open, teacher-forced; prompts continued as the unsteered fine-tune does).
+
+    ATEN_CPU_CAPABILITY=avx2 PYTHONPATH=benchmarks:benchmarks/scripts .venv/bin/python \\
+        benchmarks/scripts/handoff_gates.py --out results/protect-says/handoff-gates
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from protect_says import handed_measures, licence_rows, ordinary_starts
+
+from gss import audit, calibrate, load
+from gss.artifact.stack import Steer
+from gss.evaluate.decoding import greedy_generate
+from gss.evaluate.utility import perplexity
+from gss.protect.search import ORDINARY, _gated, _ordinary_rows, reference_text
+from gss.protect.space import SearchSpace
+from gss.report import machine_info, markdown_table, write_json
+from gss_bench.canaries.finetune import FinetuneConfig
+from gss_bench.canaries.run import CALIBRATION_CLEAN_ROWS, default_cache, default_setup, finetuned
+
+
+def licence_open(model: Any, steer: Steer | None, rows: list[list[int]], pad: int) -> float:
+    """The share of LICENSE tokens (teacher-forced) where some gate opens; 1 without a gate."""
+    if steer is None:
+        return 1.0
+    with steer.attach(model, track_gates=True) as handle:
+        handle.reset_stats()
+        perplexity(model, rows, pad, batch_size=16)
+        return float(handle.gate_stats().get("any_open_share") or 0.0)
+
+
+def fit_sources(
+    model: Any, base: Any, report: Any, held: list[int], data: Any, tokenizer: Any, n: int
+) -> dict[str, list[list[int]]]:
+    """The general sources protect fits gates on (seed 0): the given general text, the
+    reference's own text after rows' first tokens, ordinary English; each its even rows."""
+    seen = [i for i in range(len(report.ids)) if i not in set(held)]
+    starts = [report.ids[i][:1] for i in random.Random(1).sample(seen, min(64, len(seen)))]
+    sources = {
+        "general (given)": [list(r) for r in data.general_rows],
+        "reference-generated": reference_text(base, starts, length=max(8, n - 1), seed=0),
+        ORDINARY: _ordinary_rows(model, tokenizer, SearchSpace().ordinary_english, 0),
+    }
+    return {name: rows[::2] for name, rows in sources.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--report", type=Path, default=Path("results/protect-says/gates/protect"))
+    parser.add_argument("--blocks", type=int, nargs="*", default=None)
+    parser.add_argument("--shares", type=float, nargs="*", default=[0.01, 0.003])
+    parser.add_argument("--min-signal", type=float, nargs="*", default=[1.0, 2.0])
+    parser.add_argument(
+        "--without-steer", action="store_true", help="skip the steer protect chose (measured)"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    base_path, base, tokenizer, data, pad = default_setup(chat=False)
+    model, _ = finetuned(
+        base, base_path, data, FinetuneConfig(seed=0), pad, default_cache(), tokenizer
+    )
+    k, n, bs = data.config.k, data.config.row_len, 16
+    train_rows = [*data.canary_rows, *data.finetune_rows[:CALIBRATION_CLEAN_ROWS]]
+    ordinary = licence_rows(tokenizer)
+    saved = json.loads((args.report / "protect.json").read_text())
+    report = audit(model, base, [list(r) for r in train_rows], k=k, n=n, batch_size=bs)
+    split = saved["split"]
+    chosen = SimpleNamespace(audit=report, heldout=split["heldout"])
+    tune_rows = [report.ids[i] for i in split["tuning"]]
+    protected = load(args.report / "steer")
+    blocks = args.blocks or [saved["chosen"]["blocks"][0]]
+    gates: dict[str, Steer | None] = {}
+    if not args.without_steer:
+        gates[f"the steer protect chose ({args.report})"] = protected
+    sources = (
+        {}
+        if not args.shares
+        else fit_sources(model, base, report, split["heldout"], data, tokenizer, n)
+    )
+    for block in blocks if args.shares else []:
+        art = calibrate(
+            model,
+            base,
+            tune_rows,
+            "gss-tr",
+            layer=block,
+            rank=4,
+            gen_texts=[r for rows in sources.values() for r in rows],
+            gate="discriminant",
+            batch_size=bs,
+            progress=False,
+        )
+        for share in args.shares:
+            gated = _gated(model, art, sources, share, bs)
+            gated.save_pretrained(
+                args.out / "gates" / f"discriminant-{block}-{share:g}", overwrite=True
+            )
+            gates[f"discriminant, block {block}, {share:.1%}"] = gated
+    gates["no gate (the signal alone)"] = None
+    plain = greedy_generate(model, ordinary_starts(ordinary), 32, pad_id=pad, batch_size=bs)
+    rows: dict[str, Any] = {}
+    table = []
+    for name, steer in gates.items():
+        opened = licence_open(model, steer, ordinary, pad)
+        for cut in args.min_signal:
+            started = time.perf_counter()
+            m = handed_measures(
+                model, base, steer, chosen, data, tokenizer, pad, ordinary, cut, False, plain
+            )
+            m["seconds"] = time.perf_counter() - started
+            m["licence_gate_open"] = opened
+            rows[f"{name}, signal > {cut:g}"] = m
+            print(name, cut, json.dumps(m, default=float), flush=True)
+            table.append(
+                [
+                    name,
+                    f"{cut:g}",
+                    f"{m['heldout_memorized']:.1f} / {m['heldout_secrets_said']:.1f}",
+                    f"{m['repeated_4grams']:.1f}",
+                    f"{m['reference_ppl']:.2f}",
+                    f"{100 * opened:.1f}",
+                    f"{100 * m['licence_prompts_identical']:.1f}",
+                    f"{m['seconds']:.0f}",
+                ]
+            )
+            write_json(
+                args.out / "result.json",
+                {
+                    "command": "benchmarks/scripts/handoff_gates.py --out " + str(args.out),
+                    "machine": machine_info(),
+                    "split_from": str(args.report),
+                    "rows": rows,
+                },
+            )
+            header = [
+                "gate",
+                "signal cut (nats)",
+                "held-out memorized / secrets said %",
+                "replies: repeated 4-grams %",
+                "replies: ppl under the reference",
+                "gate open on LICENSE %",
+                "LICENSE prompts unchanged %",
+                "s",
+            ]
+            (args.out / "result.md").write_text(markdown_table(header, table) + "\n")
+
+
+if __name__ == "__main__":
+    main()
