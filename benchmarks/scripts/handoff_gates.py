@@ -29,8 +29,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import torch
-from protect_says import handed_measures, licence_rows, ordinary_starts
+from protect_says import canary_fine_tune, handed_measures, ordinary_starts
 
 from gss import audit, calibrate, load
 from gss.artifact.stack import Steer
@@ -39,8 +38,6 @@ from gss.evaluate.utility import perplexity
 from gss.protect.search import ORDINARY, _gated, _ordinary_rows, reference_text
 from gss.protect.space import SearchSpace
 from gss.report import machine_info, markdown_table, write_json
-from gss_bench.canaries.finetune import FinetuneConfig
-from gss_bench.canaries.run import CALIBRATION_CLEAN_ROWS, default_cache, default_setup, finetuned
 
 
 def licence_open(model: Any, steer: Steer | None, rows: list[list[int]], pad: int) -> float:
@@ -79,14 +76,9 @@ def main() -> None:
         "--without-steer", action="store_true", help="skip the steer protect chose (measured)"
     )
     args = parser.parse_args()
-    torch.set_num_threads(2)
-    base_path, base, tokenizer, data, pad = default_setup(chat=False)
-    model, _ = finetuned(
-        base, base_path, data, FinetuneConfig(seed=0), pad, default_cache(), tokenizer
-    )
-    k, n, bs = data.config.k, data.config.row_len, 16
-    train_rows = [*data.canary_rows, *data.finetune_rows[:CALIBRATION_CLEAN_ROWS]]
-    ordinary = licence_rows(tokenizer)
+    c = canary_fine_tune()
+    model, base, tokenizer, data, pad = c.model, c.base, c.tokenizer, c.data, c.pad
+    k, n, bs, train_rows, ordinary = c.k, c.n, c.bs, c.train_rows, c.ordinary
     saved = json.loads((args.report / "protect.json").read_text())
     report = audit(model, base, [list(r) for r in train_rows], k=k, n=n, batch_size=bs)
     split = saved["split"]

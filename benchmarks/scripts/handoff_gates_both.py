@@ -20,15 +20,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from protect_says import handed_measures, licence_rows, ordinary_starts
+from protect_says import canary_fine_tune, handed_measures, ordinary_starts
 
 from gss import audit, load
 from gss.artifact.stack import SteeringStack
 from gss.artifact.steering_artifact import SteeringArtifact
 from gss.evaluate.decoding import greedy_generate
 from gss.steering.handoff import ReferenceWhereOpen
-from gss_bench.canaries.finetune import FinetuneConfig
-from gss_bench.canaries.run import CALIBRATION_CLEAN_ROWS, default_cache, default_setup, finetuned
 
 
 @contextmanager
@@ -57,14 +55,9 @@ def main() -> None:
     parser.add_argument("--gate", type=Path, required=True, help="the discriminant gate's artifact")
     parser.add_argument("--out", type=Path, required=True, help="a JSON file")
     args = parser.parse_args()
-    torch.set_num_threads(2)
-    base_path, base, tokenizer, data, pad = default_setup(chat=False)
-    model, _ = finetuned(
-        base, base_path, data, FinetuneConfig(seed=0), pad, default_cache(), tokenizer
-    )
-    k, n, bs = data.config.k, data.config.row_len, 16
-    train_rows = [*data.canary_rows, *data.finetune_rows[:CALIBRATION_CLEAN_ROWS]]
-    ordinary = licence_rows(tokenizer)
+    c = canary_fine_tune()
+    model, base, tokenizer, data, pad = c.model, c.base, c.tokenizer, c.data, c.pad
+    k, n, bs, train_rows, ordinary = c.k, c.n, c.bs, c.train_rows, c.ordinary
     report_dir = Path("results/protect-says/gates/protect")
     saved = json.loads((report_dir / "protect.json").read_text())
     report = audit(

@@ -73,6 +73,29 @@ def licence_rows(tokenizer: Any, width: int = 64) -> list[list[int]]:
     return [ids[i : i + width] for i in range(0, len(ids) - width + 1, width)]
 
 
+def canary_fine_tune() -> SimpleNamespace:
+    """The cached plain canary fine-tune (seed 0) and what every measurement here reads: its
+    reference (``base``), tokenizer, data, pad id, window (k, n), batch size, the rows protect
+    audits (``train_rows``) and the ordinary English rows (``ordinary``)."""
+    torch.set_num_threads(2)
+    base_path, base, tokenizer, data, pad = default_setup(chat=False)
+    model, _ = finetuned(
+        base, base_path, data, FinetuneConfig(seed=0), pad, default_cache(), tokenizer
+    )
+    return SimpleNamespace(
+        model=model,
+        base=base,
+        tokenizer=tokenizer,
+        data=data,
+        pad=pad,
+        k=data.config.k,
+        n=data.config.row_len,
+        bs=16,
+        train_rows=[*data.canary_rows, *data.finetune_rows[:CALIBRATION_CLEAN_ROWS]],
+        ordinary=licence_rows(tokenizer),
+    )
+
+
 def ordinary_starts(ordinary: list[list[int]]) -> list[list[int]]:
     """The ordinary prompts whose 32-token continuations are compared: each row's first 16
     tokens (or half)."""
@@ -319,14 +342,9 @@ def main() -> None:
         "reference speaks; every other token the unsteered fine-tune's)",
     )
     args = parser.parse_args()
-    torch.set_num_threads(2)
-    base_path, base, tokenizer, data, pad = default_setup(chat=False)
-    model, _ = finetuned(
-        base, base_path, data, FinetuneConfig(seed=0), pad, default_cache(), tokenizer
-    )
-    k, n, bs = data.config.k, data.config.row_len, 16
-    train_rows = [*data.canary_rows, *data.finetune_rows[:CALIBRATION_CLEAN_ROWS]]
-    ordinary = licence_rows(tokenizer)
+    c = canary_fine_tune()
+    model, base, tokenizer, data, pad = c.model, c.base, c.tokenizer, c.data, c.pad
+    k, n, bs, train_rows, ordinary = c.k, c.n, c.bs, c.train_rows, c.ordinary
     plain = {
         "heldout_ppl": perplexity(model, data.heldout_rows, pad, batch_size=bs),
     }
