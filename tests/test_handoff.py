@@ -194,6 +194,21 @@ def test_gss_generate_says_the_references_text_where_gates_open(tmp_path, capsys
     assert f"the reference chose the token, at {100 * p.handed_share:.1f}% of" in printed
     code = main([*args, "--reference-where-open", str(tmp_path / "reference"), "--explain"])
     assert code == 2 and "give one of them" in capsys.readouterr().err
+    # --min-signal: the library's min_signal; refused without --reference-where-open
+    handed = [*args, "--reference-where-open", str(tmp_path / "reference")]
+    for cut in ("-1e9", "1e9"):
+        assert main([*handed, "--min-signal", cut]) == 0
+        handing = gss.reference_where_open(model, always, reference, min_signal=float(cut))
+        with handing as p, torch.no_grad():
+            ids = model.generate(
+                **enc, max_new_tokens=6, do_sample=False, pad_token_id=0, logits_processor=[p]
+            )
+        said = tokenizer.decode(ids[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        assert f"steered:   {said}\n" in capsys.readouterr().out
+    assert main([*args, "--min-signal", "2"]) == 2
+    assert "give --reference-where-open REF too" in capsys.readouterr().err
+    assert main([*handed, "--min-signal", "nan"]) == 2
+    assert "finite number of nats" in capsys.readouterr().err
 
 
 def test_min_signal_hands_over_only_where_the_fine_tunes_choice_is_memorized(setup):

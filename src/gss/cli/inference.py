@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,14 @@ def generate_command(args: argparse.Namespace) -> int:
         # not into a model's or an artifact's folder, and over a file only if gss wrote it
         check_outputs(explain_out.parent, [explain_out.name], args.overwrite, "--explain-out")
     handoff = getattr(args, "reference_where_open", None)
+    min_signal = getattr(args, "min_signal", None)
+    if min_signal is not None and handoff is None:
+        raise GSSError(
+            "--min-signal sets where --reference-where-open hands a step to the reference: "
+            "give --reference-where-open REF too, or drop --min-signal."
+        )
+    if min_signal is not None and not math.isfinite(min_signal):
+        raise GSSError(f"--min-signal must be a finite number of nats, got {min_signal}.")
     if handoff is not None and (args.explain or explain_out is not None):
         raise GSSError(
             "--explain records the steer alone and --reference-where-open changes the tokens it "
@@ -130,12 +139,13 @@ def generate_command(args: argparse.Namespace) -> int:
         stats = combined_gate_stats(explanations)
     elif reference is not None:
         from gss.artifact.steering_artifact import SteeringArtifact
-        from gss.steering.handoff import reference_where_open
+        from gss.steering.handoff import MIN_SIGNAL, reference_where_open
 
         steer = artifact
         if options and isinstance(artifact, SteeringArtifact):  # a stack takes none
             steer = artifact.with_options(**options)
-        with reference_where_open(model, steer, reference) as processor:
+        cut = MIN_SIGNAL if min_signal is None else min_signal
+        with reference_where_open(model, steer, reference, min_signal=cut) as processor:
             steered = run((processor,))
         stats = {"any_open_share": processor.handed_share, "tokens": processor.steps}
     else:

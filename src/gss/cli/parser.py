@@ -132,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"tuned from, loaded as --model is; {ADAPTERS_OFF} for a PEFT adapter's base): it says "
         "what the reference would, at a second model's memory (gss.reference_where_open)",
     )
+    p.add_argument(
+        "--min-signal",
+        type=float,
+        metavar="NATS",
+        help="with --reference-where-open: hand a step over only where the fine-tune's choice "
+        "is more than NATS likelier under it than under REF (default 1, the measured best; "
+        "higher keeps more of the fine-tune's own words)",
+    )
     p.set_defaults(func=inference.generate_command)
 
     p = add("signal", "memorization-signal pilot statistics")
