@@ -272,15 +272,20 @@ def parse_prefixes(text: str | None) -> list[int] | None:
     """``--prefixes``: comma-separated prompt lengths, or None when not given."""
     if text is None:
         return None
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
+    values = _ints(text)
     if not values:
         raise GSSError(
             f"--prefixes takes comma-separated prompt lengths, e.g. 8,16,32; got {text!r}."
         )
     return values
+
+
+def _ints(text: str) -> list[int]:
+    """The comma-separated integers of ``text``; empty when it lists none or another word."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        return []
 
 
 def parse_floats(text: str | None, flag: str) -> list[float] | None:
@@ -300,10 +305,7 @@ def parse_layers(text: str) -> list[int] | None:
     """``--layers``: None for 'all', else the block indices listed."""
     if text == "all":
         return None
-    try:
-        layers = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        layers = []
+    layers = _ints(text)
     if not layers:
         raise GSSError(f"--layers takes 'all' or block indices like 4,8,12; got {text!r}.")
     return layers
