@@ -2,10 +2,33 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
 
 from .helpers import general_rows, tiny_model, train
+
+# The suite compiles into a cache of its own, made fresh for the run. Inductor's on-disk cache is
+# not keyed on ATEN_CPU_CAPABILITY: a graph generated under `make bench`'s AVX2 setting and
+# loaded by an AVX-512 process stores 16-float vectors where the code steps by 8, past the end of
+# its buffers (measured: "double free or corruption" in tests/test_vllm_op.py whenever an AVX2
+# run had filled /tmp/torchinductor_$USER first).
+_INDUCTOR_CACHE = tempfile.mkdtemp(prefix="gss-tests-inductor-")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
+atexit.register(shutil.rmtree, _INDUCTOR_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _thread_count_kept():
+    """A test that runs a command's main() in this process (``--threads 2``) leaves torch's
+    thread count as it found it: the tiny models' tests run on one (tests/helpers.py)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture
