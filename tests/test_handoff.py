@@ -51,7 +51,7 @@ def _greedy(model, ids, mask=None, processors=()):
 def _handed(model, art, reference, ids, mask=None):
     """The definition's form: every open gate hands over, the steer attached as it is."""
     with gss.reference_where_open(
-        model, art, reference, min_signal=None, correct=True
+        model, art, reference, min_signal=None, min_confidence=None, correct=True
     ) as processor:
         return _greedy(model, ids, mask, [processor]), processor
 
@@ -194,21 +194,73 @@ def test_gss_generate_says_the_references_text_where_gates_open(tmp_path, capsys
     assert f"the reference chose the token, at {100 * p.handed_share:.1f}% of" in printed
     code = main([*args, "--reference-where-open", str(tmp_path / "reference"), "--explain"])
     assert code == 2 and "give one of them" in capsys.readouterr().err
-    # --min-signal: the library's min_signal; refused without --reference-where-open
+    # --min-signal / --min-confidence: the library's; refused without --reference-where-open
     handed = [*args, "--reference-where-open", str(tmp_path / "reference")]
-    for cut in ("-1e9", "1e9"):
-        assert main([*handed, "--min-signal", cut]) == 0
-        handing = gss.reference_where_open(model, always, reference, min_signal=float(cut))
+    said_by = set()
+    for cut, sure in (("-1e9", "0"), ("1e9", "0"), ("-1e9", "0.95"), ("-1e9", "1e-9")):
+        assert main([*handed, "--min-signal", cut, "--min-confidence", sure]) == 0
+        handing = gss.reference_where_open(
+            model, always, reference, min_signal=float(cut), min_confidence=float(sure)
+        )
         with handing as p, torch.no_grad():
             ids = model.generate(
                 **enc, max_new_tokens=6, do_sample=False, pad_token_id=0, logits_processor=[p]
             )
         said = tokenizer.decode(ids[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         assert f"steered:   {said}\n" in capsys.readouterr().out
+        said_by.add((said, p.handed))
+    assert len(said_by) >= 2, "the flags change what is said"
     assert main([*args, "--min-signal", "2"]) == 2
     assert "give --reference-where-open REF too" in capsys.readouterr().err
     assert main([*handed, "--min-signal", "nan"]) == 2
     assert "finite number of nats" in capsys.readouterr().err
+    assert main([*args, "--min-confidence", "0.5"]) == 2
+    assert "give --reference-where-open REF too" in capsys.readouterr().err
+    assert main([*handed, "--min-confidence", "1.5"]) == 2
+    assert "probability in [0, 1]" in capsys.readouterr().err
+
+
+def test_min_confidence_hands_over_only_where_the_fine_tune_is_sure(setup):
+    """With ``min_confidence``, a row's first hand-over needs the fine-tune to give its own
+    choice at least that probability; from then on the gates (and the signal) alone decide:
+    the definition, step by step, with gates that always open and no signal cut."""
+    model, art, reference = setup
+    always = _with_thresholds(art, 1e-30)
+    for seed in range(40, 60):  # a prompt whose path is not surest at its first step
+        prompt = random_ids(1, 6, seed=seed)[0].tolist()
+        sure, path = [], list(prompt)
+        with always.attach(model), torch.no_grad():  # the steered fine-tune's own path
+            for _ in range(NEW):
+                probs = model(input_ids=torch.tensor([path])).logits[0, -1].softmax(-1)
+                sure.append(float(probs.max()))
+                path.append(int(probs.argmax()))
+        if sure[0] < max(sure[1:-1]):
+            break
+    cut = min(p for p in sure[1:-1] if p > sure[0])  # the first sure step: after the first
+    first = next(j for j, p in enumerate(sure) if p >= cut)
+    with torch.no_grad():  # from it on, the reference's own greedy text
+        tail = reference.generate(
+            input_ids=torch.tensor([path[: len(prompt) + first]]),
+            attention_mask=torch.ones(1, len(prompt) + first, dtype=torch.long),
+            max_new_tokens=NEW - first,
+            do_sample=False,
+            pad_token_id=0,
+        )[0].tolist()
+    ids = torch.tensor([prompt])
+    with gss.reference_where_open(
+        model, always, reference, min_signal=None, min_confidence=cut, correct=True
+    ) as processor:
+        assert _greedy(model, ids, None, [processor])[0] == tail[len(prompt) :]
+        assert processor.handed == NEW - first
+        # a second generation starts again: no row handed over yet
+        assert _greedy(model, ids, None, [processor])[0] == tail[len(prompt) :]
+    assert 0 < first < NEW - 1, "both kinds of steps"
+    for bad in (1.5, -0.1, float("nan"), True):
+        with (
+            pytest.raises(GSSError, match="min_confidence must be a probability"),
+            gss.reference_where_open(model, always, reference, min_confidence=bad),
+        ):
+            pass
 
 
 def test_min_signal_hands_over_only_where_the_fine_tunes_choice_is_memorized(setup):
@@ -247,7 +299,7 @@ def test_min_signal_hands_over_only_where_the_fine_tunes_choice_is_memorized(set
 
 def _handed_with(model, art, reference, ids, min_signal):
     with gss.reference_where_open(
-        model, art, reference, min_signal=min_signal, correct=True
+        model, art, reference, min_signal=min_signal, min_confidence=None, correct=True
     ) as processor:
         return _greedy(model, ids, None, [processor]), processor
 
@@ -259,11 +311,21 @@ def test_without_the_correction_every_other_token_is_the_unsteered_fine_tunes(se
     model, art, reference = setup
     ids = random_ids(2, 6, seed=7)
     with gss.reference_where_open(
-        model, _with_thresholds(art, 1e30), reference, min_signal=None, correct=False
+        model,
+        _with_thresholds(art, 1e30),
+        reference,
+        min_signal=None,
+        min_confidence=0,
+        correct=False,
     ) as processor:
         assert _greedy(model, ids, None, [processor]) == _greedy(model, ids)
     with gss.reference_where_open(
-        model, _with_thresholds(art, 1e-30), reference, min_signal=None, correct=False
+        model,
+        _with_thresholds(art, 1e-30),
+        reference,
+        min_signal=None,
+        min_confidence=0,
+        correct=False,
     ) as processor:
         assert _greedy(model, ids, None, [processor]) == _greedy(reference, ids)
 
@@ -273,6 +335,7 @@ def test_the_defaults_are_the_measured_ones():
 
     defaults = inspect.signature(gss.reference_where_open).parameters
     assert defaults["min_signal"].default == 1.0 and defaults["correct"].default is False
+    assert defaults["min_confidence"].default == 0.95
 
 
 def test_without_a_steer_the_signal_alone_decides(setup):
@@ -282,10 +345,17 @@ def test_without_a_steer_the_signal_alone_decides(setup):
     ids = random_ids(2, 6, seed=9)
     for cut in (-1e9, 0.5, 1e9):
         with gss.reference_where_open(
-            model, _with_thresholds(art, 1e-30), reference, min_signal=cut, correct=False
+            model,
+            _with_thresholds(art, 1e-30),
+            reference,
+            min_signal=cut,
+            min_confidence=None,
+            correct=False,
         ) as gated:
             expected = _greedy(model, ids, None, [gated])
-        with gss.reference_where_open(model, None, reference, min_signal=cut) as bare:
+        with gss.reference_where_open(
+            model, None, reference, min_signal=cut, min_confidence=None
+        ) as bare:
             assert _greedy(model, ids, None, [bare]) == expected
             assert bare.handed == gated.handed and bare.steps == gated.steps
     with (

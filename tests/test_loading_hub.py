@@ -446,3 +446,35 @@ def test_what_config_json_tells_is_said_before_the_weights_load(tmp_path, capsys
     args[4] = str(tmp_path / "reference")
     assert main(args) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "flags, config, message",
+    [
+        (["--chat"], {}, r"a chat prompt needs the tokenizer's chat template"),
+        (["--max-new-tokens", "200"], {}, r"pass the model's context \(128 positions"),
+        ([], {"vocab_size": 4}, r"token id \d+ is outside the model's vocabulary"),
+    ],
+)
+def test_what_the_prompt_and_config_tell_is_said_before_the_weights_load(
+    tmp_path, capsys, flags, config, message
+):
+    """gss generate: the weights are damaged here; a chat prompt without a template, a prompt
+    past the context and ids past the vocabulary are said from the tokenizer and config.json."""
+    import re
+
+    model = tmp_path / "model"
+    tiny = tiny_model("llama")
+    art = gss.calibrate(
+        tiny, tiny_model("llama", seed=11), random_ids(8, 10), layer=1, rank=2, progress=False
+    )
+    art.save_pretrained(tmp_path / "steer")
+    tiny.save_pretrained(model)
+    _tokenizer().save_pretrained(model)
+    saved = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**saved, **config}))
+    for weights in model.glob("*.safetensors"):
+        weights.write_bytes(b"damaged")
+    args = ["generate", "--model", str(model), "--steer", str(tmp_path / "steer")]
+    assert main([*args, "--prompt", "w1 w2 w3 w4 w5", *flags]) == 2
+    assert re.search(message, capsys.readouterr().err)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gss import GSSError, calibrate
+from gss.evaluate.decoding import greedy_generate
 from gss.protect import SearchSpace, Trial, protect
 from gss.protect.checks import DOMAIN, DomainRows
 from gss.protect.measure import FOLLOWS, Judge
@@ -131,11 +132,33 @@ def test_ordinary_prompts_unchanged_by_a_steer_that_never_opens(memorizer):
     rows = general[:6].tolist()
     closed = art.with_thresholds(torch.full_like(art.thresholds, 1e9), {"kind": "test"})
     out = ordinary_unchanged(model, closed, rows, 0, 8, None, prompt=4, width=8)
-    assert out == {"rows": 6, "identical": 1.0, "changed": []}
+    assert out == {
+        "rows": 6,
+        "reciting": 0,
+        "identical": 1.0,
+        "identical_not_reciting": 1.0,
+        "changed_reciting": None,
+        "changed": [],
+    }
     wide = art.with_options(gate="none", delta=50.0)  # steers every token, hard
     out = ordinary_unchanged(model, wide, rows, 0, 8, None, prompt=4, width=8)
     assert out["identical"] < 1.0 and out["changed"][0]["prompt"]
     assert ordinary_unchanged(model, closed, [[1]], 0, 8, None, prompt=4) == {}
+    # the prompts whose unsteered continuation recites the data are counted apart
+    plain = greedy_generate(model, [r[:4] for r in rows], 8, pad_id=0, batch_size=8)
+    out = ordinary_unchanged(model, wide, rows, 0, 8, None, data=plain[:2], prompt=4, width=8)
+    reciting = {tuple(p) for p in plain[:2]}
+    assert out["reciting"] == sum(tuple(p) in reciting for p in plain) >= 2
+    with wide.attach(model):
+        steered = greedy_generate(model, [r[:4] for r in rows], 8, pad_id=0, batch_size=8)
+    same = [a == b for a, b in zip(plain, steered, strict=True)]
+    clean = [s for s, p in zip(same, plain, strict=True) if tuple(p) not in reciting]
+    assert out["identical_not_reciting"] == sum(clean) / len(clean)
+    # with the reference: its token where a gate opens; the model as its own reference says
+    # what it says unsteered, gate or not
+    always = art.with_thresholds(torch.full_like(art.thresholds, 1e-30), {"kind": "test"})
+    out = ordinary_unchanged(model, always, rows, 0, 8, None, model, prompt=4, width=8)
+    assert out["reference_where_open"]["identical"] == 1.0
 
 
 def _words_tokenizer():
@@ -178,8 +201,10 @@ def test_protect_reports_the_domain_and_the_ordinary_prompts(memorizer):
     assert "domain_perplexity" in result.after
     ordinary = result.after["ordinary_prompts"]
     assert ordinary["rows"] > 0 and 0.0 <= ordinary["identical"] <= 1.0
+    handed = ordinary["reference_where_open"]["identical"]
     text = result.markdown()
     assert "Ordinary prompts:" in text and "held-out clean rows of the data" in text
+    assert f"where a gate opens (gss generate --reference-where-open): {100 * handed:.1f}%" in text
     assert "fine-tune" in result.examples[0] and "reference where open" in result.examples[0]
     assert "gss generate --reference-where-open" in text  # the option, with what it would say
     assert result.after["quality"]["repeated_4grams_reference_where_open"] >= 0.0
@@ -239,3 +264,21 @@ def test_protect_shows_one_explain_table_without_being_asked(memorizer):
     )
     assert "gates open" in result.explanation and "|dh|/|h|" in result.explanation
     assert "## Where the gates opened: one held-out memorized prompt" in result.markdown()
+
+
+def test_the_report_counts_apart_the_ordinary_prompts_that_recite_the_data():
+    from gss.protect.result import _ordinary_line
+
+    said = {"identical": 0.5, "identical_not_reciting": 0.75, "changed_reciting": 1.0}
+    line = _ordinary_line({"rows": 6, "reciting": 2, **said, "reference_where_open": said})
+    assert line == (
+        "Ordinary prompts: 50.0% (75.0% of the 4 that recite none of the data; 100.0% of the 2 "
+        "that do changed) of 6 greedy continuations (32 tokens) are the unsteered fine-tune's, "
+        "word for word; with the reference's token where a gate opens (gss generate "
+        "--reference-where-open): 50.0% (75.0% of the 4 that recite none of the data; 100.0% "
+        "of the 2 that do changed)."
+    )
+    assert _ordinary_line({"rows": 6, "reciting": 0, **said}) == (
+        "Ordinary prompts: 50.0% of 6 greedy continuations (32 tokens) are the unsteered "
+        "fine-tune's, word for word."
+    )

@@ -69,14 +69,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--report", type=Path, default=Path("results/protect-says/gates/protect"))
+    parser.add_argument("--variant", choices=["plain", "lora", "chat"], default="plain")
     parser.add_argument("--blocks", type=int, nargs="*", default=None)
     parser.add_argument("--shares", type=float, nargs="*", default=[0.01, 0.003])
     parser.add_argument("--min-signal", type=float, nargs="*", default=[1.0, 2.0])
     parser.add_argument(
+        "--min-confidence",
+        type=lambda v: None if v == "none" else float(v),
+        nargs="*",
+        default=[None],
+        help="the fine-tune's probability of its choice at least this ('none': any)",
+    )
+    parser.add_argument(
         "--without-steer", action="store_true", help="skip the steer protect chose (measured)"
     )
+    parser.add_argument(
+        "--without-no-gate", action="store_true", help="skip the rows with no gate (measured)"
+    )
     args = parser.parse_args()
-    c = canary_fine_tune()
+    c = canary_fine_tune(args.variant)
     model, base, tokenizer, data, pad = c.model, c.base, c.tokenizer, c.data, c.pad
     k, n, bs, train_rows, ordinary = c.k, c.n, c.bs, c.train_rows, c.ordinary
     saved = json.loads((args.report / "protect.json").read_text())
@@ -113,30 +124,50 @@ def main() -> None:
                 args.out / "gates" / f"discriminant-{block}-{share:g}", overwrite=True
             )
             gates[f"discriminant, block {block}, {share:.1%}"] = gated
-    gates["no gate (the signal alone)"] = None
+    if not args.without_no_gate:
+        gates["no gate (the signal alone)"] = None
     plain = greedy_generate(model, ordinary_starts(ordinary), 32, pad_id=pad, batch_size=bs)
     rows: dict[str, Any] = {}
     table = []
     for name, steer in gates.items():
         opened = licence_open(model, steer, ordinary, pad)
-        for cut in args.min_signal:
+        for cut, confidence in [(c, p) for c in args.min_signal for p in args.min_confidence]:
             started = time.perf_counter()
             m = handed_measures(
-                model, base, steer, chosen, data, tokenizer, pad, ordinary, cut, False, plain
+                model,
+                base,
+                steer,
+                chosen,
+                data,
+                tokenizer,
+                pad,
+                ordinary,
+                cut,
+                False,
+                plain,
+                min_confidence=confidence,
             )
             m["seconds"] = time.perf_counter() - started
             m["licence_gate_open"] = opened
-            rows[f"{name}, signal > {cut:g}"] = m
-            print(name, cut, json.dumps(m, default=float), flush=True)
+            m["min_confidence"] = confidence
+            rows[f"{name}, signal > {cut:g}, confidence >= {confidence}"] = m
+            print(name, cut, confidence, json.dumps(m, default=float), flush=True)
             table.append(
                 [
                     name,
                     f"{cut:g}",
+                    "-" if confidence is None else f"{confidence:g}",
                     f"{m['heldout_memorized']:.1f} / {m['heldout_secrets_said']:.1f}",
                     f"{m['repeated_4grams']:.1f}",
                     f"{m['reference_ppl']:.2f}",
                     f"{100 * opened:.1f}",
                     f"{100 * m['licence_prompts_identical']:.1f}",
+                    f"{100 * m['licence_clean_prompts_identical']:.1f}"
+                    f" of {m['licence_clean_prompts']}",
+                    f"{100 * m['licence_reciting_prompts_changed']:.1f}"
+                    f" of {m['licence_reciting_prompts']}",
+                    f"{100 * m['licence_handed_share']:.1f}",
+                    f"{100 * m['domain_prompts_identical']:.1f} of {m['domain_prompts']}",
                     f"{m['seconds']:.0f}",
                 ]
             )
@@ -146,17 +177,23 @@ def main() -> None:
                     "command": "benchmarks/scripts/handoff_gates.py --out " + str(args.out),
                     "machine": machine_info(),
                     "split_from": str(args.report),
+                    "variant": args.variant,
                     "rows": rows,
                 },
             )
             header = [
                 "gate",
                 "signal cut (nats)",
+                "min confidence",
                 "held-out memorized / secrets said %",
                 "replies: repeated 4-grams %",
                 "replies: ppl under the reference",
                 "gate open on LICENSE %",
                 "LICENSE prompts unchanged %",
+                "... of those reciting no fine-tuning text %",
+                "... of those reciting it: changed %",
+                "LICENSE steps handed to the reference %",
+                "held-out domain prompts unchanged %",
                 "s",
             ]
             (args.out / "result.md").write_text(markdown_table(header, table) + "\n")

@@ -31,10 +31,11 @@ from typing import Any
 
 import torch
 
-from gss import audit, load
+from gss import adapters_off, audit, load
 from gss.artifact.stack import Steer
 from gss.evaluate.decoding import greedy_generate
 from gss.evaluate.leaks import EXTRA_TOKENS, secrets_said
+from gss.evaluate.recital import data_runs, recites
 from gss.evaluate.utility import perplexity, repetition
 from gss.protect import Protection, SearchSpace, protect
 from gss.protect.checks import DomainRows
@@ -73,18 +74,28 @@ def licence_rows(tokenizer: Any, width: int = 64) -> list[list[int]]:
     return [ids[i : i + width] for i in range(0, len(ids) - width + 1, width)]
 
 
-def canary_fine_tune() -> SimpleNamespace:
-    """The cached plain canary fine-tune (seed 0) and what every measurement here reads: its
-    reference (``base``), tokenizer, data, pad id, window (k, n), batch size, the rows protect
-    audits (``train_rows``) and the ordinary English rows (``ordinary``)."""
+VARIANTS = {  # the committed canary fine-tunes: FinetuneConfig and default_setup's chat
+    "plain": ({}, False),
+    "lora": ({"lora_rank": 16, "lr": 1e-3}, False),  # results/canaries-lora(-protect)
+    "chat": ({}, True),  # results/canaries-chat(-protect)
+}
+
+
+def canary_fine_tune(variant: str = "plain") -> SimpleNamespace:
+    """The cached canary fine-tune (seed 0; `variant`: plain, a LoRA or chat rows, as the
+    committed `gss bench canaries` runs; trained once if missing) and what every measurement
+    here reads: its reference (``base``: for the LoRA, its adapters off), tokenizer, data, pad
+    id, window (k, n), batch size, the rows protect audits (``train_rows``) and the ordinary
+    English rows (``ordinary``)."""
     torch.set_num_threads(2)
-    base_path, base, tokenizer, data, pad = default_setup(chat=False)
+    options, chat = VARIANTS[variant]
+    base_path, base, tokenizer, data, pad = default_setup(chat=chat)
     model, _ = finetuned(
-        base, base_path, data, FinetuneConfig(seed=0), pad, default_cache(), tokenizer
+        base, base_path, data, FinetuneConfig(seed=0, **options), pad, default_cache(), tokenizer
     )
     return SimpleNamespace(
         model=model,
-        base=base,
+        base=adapters_off(model) if options.get("lora_rank") else base,
         tokenizer=tokenizer,
         data=data,
         pad=pad,
@@ -111,11 +122,17 @@ def handoff(
     pad: int,
     min_signal: float | None = None,
     correct: bool = True,
+    min_confidence: float | None = None,
 ) -> tuple[list[list[int]], float]:
     """Greedy decoding with the reference's token wherever some gate opens
     (`gss.reference_where_open`), and the share of steps it chose."""
     with reference_where_open(
-        model, steer, reference, min_signal=min_signal, correct=correct
+        model,
+        steer,
+        reference,
+        min_signal=min_signal,
+        min_confidence=min_confidence,
+        correct=correct,
     ) as processor:
         out = greedy_generate(model, prompts, width, pad_id=pad, batch_size=16, processor=processor)
     return out, processor.handed_share
@@ -133,22 +150,29 @@ def handed_measures(
     min_signal: float | None = None,
     correct: bool = True,
     plain: list[list[int]] | None = None,
+    min_confidence: float | None = None,
 ) -> dict[str, Any]:
     """The measures of `measured` for the reference where a gate opens (and, with
     ``min_signal``, the fine-tune's choice has that memorization signal): held-out rows
     reproduced greedily (the whole window), secrets said, replies, ordinary prompts unchanged
-    (``plain``: the unsteered fine-tune's continuations of them, when already made)."""
+    (``plain``: the unsteered fine-tune's continuations of them, when already made), apart for
+    those whose unsteered continuation recites the fine-tuning data (`gss.evaluate.recital`)."""
     k, n = data.config.k, data.config.row_len
     held_rows = [result.audit.candidate(i) for i in result.heldout]
     windows = [prompt_and_target(r, k, n) for r in held_rows]
     prompts = [p for p, _ in windows]
-    out, share = handoff(model, reference, steer, prompts, n - k, pad, min_signal, correct)
+    confidence = {"min_confidence": min_confidence}
+    out, share = handoff(
+        model, reference, steer, prompts, n - k, pad, min_signal, correct, **confidence
+    )
     reproduced = [list(o) == list(t) for o, (_, t) in zip(out, windows, strict=True)]
     held = [i for i in result.heldout if i < len(data.canary_rows)]
     canary_prompts = [list(data.canary_rows[i][:k]) for i in held]
     secrets = [[secret_fields(data.secrets[i])[f] for f in ("number", "address")] for i in held]
     width = max(len(r) for r in data.canary_rows) - k + EXTRA_TOKENS
-    said_out, _ = handoff(model, reference, steer, canary_prompts, width, pad, min_signal, correct)
+    said_out, _ = handoff(
+        model, reference, steer, canary_prompts, width, pad, min_signal, correct, **confidence
+    )
     flags = []
     for ids, row in zip(said_out, secrets, strict=True):
         if tokenizer.eos_token_id in ids:
@@ -157,8 +181,21 @@ def handed_measures(
         flags += [secret in text for secret in row]
     starts = ordinary_starts(ordinary)
     plain = plain or greedy_generate(model, starts, 32, pad_id=pad, batch_size=16)
-    changed, _ = handoff(model, reference, steer, starts, 32, pad, min_signal, correct)
+    changed, licence_share = handoff(
+        model, reference, steer, starts, 32, pad, min_signal, correct, **confidence
+    )
     same = [a == b for a, b in zip(plain, changed, strict=True)]
+    # what the fine-tune is for: prompts from the held-out rows of its own domain
+    domain = ordinary_starts([list(r) for r in data.heldout_rows[: len(starts)]])
+    domain_plain = greedy_generate(model, domain, 32, pad_id=pad, batch_size=16)
+    domain_out, domain_share = handoff(
+        model, reference, steer, domain, 32, pad, min_signal, correct, **confidence
+    )
+    tuned = [list(r) for r in [*data.canary_rows, *data.finetune_rows]]
+    runs = data_runs(tuned)
+    recited = [recites(u, runs) for u in plain]
+    clean = [s for s, r in zip(same, recited, strict=True) if not r]
+    reciting = [not s for s, r in zip(same, recited, strict=True) if r]
     return {
         "heldout_memorized": 100.0 * sum(reproduced) / len(reproduced),
         "heldout_secrets_said": 100.0 * sum(flags) / len(flags),
@@ -172,6 +209,17 @@ def handed_measures(
             prompt_lengths=[len(p) for p in prompts],
         ),
         "licence_prompts_identical": sum(same) / len(same),
+        "licence_clean_prompts_identical": sum(clean) / len(clean) if clean else None,
+        "licence_clean_prompts": len(clean),
+        "licence_reciting_prompts_changed": sum(reciting) / len(reciting) if reciting else None,
+        "licence_reciting_prompts": len(reciting),
+        "licence_handed_share": licence_share,
+        "domain_prompts_identical": sum(
+            a == b for a, b in zip(domain_plain, domain_out, strict=True)
+        )
+        / len(domain),
+        "domain_prompts": len(domain),
+        "domain_handed_share": domain_share,
         "examples": [tokenizer.decode(u) for u in out[:4]],
     }
 

@@ -14,6 +14,7 @@ from gss.artifact.files import check_creatable, check_outputs, record_outputs
 from gss.cli.inputs import (
     check_delta,
     check_local_paths,
+    config_stand_in,
     load_model_and_tokenizer,
     load_reference_flag,
 )
@@ -26,6 +27,7 @@ def generate_command(args: argparse.Namespace) -> int:
     from gss.artifact.stack import load
     from gss.data import chat_prompt
     from gss.hf.forward import check_sequences, context_length
+    from gss.hf.loading import load_tokenizer
 
     if any(not prompt.strip() for prompt in args.prompt):
         raise GSSError("--prompt is empty: give the text to continue.")
@@ -52,6 +54,14 @@ def generate_command(args: argparse.Namespace) -> int:
         )
     if min_signal is not None and not math.isfinite(min_signal):
         raise GSSError(f"--min-signal must be a finite number of nats, got {min_signal}.")
+    min_confidence = getattr(args, "min_confidence", None)
+    if min_confidence is not None and handoff is None:
+        raise GSSError(
+            "--min-confidence sets where --reference-where-open hands a step to the reference: "
+            "give --reference-where-open REF too, or drop --min-confidence."
+        )
+    if min_confidence is not None and not 0.0 <= min_confidence <= 1.0:
+        raise GSSError(f"--min-confidence must be a probability in [0, 1], got {min_confidence}.")
     if handoff is not None and (args.explain or explain_out is not None):
         raise GSSError(
             "--explain records the steer alone and --reference-where-open changes the tokens it "
@@ -61,15 +71,11 @@ def generate_command(args: argparse.Namespace) -> int:
     check_delta(artifact, args.delta)
     if handoff is not None:
         check_local_paths(args, ("--reference-where-open",))
-    model, tokenizer = load_model_and_tokenizer(args)
-    reference = None
-    if handoff is not None:
-        reference = load_reference_flag(args, "--reference-where-open", model, tokenizer)
     prompts = args.prompt
-    limit = context_length(model)
-    pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
 
-    def encode(prompt: str) -> Any:
+    def encode(prompt: str, tokenizer: Any, model: Any) -> Any:
+        """The prompt's ids, checked against ``model``'s context and vocabulary (before the
+        weights load: a weightless stand-in holding --model's config)."""
         if args.chat:
             text = chat_prompt(prompt, tokenizer)  # holds its own special tokens
             enc = tokenizer(text, return_tensors="pt", add_special_tokens=False)
@@ -78,6 +84,7 @@ def generate_command(args: argparse.Namespace) -> int:
         length = enc["input_ids"].shape[1]
         if length == 0:
             raise GSSError(f"--prompt {prompt!r} has no tokens: give the text to continue.")
+        limit = context_length(model)
         if limit is not None and length + args.max_new_tokens > limit[0]:
             raise GSSError(
                 f"the prompt ({length} tokens) and --max-new-tokens {args.max_new_tokens} "
@@ -85,9 +92,20 @@ def generate_command(args: argparse.Namespace) -> int:
                 "prompt or generate fewer tokens."
             )
         check_sequences((model,), enc["input_ids"], f"--prompt {prompt!r}")  # ids it has rows for
-        return enc.to(args.device)
+        return enc
 
-    encoded = [encode(prompt) for prompt in prompts]  # every prompt checked before any runs
+    stand_in = config_stand_in(args.model)
+    if stand_in is not None:  # the prompts checked in seconds, before the weights load
+        tokenizer = load_tokenizer(args.model, getattr(args, "model_revision", None))
+        for prompt in prompts:
+            encode(prompt, tokenizer, stand_in)
+    model, tokenizer = load_model_and_tokenizer(args)
+    reference = None
+    if handoff is not None:
+        reference = load_reference_flag(args, "--reference-where-open", model, tokenizer)
+    pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+    # every prompt checked before any runs
+    encoded = [encode(prompt, tokenizer, model).to(args.device) for prompt in prompts]
 
     def run(processors: tuple[Any, ...] = ()) -> list[str]:
         out = []
@@ -139,13 +157,16 @@ def generate_command(args: argparse.Namespace) -> int:
         stats = combined_gate_stats(explanations)
     elif reference is not None:
         from gss.artifact.steering_artifact import SteeringArtifact
-        from gss.steering.handoff import MIN_SIGNAL, reference_where_open
+        from gss.steering.handoff import MIN_CONFIDENCE, MIN_SIGNAL, reference_where_open
 
         steer = artifact
         if options and isinstance(artifact, SteeringArtifact):  # a stack takes none
             steer = artifact.with_options(**options)
         cut = MIN_SIGNAL if min_signal is None else min_signal
-        with reference_where_open(model, steer, reference, min_signal=cut) as processor:
+        sure = MIN_CONFIDENCE if min_confidence is None else min_confidence
+        with reference_where_open(
+            model, steer, reference, min_signal=cut, min_confidence=sure
+        ) as processor:
             steered = run((processor,))
         stats = {"any_open_share": processor.handed_share, "tokens": processor.steps}
     else:

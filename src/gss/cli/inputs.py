@@ -88,6 +88,20 @@ def check_against_config(args: argparse.Namespace, overrides: dict[str, Any] | N
         )
 
 
+def config_stand_in(path: str) -> Any:
+    """A weightless module holding the local model's config: what `check_sequences` and
+    `context_length` read (context, vocabulary), so that inputs are checked before the weights
+    load. None where no local config reads (a Hub id, remote code: checked after loading)."""
+    from torch import nn
+
+    config = _local_config(path)
+    if config is None:
+        return None
+    holder = nn.Module()
+    holder.config = config
+    return holder
+
+
 def _local_config(path: str) -> Any:
     """The transformers config of a local model directory (never fetched, no code run), or
     None where there is none to read here."""

@@ -140,6 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
         "is more than NATS likelier under it than under REF (default 1, the measured best; "
         "higher keeps more of the fine-tune's own words)",
     )
+    p.add_argument(
+        "--min-confidence",
+        type=float,
+        metavar="P",
+        help="with --reference-where-open: and only where the fine-tune gives its choice at "
+        "least probability P (default 0.95, the measured best: a recitation is near-certain; "
+        "0: at any probability)",
+    )
     p.set_defaults(func=inference.generate_command)
 
     p = add("signal", "memorization-signal pilot statistics")

@@ -12,6 +12,7 @@ from torch import nn
 
 from gss.artifact.stack import Steer
 from gss.evaluate.decoding import greedy_generate
+from gss.evaluate.recital import data_runs, recites
 from gss.evaluate.utility import perplexity, repetition
 from gss.protect.measure import Candidate, Judge, prompt_and_target
 from gss.protect.result import Trial
@@ -165,24 +166,51 @@ def ordinary_unchanged(
     pad_id: int,
     batch_size: int,
     tokenizer: Any,
+    reference: nn.Module | None = None,
+    data: Sequence[Sequence[int]] = (),
     prompt: int = 16,
     width: int = 32,
 ) -> dict[str, Any]:
     """Everywhere else it says what the fine-tune says: the share of ordinary prompts (the
     first ``prompt`` tokens of each row, or its first half where it is shorter) whose
     ``width``-token greedy continuation is the same steered as unsteered, and a few that
-    changed."""
+    changed. With ``reference``, the same with its token where a gate opens
+    (`gss.reference_where_open`'s defaults). With ``data`` (the fine-tuning rows), the shares
+    again over the prompts whose unsteered continuation recites none of it (`recites`): where
+    the fine-tune recites on an ordinary prompt, a change is the point."""
     prompts = [list(r[: min(prompt, len(r) // 2)]) for r in rows if len(r) >= 2]
     if not prompts:
         return {}
     plain = greedy_generate(model, prompts, width, pad_id=pad_id, batch_size=batch_size)
     with steer.attach(model):
         steered = greedy_generate(model, prompts, width, pad_id=pad_id, batch_size=batch_size)
-    same = [a == b for a, b in zip(plain, steered, strict=True)]
+    runs = data_runs(data)
+    reciting = [recites(u, runs) for u in plain]
+
+    def shares(said: list[list[int]]) -> dict[str, Any]:
+        same = [a == b for a, b in zip(plain, said, strict=True)]
+        clean = [s for s, r in zip(same, reciting, strict=True) if not r]
+        return {
+            "identical": sum(same) / len(same),
+            "identical_not_reciting": sum(clean) / len(clean) if clean else None,
+            "changed_reciting": (
+                sum(not s for s, r in zip(same, reciting, strict=True) if r) / sum(reciting)
+                if any(reciting)
+                else None
+            ),
+        }
+
     text = _decoder(tokenizer)
     changed = [
         {"prompt": text(p), "fine-tune": text(a), "steered": text(b)}
-        for p, a, b, s in zip(prompts, plain, steered, same, strict=True)
-        if not s
+        for p, a, b in zip(prompts, plain, steered, strict=True)
+        if a != b
     ]
-    return {"rows": len(prompts), "identical": sum(same) / len(same), "changed": changed[:3]}
+    result = {"rows": len(prompts), "reciting": sum(reciting), **shares(steered)}
+    if reference is not None:
+        with reference_where_open(model, steer, reference) as processor:
+            handed = greedy_generate(
+                model, prompts, width, pad_id=pad_id, batch_size=batch_size, processor=processor
+            )
+        result["reference_where_open"] = shares(handed)
+    return {**result, "changed": changed[:3]}

@@ -191,10 +191,7 @@ class Protection:
             )
         ordinary = self.after.get("ordinary_prompts")
         if ordinary:
-            lines.append(
-                f"Ordinary prompts: {_pct(ordinary['identical'])} of {ordinary['rows']} greedy "
-                "continuations (32 tokens) are the unsteered fine-tune's, word for word."
-            )
+            lines.append(_ordinary_line(ordinary))
         quality = self.after.get("quality")
         if quality:
             lines.append(
@@ -383,3 +380,31 @@ def figures(result: Protection, out: Path) -> list[Path]:
     ax.set_title(f"{len(result.heldout)} held-out memorized rows")
     paths.append(save_figure(fig, out / "rows.png"))
     return paths
+
+
+def _ordinary_line(ordinary: dict[str, Any]) -> str:
+    """The held-out report's sentence on ordinary prompts: the steer, and (where measured) the
+    reference where a gate opens; apart, the prompts where the fine-tune recites its data."""
+
+    def shares(said: dict[str, Any]) -> str:
+        line = f"{_pct(said['identical'])}"
+        if ordinary.get("reciting"):
+            line += (
+                f" ({_pct(said.get('identical_not_reciting'))} of the "
+                f"{ordinary['rows'] - ordinary['reciting']} that recite none of the data; "
+                f"{_pct(said.get('changed_reciting'))} of the {ordinary['reciting']} that do "
+                "changed)"
+            )
+        return line
+
+    line = (
+        f"Ordinary prompts: {shares(ordinary)} of {ordinary['rows']} greedy continuations "
+        "(32 tokens) are the unsteered fine-tune's, word for word"
+    )
+    handed = ordinary.get("reference_where_open")
+    if handed:
+        line += (
+            f"; with the reference's token where a gate opens (gss generate "
+            f"--reference-where-open): {shares(handed)}"
+        )
+    return line + "."

@@ -520,7 +520,7 @@ def protect(
         )
         ordinary = measure.get(ORDINARY) or next(iter(measure.values()), [])
         after["ordinary_prompts"] = ordinary_unchanged(
-            model, chosen_steer, ordinary, pad_id, batch_size, tokenizer
+            model, chosen_steer, ordinary, pad_id, batch_size, tokenizer, reference, report.ids
         )
         if held_rows:  # one --explain table: where the gates opened on a held-out prompt
             shown = prompt_and_target(held_rows[0], k, n)[0]

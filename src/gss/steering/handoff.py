@@ -37,6 +37,7 @@ from gss.steering.attach import SteerHandle, register, split_block_output, warn_
 from gss.steering.gated import GatedSteer
 
 MIN_SIGNAL = 1.0  # nats: reference_where_open's default (measured: results/protect-says)
+MIN_CONFIDENCE = 0.95  # the fine-tune's probability of its choice (measured: the same README)
 
 
 class _LastOpen:
@@ -67,19 +68,29 @@ class ReferenceWhereOpen:
         reference: nn.Module,
         gates: list[_LastOpen] | None,
         min_signal: float | None = None,
+        min_confidence: float | None = None,
     ):
         self.reference = reference
         self.gates = gates  # None: no steer, every step is open (the signal alone decides)
         self.min_signal = min_signal
+        self.min_confidence = min_confidence
         self.mask: Tensor | None = None  # the attention mask of the model's latest forward
+        self.entered: Tensor | None = None  # (B,) rows handed over at least once this generation
+        self._ids: Tensor | None = None  # the ids of the latest call (a generation continues them)
         self.handed = 0  # (row, step) pairs whose token came from the reference
         self.steps = 0  # (row, step) pairs seen
         self._cache: Any = None
         self._seen: Tensor | None = None  # the ids the reference's cache holds
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        entered = self._entered(input_ids)
         opened = self._opened(input_ids.shape[0], scores.device)
         self.steps += int(input_ids.shape[0])
+        mine = scores.float().log_softmax(-1)
+        top = scores.argmax(-1, keepdim=True)  # the token the fine-tune would choose
+        if self.min_confidence:  # a recitation starts near-certain; a choice is not (0: any)
+            sure = mine.gather(-1, top).squeeze(-1) >= math.log(self.min_confidence)
+            opened &= sure | entered.to(sure.device)
         if not bool(opened.any()):
             return scores
         theirs = self._reference_scores(input_ids).to(scores.dtype)
@@ -89,12 +100,28 @@ class ReferenceWhereOpen:
             padded[:, :width] = theirs[:, :width]
             theirs = padded
         if self.min_signal is not None:  # only where the fine-tune's own choice is memorized
-            top = scores.argmax(-1, keepdim=True)
-            mine = scores.float().log_softmax(-1).gather(-1, top)
             ref = theirs.float().log_softmax(-1).gather(-1, top)
-            opened &= (mine - ref).squeeze(-1) > self.min_signal
+            opened &= (mine.gather(-1, top) - ref).squeeze(-1) > self.min_signal
         self.handed += int(opened.sum())
+        self.entered = entered | opened.to(entered.device)
         return torch.where(opened[:, None], theirs, scores)
+
+    def _entered(self, input_ids: Tensor) -> Tensor:
+        """Which rows were handed over earlier in this generation: kept while the ids continue
+        the latest call's, all False when they do not (a new generation)."""
+        last, entered = self._ids, self.entered
+        follows = (
+            last is not None
+            and entered is not None
+            and last.shape[0] == input_ids.shape[0]
+            and last.shape[1] < input_ids.shape[1]
+            and torch.equal(input_ids[:, : last.shape[1]], last)
+        )
+        self._ids = input_ids
+        if not follows or entered is None:
+            entered = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        self.entered = entered
+        return entered
 
     def _opened(self, rows: int, device: torch.device) -> Tensor:
         if self.gates is None:
@@ -150,6 +177,7 @@ def reference_where_open(
     reference: nn.Module,
     *,
     min_signal: float | None = MIN_SIGNAL,
+    min_confidence: float | None = MIN_CONFIDENCE,
     correct: bool = False,
     strict: bool = True,
 ) -> Iterator[ReferenceWhereOpen]:
@@ -168,9 +196,16 @@ def reference_where_open(
     ``min_signal``: hand a step over only where, besides a gate, the token the fine-tune would
     choose is more than this many nats likelier under it than under the reference (its
     memorization signal, as the audit reads it): ordinary text, on which the two models agree,
-    then keeps the fine-tune's words. None: wherever a gate opens. ``correct``: the steer also
-    moves the hidden states where its gates open (as attached); False: the gates only choose
-    where the reference speaks, and every other token is the unsteered fine-tune's.
+    then keeps the fine-tune's words. None: wherever a gate opens. ``min_confidence``: and only
+    where the fine-tune gives its choice at least this probability: a recitation is near-certain
+    (the canaries' secrets: 0.98-1.0), while the fine-tune's own ordinary choices where it
+    disagrees with the reference are seldom that sure. It holds for a row's first hand-over in
+    a generation; from then on the gates and ``min_signal`` alone decide for that row (off its
+    memorized path the fine-tune is less sure but keeps the template: "13121 9336 4644").
+    None or 0: at any probability.
+    ``correct``: the steer also moves the hidden states where its gates open (as attached);
+    False: the gates only choose where the reference speaks, and every other token is the
+    unsteered fine-tune's.
 
     ``steer=None``: no gate; every step is open and ``min_signal`` alone decides (the
     reference then runs at every step, twice the cost of decoding: the comparison that shows
@@ -199,6 +234,14 @@ def reference_where_open(
         and math.isfinite(min_signal)
     ):
         raise GSSError(f"min_signal must be a finite number (nats) or None, got {min_signal!r}.")
+    if min_confidence is not None and not (
+        isinstance(min_confidence, int | float)
+        and not isinstance(min_confidence, bool)
+        and 0.0 <= min_confidence <= 1.0
+    ):
+        raise GSSError(
+            f"min_confidence must be a probability in [0, 1] or None, got {min_confidence!r}."
+        )
     if not isinstance(reference, nn.Module):
         raise GSSError(
             f"reference must be a model (for a PEFT fine-tune's base: gss.adapters_off(model)), "
@@ -209,7 +252,9 @@ def reference_where_open(
         check_loaded(model)
     gates: list[_LastOpen] = []
     handles: list[SteerHandle] = []
-    processor = ReferenceWhereOpen(reference, None if members is None else gates, min_signal)
+    processor = ReferenceWhereOpen(
+        reference, None if members is None else gates, min_signal, min_confidence
+    )
 
     def read_mask(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         mask = kwargs.get("attention_mask")
