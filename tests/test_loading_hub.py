@@ -478,3 +478,37 @@ def test_what_the_prompt_and_config_tell_is_said_before_the_weights_load(
     args = ["generate", "--model", str(model), "--steer", str(tmp_path / "steer")]
     assert main([*args, "--prompt", "w1 w2 w3 w4 w5", *flags]) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        (
+            {"input_ids": [1, 2, 3, 4, 5, 999]},
+            r"--data: the rows' input_ids: token id 999 is outside",
+        ),
+        (
+            {"input_ids": [1, 2, 3, 4, 5, 6], "labels": [1, 2]},
+            r"--data: sequence 1 has 6 input_ids but 2 labels",
+        ),
+    ],
+)
+def test_ids_and_labels_in_the_data_are_checked_before_the_weights_load(
+    tmp_path, capsys, row, message
+):
+    """gss audit with rows of token ids: the weights are damaged here; an id past config.json's
+    vocabulary and labels of another length are said from the data file."""
+    import re
+
+    model = tmp_path / "model"
+    tiny_model("llama").save_pretrained(model)
+    _tokenizer().save_pretrained(model)
+    shutil.copytree(model, tmp_path / "reference")
+    for weights in [*model.glob("*.safetensors"), *(tmp_path / "reference").glob("*.safetensors")]:
+        weights.write_bytes(b"damaged")
+    good = {"input_ids": [1, 2, 3, 4, 5, 6]}
+    (tmp_path / "data.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
+    args = ["audit", "--model", str(model), "--reference", str(tmp_path / "reference")]
+    args += ["--data", str(tmp_path / "data.jsonl"), "--k", "2", "--n", "4"]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 2
+    assert re.search(message, capsys.readouterr().err)

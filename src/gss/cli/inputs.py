@@ -164,9 +164,34 @@ def read_rows(
     progress = not getattr(args, "no_progress", False)
     columns = data_columns(args)
     try:
-        return read_data(value, strict=main, keep_rows=keep_rows, progress=progress, **columns)
+        rows = read_data(value, strict=main, keep_rows=keep_rows, progress=progress, **columns)
+        if isinstance(rows, list) and hasattr(args, "model"):  # a file read whole: its ids now
+            check_ids(args.model, rows)
     except GSSError as err:
         raise GSSError(f"{flag}: {err}") from None
+    return rows
+
+
+def check_ids(model: str, rows: list[Any]) -> None:
+    """Rows given as token ids: each id inside ``model``'s vocabulary (its config.json) and,
+    with labels, one label an id; said before any weights load (after, where no local config
+    reads)."""
+    from collections.abc import Mapping
+
+    from gss.hf.forward import check_vocabulary
+    from gss.signal.tokens import labels_mask
+
+    given = []
+    for i, row in enumerate(rows):
+        ids = row.get("input_ids") if isinstance(row, Mapping) else row
+        if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+            continue
+        if isinstance(row, Mapping) and row.get("labels") is not None:
+            labels_mask(row["labels"], i, len(ids))
+        given.append(ids)
+    stand_in = config_stand_in(model) if given else None
+    if stand_in is not None:
+        check_vocabulary((stand_in,), given, "the rows' input_ids")
 
 
 def check_delta(artifact: Any, delta: float | None) -> None:

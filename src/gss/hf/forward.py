@@ -323,8 +323,16 @@ def check_sequences(
                 f"max_length={limit} or less (--max-length on the command line) or split long "
                 "texts."
             )
+    check_vocabulary(models, rows, what)
+
+
+def check_vocabulary(
+    models: Sequence[nn.Module], rows: Sequence[Sequence[int] | Tensor], what: str
+) -> None:
+    """Refuse ids `models` have no rows for (another tokenizer's, negative padding)."""
+    rows = [r for r in rows if len(r)]
     limits = [n for n in map(_token_id_limit, models) if n is not None]
-    if not limits:
+    if not limits or not rows:
         return
     tensors = [r if isinstance(r, Tensor) else torch.as_tensor(r) for r in rows]
     low = min(int(t.min()) for t in tensors)

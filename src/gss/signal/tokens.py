@@ -105,7 +105,7 @@ def trained_targets(trained: Sequence[Tensor] | None, batch: Batch, valid: Tenso
 def _trained(x: Any, index: int, ids: Tensor, tokenizer: Any, replies_only: bool) -> Tensor:
     """Which of sequence `index`'s tokens `ids` (item `x`, cut as `ids` is) were trained on."""
     if isinstance(x, Mapping) and "labels" in x:
-        return _from_labels(x["labels"], index, len(x["input_ids"]))[: len(ids)]
+        return labels_mask(x["labels"], index, len(x["input_ids"]))[: len(ids)]
     if not replies_only:
         return torch.ones(len(ids), dtype=torch.bool)
     return _span_mask(_reply_spans(x, index, ids, tokenizer), len(ids))
@@ -123,7 +123,9 @@ def _span_mask(spans: Sequence[tuple[int, int]], length: int) -> Tensor:
     return mask
 
 
-def _from_labels(labels: Any, index: int, length: int) -> Tensor:
+def labels_mask(labels: Any, index: int, length: int) -> Tensor:
+    """The tokens sequence ``index``'s labels mark trained on; refused unless one integer a
+    token (``length``)."""
     try:
         t = torch.as_tensor(labels)
     except (TypeError, ValueError, RuntimeError):
