@@ -220,10 +220,41 @@ def test_gss_generate_says_the_references_text_where_gates_open(tmp_path, capsys
     assert "probability in [0, 1]" in capsys.readouterr().err
 
 
+def test_a_row_enters_at_a_gate_and_a_sure_choice_and_then_needs_no_gate(setup):
+    """The rule, call by call: a row enters where a gate opens and the fine-tune is sure; once
+    in, its steps are handed over gate or not; a new generation starts with no row in; an
+    unsure choice at an open gate, or a sure one at a closed gate, does not enter."""
+    from types import SimpleNamespace
+
+    from gss.steering.handoff import ReferenceWhereOpen
+
+    _, _, reference = setup
+    gate = SimpleNamespace(last=None)
+    processor = ReferenceWhereOpen(reference, [gate], None, 0.9)  # type: ignore[list-item]
+    sure = torch.full((2, 32), -10.0)
+    sure[:, 3] = 10.0  # the fine-tune near-certain of token 3
+    unsure = torch.zeros(2, 32)
+    unsure[:, 3] = 0.1  # token 3 first, at about 1/32
+    ids = random_ids(2, 5, seed=3)
+
+    def step(ids, scores, opened):
+        gate.last = torch.tensor(opened)
+        out = processor(ids, scores.clone())
+        return [not torch.equal(out[i], scores[i]) for i in range(2)]
+
+    assert step(ids, unsure, [True, False]) == [False, False]  # open but unsure
+    assert step(torch.cat([ids, ids[:, :1]], 1), sure, [False, True]) == [False, True]
+    assert processor.entered.tolist() == [False, True]
+    longer = torch.cat([ids, ids[:, :2]], 1)  # the same generation, one step on
+    assert step(longer, unsure, [False, False]) == [False, True]  # row 1 is in: no gate needed
+    assert step(random_ids(2, 5, seed=4), unsure, [False, False]) == [False, False]  # new one
+    assert processor.entered.tolist() == [False, False]
+
+
 def test_min_confidence_hands_over_only_where_the_fine_tune_is_sure(setup):
     """With ``min_confidence``, a row's first hand-over needs the fine-tune to give its own
-    choice at least that probability; from then on the gates (and the signal) alone decide:
-    the definition, step by step, with gates that always open and no signal cut."""
+    choice at least that probability; from then on every step is handed over (no signal cut
+    here): the definition, step by step, with gates that always open."""
     model, art, reference = setup
     always = _with_thresholds(art, 1e-30)
     for seed in range(40, 60):  # a prompt whose path is not surest at its first step
@@ -335,7 +366,7 @@ def test_the_defaults_are_the_measured_ones():
 
     defaults = inspect.signature(gss.reference_where_open).parameters
     assert defaults["min_signal"].default == 1.0 and defaults["correct"].default is False
-    assert defaults["min_confidence"].default == 0.95
+    assert defaults["min_confidence"].default == 0.98
 
 
 def test_without_a_steer_the_signal_alone_decides(setup):

@@ -9,17 +9,22 @@ step over (then the continuation leaves the path: `handoff_gates.py` measures it
 
 Per generated step: some gate of the steer open; the fine-tune's top token, its log-prob under
 the fine-tune and under the reference (the signal), the reference's argmax, the fine-tune's
-top-token probability, the mean signal of the prompt's tokens. Written to ``--out`` as JSON;
-``--rules`` prints each candidate rule's unchanged share and memorized prompts caught.
+top-token probability, the mean signal of the prompt's tokens. Written to ``--out`` as JSON,
+and beside it (``--table``) each candidate rule's share of licence prompts it leaves unchanged
+(all, and those whose unsteered continuation recites no fine-tuning text) and the held-out
+canaries' secrets it cuts before they are complete (a first hand-over with another argmax at or
+before the secret's last token).
 
     ATEN_CPU_CAPABILITY=avx2 PYTHONPATH=benchmarks:benchmarks/scripts .venv/bin/python \\
-        benchmarks/scripts/handoff_features.py --out /tmp/handoff-features.json
+        benchmarks/scripts/handoff_features.py --out /tmp/handoff-features.json \\
+        --table results/protect-says/handoff-confidence/features.md
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,7 @@ from gss.evaluate.recital import longest_recited
 from gss.hf.blocks import resolve_layer
 from gss.hf.forward import output_logits
 from gss.protect.measure import prompt_and_target
+from gss.report import markdown_table
 from gss.steering.attach import split_block_output
 from gss_bench.canaries.data import secret_fields
 
@@ -92,11 +98,83 @@ def path_features(model: Any, base: Any, steer: Any, prompt: list[int], cont: li
     return {"prompt": prompt, "cont": cont, "steps": steps}
 
 
+def first_change(steps: list[dict], rule: Any) -> int | None:
+    """The first step ``rule`` hands over where the reference would choose another token."""
+    return next((j for j, s in enumerate(steps) if rule(s) and not s["same_argmax"]), None)
+
+
+RULES: dict[str, Any] = {
+    "gate": lambda s: s["open"],
+    "gate and signal > 1": lambda s: s["open"] and s["signal"] > 1,
+    "gate and signal > 2": lambda s: s["open"] and s["signal"] > 2,
+    "gate and signal > 3": lambda s: s["open"] and s["signal"] > 3,
+    "signal > 1 (no gate)": lambda s: s["signal"] > 1,
+    "signal > 3 (no gate)": lambda s: s["signal"] > 3,
+    "gate, signal > 1, reference's rank of the token >= 10": lambda s: (
+        s["open"] and s["signal"] > 1 and s["ref_rank"] >= 10
+    ),
+    "gate, signal > 1, reference's rank of the token >= 30": lambda s: (
+        s["open"] and s["signal"] > 1 and s["ref_rank"] >= 30
+    ),
+    "gate, signal > 1, mean signal of the context > 1": lambda s: (
+        s["open"] and s["signal"] > 1 and s["context_signal"] > 1
+    ),
+    **{
+        f"gate, signal > 1, fine-tune's probability >= {p}": (
+            lambda s, p=p: s["open"] and s["signal"] > 1 and s["ft_logp"] >= math.log(p)
+        )
+        for p in (0.5, 0.9, 0.95, 0.98)
+    },
+    **{
+        f"signal > 1, fine-tune's probability >= {p} (no gate)": (
+            lambda s, p=p: s["signal"] > 1 and s["ft_logp"] >= math.log(p)
+        )
+        for p in (0.95, 0.98)
+    },
+}
+
+
+def rules_table(found: dict[str, Any]) -> str:
+    """Each rule of `RULES` on the unsteered paths: licence prompts unchanged, secrets cut."""
+    body = []
+    for name, rule in RULES.items():
+        licence = [first_change(r["steps"], rule) is None for r in found["licence"]]
+        clean = [u for u, r in zip(licence, found["licence"], strict=True) if r["recited"] < 6]
+        cut = total = 0
+        for row in found["canaries"]:
+            first = first_change(row["steps"], rule)
+            for done in row["secret_done"].values():
+                if done is not None:
+                    total += 1
+                    cut += first is not None and first <= done
+        body.append(
+            [
+                name,
+                f"{100 * sum(licence) / len(licence):.1f}",
+                f"{100 * sum(clean) / len(clean):.1f} of {len(clean)}",
+                f"{cut} of {total}",
+            ]
+        )
+    header = [
+        "hand a step over where",
+        "LICENSE prompts unchanged %",
+        "... reciting no fine-tuning text %",
+        "held-out secrets cut before complete",
+    ]
+    return markdown_table(header, body) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--report", type=Path, default=Path("results/protect-says/gates/protect"))
+    parser.add_argument("--table", type=Path, help="write the rules' table here")
+    parser.add_argument("--from-json", action="store_true", help="read --out, measure nothing")
     args = parser.parse_args()
+    if args.from_json:
+        if args.table:
+            args.table.write_text(rules_table(json.loads(args.out.read_text())))
+        return
     c = canary_fine_tune()
     model, base, tokenizer, data, pad = c.model, c.base, c.tokenizer, c.data, c.pad
     saved = json.loads((args.report / "protect.json").read_text())
@@ -132,6 +210,8 @@ def main() -> None:
             row["secret_done"][name] = done
         out["canaries"].append(row)
     args.out.write_text(json.dumps(out))
+    if args.table:
+        args.table.write_text(rules_table(out))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,11 @@ committed `results/protect-says/gates/protect`, 1% gates), with the option's sig
 
 each on the held-out memorized rows (reproduced, secrets said), their replies (repeated
 4-grams, perplexity under the reference), ordinary English (Python's LICENSE.txt: some gate
-open, teacher-forced; prompts continued as the unsteered fine-tune does).
+open, teacher-forced; prompts continued as the unsteered fine-tune does, apart for those whose
+unsteered continuation recites the fine-tuning data; steps handed over) and prompts of the
+fine-tune's own held-out domain. ``--min-confidence`` (`reference_where_open`'s; "none": any)
+and ``--variant`` (plain, lora, chat: the committed canary fine-tunes) as
+`results/protect-says/handoff-confidence/README.md` ran them.
 
     ATEN_CPU_CAPABILITY=avx2 PYTHONPATH=benchmarks:benchmarks/scripts .venv/bin/python \\
         benchmarks/scripts/handoff_gates.py --out results/protect-says/handoff-gates
@@ -29,7 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from protect_says import canary_fine_tune, handed_measures, ordinary_starts
+from protect_says import canary_fine_tune, handed_measures, heldout_split, ordinary_starts
 
 from gss import audit, calibrate, load
 from gss.artifact.stack import Steer
@@ -92,7 +96,8 @@ def main() -> None:
     k, n, bs, train_rows, ordinary = c.k, c.n, c.bs, c.train_rows, c.ordinary
     saved = json.loads((args.report / "protect.json").read_text())
     report = audit(model, base, [list(r) for r in train_rows], k=k, n=n, batch_size=bs)
-    split = saved["split"]
+    # a report from before protect wrote its split: the held-out half it drew (seed 0)
+    split = saved.get("split") or {"heldout": heldout_split(report, k, n), "tuning": []}
     chosen = SimpleNamespace(audit=report, heldout=split["heldout"])
     tune_rows = [report.ids[i] for i in split["tuning"]]
     protected = load(args.report / "steer")

@@ -74,7 +74,7 @@ def licence_rows(tokenizer: Any, width: int = 64) -> list[list[int]]:
     return [ids[i : i + width] for i in range(0, len(ids) - width + 1, width)]
 
 
-VARIANTS = {  # the committed canary fine-tunes: FinetuneConfig and default_setup's chat
+VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {  # FinetuneConfig's options, chat rows
     "plain": ({}, False),
     "lora": ({"lora_rank": 16, "lr": 1e-3}, False),  # results/canaries-lora(-protect)
     "chat": ({}, True),  # results/canaries-chat(-protect)

@@ -144,9 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--min-confidence",
         type=float,
         metavar="P",
-        help="with --reference-where-open: and only where the fine-tune gives its choice at "
-        "least probability P (default 0.95, the measured best: a recitation is near-certain; "
-        "0: at any probability)",
+        help="with --reference-where-open: a row's first hand-over also needs the fine-tune "
+        "to give its choice probability P or more (default 0.98, the measured best: a "
+        "recitation starts near-certain); after it --min-signal alone decides for that row "
+        "(0: any probability, wherever a gate opens)",
     )
     p.set_defaults(func=inference.generate_command)
 

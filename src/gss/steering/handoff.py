@@ -37,7 +37,7 @@ from gss.steering.attach import SteerHandle, register, split_block_output, warn_
 from gss.steering.gated import GatedSteer
 
 MIN_SIGNAL = 1.0  # nats: reference_where_open's default (measured: results/protect-says)
-MIN_CONFIDENCE = 0.95  # the fine-tune's probability of its choice (measured: the same README)
+MIN_CONFIDENCE = 0.98  # the fine-tune's probability of its choice (measured: the same README)
 
 
 class _LastOpen:
@@ -90,7 +90,8 @@ class ReferenceWhereOpen:
         top = scores.argmax(-1, keepdim=True)  # the token the fine-tune would choose
         if self.min_confidence:  # a recitation starts near-certain; a choice is not (0: any)
             sure = mine.gather(-1, top).squeeze(-1) >= math.log(self.min_confidence)
-            opened &= sure | entered.to(sure.device)
+            # a row enters at a gate and a sure choice; once in, the signal alone decides
+            opened = (opened & sure) | entered.to(sure.device)
         if not bool(opened.any()):
             return scores
         theirs = self._reference_scores(input_ids).to(scores.dtype)
@@ -200,9 +201,9 @@ def reference_where_open(
     where the fine-tune gives its choice at least this probability: a recitation is near-certain
     (the canaries' secrets: 0.98-1.0), while the fine-tune's own ordinary choices where it
     disagrees with the reference are seldom that sure. It holds for a row's first hand-over in
-    a generation; from then on the gates and ``min_signal`` alone decide for that row (off its
-    memorized path the fine-tune is less sure but keeps the template: "13121 9336 4644").
-    None or 0: at any probability.
+    a generation; from then on ``min_signal`` alone decides for that row, gate or not (off its
+    memorized path the fine-tune is less sure, its gates open less, and it keeps the template:
+    "13121 9336 4644"). None or 0: at any probability, wherever a gate opens.
     ``correct``: the steer also moves the hidden states where its gates open (as attached);
     False: the gates only choose where the reference speaks, and every other token is the
     unsteered fine-tune's.
