@@ -4,10 +4,11 @@ exact, for who can keep the reference at inference (issue 72).
 The steer moves one block's hidden state; what the fine-tune's later blocks make of it is not
 the reference's text (on the canaries it keeps the fine-tune's template: "and the address is
 1617, and the address is 1617"). The gates, though, find the positions that would regurgitate.
-`reference_where_open` keeps the steer attached and, at every decoding step whose position
-opened some gate, replaces the fine-tune's scores with the reference's for that row. Elsewhere
-the fine-tune's scores are untouched, so a position whose gates stay closed chooses the token it
-would without gss.
+`reference_where_open` keeps the steer attached and replaces the fine-tune's scores with the
+reference's for a row from the step where some gate opens on a choice the fine-tune is sure of
+and the reference is not (a recitation's start), at each step whose choice keeps that
+memorization signal. Elsewhere the fine-tune's scores are untouched, so a prompt that never
+enters chooses every token as it would without gss.
 
 It is a transformers ``LogitsProcessor``: greedy decoding, sampling and any other processor
 compose with it as with ``model.generate``'s own. The reference runs only at steps where some
