@@ -132,6 +132,8 @@ def main() -> None:
     if not args.without_no_gate:
         gates["no gate (the signal alone)"] = None
     plain = greedy_generate(model, ordinary_starts(ordinary), 32, pad_id=pad, batch_size=bs)
+    domain = ordinary_starts([list(r) for r in data.heldout_rows[: len(ordinary)]])
+    domain_plain = greedy_generate(model, domain, 32, pad_id=pad, batch_size=bs)
     rows: dict[str, Any] = {}
     table = []
     for name, steer in gates.items():
@@ -151,6 +153,7 @@ def main() -> None:
                 False,
                 plain,
                 min_confidence=confidence,
+                domain_plain=domain_plain,
             )
             m["seconds"] = time.perf_counter() - started
             m["licence_gate_open"] = opened

@@ -151,11 +151,13 @@ def handed_measures(
     correct: bool = True,
     plain: list[list[int]] | None = None,
     min_confidence: float | None = None,
+    domain_plain: list[list[int]] | None = None,
 ) -> dict[str, Any]:
     """The measures of `measured` for the reference where a gate opens (and, with
     ``min_signal``, the fine-tune's choice has that memorization signal): held-out rows
     reproduced greedily (the whole window), secrets said, replies, ordinary prompts unchanged
-    (``plain``: the unsteered fine-tune's continuations of them, when already made), apart for
+    (``plain``, ``domain_plain``: the unsteered fine-tune's continuations of the licence and
+    domain prompts, when already made), apart for
     those whose unsteered continuation recites the fine-tuning data (`gss.evaluate.recital`)."""
     k, n = data.config.k, data.config.row_len
     held_rows = [result.audit.candidate(i) for i in result.heldout]
@@ -187,7 +189,7 @@ def handed_measures(
     same = [a == b for a, b in zip(plain, changed, strict=True)]
     # what the fine-tune is for: prompts from the held-out rows of its own domain
     domain = ordinary_starts([list(r) for r in data.heldout_rows[: len(starts)]])
-    domain_plain = greedy_generate(model, domain, 32, pad_id=pad, batch_size=16)
+    domain_plain = domain_plain or greedy_generate(model, domain, 32, pad_id=pad, batch_size=16)
     domain_out, domain_share = handoff(
         model, reference, steer, domain, 32, pad, min_signal, correct, **confidence
     )

@@ -76,7 +76,7 @@ class ReferenceWhereOpen:
         self.min_signal = min_signal
         self.min_confidence = min_confidence
         self.mask: Tensor | None = None  # the attention mask of the model's latest forward
-        self.entered: Tensor | None = None  # (B,) rows handed over at least once this generation
+        self.entered: Tensor | None = None  # (B,) rows in (min_confidence) in this generation
         self._ids: Tensor | None = None  # the ids of the latest call (a generation continues them)
         self.handed = 0  # (row, step) pairs whose token came from the reference
         self.steps = 0  # (row, step) pairs seen
@@ -84,15 +84,15 @@ class ReferenceWhereOpen:
         self._seen: Tensor | None = None  # the ids the reference's cache holds
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        entered = self._entered(input_ids)
         opened = self._opened(input_ids.shape[0], scores.device)
         self.steps += int(input_ids.shape[0])
-        mine = scores.float().log_softmax(-1)
         top = scores.argmax(-1, keepdim=True)  # the token the fine-tune would choose
+        entered = None
         if self.min_confidence:  # a recitation starts near-certain; a choice is not (0: any)
-            sure = mine.gather(-1, top).squeeze(-1) >= math.log(self.min_confidence)
+            entered = self._entered(input_ids).to(scores.device)
+            sure = scores.float().log_softmax(-1).gather(-1, top).squeeze(-1)
             # a row enters at a gate and a sure choice; once in, the signal alone decides
-            opened = (opened & sure) | entered.to(sure.device)
+            opened = (opened & (sure >= math.log(self.min_confidence))) | entered
         if not bool(opened.any()):
             return scores
         theirs = self._reference_scores(input_ids).to(scores.dtype)
@@ -102,10 +102,12 @@ class ReferenceWhereOpen:
             padded[:, :width] = theirs[:, :width]
             theirs = padded
         if self.min_signal is not None:  # only where the fine-tune's own choice is memorized
+            mine = scores.float().log_softmax(-1).gather(-1, top)
             ref = theirs.float().log_softmax(-1).gather(-1, top)
-            opened &= (mine.gather(-1, top) - ref).squeeze(-1) > self.min_signal
+            opened &= (mine - ref).squeeze(-1) > self.min_signal
         self.handed += int(opened.sum())
-        self.entered = entered | opened.to(entered.device)
+        if entered is not None:
+            self.entered = entered | opened
         return torch.where(opened[:, None], theirs, scores)
 
     def _entered(self, input_ids: Tensor) -> Tensor:
