@@ -14,7 +14,7 @@ block's output moved from the reference's on the same text, and `best` skips blo
 is the reference's own: a fine-tune that froze the lower blocks (partial fine-tuning, LoRA on
 the top blocks) left them computing exactly what the reference computes, so they hold nothing
 the fine-tune added. Measured on SmolLM2-135M with its top 8 of 30 blocks fine-tuned on canaries
-(docs/your-model.md), the whitened strength peaked at the frozen block 2, where GSS left 93.8%
+(results/canaries/), the whitened strength peaked at the frozen block 2, where GSS left 93.8%
 of the canaries memorized within +5% perplexity, against 0.0% at block 22, the lowest tuned one.
 """
 

@@ -177,7 +177,7 @@ def select_point(
     within the tolerance.
 
     Exact match alone is not enough to choose: past the strength where no row comes out whole,
-    the parts of the secrets said can keep falling (docs/your-model.md). A prompt's own secret
+    the parts of the secrets said can keep falling (results/canaries/). A prompt's own secret
     comes first, since reciting it is the regurgitation being removed; a reply that says
     someone else's instead is a leak too, so it decides among the points that say no more of
     their own.
