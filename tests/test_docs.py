@@ -2,9 +2,9 @@
 
 docs/your-model.md's Python example runs as written (on tiny local models standing in for the
 user's fine-tune and its base), and the measured tables that moved out of the README
-(docs/results.md, the calibration and solve rows of docs/scaling.md, docs/serving.md's table of
-the vLLM runner patch's host work) are checked against the committed results/: a changed digit
-on either side fails.
+(docs/results.md, the calibration and solve rows of docs/scaling.md, the table of the vLLM
+runner patch's host work that moved from docs/serving.md to results/serve-fill-slots/README.md)
+are checked against the committed results/: a changed digit on either side fails.
 """
 
 import json
@@ -141,8 +141,9 @@ def test_scaling_h100_calibration_and_solve_rows_are_the_committed_results():
 
 
 def test_serving_fill_table_is_the_committed_results():
-    """docs/serving.md's table of the runner patch's per-step host work quotes
-    results/serve-fill-slots/ (the run now and the runs of the code before each change)."""
+    """results/serve-fill-slots/README.md's table of the runner patch's per-step host work
+    (moved there from docs/serving.md) quotes the JSON files beside it (the run now and the runs
+    of the code before each change)."""
     folder = RESULTS / "serve-fill-slots"
 
     def by_shape(name: str) -> dict[str, dict]:
@@ -153,7 +154,7 @@ def test_serving_fill_table_is_the_committed_results():
     shortcut_before = by_shape("before-cd8c728.json")
     v2_before = [by_shape(f"before-4aeadc1-run{i}.json") for i in (1, 2)]
     v1_before = [by_shape(f"before-8930497-run{i}.json") for i in (1, 2)]
-    rows = table_rows(section(DOCS / "serving.md", "`benchmarks/vllm_fill_slots.py`"))
+    rows = table_rows(section(folder / "README.md", "`benchmarks/vllm_fill_slots.py`"))
     assert rows, "no table"
     for row in rows:
         shape, first, written, unchanged, v2, v2_unchanged, steady_old, v2_old, v1_old = cells(row)
