@@ -460,6 +460,8 @@ def _cases():
         ),
         "protect seed past 2^63": ([*protect, "--seed", str(2**70)], "seed must be an integer"),
         "protect budget nan": ([*protect, "--budget", "nan"], "budget must be >= 0"),
+        "protect gate share 1": ([*protect, "--gate-share", "1"], "gate_share must be in"),
+        "protect gate share nan": ([*protect, "--gate-share", "nan"], "gate_share must be in"),
         "protect max-extractable 200": (
             [*protect, "--max-extractable", "200"],
             "target (gss protect --max-extractable) is a % of rows",

@@ -51,7 +51,13 @@ def _greedy(model, ids, mask=None, processors=()):
 def _handed(model, art, reference, ids, mask=None):
     """The definition's form: every open gate hands over, the steer attached as it is."""
     with gss.reference_where_open(
-        model, art, reference, min_signal=None, min_confidence=None, correct=True
+        model,
+        art,
+        reference,
+        min_signal=None,
+        min_confidence=None,
+        no_repeat_ngram=None,
+        correct=True,
     ) as processor:
         return _greedy(model, ids, mask, [processor]), processor
 
@@ -218,6 +224,23 @@ def test_gss_generate_says_the_references_text_where_gates_open(tmp_path, capsys
     assert "give --reference-where-open REF too" in capsys.readouterr().err
     assert main([*handed, "--min-confidence", "1.5"]) == 2
     assert "probability in [0, 1]" in capsys.readouterr().err
+    # --no-repeat-ngram: the library's guard on the reference's steps
+    for size in ("0", "2"):
+        flags = ["--min-signal", "-1e9", "--min-confidence", "0", "--no-repeat-ngram", size]
+        assert main([*handed, *flags]) == 0
+        handing = gss.reference_where_open(
+            model, always, reference, min_signal=-1e9, min_confidence=0, no_repeat_ngram=int(size)
+        )
+        with handing as p, torch.no_grad():
+            ids = model.generate(
+                **enc, max_new_tokens=6, do_sample=False, pad_token_id=0, logits_processor=[p]
+            )
+        said = tokenizer.decode(ids[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        assert f"steered:   {said}\n" in capsys.readouterr().out
+    assert main([*args, "--no-repeat-ngram", "3"]) == 2
+    assert "give --reference-where-open REF too" in capsys.readouterr().err
+    assert main([*handed, "--no-repeat-ngram", "-1"]) == 2
+    assert "0 (off) or more" in capsys.readouterr().err
 
 
 def test_a_row_enters_at_a_gate_and_a_sure_choice_and_then_needs_no_gate(setup):
@@ -367,6 +390,48 @@ def test_the_defaults_are_the_measured_ones():
     defaults = inspect.signature(gss.reference_where_open).parameters
     assert defaults["min_signal"].default == 1.0 and defaults["correct"].default is False
     assert defaults["min_confidence"].default == 0.98
+    assert defaults["no_repeat_ngram"].default == 6
+
+
+def test_the_references_steps_repeat_no_ngram(setup):
+    """Gates that always open with ``no_repeat_ngram=n`` give the reference's greedy text under
+    transformers' own ``no_repeat_ngram_size=n``; gates that never open leave the fine-tune's
+    text (loops and all); a bad value is refused."""
+    model, art, reference = setup
+    ids = random_ids(3, 6, seed=5)
+    loops = _greedy(reference, ids)
+    for n in (2, 3):
+        with gss.reference_where_open(
+            model,
+            _with_thresholds(art, 1e-30),
+            reference,
+            min_signal=None,
+            min_confidence=None,
+            no_repeat_ngram=n,
+        ) as processor:
+            guarded = _greedy(model, ids, None, [processor])
+        with torch.no_grad():
+            own = reference.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW,
+                do_sample=False,
+                pad_token_id=0,
+                no_repeat_ngram_size=n,
+            )[:, ids.shape[1] :].tolist()
+        assert guarded == own
+        if n == 2:
+            assert guarded != loops, "the reference's own text should repeat some 2-gram"
+    with gss.reference_where_open(
+        model, _with_thresholds(art, 1e30), reference, min_signal=None, no_repeat_ngram=2
+    ) as processor:
+        assert _greedy(model, ids, None, [processor]) == _greedy(model, ids)
+    for bad in (-1, 2.5, True):
+        with (
+            pytest.raises(GSSError, match="no_repeat_ngram must be"),
+            gss.reference_where_open(model, art, reference, no_repeat_ngram=bad),
+        ):
+            pass
 
 
 def test_without_a_steer_the_signal_alone_decides(setup):
@@ -394,3 +459,25 @@ def test_without_a_steer_the_signal_alone_decides(setup):
         gss.reference_where_open(model, None, reference, min_signal=None),
     ):
         pass
+
+
+def test_the_guard_holds_on_the_references_steps_only(setup):
+    """A step the signal leaves to the fine-tune keeps its scores, loops and all, even in a row
+    the reference has spoken for; a step the reference decides completes no repeated n-gram."""
+    from gss.steering.handoff import ReferenceWhereOpen
+
+    _, _, reference = setup
+    ids = torch.tensor([[5, 6, 7, 5], [5, 6, 7, 5]])
+    scores = torch.full((2, reference.config.vocab_size), -10.0)
+    scores[:, 6] = 10.0  # both rows would say "5 6" again
+    for cut, handed in ((1e9, 0), (-1e9, 2)):
+        processor = ReferenceWhereOpen(
+            reference, None, min_signal=cut, min_confidence=0.5, no_repeat_ngram=2
+        )
+        processor._ids, processor.entered = ids[:, :3], torch.tensor([True, False])
+        out = processor(ids, scores)
+        assert processor.handed == handed
+        if handed:
+            assert (out[:, 6] == float("-inf")).all()
+        else:
+            assert torch.equal(out, scores)

@@ -42,6 +42,7 @@ from gss.evaluate.utility import perplexity
 from gss.protect.search import ORDINARY, _gated, _ordinary_rows, reference_text
 from gss.protect.space import SearchSpace
 from gss.report import machine_info, markdown_table, write_json
+from gss.steering.handoff import NO_REPEAT_NGRAM
 
 
 def licence_open(model: Any, steer: Steer | None, rows: list[list[int]], pad: int) -> float:
@@ -83,6 +84,13 @@ def main() -> None:
         nargs="*",
         default=[None],
         help="the fine-tune's probability of its choice at least this ('none': any)",
+    )
+    parser.add_argument(
+        "--no-repeat-ngram",
+        type=int,
+        nargs="*",
+        default=[NO_REPEAT_NGRAM],
+        help="reference_where_open's no_repeat_ngram (0: off)",
     )
     parser.add_argument(
         "--without-steer", action="store_true", help="skip the steer protect chose (measured)"
@@ -138,7 +146,13 @@ def main() -> None:
     table = []
     for name, steer in gates.items():
         opened = licence_open(model, steer, ordinary, pad)
-        for cut, confidence in [(c, p) for c in args.min_signal for p in args.min_confidence]:
+        grid = [
+            (c, p, r)
+            for c in args.min_signal
+            for p in args.min_confidence
+            for r in args.no_repeat_ngram
+        ]
+        for cut, confidence, no_repeat in grid:
             started = time.perf_counter()
             m = handed_measures(
                 model,
@@ -154,17 +168,20 @@ def main() -> None:
                 plain,
                 min_confidence=confidence,
                 domain_plain=domain_plain,
+                no_repeat_ngram=no_repeat,
             )
             m["seconds"] = time.perf_counter() - started
             m["licence_gate_open"] = opened
             m["min_confidence"] = confidence
-            rows[f"{name}, signal > {cut:g}, confidence >= {confidence}"] = m
+            m["no_repeat_ngram"] = no_repeat
+            rows[f"{name}, signal > {cut:g}, confidence >= {confidence}, no repeat {no_repeat}"] = m
             print(name, cut, confidence, json.dumps(m, default=float), flush=True)
             table.append(
                 [
                     name,
                     f"{cut:g}",
                     "-" if confidence is None else f"{confidence:g}",
+                    str(no_repeat or "-"),
                     f"{m['heldout_memorized']:.1f} / {m['heldout_secrets_said']:.1f}",
                     f"{m['repeated_4grams']:.1f}",
                     f"{m['reference_ppl']:.2f}",
@@ -193,6 +210,7 @@ def main() -> None:
                 "gate",
                 "signal cut (nats)",
                 "min confidence",
+                "no repeated n-gram",
                 "held-out memorized / secrets said %",
                 "replies: repeated 4-grams %",
                 "replies: ppl under the reference",

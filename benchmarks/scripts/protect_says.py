@@ -123,6 +123,7 @@ def handoff(
     min_signal: float | None = None,
     correct: bool = True,
     min_confidence: float | None = None,
+    no_repeat_ngram: int | None = None,
 ) -> tuple[list[list[int]], float]:
     """Greedy decoding with the reference's token wherever some gate opens
     (`gss.reference_where_open`), and the share of steps it chose."""
@@ -132,6 +133,7 @@ def handoff(
         reference,
         min_signal=min_signal,
         min_confidence=min_confidence,
+        no_repeat_ngram=no_repeat_ngram,
         correct=correct,
     ) as processor:
         out = greedy_generate(model, prompts, width, pad_id=pad, batch_size=16, processor=processor)
@@ -152,6 +154,7 @@ def handed_measures(
     plain: list[list[int]] | None = None,
     min_confidence: float | None = None,
     domain_plain: list[list[int]] | None = None,
+    no_repeat_ngram: int | None = None,
 ) -> dict[str, Any]:
     """The measures of `measured` for the reference where a gate opens (and, with
     ``min_signal``, the fine-tune's choice has that memorization signal): held-out rows
@@ -163,7 +166,7 @@ def handed_measures(
     held_rows = [result.audit.candidate(i) for i in result.heldout]
     windows = [prompt_and_target(r, k, n) for r in held_rows]
     prompts = [p for p, _ in windows]
-    confidence = {"min_confidence": min_confidence}
+    confidence = {"min_confidence": min_confidence, "no_repeat_ngram": no_repeat_ngram}
     out, share = handoff(
         model, reference, steer, prompts, n - k, pad, min_signal, correct, **confidence
     )

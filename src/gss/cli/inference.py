@@ -62,6 +62,14 @@ def generate_command(args: argparse.Namespace) -> int:
         )
     if min_confidence is not None and not 0.0 <= min_confidence <= 1.0:
         raise GSSError(f"--min-confidence must be a probability in [0, 1], got {min_confidence}.")
+    no_repeat = getattr(args, "no_repeat_ngram", None)
+    if no_repeat is not None and handoff is None:
+        raise GSSError(
+            "--no-repeat-ngram guards the steps --reference-where-open hands to the reference: "
+            "give --reference-where-open REF too, or drop --no-repeat-ngram."
+        )
+    if no_repeat is not None and no_repeat < 0:
+        raise GSSError(f"--no-repeat-ngram must be 0 (off) or more, got {no_repeat}.")
     if handoff is not None and (args.explain or explain_out is not None):
         raise GSSError(
             "--explain records the steer alone and --reference-where-open changes the tokens it "
@@ -157,7 +165,12 @@ def generate_command(args: argparse.Namespace) -> int:
         stats = combined_gate_stats(explanations)
     elif reference is not None:
         from gss.artifact.steering_artifact import SteeringArtifact
-        from gss.steering.handoff import MIN_CONFIDENCE, MIN_SIGNAL, reference_where_open
+        from gss.steering.handoff import (
+            MIN_CONFIDENCE,
+            MIN_SIGNAL,
+            NO_REPEAT_NGRAM,
+            reference_where_open,
+        )
 
         steer = artifact
         if options and isinstance(artifact, SteeringArtifact):  # a stack takes none
@@ -165,7 +178,12 @@ def generate_command(args: argparse.Namespace) -> int:
         cut = MIN_SIGNAL if min_signal is None else min_signal
         sure = MIN_CONFIDENCE if min_confidence is None else min_confidence
         with reference_where_open(
-            model, steer, reference, min_signal=cut, min_confidence=sure
+            model,
+            steer,
+            reference,
+            min_signal=cut,
+            min_confidence=sure,
+            no_repeat_ngram=NO_REPEAT_NGRAM if no_repeat is None else no_repeat,
         ) as processor:
             steered = run((processor,))
         stats = {"any_open_share": processor.handed_share, "tokens": processor.steps}

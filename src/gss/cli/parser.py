@@ -149,6 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
         "recitation starts near-certain); after it --min-signal alone decides for that row "
         "(0: any probability, wherever a gate opens)",
     )
+    p.add_argument(
+        "--no-repeat-ngram",
+        type=int,
+        metavar="N",
+        help="with --reference-where-open: at the steps REF decides it may not complete an "
+        "N-gram the text already holds (default 6, the measured best: a small reference put "
+        "mid-sentence loops; 0: REF's scores as they are)",
+    )
     p.set_defaults(func=inference.generate_command)
 
     p = add("signal", "memorization-signal pilot statistics")
@@ -297,6 +305,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_window_args(p)
     add_prefix_args(p)
     p.add_argument("--max-blocks", type=positive_int, default=2, help="blocks steered at most")
+    p.add_argument(
+        "--gate-share",
+        type=float,
+        default=0.01,
+        help="thresholds: some gate opens on at most this share of each general source's "
+        "tokens (0.01: 1%%)",
+    )
     p.add_argument("--seed", type=int, default=0, help="the tuning / held-out split")
     p.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass")
     add_out_args(

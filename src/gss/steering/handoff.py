@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import PreTrainedModel
+from transformers import NoRepeatNGramLogitsProcessor, PreTrainedModel
 
 from gss.artifact.stack import SteeringStack
 from gss.artifact.steering_artifact import SteeringArtifact
@@ -39,6 +39,7 @@ from gss.steering.gated import GatedSteer
 
 MIN_SIGNAL = 1.0  # nats: reference_where_open's default (measured: results/protect-says)
 MIN_CONFIDENCE = 0.98  # the fine-tune's probability of its choice (measured: the same README)
+NO_REPEAT_NGRAM = 6  # where the reference speaks, no 6-gram of the row's text said again
 
 
 class _LastOpen:
@@ -70,11 +71,15 @@ class ReferenceWhereOpen:
         gates: list[_LastOpen] | None,
         min_signal: float | None = None,
         min_confidence: float | None = None,
+        no_repeat_ngram: int | None = None,
     ):
         self.reference = reference
         self.gates = gates  # None: no steer, every step is open (the signal alone decides)
         self.min_signal = min_signal
         self.min_confidence = min_confidence
+        # the reference's greedy text loops once it takes over mid-sentence ("The last of the
+        # great masters. The last of the great masters."): its steps repeat no n-gram
+        self.guard = NoRepeatNGramLogitsProcessor(no_repeat_ngram) if no_repeat_ngram else None
         self.mask: Tensor | None = None  # the attention mask of the model's latest forward
         self.entered: Tensor | None = None  # (B,) rows in (min_confidence) in this generation
         self._ids: Tensor | None = None  # the ids of the latest call (a generation continues them)
@@ -108,6 +113,11 @@ class ReferenceWhereOpen:
         self.handed += int(opened.sum())
         if entered is not None:
             self.entered = entered | opened
+        if self.guard is not None and bool(opened.any()):
+            # after the signal, which reads the reference's unguarded scores; the fine-tune's
+            # own steps stay as they are (guarded too, in a row once handed over, the chat
+            # replies' perplexity under the reference went 2.87 -> 3.96: the template's turns)
+            theirs = self.guard(input_ids, theirs)
         return torch.where(opened[:, None], theirs, scores)
 
     def _entered(self, input_ids: Tensor) -> Tensor:
@@ -182,6 +192,7 @@ def reference_where_open(
     *,
     min_signal: float | None = MIN_SIGNAL,
     min_confidence: float | None = MIN_CONFIDENCE,
+    no_repeat_ngram: int | None = NO_REPEAT_NGRAM,
     correct: bool = False,
     strict: bool = True,
 ) -> Iterator[ReferenceWhereOpen]:
@@ -207,6 +218,11 @@ def reference_where_open(
     a generation; from then on ``min_signal`` alone decides for that row, gate or not (off its
     memorized path the fine-tune is less sure, its gates open less, and it keeps the template:
     "13121 9336 4644"). None or 0: at any probability, wherever a gate opens.
+    ``no_repeat_ngram``: at the steps the reference decides, it may not complete an n-gram the
+    row's text already holds (transformers' ``NoRepeatNGramLogitsProcessor``, on those steps
+    only): put mid-sentence, a small reference's greedy text loops ("a poet, a painter, and a
+    musician, a poet, a painter, ..."). The fine-tune's own steps keep its scores. None or 0:
+    the reference's scores as they are.
     ``correct``: the steer also moves the hidden states where its gates open (as attached);
     False: the gates only choose where the reference speaks, and every other token is the
     unsteered fine-tune's.
@@ -246,6 +262,14 @@ def reference_where_open(
         raise GSSError(
             f"min_confidence must be a probability in [0, 1] or None, got {min_confidence!r}."
         )
+    if no_repeat_ngram is not None and not (
+        isinstance(no_repeat_ngram, int)
+        and not isinstance(no_repeat_ngram, bool)
+        and no_repeat_ngram >= 0
+    ):
+        raise GSSError(
+            f"no_repeat_ngram must be an integer >= 0 (0 or None: off), got {no_repeat_ngram!r}."
+        )
     if not isinstance(reference, nn.Module):
         raise GSSError(
             f"reference must be a model (for a PEFT fine-tune's base: gss.adapters_off(model)), "
@@ -257,7 +281,7 @@ def reference_where_open(
     gates: list[_LastOpen] = []
     handles: list[SteerHandle] = []
     processor = ReferenceWhereOpen(
-        reference, None if members is None else gates, min_signal, min_confidence
+        reference, None if members is None else gates, min_signal, min_confidence, no_repeat_ngram
     )
 
     def read_mask(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
