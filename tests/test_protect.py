@@ -309,8 +309,16 @@ def _tight_budget(memorizer, search: SearchSpace | None = None):
         k=4,
         n=16,
         # the budget binds on the general text alone: the data's clean rows get their own
+        # (gates set for 5% of the general tokens: the scenario was built before 1% was default)
         search=search
-        or SearchSpace(presets=("gss",), ranks=(1,), gates=("hard",), steps=3, domain_budget=9),
+        or SearchSpace(
+            presets=("gss",),
+            ranks=(1,),
+            gates=("hard",),
+            steps=3,
+            domain_budget=9,
+            gate_share=0.05,
+        ),
         budget=0.001,
         progress=False,
     )
@@ -447,9 +455,12 @@ def test_protect_command(memorizer, tmp_path, capsys):
     args = ["protect", "--model", str(tmp_path / "model"), "--reference", str(tmp_path / "ref")]
     args += ["--data", str(tmp_path / "data.jsonl"), "--general", str(tmp_path / "general.jsonl")]
     args += ["--k", "4", "--n", "16", "--out", str(tmp_path / "out"), "--no-progress"]
-    assert main(args) == 0
+    assert main([*args, "--gate-share", "0.2"]) == 0
     out = capsys.readouterr().out
     assert "Held-out memorized rows" in out and (tmp_path / "out" / "steer").is_dir()
+    saved = gss.load(tmp_path / "out" / "steer")
+    for member in saved if isinstance(saved, gss.SteeringStack) else [saved]:  # as asked
+        assert member.provenance.threshold_rule["target"] == 0.2
     assert main(args) == 2  # --out holds a run: refused before the models load
     assert "--overwrite" in capsys.readouterr().err
 

@@ -308,9 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--gate-share",
         type=float,
-        default=0.01,
         help="thresholds: some gate opens on at most this share of each general source's "
-        "tokens (0.01: 1%%)",
+        "tokens (default 0.01, SearchSpace.gate_share)",
     )
     p.add_argument("--seed", type=int, default=0, help="the tuning / held-out split")
     p.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass")

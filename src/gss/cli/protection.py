@@ -117,7 +117,8 @@ def protect_command(args: argparse.Namespace) -> int:
     from gss.protect import SearchSpace, check_options, check_report_dir, protect
     from gss.protect.space import check_general
 
-    space = SearchSpace(max_blocks=args.max_blocks, gate_share=args.gate_share)
+    shares = {} if args.gate_share is None else {"gate_share": args.gate_share}
+    space = SearchSpace(max_blocks=args.max_blocks, **shares)
     goal = _max_extractable(args)
     # before the models load
     check_options(space, args.budget, "relative", goal, args.k, args.n, args.seed)
