@@ -1,4 +1,4 @@
-"""gss protect's search with the blocks below each steer replayed (`gss.hf.prefix_replay`)
+"""gss protect's search with the blocks below each steer replayed (`gss.steering.prefix_replay`)
 and with every block run for every point, interleaved in one run: the same points to the last
 bit, and how long each search took.
 
@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from gss.hf.prefix_replay import BlockPrefixReplay
 from gss.protect import measure, protect
 from gss.report import machine_info, write_json
+from gss.steering.prefix_replay import BlockPrefixReplay
 
 ARMS = ("replayed", "every block")
 

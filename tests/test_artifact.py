@@ -7,7 +7,7 @@ import torch
 import gss
 from gss import GSSError
 from gss.artifact.files import sha256_of
-from gss.solve import soundness
+from gss.statistics import soundness
 
 from .helpers import random_ids, sealed
 

@@ -27,9 +27,9 @@ from torch import nn
 import gss
 from gss import GSSError, GSSWarning
 from gss.artifact.files import sha256_of
-from gss.artifact.names import CONFIG_NAME, TENSORS_NAME
 from gss.artifact.steering_artifact import content_sha256
 from gss.evaluate.decoding import forced_argmax, greedy_generate
+from gss.file_names import CONFIG_NAME, TENSORS_NAME
 from gss.signal.omega import memorization_signal
 from gss.solve.thresholds import thresholds_from_responses
 

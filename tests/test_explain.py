@@ -19,7 +19,7 @@ import torch
 
 import gss
 from gss.cli import main
-from gss.steering.explain import Explanation
+from gss.inference.explain import Explanation
 
 from .helpers import calibrated_llama, random_ids, tiny_model
 from .test_cli import _tokenizer

@@ -249,7 +249,7 @@ def test_a_row_enters_at_a_gate_and_a_sure_choice_and_then_needs_no_gate(setup):
     unsure choice at an open gate, or a sure one at a closed gate, does not enter."""
     from types import SimpleNamespace
 
-    from gss.steering.handoff import ReferenceWhereOpen
+    from gss.inference.handoff import ReferenceWhereOpen
 
     _, _, reference = setup
     gate = SimpleNamespace(last=None)
@@ -464,7 +464,7 @@ def test_without_a_steer_the_signal_alone_decides(setup):
 def test_the_guard_holds_on_the_references_steps_only(setup):
     """A step the signal leaves to the fine-tune keeps its scores, loops and all, even in a row
     the reference has spoken for; a step the reference decides completes no repeated n-gram."""
-    from gss.steering.handoff import ReferenceWhereOpen
+    from gss.inference.handoff import ReferenceWhereOpen
 
     _, _, reference = setup
     ids = torch.tensor([[5, 6, 7, 5], [5, 6, 7, 5]])

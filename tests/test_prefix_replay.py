@@ -12,7 +12,7 @@ import torch
 
 import gss
 from gss.hf.forward import forward_logits
-from gss.hf.prefix_replay import BlockPrefixReplay
+from gss.steering.prefix_replay import BlockPrefixReplay
 
 from .helpers import random_ids, tiny_model
 

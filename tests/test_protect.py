@@ -416,12 +416,12 @@ def test_the_rows_figure_without_a_steer_shows_the_rows_as_they_were(protected, 
 
 
 def test_protect_replays_the_blocks_below_each_steer_to_the_same_result(memorizer, monkeypatch):
-    """The search replays blocks below a steered block (gss.hf.prefix_replay) rather than run
+    """The search replays blocks below a steered block (gss.steering.prefix_replay) rather than run
     them for every point: the points it measures, and so what it chooses, are the same to the
     last bit as with every block run every time."""
     from contextlib import nullcontext
 
-    from gss.hf.prefix_replay import BlockPrefixReplay
+    from gss.steering.prefix_replay import BlockPrefixReplay
 
     made: list[BlockPrefixReplay] = []
 

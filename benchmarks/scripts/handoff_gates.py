@@ -39,10 +39,10 @@ from gss import audit, calibrate, load
 from gss.artifact.stack import Steer
 from gss.evaluate.decoding import greedy_generate
 from gss.evaluate.utility import perplexity
+from gss.inference.handoff import NO_REPEAT_NGRAM
 from gss.protect.search import ORDINARY, _gated, _ordinary_rows, reference_text
 from gss.protect.space import SearchSpace
 from gss.report import machine_info, markdown_table, write_json
-from gss.steering.handoff import NO_REPEAT_NGRAM
 
 
 def licence_open(model: Any, steer: Steer | None, rows: list[list[int]], pad: int) -> float:

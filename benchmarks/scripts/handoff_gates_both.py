@@ -26,7 +26,7 @@ from gss import audit, load
 from gss.artifact.stack import SteeringStack
 from gss.artifact.steering_artifact import SteeringArtifact
 from gss.evaluate.decoding import greedy_generate
-from gss.steering.handoff import ReferenceWhereOpen
+from gss.inference.handoff import ReferenceWhereOpen
 
 
 @contextmanager

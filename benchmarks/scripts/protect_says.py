@@ -37,12 +37,12 @@ from gss.evaluate.decoding import greedy_generate
 from gss.evaluate.leaks import EXTRA_TOKENS, secrets_said
 from gss.evaluate.recital import data_runs, recites
 from gss.evaluate.utility import perplexity, repetition
+from gss.inference.handoff import reference_where_open
 from gss.protect import Protection, SearchSpace, protect
 from gss.protect.checks import DomainRows
 from gss.protect.measure import FOLLOWS, extractable, extraction_window, prompt_and_target
 from gss.protect.replies import ordinary_unchanged, what_it_says
 from gss.report import machine_info, markdown_table, write_json
-from gss.steering.handoff import reference_where_open
 from gss_bench.canaries.data import secret_fields
 from gss_bench.canaries.finetune import FinetuneConfig
 from gss_bench.canaries.run import (

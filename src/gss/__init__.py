@@ -7,9 +7,8 @@ threshold. The pipeline, in the order data flows: `gss.signal` -> `gss.statistic
 `gss.solve` -> `gss.calibrate` -> `gss.artifact` -> `gss.steering` (docs/architecture.md).
 """
 
-__version__ = "0.1.0"
-
 from gss import _startup
+from gss._version import __version__
 
 # in the gss command, a Ctrl-C while torch and transformers load is one line and exit 130
 with _startup.interruptible():
@@ -21,13 +20,13 @@ with _startup.interruptible():
     from gss.errors import GSSError, GSSWarning
     from gss.hf.adapters import adapters_off
     from gss.hf.blocks import find_decoder_blocks
+    from gss.inference.explain import Explanation, explain
+    from gss.inference.handoff import reference_where_open
     from gss.layer_scan import LayerScan, scan_layers
     from gss.protect import Protection, SearchSpace, protect
     from gss.signal.omega import SignalStatistics, memorization_signal, signal_statistics
     from gss.solve.thresholds import calibrate_thresholds
     from gss.solve.whitened import ProbeSteer, solve_probe_steer
-    from gss.steering.explain import Explanation, explain
-    from gss.steering.handoff import reference_where_open
 
 __all__ = [
     "PRESETS",

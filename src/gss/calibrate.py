@@ -23,10 +23,10 @@ from gss.config import DEFAULT_PRESET, CalibrationConfig, resolve
 from gss.data import TextsOrIds
 from gss.errors import GSSError
 from gss.hf.blocks import resolve_layer
-from gss.solve import soundness
 from gss.solve.condition import condition_direction, with_condition
 from gss.solve.thresholds import ThresholdSample, gate_levels
 from gss.solve.whitened import solve_probe_steer
+from gss.statistics import soundness
 from gss.statistics.capture import calibration_mode, layer_activations
 from gss.statistics.collect import (
     COLLECT_FIELDS,

@@ -156,7 +156,7 @@ def scan_layers(
         for layer, m, s in zip(done.layers, done.memorization, done.sigma, strict=True)
     }
     general, dim = done.sigma[0].count, residual_width(model)
-    if general < dim:  # as calibrate says it (gss.solve.soundness): the jitter sets the scale
+    if general < dim:  # as calibrate says it (gss.statistics.soundness): the jitter sets the scale
         warnings.warn(
             f"scan_layers: Sigma_gen rests on {general} general tokens for {dim} dimensions, so "
             "its regularisation, not the data, sets the strengths (orders of magnitude too "

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from gss.artifact.card import card_is_generated
-from gss.artifact.names import ARTIFACT_FILES, CARD_NAME, CONFIG_NAME, STACK_NAME
 from gss.errors import GSSError, GSSWarning
+from gss.file_names import ARTIFACT_FILES, CARD_NAME, CONFIG_NAME, STACK_NAME
 
 
 def sha256_of(path: Path) -> str:

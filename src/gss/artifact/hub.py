@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from gss.artifact.card import is_generated, members
 from gss.artifact.card import model_card as generated_card
-from gss.artifact.names import CARD_NAME, CONFIG_NAME, STACK_NAME, TENSORS_NAME
 from gss.errors import GSSError, GSSWarning
+from gss.file_names import CARD_NAME, CONFIG_NAME, STACK_NAME, TENSORS_NAME
 from gss.hf.hub import cache_dir, first_line, hub_error, hub_id, offline
 
 if TYPE_CHECKING:

@@ -23,13 +23,13 @@ from typing import Any
 
 from torch import nn
 
-from gss import __version__
+from gss._version import __version__
 from gss.artifact import hub
 from gss.artifact.card import model_card
 from gss.artifact.files import sha256_of, write_atomically
-from gss.artifact.names import STACK_NAME, TENSORS_NAME
 from gss.artifact.steering_artifact import SteeringArtifact
 from gss.errors import GSSError
+from gss.file_names import STACK_NAME, TENSORS_NAME
 from gss.steering.attach import SteerHandle
 
 STACK_FORMAT_VERSION = 1

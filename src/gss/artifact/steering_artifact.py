@@ -22,18 +22,18 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from gss import __version__
+from gss._version import __version__
 from gss.artifact import describe as summary
 from gss.artifact import hub
 from gss.artifact.card import model_card
 from gss.artifact.files import interrupted_saves, sha256_of, write_atomically
 from gss.artifact.fingerprint import fingerprint_differences, model_fingerprint
-from gss.artifact.names import CONFIG_NAME, STACK_NAME, TENSORS_NAME
 from gss.config import CalibrationConfig, field_names
 from gss.errors import GSSError, GSSWarning
+from gss.file_names import CONFIG_NAME, STACK_NAME, TENSORS_NAME
 from gss.hf.blocks import resolve_layer
 from gss.hf.forward import check_models
-from gss.solve import soundness
+from gss.statistics import soundness
 from gss.steering.attach import SteerHandle, register, warn_if_steering
 from gss.steering.gated import GatedSteer, count_real_tokens
 
@@ -54,7 +54,7 @@ class Provenance:
     memorized_rule: dict[str, Any] = field(default_factory=dict)
     solve: dict[str, Any] = field(default_factory=dict)
     jitter: float = 0.0  # the diagonal loading the solve used (it raises the asked one if needed)
-    # what the statistics rest on, and what that says (gss.solve.soundness)
+    # what the statistics rest on, and what that says (gss.statistics.soundness)
     soundness: dict[str, Any] = field(default_factory=dict)
     hook_point: str = "block_output"
     gss_version: str = __version__

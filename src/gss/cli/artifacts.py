@@ -28,8 +28,8 @@ def show_command(args: argparse.Namespace) -> int:
 
 def push_command(args: argparse.Namespace) -> int:
     from gss.artifact.card import card_is_generated
-    from gss.artifact.names import CARD_NAME
     from gss.artifact.stack import load
+    from gss.file_names import CARD_NAME
 
     directory = Path(args.artifact)
     if not directory.is_dir():

@@ -145,7 +145,7 @@ def generate_command(args: argparse.Namespace) -> int:
     explanations = []
     if args.explain or explain_out is not None:
         # the same generation, recorded token by token (the same tokens: gss.explain)
-        from gss.steering.explain import combined_gate_stats, explain
+        from gss.inference.explain import combined_gate_stats, explain
 
         for enc in encoded:
             explanations.append(
@@ -165,7 +165,7 @@ def generate_command(args: argparse.Namespace) -> int:
         stats = combined_gate_stats(explanations)
     elif reference is not None:
         from gss.artifact.steering_artifact import SteeringArtifact
-        from gss.steering.handoff import (
+        from gss.inference.handoff import (
             MIN_CONFIDENCE,
             MIN_SIGNAL,
             NO_REPEAT_NGRAM,

@@ -12,12 +12,17 @@ with adapters loaded (``model.load_adapter`` / ``add_adapter``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any, cast
 
 from torch import Tensor, nn
 
 from gss.errors import GSSError
+
+# what else stands still while the base model runs: `gss.steering.attach` adds the pause of the
+# steers on the blocks the base shares with the fine-tune (`steers_paused`) when it is imported,
+# so this floor imports nothing above it; with steering never imported no steer is attached
+PAUSES: list[Callable[[nn.Module], AbstractContextManager[None]]] = []
 
 
 def _switch(model: nn.Module) -> Callable[[], AbstractContextManager[None]]:
@@ -109,12 +114,12 @@ class AdaptersOff(nn.Module):
         position_ids: Tensor | None = None,
         **kwargs: Any,
     ) -> Any:
-        from gss.steering.attach import steers_paused
-
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
         # the base model: no adapters, and no steer attached to the blocks it shares
-        with self._off(), steers_paused(self.model):
+        with self._off(), ExitStack() as paused:
+            for pause in PAUSES:
+                paused.enter_context(pause(self.model))
             return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
 

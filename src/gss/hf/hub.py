@@ -24,8 +24,8 @@ from typing import Any, TypeVar
 
 from safetensors import SafetensorError
 
-from gss.artifact.names import CONFIG_NAME, STACK_NAME
 from gss.errors import GSSError
+from gss.file_names import CONFIG_NAME, STACK_NAME
 
 __all__ = [
     "ModelSource",

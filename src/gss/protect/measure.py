@@ -14,10 +14,10 @@ from torch import nn
 from gss.artifact.stack import Steer, SteeringStack
 from gss.errors import GSSError
 from gss.evaluate.suite import EvaluationReport, evaluate_model
-from gss.hf.prefix_replay import BlockPrefixReplay
+from gss.inference.explain import explain
 from gss.protect.result import Trial
 from gss.protect.space import SearchSpace
-from gss.steering.explain import explain
+from gss.steering.prefix_replay import BlockPrefixReplay
 
 Utility = Callable[[nn.Module], float]
 """``utility(model) -> float``, lower is better (perplexity by default)."""

@@ -14,10 +14,10 @@ from gss.artifact.stack import Steer
 from gss.evaluate.decoding import greedy_generate
 from gss.evaluate.recital import data_runs, recites
 from gss.evaluate.utility import perplexity, repetition
+from gss.inference.handoff import reference_where_open
 from gss.protect.measure import Candidate, Judge, prompt_and_target
 from gss.protect.result import Trial
 from gss.protect.space import SearchSpace
-from gss.steering.handoff import reference_where_open
 
 
 def least_looping(

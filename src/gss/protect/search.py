@@ -25,6 +25,7 @@ from gss.evaluate.decoding import sample_generate
 from gss.evaluate.utility import perplexity
 from gss.hf.blocks import find_decoder_blocks, residual_width
 from gss.hf.forward import check_models, check_sequences, context_length
+from gss.inference.explain import explain
 from gss.protect.checks import search_checks
 from gss.protect.measure import (
     Judge,
@@ -42,7 +43,6 @@ from gss.protect.result import Protection
 from gss.protect.space import SearchSpace, check_general, check_options, given_blocks
 from gss.solve.thresholds import probe_responses, with_gates_set
 from gss.statistics.capture import calibration_mode
-from gss.steering.explain import explain
 
 
 def _within_context(

@@ -278,7 +278,7 @@ def _mark_compile_key(vllm_config: Any) -> None:
     torch.compile cache (``VllmConfig.compute_hash``): without it an engine with the plugin and
     one without share a key, and one could load the other's compiled graph (with no steer in
     it, or a steer at other layers). Done in the worker before the first compiled call."""
-    from gss import __version__
+    from gss._version import __version__
 
     state = vllm_op.STATE
     mark = {

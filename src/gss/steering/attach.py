@@ -17,6 +17,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from gss.errors import GSSError, GSSWarning
+from gss.hf import adapters
 from gss.steering.compiled import refuse_if_compiled
 
 
@@ -224,6 +225,9 @@ def steers_paused(model: nn.Module) -> Iterator[None]:
     finally:
         for forward, hook in paused:
             forward.hook = hook
+
+
+adapters.PAUSES.append(steers_paused)  # the base model under `gss.adapters_off` runs unsteered
 
 
 def active_hooks(block: nn.Module) -> list[Any]:

@@ -302,7 +302,7 @@ class GatedSteer:
     def responses(self, hidden: Tensor) -> Tensor:
         """The probe responses ``s = U h - b`` (float32, (..., K)) of ``hidden``: what each
         gate compares with its threshold, computed as `correction` computes them. For reports
-        (`gss.steering.explain`); the steer itself never calls it (its fused form reads the
+        (`gss.inference.explain`); the steer itself never calls it (its fused form reads the
         responses off tensors scaled by the thresholds)."""
         p = self._params(hidden.device)
         return torch.matmul(hidden.float(), p["probe_t"]) - p["offset"]
