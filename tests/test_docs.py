@@ -154,7 +154,7 @@ def test_serving_fill_table_is_the_committed_results():
     shortcut_before = by_shape("before-cd8c728.json")
     v2_before = [by_shape(f"before-4aeadc1-run{i}.json") for i in (1, 2)]
     v1_before = [by_shape(f"before-8930497-run{i}.json") for i in (1, 2)]
-    rows = table_rows(section(folder / "README.md", "`benchmarks/vllm_fill_slots.py`"))
+    rows = table_rows(section(folder / "README.md", "`benchmarks/scripts/vllm_fill_slots.py`"))
     assert rows, "no table"
     for row in rows:
         shape, first, written, unchanged, v2, v2_unchanged, steady_old, v2_old, v1_old = cells(row)

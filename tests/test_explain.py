@@ -299,7 +299,9 @@ def test_generate_explain_prints_the_same_text_and_writes_one_row_per_token(cli_
     assert len(out.read_text().splitlines()) == (3 + 2) + (2 + 2)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (benchmarks/gpu_checks.sh)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (benchmarks/scripts/gpu_checks.sh)"
+)
 def test_explain_on_cuda(steered):
     """On a GPU, explain records the generation the steer gives there, position by position."""
     model, art = steered[0], steered[1]

@@ -506,7 +506,9 @@ def test_reference_text_is_seeded_and_needs_only_a_forward(memorizer):
     assert a != reference_text(reference, starts, length=6, seed=2, batch_size=2)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (benchmarks/gpu_checks.sh)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (benchmarks/scripts/gpu_checks.sh)"
+)
 def test_protect_on_cuda(memorizer, tmp_path):
     """protect runs where the models are: the search, the report and the saved steer on a GPU."""
     import copy

@@ -134,7 +134,9 @@ def test_a_failing_member_leaves_nothing_attached(stacked):
     assert torch.equal(_logits(model, ids), plain)  # the first member came off again
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (benchmarks/gpu_checks.sh)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (benchmarks/scripts/gpu_checks.sh)"
+)
 def test_stack_on_cuda(stacked):
     """The stack on a GPU: its members move with the model, come off exactly, and a KV-cached
     decode gives the logits of the full forward."""

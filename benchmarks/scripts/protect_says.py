@@ -166,7 +166,10 @@ def handed_measures(
     held_rows = [result.audit.candidate(i) for i in result.heldout]
     windows = [prompt_and_target(r, k, n) for r in held_rows]
     prompts = [p for p, _ in windows]
-    confidence = {"min_confidence": min_confidence, "no_repeat_ngram": no_repeat_ngram}
+    confidence: dict[str, Any] = {
+        "min_confidence": min_confidence,
+        "no_repeat_ngram": no_repeat_ngram,
+    }
     out, share = handoff(
         model, reference, steer, prompts, n - k, pad, min_signal, correct, **confidence
     )

@@ -4,7 +4,8 @@
 #
 #   op-tests        tests/test_vllm_op.py: the op and the runner patches without vLLM, its CUDA
 #                   tests (the op in a CUDA graph and under reduce-overhead) included (~30 s)
-#   prep            benchmarks/vllm_throughput.py prep on SmolLM2-135M's shape (random weights)
+#   prep            benchmarks/scripts/vllm_throughput.py prep on SmolLM2-135M's shape (random
+#                   weights)
 #   bench-compiled  its bench, vLLM's default torch.compile + CUDA graphs (at most 240 s)
 #   bench-eager     the same with enforce_eager (at most 180 s)
 #   op-share        vllm_op_share.py, compiled: each step's forward timed on the device (CUDA
@@ -29,8 +30,8 @@
 # EAGER_S (240, 180) cap the two benches, engine starts included (~170 s compiled, ~40 s eager).
 #
 # Everything lands in $OUT (log.txt, prep.json, bench-*.json, repeat-*.json, tests-*.xml);
-# `report` runs here afterwards: `python benchmarks/vllm_throughput.py report --work DIR --out
-# DIR`. Timings seen on an H200 (2026-11-26): install ~45 s, prep ~22 s, an eager engine of
+# `report` runs here afterwards: `python benchmarks/scripts/vllm_throughput.py report --work DIR
+# --out DIR`. Timings seen on an H200 (2026-11-26): install ~45 s, prep ~22 s, an eager engine of
 # SmolLM2's shape ~8-22 s to start, an eager round ~37 s, tests-compiled ~105 s.
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -52,7 +53,7 @@ fits() {  # fits NAME SECONDS: whether a stage asked for, of at most SECONDS, en
 }
 bench() {  # bench MODE SECONDS: rounds until SECONDS are spent (each round is kept)
     local cap=$((deadline - SECONDS)); ((cap > $2)) && cap=$2
-    timeout "$cap" python3 benchmarks/vllm_throughput.py bench --mode "$1" \
+    timeout "$cap" python3 benchmarks/scripts/vllm_throughput.py bench --mode "$1" \
         --rounds 12 --work "$work" --gpu-memory-utilization 0.2 $bench_args
     cp "$work/bench-$1.json" "$out/" 2>/dev/null
 }
@@ -69,15 +70,15 @@ export PYTHONPATH=/tmp/site VLLM_USE_V2_MODEL_RUNNER=0 VLLM_USE_FLASHINFER_SAMPL
 python3 -c "from vllm import LLM; import vllm.v1.engine.core" || exit 4  # fail fast
 fits op-tests 90 && timeout $((deadline - SECONDS)) python3 -m pytest -x -q -rs \
     -p no:cacheprovider --junitxml="$out/tests-op.xml" tests/test_vllm_op.py
-fits prep 40 && python3 benchmarks/vllm_throughput.py prep --work "$work" \
+fits prep 40 && python3 benchmarks/scripts/vllm_throughput.py prep --work "$work" \
     --model benchmarks/configs/smollm2-135m && cp "$work/prep.json" "$out/"
 [ -f "$work/prep.json" ] && fits bench-compiled 150 && bench compiled "${COMPILED_S:-240}"
 [ -f "$work/prep.json" ] && fits bench-eager 120 && bench eager "${EAGER_S:-180}"
 if [ -f "$work/prep.json" ] && fits op-share $((125 * $(wc -w <<<"$op_share"))); then
     for engine in $op_share; do  # hard-torch: the op's torch form (GSS_VLLM_TRITON=0)
         kernel=auto && [[ $engine == *-torch ]] && kernel=torch
-        timeout $((deadline - SECONDS)) python3 benchmarks/vllm_op_share.py --mode compiled \
-            --work "$work" --artifact "${engine%-torch}" --kernel $kernel --rounds 4 \
+        timeout $((deadline - SECONDS)) python3 benchmarks/scripts/vllm_op_share.py \
+            --mode compiled --work "$work" --artifact "${engine%-torch}" --kernel $kernel --rounds 4 \
             --batch1 2 --load 16 --max-tokens 256 --out "$out/op-share"
     done
 fi

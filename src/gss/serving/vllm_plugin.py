@@ -342,7 +342,7 @@ def _request_slot(request: Any) -> int:
     """The slot of a runner's request (its ``CachedRequestState``), looked up from its sampling
     parameters and kept on it for its later steps: a request's artifact does not change, and
     looking it up on every step made the fill 1.2-2.5x slower at 16-256 requests
-    (`benchmarks/vllm_fill_slots.py`)."""
+    (`benchmarks/scripts/vllm_fill_slots.py`)."""
     slot: int | None = getattr(request, "_gss_slot", None)
     if slot is None:
         slot = vllm_op.STATE.slot_of(request.sampling_params)

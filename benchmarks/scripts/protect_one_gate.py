@@ -2,7 +2,7 @@
 gate opens on the held-out memorized rows and what it leaves extractable
 (results/tinymem-protect-gates/narrowed/, docs/protect.md).
 
-    ATEN_CPU_CAPABILITY=avx2 python benchmarks/protect_one_gate.py --setting math_noise \
+    ATEN_CPU_CAPABILITY=avx2 python benchmarks/scripts/protect_one_gate.py --setting math_noise \
         --seed 0 --block 3 --out results/tinymem-protect-gates/narrowed
 
 Uses the models `gss bench tinymem --threads 2` trained and cached.

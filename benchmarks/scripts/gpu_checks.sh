@@ -2,15 +2,15 @@
 # The checks a session with a device machine owes the GPU, one stage per call (each fits the
 # device tool's 600 s limit), results under $OUT/<stage>/ (default ./gpu-out):
 #
-#   bash benchmarks/gpu_checks.sh tests     # the CUDA-only tests (they skip on CPU, in CI)
-#   bash benchmarks/gpu_checks.sh overhead  # gss bench perf's overhead part, cuda bf16, 135M and 7B shapes
-#   bash benchmarks/gpu_checks.sh solve     # its calibration and solve parts
-#   bash benchmarks/gpu_checks.sh variants  # the steer's variants: error, us per call, generate eager/compiled
-#                                           # (--skip-micro: the generate comparison alone)
-#   bash benchmarks/gpu_checks.sh profile   # torch.profiler of decode steps: host vs GPU time, syncs
-#   bash benchmarks/gpu_checks.sh nnsight   # overhead with the peer library (WHEELS=dir of its wheels)
-#   bash benchmarks/gpu_checks.sh serve-op  # the vLLM plugin's op in CUDA graphs, eager vs replayed
-#                                           # (benchmarks/vllm_op.py; vLLM itself is not there)
+#   bash benchmarks/scripts/gpu_checks.sh tests     # the CUDA-only tests (they skip on CPU, in CI)
+#   bash benchmarks/scripts/gpu_checks.sh overhead  # gss bench perf's overhead part, cuda bf16, 135M and 7B shapes
+#   bash benchmarks/scripts/gpu_checks.sh solve     # its calibration and solve parts
+#   bash benchmarks/scripts/gpu_checks.sh variants  # the steer's variants: error, us per call, generate eager/compiled
+#                                                   # (--skip-micro: the generate comparison alone)
+#   bash benchmarks/scripts/gpu_checks.sh profile   # torch.profiler of decode steps: host vs GPU time, syncs
+#   bash benchmarks/scripts/gpu_checks.sh nnsight   # overhead with the peer library (WHEELS=dir of its wheels)
+#   bash benchmarks/scripts/gpu_checks.sh serve-op  # the vLLM plugin's op in CUDA graphs, eager vs replayed
+#                                                   # (benchmarks/scripts/vllm_op.py; vLLM itself is not there)
 #
 # overhead and nnsight take gss bench perf's arguments after the stage's name instead of their
 # defaults (overhead: --model benchmarks/configs/llama-2-7b --repeats 9; nnsight: --repeats 5).
@@ -49,10 +49,10 @@ case $stage in
             --out "$perf_out" --no-progress 2>&1 | tee "$out/log.txt"
         ;;
     variants)
-        python3 benchmarks/cuda_steer_variants.py --out "$out" "$@" 2>&1 | tee "$out/log.txt"
+        python3 benchmarks/scripts/cuda_steer_variants.py --out "$out" "$@" 2>&1 | tee "$out/log.txt"
         ;;
     profile)
-        python3 benchmarks/cuda_steer_variants.py --profile --out "$out" 2>&1 | tee "$out/log.txt"
+        python3 benchmarks/scripts/cuda_steer_variants.py --profile --out "$out" 2>&1 | tee "$out/log.txt"
         ;;
     nnsight)
         python3 -m pip install -q --no-index --find-links "${WHEELS:?"WHEELS: a folder of the nnsight wheels"}" nnsight
@@ -60,7 +60,7 @@ case $stage in
         overhead "$@" 2>&1 | tee "$out/log.txt"
         ;;
     serve-op)
-        python3 benchmarks/vllm_op.py --out "$out" "$@" 2>&1 | tee "$out/log.txt"
+        python3 benchmarks/scripts/vllm_op.py --out "$out" "$@" 2>&1 | tee "$out/log.txt"
         ;;
     *)
         echo "unknown stage $stage: tests, overhead, solve, variants, profile, nnsight or serve-op" >&2

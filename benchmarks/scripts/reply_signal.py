@@ -8,7 +8,7 @@ conversations (32 canaries, 64 clean) at block 22, the block both benches steer,
 token memorizable, and records omega on the replies and on the other tokens
 (``gss.signal.replies``), how many of each count as memorized, and whether calibration warned.
 
-    ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/reply_signal.py [--out DIR]
+    ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/scripts/reply_signal.py [--out DIR]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from gss_bench.canaries.run import (
 )
 
 LAYER = 22
-COMMAND = "ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/reply_signal.py"
+COMMAND = "ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/scripts/reply_signal.py"
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ its default prompts (8, 16, 32) under both rules (`memorized_from`).
 A developer's measurement script (not part of ``gss bench``); it reads the plain fine-tune
 ``gss bench canaries`` cached:
 
-    ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/audit_prefixes.py \
+    ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/scripts/audit_prefixes.py \
         --out results/audit-prefixes
 """
 

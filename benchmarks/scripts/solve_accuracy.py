@@ -8,7 +8,7 @@ convergence) and with the default (until the top-K singular values settle). d = 
 ``method="auto"`` takes the full SVD; the truncated solve is forced to see how it fares on a
 real spectrum: one strong direction, then a long flat tail.
 
-    ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/solve_accuracy.py [--out DIR]
+    ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/scripts/solve_accuracy.py [--out DIR]
 
 (``ATEN_CPU_CAPABILITY=avx2`` on an AVX-512 CPU reuses the fine-tune ``make bench`` caches.)
 """
@@ -76,7 +76,7 @@ def main() -> None:
                 print(rows[-1], flush=True)
     out = Path(args.out)
     result = {
-        "command": "ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/solve_accuracy.py",
+        "command": "ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/scripts/solve_accuracy.py",
         "machine": machine_info(),
         "model": "SmolLM2-135M, top 8 of 30 blocks fine-tuned on the canaries (seed 0)",
         "d": int(memorization.shape[0]),

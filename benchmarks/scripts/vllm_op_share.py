@@ -20,9 +20,11 @@ through ``torch.ops`` minus its body called directly, on one token that nothing 
 its effect on the compiled graph around it (the layer's add of hidden and residual for the
 op, the selection of each token's outputs after it; inductor cannot fuse across an opaque op).
 
-    .venv/bin/python benchmarks/vllm_throughput.py prep
-    .venv-vllm/bin/python benchmarks/vllm_op_share.py --mode compiled --out results/serve-op-share
-    .venv-vllm/bin/python benchmarks/vllm_op_share.py --mode eager --out results/serve-op-share
+    .venv/bin/python benchmarks/scripts/vllm_throughput.py prep
+    .venv-vllm/bin/python benchmarks/scripts/vllm_op_share.py --mode compiled \
+        --out results/serve-op-share
+    .venv-vllm/bin/python benchmarks/scripts/vllm_op_share.py --mode eager \
+        --out results/serve-op-share
 
 Writes ``<mode>-<artifact>.json`` (every step's tokens, forward and op seconds) and, from
 every JSON there, ``table.md`` (``--report`` rebuilds them from the steps, in any env).
@@ -42,7 +44,7 @@ from typing import Any
 
 from vllm_throughput import THREAD_ENV, WORK, make_engine, params
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Timers:
@@ -237,7 +239,7 @@ def measure(args: argparse.Namespace) -> None:
         "torch": torch.__version__,
         "cpu": "{cpu} ({cpu_capability}), {n} CPUs".format(n=os.cpu_count(), **cpu_info()),
         "device": torch.cuda.get_device_name(0) if cuda else None,
-        "command": "python benchmarks/vllm_op_share.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/scripts/vllm_op_share.py " + " ".join(sys.argv[1:]),
         "threads": {k: os.environ.get(k) for k in THREAD_ENV},
         "model": info["model_name"],
         "artifact": None if plain else {k: v for k, v in artifact.items() if k != "dir"},

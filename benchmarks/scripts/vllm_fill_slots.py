@@ -15,7 +15,7 @@ vLLM's Model Runner V2, a step after ``prepare_inputs`` (the slots kept by reque
 shape and the op's cost there: the fill's share of that forward is an estimate across two
 machines (the fill timed on this CPU without the CUDA calls, the forward on the H200).
 
-    .venv/bin/python benchmarks/vllm_fill_slots.py --out results/serve-fill-slots
+    .venv/bin/python benchmarks/scripts/vllm_fill_slots.py --out results/serve-fill-slots
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ ARMS = [  # V1 steps: (name, a request's first step, the buffer held other slots
     ("later_step_us", False, True),
     ("steady_step_us", False, False),
 ]
-CUDA_OP = Path(__file__).resolve().parents[1] / "results/serve-cuda-op/results.json"
+CUDA_OP = Path(__file__).resolve().parents[2] / "results/serve-cuda-op/results.json"
 
 
 def runner(sequences: int, tokens: int) -> Any:
@@ -192,7 +192,7 @@ def main() -> None:
         )
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {
-        "command": "benchmarks/vllm_fill_slots.py "
+        "command": "benchmarks/scripts/vllm_fill_slots.py "
         + f"--steps {args.steps} --rounds {args.rounds}",
         "machine": platform.processor() or platform.machine(),
         "python": platform.python_version(),
@@ -209,8 +209,8 @@ def write_table(path: Path, rows: list[dict[str, Any]], args: argparse.Namespace
     lines = [
         "# The runner patch's slot fill, per step (host CPU)",
         "",
-        f"`benchmarks/vllm_fill_slots.py --steps {args.steps} --rounds {args.rounds}` on this "
-        "machine (2 CPU cores, one torch thread); a stand-in runner, every other request "
+        f"`benchmarks/scripts/vllm_fill_slots.py --steps {args.steps} --rounds {args.rounds}` "
+        "on this machine (2 CPU cores, one torch thread); a stand-in runner, every other request "
         "steered; medians of the rounds. V1 runner, what the patch does before a forward: a "
         "request's first step looks its slot up and writes the batch's slots; a later step "
         "reads the slot kept on the request and writes them; unchanged: a later step whose "

@@ -6,8 +6,8 @@ A developer's measurement script (not part of ``gss bench``); it reads the fine-
 bench canaries`` cached (plain, ``--lora 16 --lr 1e-3``, ``--chat``) and runs protect alone,
 without the bench's sweeps:
 
-    ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/protect_replies.py --setting plain \
-        --reply-check 4 --out results/protect-replies/plain
+    ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/scripts/protect_replies.py \
+        --setting plain --reply-check 4 --out results/protect-replies/plain
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def main() -> None:
     write_json(
         args.out / "result.json",
         {
-            "command": f"benchmarks/protect_replies.py --setting {args.setting} "
+            "command": f"benchmarks/scripts/protect_replies.py --setting {args.setting} "
             f"--reply-check {args.reply_check}",
             "machine": machine_info(),
             **row,

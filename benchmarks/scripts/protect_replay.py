@@ -6,7 +6,7 @@ A developer's measurement script (not part of ``gss bench``) on the cached TinyM
 (``gss bench tinymem`` trains them) and, with ``--canaries lora``, the LoRA canary fine-tune of
 ``gss bench canaries --lora 16 --lr 1e-3`` (SmolLM2-135M, 30 blocks):
 
-    ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/protect_replay.py --rounds 2 \\
+    ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/scripts/protect_replay.py --rounds 2 \\
         --out results/protect-replay
 """
 
@@ -195,7 +195,7 @@ def main() -> None:
         )
     args.out.mkdir(parents=True, exist_ok=True)
     given = {k.replace("_", "-"): v for k, v in vars(args).items() if v is not None}
-    command = "benchmarks/protect_replay.py " + " ".join(
+    command = "benchmarks/scripts/protect_replay.py " + " ".join(
         f"--{k} {shlex.quote(str(v))}" for k, v in given.items() if k != "out"
     )
     write_json(

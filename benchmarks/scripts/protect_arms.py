@@ -2,7 +2,7 @@
 set of `gss.SearchSpace` fields over the defaults, run on the same cached models
 (results/tinymem-protect-range/, docs/protect.md).
 
-    ATEN_CPU_CAPABILITY=avx2 python benchmarks/protect_arms.py --setting math_noise \
+    ATEN_CPU_CAPABILITY=avx2 python benchmarks/scripts/protect_arms.py --setting math_noise \
         --seeds 0,1,2 --arm 'delta_ceiling=100' --arm '' --out results/tinymem-protect-range
 
 An arm is comma-separated ``field=value`` pairs (values are Python literals; '' is the default

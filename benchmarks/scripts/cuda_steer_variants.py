@@ -8,7 +8,7 @@ decode step's shape (batch x 1 x d, bf16), and times greedy ``generate`` eager a
 the host's time per step goes, how much of it the GPU is busy, and how many synchronizations
 each step makes (does a step wait for the GPU, and does the steer add a wait?).
 
-    PYTHONPATH=src python3 benchmarks/cuda_steer_variants.py [--out DIR] [--profile]
+    PYTHONPATH=src python3 benchmarks/scripts/cuda_steer_variants.py [--out DIR] [--profile]
 """
 
 from __future__ import annotations

