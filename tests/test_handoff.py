@@ -35,7 +35,7 @@ def _with_thresholds(art, value: float):
     return dataclasses.replace(art, thresholds=torch.full_like(art.thresholds, value))
 
 
-def _greedy(model, ids, mask=None, processors=()):
+def _greedy(model, ids, mask=None, processors=(), **options):
     with torch.no_grad():
         out = model.generate(
             input_ids=ids,
@@ -44,6 +44,7 @@ def _greedy(model, ids, mask=None, processors=()):
             do_sample=False,
             pad_token_id=0,
             logits_processor=list(processors),
+            **options,
         )
     return out[:, ids.shape[1] :].tolist()
 
@@ -410,16 +411,7 @@ def test_the_references_steps_repeat_no_ngram(setup):
             no_repeat_ngram=n,
         ) as processor:
             guarded = _greedy(model, ids, None, [processor])
-        with torch.no_grad():
-            own = reference.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW,
-                do_sample=False,
-                pad_token_id=0,
-                no_repeat_ngram_size=n,
-            )[:, ids.shape[1] :].tolist()
-        assert guarded == own
+        assert guarded == _greedy(reference, ids, no_repeat_ngram_size=n)
         if n == 2:
             assert guarded != loops, "the reference's own text should repeat some 2-gram"
     with gss.reference_where_open(
