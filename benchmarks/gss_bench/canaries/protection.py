@@ -21,6 +21,7 @@ from gss.evaluate.leaks import EXTRA_TOKENS, secrets_said
 from gss.evaluate.sweep import SweepPoint
 from gss.protect import SearchSpace, protect
 from gss_bench.canaries.data import secret_fields
+from gss_bench.protect_report import write_report
 
 
 def protect_point(
@@ -57,7 +58,7 @@ def protect_point(
         progress=progress,
     )
     seconds = time.perf_counter() - started
-    result.write(report_dir, overwrite=True)
+    write_report(result, report_dir)
     if result.steer is None or result.chosen is None:
         raise RuntimeError("gss protect found no steer within the budget")
     c = result.chosen

@@ -45,6 +45,7 @@ from gss.protect import SearchSpace
 from gss.report import machine_info, markdown_table, write_json
 from gss_bench import baseline_names, transformers_bars_off
 from gss_bench.canaries.finetune import FinetuneConfig
+from gss_bench.protect_report import check_report_dir
 
 PPL_TOLERANCE = 0.05  # selected points keep perplexity within +5% of the unmitigated model
 # Strengths of GSS (and GSS-TR). At block 22 both reach 0% memorized from 1.0, but the secrets
@@ -479,6 +480,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         variant = f"-{args.model}{variant}"  # results/canaries-gemma3-270m
     default_out = "results/canaries" + variant + ("-quick" if args.quick else "")
     out = Path(args.out or default_out)
+    if args.protect:  # before any work: the report it would replace there is its own
+        check_report_dir(out / "protect")
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
     if not progress:

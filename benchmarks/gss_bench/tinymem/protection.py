@@ -21,6 +21,7 @@ from torch import nn
 
 from gss.evaluate.memorization import first_end
 from gss.protect import SearchSpace, protect
+from gss_bench.protect_report import write_report
 from gss_bench.tinymem import methods as M
 from gss_bench.tinymem.data import TinyMemData
 
@@ -128,7 +129,7 @@ def protect_row(
             "by_method": {"Unmitigated": share_on(base, result.heldout)[1], "GSS protect": share},
         }
     if report_dir is not None:  # what gss protect itself writes: its search, figures, examples
-        result.write(report_dir, overwrite=True)
+        write_report(result, report_dir)
     return row
 
 

@@ -24,6 +24,7 @@ from gss.protect import SearchSpace
 from gss.report import cpu_capability, cpu_info, machine_info, markdown_table, write_json
 from gss_bench import baseline_names, transformers_bars_off
 from gss_bench.baselines import get_method
+from gss_bench.protect_report import check_report_dir
 from gss_bench.tinymem import methods as M
 from gss_bench.tinymem.data import SETTINGS
 from gss_bench.tinymem.paper import PAPER
@@ -879,6 +880,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "does not train from the same seeds: this run joins their table (its 'Models "
             "trained on' line names each CPU); --fresh starts the table anew"
         )
+    if PROTECT in args.methods and not args.merge:  # before any work: only its own reports
+        for setting, seed in units:
+            check_report_dir(out / f"protect_{setting}_seed{seed}")
     if args.merge:
         records = _merged_from(args.merge, out)
     elif args.jobs > 1 and len(units) > 1:
