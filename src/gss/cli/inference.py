@@ -47,27 +47,21 @@ def generate_command(args: argparse.Namespace) -> int:
         check_outputs(explain_out.parent, [explain_out.name], args.overwrite, "--explain-out")
     handoff = getattr(args, "reference_where_open", None)
     min_signal = getattr(args, "min_signal", None)
-    if min_signal is not None and handoff is None:
-        raise GSSError(
-            "--min-signal sets where --reference-where-open hands a step to the reference: "
-            "give --reference-where-open REF too, or drop --min-signal."
-        )
+    min_confidence = getattr(args, "min_confidence", None)
+    no_repeat = getattr(args, "no_repeat_ngram", None)
+    for flag, value, what in (
+        ("--min-signal", min_signal, "sets where --reference-where-open hands a step to"),
+        ("--min-confidence", min_confidence, "sets where --reference-where-open hands a step to"),
+        ("--no-repeat-ngram", no_repeat, "guards the steps --reference-where-open hands to"),
+    ):
+        if value is not None and handoff is None:
+            raise GSSError(
+                f"{flag} {what} the reference: give --reference-where-open REF too, or drop {flag}."
+            )
     if min_signal is not None and not math.isfinite(min_signal):
         raise GSSError(f"--min-signal must be a finite number of nats, got {min_signal}.")
-    min_confidence = getattr(args, "min_confidence", None)
-    if min_confidence is not None and handoff is None:
-        raise GSSError(
-            "--min-confidence sets where --reference-where-open hands a step to the reference: "
-            "give --reference-where-open REF too, or drop --min-confidence."
-        )
     if min_confidence is not None and not 0.0 <= min_confidence <= 1.0:
         raise GSSError(f"--min-confidence must be a probability in [0, 1], got {min_confidence}.")
-    no_repeat = getattr(args, "no_repeat_ngram", None)
-    if no_repeat is not None and handoff is None:
-        raise GSSError(
-            "--no-repeat-ngram guards the steps --reference-where-open hands to the reference: "
-            "give --reference-where-open REF too, or drop --no-repeat-ngram."
-        )
     if no_repeat is not None and no_repeat < 0:
         raise GSSError(f"--no-repeat-ngram must be 0 (off) or more, got {no_repeat}.")
     if handoff is not None and (args.explain or explain_out is not None):

@@ -117,7 +117,8 @@ class ReferenceWhereOpen:
             # after the signal, which reads the reference's unguarded scores; the fine-tune's
             # own steps stay as they are (guarded too, in a row once handed over, the chat
             # replies' perplexity under the reference went 2.87 -> 3.96: the template's turns)
-            theirs = self.guard(input_ids, theirs)
+            rows = opened.nonzero().squeeze(-1)  # the guard reads each row's text: only these
+            theirs = theirs.index_copy(0, rows, self.guard(input_ids[rows], theirs[rows]))
         return torch.where(opened[:, None], theirs, scores)
 
     def _entered(self, input_ids: Tensor) -> Tensor:
