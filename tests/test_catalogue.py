@@ -464,11 +464,11 @@ def _cases():
         "protect gate share nan": ([*protect, "--gate-share", "nan"], "gate_share must be in"),
         "protect max-extractable 200": (
             [*protect, "--max-extractable", "200"],
-            "target (gss protect --max-extractable) is a % of rows",
+            "max_extractable (gss protect --max-extractable) is a % of rows",
         ),
-        "protect both goal flags": (
+        "protect old goal flag": (
             [*protect, "--max-extractable", "0", "--target", "0"],
-            "give --max-extractable only (--target is its old name).",
+            "unrecognized arguments: --target 0",
         ),
         "protect general of one row": (
             [*protect, "--general", "{root}/one.txt"],
@@ -561,7 +561,7 @@ BEFORE_ANY_MODEL = [
     "protect seed past 2^63",
     "protect budget nan",
     "protect max-extractable 200",
-    "protect both goal flags",
+    "protect old goal flag",
     "protect general missing",
     "protect general of one row",
     "audit reference is the model",

@@ -583,21 +583,23 @@ def test_a_stray_world_size_is_one_message(tmp_path, monkeypatch, capsys):
     assert "torchrun" in err
 
 
-def test_protect_goal_flag_and_its_old_name(capsys):
-    """gss protect's goal is --max-extractable; --target, its old name (calibrate's --target is
-    g's objective), still works, with a warning, and not beside the new name."""
+def test_protect_flags_make_one_checked_config(capsys):
+    """gss protect's flags become one `ProtectConfig`, refused before the models load; its
+    goal is --max-extractable (calibrate's --target is g's objective: no alias of it here)."""
     from gss.cli.parser import build_parser
-    from gss.cli.protection import _max_extractable
-    from gss.errors import GSSError, GSSWarning
+    from gss.cli.protection import _protect_config
+    from gss.errors import GSSError
+    from gss.protect import ProtectConfig, SearchSpace
 
     argv = ["protect", "--model", "m", "--reference", "r", "--data", "d", "--out", "o"]
     parse = build_parser().parse_args
-    assert _max_extractable(parse(argv)) == 0.0
-    assert _max_extractable(parse([*argv, "--max-extractable", "2.5"])) == 2.5
-    with pytest.warns(GSSWarning, match="--target is now --max-extractable"):
-        assert _max_extractable(parse([*argv, "--target", "5"])) == 5.0
-    with pytest.raises(GSSError, match="give --max-extractable only"):
-        _max_extractable(parse([*argv, "--target", "5", "--max-extractable", "5"]))
+    assert _protect_config(parse(argv)) == ProtectConfig()
+    config = _protect_config(parse([*argv, "--max-extractable", "2.5", "--gate-share", "0.05"]))
+    assert config == ProtectConfig(max_extractable=2.5, search=SearchSpace(gate_share=0.05))
+    with pytest.raises(GSSError, match=r"max_extractable \(gss protect --max-extractable\)"):
+        _protect_config(parse([*argv, "--max-extractable", "200"]))
+    with pytest.raises(SystemExit):
+        parse([*argv, "--target", "5"])
     with pytest.raises(SystemExit):
         main(["protect", "--help"])
     shown = capsys.readouterr().out

@@ -76,3 +76,16 @@ def test_imports_only_go_down(path):
         if target != room and FLOOR[target] >= FLOOR[room]
     ]
     assert upward == []
+
+
+def test_protect_is_its_steps_no_function_over_80_lines():
+    """`gss.protect` stays a composition of named steps (issue 71): a step that grows past 80
+    lines is split, not left to become one long function again."""
+    long = []
+    for path in sorted((PACKAGE / "protect").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > 80:
+                    long.append(f"{path.name}:{node.name} ({lines} lines)")
+    assert not long, f"functions of gss.protect over 80 lines: {long}"

@@ -19,7 +19,9 @@ from gss.evaluate.decoding import greedy_generate
 from gss.protect import SearchSpace, protect
 
 protect_module = importlib.import_module("gss.protect")  # gss.protect is the function
-search_module = importlib.import_module("gss.protect.search")
+split_module = importlib.import_module("gss.protect.split")
+heldout_module = importlib.import_module("gss.protect.heldout")
+general_module = importlib.import_module("gss.protect.general")
 measure_module = importlib.import_module("gss.protect.measure")
 
 
@@ -42,8 +44,7 @@ def protected(memorizer):
                 )
                 seen.append(keep)
 
-    module = search_module
-    original_audit, original_extractable = module.audit, module.extractable
+    original_audit, original_extractable = split_module.audit, heldout_module.extractable
 
     def audit(*a, **kw):
         result = original_audit(*a, **kw)
@@ -55,7 +56,7 @@ def protected(memorizer):
         return original_extractable(*a, **kw)
 
     hook = model.register_forward_pre_hook(record, with_kwargs=True)
-    module.audit, module.extractable = audit, extractable
+    split_module.audit, heldout_module.extractable = audit, extractable
     try:
         result = protect(
             model,
@@ -69,7 +70,8 @@ def protected(memorizer):
         )
     finally:
         hook.remove()
-        module.audit, module.extractable = original_audit, original_extractable
+        split_module.audit = original_audit
+        heldout_module.extractable = original_extractable
     return result, seen, texts
 
 
@@ -80,7 +82,7 @@ def test_protect_reaches_the_target_within_the_budget(protected):
     assert result.before["memorized"] == 100.0  # held-out rows are memorized ones
     assert result.chosen.memorized == 0.0  # the target, reached on the tuning rows
     assert result.after["memorized"] < 100.0  # and carried, in part at least, to unseen rows
-    assert result.reached == (result.after["memorized"] <= result.target)
+    assert result.reached == (result.after["memorized"] <= result.max_extractable)
     assert result.after["utility"] <= result.budget["limit"] * 1.05  # measured on other text
     stages = {t.stage for t in result.trials}
     assert "block" in stages and len({t.blocks for t in result.trials}) >= 2  # blocks searched
@@ -190,7 +192,11 @@ def test_protect_refuses_bad_options(memorizer):
     for kwargs, message in [
         ({"budget": -1}, "budget must be >= 0"),
         ({"budget": float("nan")}, "budget must be >= 0"),
-        ({"target": 101}, r"target \(gss protect --max-extractable\) is a %"),
+        ({"max_extractable": 101}, r"max_extractable \(gss protect --max-extractable\) is a %"),
+        ({"target": 0.0}, "protect's target is now max_extractable"),
+        ({"treshold": 0.0}, r"unknown option\(s\) treshold: give fields of gss.ProtectConfig"),
+        ({"config": {"budget": 0.1}}, "config must be a gss.ProtectConfig"),
+        ({"reference_rows": 0}, r"reference_rows must be an integer in \[1, 2\^63\)"),
         ({"k": 8, "n": 8}, "n must be an integer > k"),
         ({"search": SearchSpace(presets=("nope",))}, "presets must be among"),
         ({"search": SearchSpace(delta_range=(1.0, 0.1))}, "delta_range"),
@@ -211,7 +217,7 @@ def test_protect_refuses_bad_options(memorizer):
         ({"heldout": [[99, 3, 4]]}, r"heldout: token id 99 is outside the model's vocabulary"),
         # the wrong types: one message each, before the audit, never a TypeError from inside
         ({"budget": "0.05"}, "budget must be >= 0"),
-        ({"target": "0"}, r"target \(gss protect --max-extractable\) is a %"),
+        ({"max_extractable": "0"}, r"max_extractable \(gss protect --max-extractable\) is a %"),
         ({"search": {"blocks": (1,)}}, "search must be a gss.SearchSpace"),
         ({"search": SearchSpace(blocks=())}, "blocks must be block indices"),
         ({"search": SearchSpace(blocks=1)}, "blocks must be block indices"),  # type: ignore[arg-type]
@@ -232,7 +238,7 @@ def test_general_rows_longer_than_the_context_are_cut_to_it(memorizer):
     model = memorizer[0]
     context = model.config.max_position_embeddings
     with pytest.warns(GSSWarning, match=r"1 of the 2 general rows are longer than the model's"):
-        rows = search_module._within_context(model, [[3] * (context + 9), [4] * 5], None, "general")
+        rows = general_module.within_context(model, [[3] * (context + 9), [4] * 5], None, "general")
     assert [len(r) for r in rows] == [context, 5]
 
 
@@ -391,10 +397,10 @@ def test_general_text_made_of_the_memorized_rows_is_warned_about(protected, memo
     memorized = [texts[r.index] for r in result.audit.memorized]
     general = memorizer[3][20:40].tolist()
     with pytest.warns(GSSWarning, match=r"\d+ of the \d+ general rows are rows the model repro"):
-        search_module._warn_if_general_is_memorized([*memorized, *general], result.audit, 16)
+        split_module._warn_if_general_is_memorized([*memorized, *general], result.audit, 16)
     with warnings.catch_warnings():
         warnings.simplefilter("error", GSSWarning)
-        search_module._warn_if_general_is_memorized(general, result.audit, 16)
+        split_module._warn_if_general_is_memorized(general, result.audit, 16)
 
 
 def test_the_rows_figure_without_a_steer_shows_the_rows_as_they_were(protected, tmp_path):
@@ -571,7 +577,7 @@ def test_protect_report_says_when_heldout_rows_leak_before_k(memorizer):
     report = gss.audit(model, reference, planted.tolist(), k=8, n=16, prefixes=[4])
     result = Protection(
         steer=None, audit=report, tuning=[0, 1, 2], heldout=[3, 4, 5],
-        budget={"measure": "perplexity", "limit": 2.0}, target=0.0, trials=[], chosen=None,
+        budget={"measure": "perplexity", "limit": 2.0}, max_extractable=0.0, trials=[], chosen=None,
         before={"memorized": 100.0, "utility": 1.0}, after={}, gates={},
     )  # fmt: skip
     line = result.windows_line()

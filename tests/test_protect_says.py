@@ -5,21 +5,21 @@ the report's side-by-side continuations and ordinary prompts."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 from gss import GSSError, calibrate
+from gss.config import RunOptions
 from gss.evaluate.decoding import greedy_generate
 from gss.protect import SearchSpace, Trial, protect
 from gss.protect.checks import DOMAIN, DomainRows
+from gss.protect.config import Setting
+from gss.protect.general import ORDINARY
 from gss.protect.measure import FOLLOWS, Judge
 from gss.protect.ordinary import ordinary_english
 from gss.protect.replies import ordinary_unchanged
+from gss.protect.stages import gated
 from gss.solve.thresholds import probe_responses
-
-search_module = importlib.import_module("gss.protect.search")
 
 
 def test_ordinary_english_is_prose_seeded_and_offline():
@@ -36,7 +36,7 @@ def test_gates_hold_on_every_source(memorizer):
     model, reference, planted, general = memorizer
     art = _artifact(model, reference, planted, general)
     sources = {"a": general[:40].tolist(), "b": planted.tolist()}  # b: where the gates open
-    gated = search_module._gated(model, art, sources, 0.05, 8)
+    gated = _gated(model, art, sources, 0.05, 8)
     shares = gated.provenance.gate_open_share
     assert set(shares["per_source"]) == {"a", "b"}
     for name, rows in sources.items():
@@ -44,10 +44,14 @@ def test_gates_hold_on_every_source(memorizer):
         opened = float((r > gated.thresholds).any(-1).double().mean())
         assert opened == pytest.approx(shares["per_source"][name])
         assert opened <= 0.05 + 1e-9
-    pooled = search_module._gated(model, art, {"all": [*sources["a"], *sources["b"]]}, 0.05, 8)
+    pooled = _gated(model, art, {"all": [*sources["a"], *sources["b"]]}, 0.05, 8)
     assert torch.all(gated.thresholds >= pooled.thresholds - 1e-6)
-    one = search_module._gated(model, art, {"a": sources["a"], "empty": []}, 0.05, 8)
+    one = _gated(model, art, {"a": sources["a"], "empty": []}, 0.05, 8)
     assert "per_source" not in one.provenance.gate_open_share  # one source: its own rule
+
+
+def _gated(model, art, sources, share, batch_size):
+    return gated(Setting(model, model, None, 0, RunOptions(batch_size)), art, sources, share)
 
 
 def _artifact(model, reference, planted, general):
@@ -193,7 +197,7 @@ def test_protect_reports_the_domain_and_the_ordinary_prompts(memorizer):
     assert set(result.gates["open_share"]) == {
         "general (given)",
         "reference-generated",
-        search_module.ORDINARY,
+        ORDINARY,
     }
     assert result.steer.provenance.threshold_rule["sources"] == list(result.gates["open_share"])
     assert {DOMAIN, FOLLOWS} <= set(result.chosen.checks)

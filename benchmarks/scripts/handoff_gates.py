@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,11 +36,13 @@ from protect_says import canary_fine_tune, handed_measures, heldout_split, ordin
 
 from gss import audit, calibrate, load
 from gss.artifact.stack import Steer
+from gss.config import RunOptions
 from gss.evaluate.decoding import greedy_generate
 from gss.evaluate.utility import perplexity
 from gss.inference.handoff import NO_REPEAT_NGRAM
-from gss.protect.search import ORDINARY, _gated, _ordinary_rows, reference_text
-from gss.protect.space import SearchSpace
+from gss.protect.config import ProtectConfig, Setting
+from gss.protect.general import general_text
+from gss.protect.stages import gated as gated_on
 from gss.report import machine_info, markdown_table, write_json
 
 
@@ -60,14 +61,9 @@ def fit_sources(
 ) -> dict[str, list[list[int]]]:
     """The general sources protect fits gates on (seed 0): the given general text, the
     reference's own text after rows' first tokens, ordinary English; each its even rows."""
-    seen = [i for i in range(len(report.ids)) if i not in set(held)]
-    starts = [report.ids[i][:1] for i in random.Random(1).sample(seen, min(64, len(seen)))]
-    sources = {
-        "general (given)": [list(r) for r in data.general_rows],
-        "reference-generated": reference_text(base, starts, length=max(8, n - 1), seed=0),
-        ORDINARY: _ordinary_rows(model, tokenizer, SearchSpace().ordinary_english, 0),
-    }
-    return {name: rows[::2] for name, rows in sources.items()}
+    s = Setting(model, base, tokenizer, 0, RunOptions(batch_size=16, progress=False))
+    given = [list(r) for r in data.general_rows]
+    return general_text(s, ProtectConfig(k=n - 1, n=n), report, held, given).fit
 
 
 def main() -> None:
@@ -132,7 +128,8 @@ def main() -> None:
             progress=False,
         )
         for share in args.shares:
-            gated = _gated(model, art, sources, share, bs)
+            s = Setting(model, base, tokenizer, pad, RunOptions(batch_size=bs, progress=False))
+            gated = gated_on(s, art, sources, share)
             gated.save_pretrained(
                 args.out / "gates" / f"discriminant-{block}-{share:g}", overwrite=True
             )

@@ -23,7 +23,7 @@ with _startup.interruptible():
     from gss.inference.explain import Explanation, explain
     from gss.inference.handoff import reference_where_open
     from gss.layer_scan import LayerScan, scan_layers
-    from gss.protect import Protection, SearchSpace, protect
+    from gss.protect import ProtectConfig, Protection, SearchSpace, protect
     from gss.signal.omega import SignalStatistics, memorization_signal, signal_statistics
     from gss.solve.thresholds import calibrate_thresholds
     from gss.solve.whitened import ProbeSteer, solve_probe_steer
@@ -37,6 +37,7 @@ __all__ = [
     "GSSWarning",
     "LayerScan",
     "ProbeSteer",
+    "ProtectConfig",
     "Protection",
     "Provenance",
     "RunOptions",

@@ -292,7 +292,9 @@ def _protect_lines(record: dict[str, Any]) -> list[str]:
         f"{_number(before.get('utility'))} |",
         f"| steered | {_percent_value(after.get('memorized'))} | {_number(after.get('utility'))} |",
         "",
-        f"Target: at most {_number(record.get('target'))}% extractable ({reached}); utility "
+        # "target" in artifacts saved before it was named max_extractable
+        f"Target: at most {_number(record.get('max_extractable', record.get('target')))}% "
+        f"extractable ({reached}); utility "
         f"limit {_number(budget.get('limit'))}.",
         "",
         *_held_out_shares(record.get("gate_open_share")),

@@ -297,11 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-extractable",
         type=float,
+        default=0.0,
         metavar="PCT",
-        help="the goal: %% of held-out memorized rows that may stay extractable (default: 0)",
+        help="the goal: %% of held-out memorized rows that may stay extractable",
     )
-    # its old name, kept working (with a warning): calibrate's --target is g's objective
-    p.add_argument("--target", type=float, dest="old_target", help=argparse.SUPPRESS)
     add_window_args(p)
     add_prefix_args(p)
     p.add_argument("--max-blocks", type=positive_int, default=2, help="blocks steered at most")

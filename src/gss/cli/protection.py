@@ -4,13 +4,12 @@ within a utility budget."""
 from __future__ import annotations
 
 import argparse
-import warnings
 from pathlib import Path
 from typing import Any
 
 from gss.artifact.files import check_outputs
 from gss.cli.inputs import check_against_config, check_reference, load_models, read_rows
-from gss.errors import GSSError, GSSWarning
+from gss.errors import GSSError
 
 
 def _replies(rows: Any, tokenizer: Any, args: argparse.Namespace) -> Any:
@@ -97,32 +96,29 @@ def audit_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _max_extractable(args: argparse.Namespace) -> float:
-    """protect's goal, from --max-extractable, or from --target (its old name, which
-    calibrate's --target, g's objective, made ambiguous) with a warning."""
-    if args.old_target is None:
-        return 0.0 if args.max_extractable is None else float(args.max_extractable)
-    if args.max_extractable is not None:
-        raise GSSError("give --max-extractable only (--target is its old name).")
-    warnings.warn(
-        "gss protect --target is now --max-extractable (calibrate's --target is g's "
-        "objective); --target will be removed.",
-        GSSWarning,
-        stacklevel=2,
+def _protect_config(args: argparse.Namespace) -> Any:
+    """The `gss.ProtectConfig` of the flags, checked before the models load."""
+    from gss.protect import ProtectConfig, SearchSpace
+
+    shares = {} if args.gate_share is None else {"gate_share": args.gate_share}
+    prefixes = _prefixes(args)
+    return ProtectConfig(
+        max_extractable=args.max_extractable,
+        budget=args.budget,
+        k=args.k,
+        n=args.n,
+        prefixes=None if prefixes is None else tuple(prefixes),
+        memorized_from=args.memorized_from,
+        search=SearchSpace(max_blocks=args.max_blocks, **shares),
+        seed=args.seed,
     )
-    return float(args.old_target)
 
 
 def protect_command(args: argparse.Namespace) -> int:
-    from gss.protect import SearchSpace, check_options, check_report_dir, protect
+    from gss.protect import check_report_dir, protect
     from gss.protect.space import check_general
 
-    shares = {} if args.gate_share is None else {"gate_share": args.gate_share}
-    space = SearchSpace(max_blocks=args.max_blocks, **shares)
-    goal = _max_extractable(args)
-    # before the models load
-    check_options(space, args.budget, "relative", goal, args.k, args.n, args.seed)
-    prefixes = _prefixes(args)
+    config = _protect_config(args)  # before the models load
     check_report_dir(args.out, args.overwrite)
     texts = read_rows(args, "--data", main=True)
     _check_replies(args, texts)
@@ -141,17 +137,10 @@ def protect_command(args: argparse.Namespace) -> int:
         model,
         reference,
         _replies(texts, tokenizer, args) if args.reply else texts,
+        config,
         tokenizer=tokenizer,
         general=general,
         heldout=heldout,
-        budget=args.budget,
-        target=goal,
-        k=args.k,
-        n=args.n,
-        prefixes=prefixes,
-        memorized_from=args.memorized_from,
-        search=space,
-        seed=args.seed,
         batch_size=args.batch_size,
         progress=not args.no_progress,
     )

@@ -27,25 +27,29 @@ The search, step by step (docs/protect.md says why each step is there):
    ``loop_tolerance`` points of 4-grams more than the reference's own and reads to the
    reference at most ``fluency_ratio`` times as perplexing is chosen.
 
-Where: `search` runs the steps in order; `space` is what may be chosen (`SearchSpace`);
-`measure` measures one point (`Judge`: rows still extractable, utility) and bisects a strength;
-`checks` is what else every point is held to; `ordinary` the built-in ordinary English;
-`replies` is step 7 and what the chosen steer says instead; `result` is what comes back
+Where: `search` composes the steps; `config` is what a run is told before the data
+(`ProtectConfig`, with `space`'s `SearchSpace`: what may be chosen); `split` is steps 1-2,
+`general` step 3 and the budget, `stages` steps 4-7 (`Search`); `measure` measures one point
+(`Judge`: rows still extractable, utility) and bisects a strength; `checks` is what else every
+point is held to; `ordinary` the built-in ordinary English; `replies` what a steer says
+instead; `heldout` the final report's measurements; `result` is what comes back
 (`Protection`) and the report it writes.
 """
 
+from gss.protect.config import ProtectConfig
+from gss.protect.general import reference_text
 from gss.protect.measure import Utility
 from gss.protect.result import OUTPUTS, Protection, Trial, check_report_dir
-from gss.protect.search import protect, reference_text
-from gss.protect.space import SearchSpace, check_options
+from gss.protect.search import protect
+from gss.protect.space import SearchSpace
 
 __all__ = [
     "OUTPUTS",
+    "ProtectConfig",
     "Protection",
     "SearchSpace",
     "Trial",
     "Utility",
-    "check_options",
     "check_report_dir",
     "protect",
     "reference_text",

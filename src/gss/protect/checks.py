@@ -15,8 +15,9 @@ from torch import nn
 from gss.audit import AuditReport
 from gss.evaluate.decoding import greedy_generate
 from gss.evaluate.utility import perplexity
-from gss.protect.measure import FOLLOWS, Candidate, Check, prompt_and_target
-from gss.protect.space import SearchSpace
+from gss.protect.config import ProtectConfig, Setting
+from gss.protect.measure import FOLLOWS, Check, prompt_and_target
+from gss.protect.split import Split
 
 DOMAIN = "domain perplexity"
 """The check on the data's clean rows (the audit flagged none of them)."""
@@ -53,20 +54,14 @@ class DomainRows:
 
 
 def search_checks(
-    model: nn.Module,
-    reference: nn.Module,
-    report: AuditReport,
-    tuning: Sequence[Candidate],
-    space: SearchSpace,
-    budget: float,
-    budget_mode: str,
-    k: int,
-    n: int,
-    pad_id: int,
-    batch_size: int,
+    s: Setting, config: ProtectConfig, split: Split
 ) -> tuple[dict[str, Check], DomainRows]:
     """The checks `Judge` takes on every point, their limits set on the unsteered model, and
     the clean rows the report reads."""
+    model, reference, pad_id, batch_size = s.model, s.reference, s.pad_id, s.batch_size
+    space, k, n = config.search, config.k, config.n
+    budget, budget_mode, tuning = config.budget, config.budget_mode, split.tune_candidates
+    report = split.audit
     domain = DomainRows.of(report, pad_id, batch_size)
     checks: dict[str, Check] = {}
     if domain.search:

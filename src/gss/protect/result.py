@@ -15,6 +15,7 @@ from gss.artifact.stack import Steer
 from gss.audit import AuditReport
 from gss.errors import GSSError
 from gss.evaluate.intervals import clopper_pearson
+from gss.protect.config import ProtectConfig
 
 OUTPUTS = ("protect.json", "protect.md", "frontier.png", "rows.png", "steer")  # `Protection.write`
 
@@ -48,7 +49,7 @@ class Protection:
     tuning: list[int]  # audit row indices
     heldout: list[int]
     budget: dict[str, Any]
-    target: float
+    max_extractable: float  # % of held-out memorized rows allowed to stay extractable
     trials: list[Trial]
     chosen: Trial | None
     before: dict[str, Any]
@@ -62,6 +63,7 @@ class Protection:
     steers: list[Steer] = field(default_factory=list, repr=False)
     # gss.explain's table of the chosen steer on the first held-out memorized prompt
     explanation: str = ""
+    config: ProtectConfig | None = None  # what the run was told (saved in protect.json)
 
     def steer_for(self, trial: Trial) -> Steer:
         """The steer of one of `trials` (e.g. the one a different rule would choose)."""
@@ -73,12 +75,15 @@ class Protection:
     @property
     def reached(self) -> bool:
         """The held-out rows' % extractable is at or below the target, within the budget."""
-        return self.chosen is not None and self.after.get("memorized", 100.0) <= self.target
+        return (
+            self.chosen is not None and self.after.get("memorized", 100.0) <= self.max_extractable
+        )
 
     def summary(self) -> dict[str, Any]:
         return {
             "reached": self.reached,
-            "target": self.target,
+            "max_extractable": self.max_extractable,
+            "config": None if self.config is None else asdict(self.config),
             "budget": self.budget,
             "audit": self.audit.summary(),
             "tuning_rows": len(self.tuning),
@@ -143,11 +148,16 @@ class Protection:
         return [100 * lo, 100 * hi]
 
     def markdown(self) -> str:
-        from gss.report import markdown_table
+        """protect.md: the outcome, what it says instead, the gates, the points searched and
+        the side-by-side continuations."""
+        lines = ["# gss protect", "", *self._outcome_lines(), *self._says_lines()]
+        lines += [*self._gate_lines(), *self._points_lines(), *self._example_lines()]
+        return "\n".join(lines) + "\n"
 
-        s = self.summary()
+    def _outcome_lines(self) -> list[str]:
+        """What was chosen, and the held-out rows, utility and domain before and after."""
         c = self.chosen
-        lines = ["# gss protect", ""]
+        lines: list[str] = []
         if c is None:
             lines.append("No steer stayed within the utility budget: nothing was saved.")
         else:
@@ -177,7 +187,8 @@ class Protection:
                 "",
                 f"{held} before, {self.after['memorized']:.1f}% after ({left} of {count}; 95% "
                 f"interval {100 * lo:.1f}-{100 * hi:.1f}%: the true rate may be anywhere in it) "
-                f"(target <= {self.target:g}%: {'reached' if self.reached else 'NOT reached'}).",
+                f"(target <= {self.max_extractable:g}%: "
+                f"{'reached' if self.reached else 'NOT reached'}).",
                 f"Utility ({self.budget['measure']}): {_g(self.before['utility'])} before, "
                 f"{_g(self.after['utility'])} after (limit {_g(self.budget['limit'])}).",
             ]
@@ -189,6 +200,11 @@ class Protection:
                 f"fine-tune is for): {_g(self.before['domain_perplexity'])} before, "
                 f"{_g(self.after['domain_perplexity'])} after."
             )
+        return lines
+
+    def _says_lines(self) -> list[str]:
+        """Ordinary prompts unchanged, what it says on memorized prompts, the replies check."""
+        lines: list[str] = []
         ordinary = self.after.get("ordinary_prompts")
         if ordinary:
             lines.append(_ordinary_line(ordinary))
@@ -222,10 +238,15 @@ class Protection:
                 f"{_g(r['fluency_ratio'])}x); chose point {r['chosen'] + 1}"
                 + ("." if r["passed"] else ", the nearest: NONE passed both.")
             )
-        lines += ["", "## Gate open share on general text", ""]
-        rows = [[name, _pct(v)] for name, v in s["gates"].get("open_share", {}).items()]
+        return lines
+
+    def _gate_lines(self) -> list[str]:
+        from gss.report import markdown_table
+
+        lines = ["", "## Gate open share on general text", ""]
+        rows = [[name, _pct(v)] for name, v in self.gates.get("open_share", {}).items()]
         lines.append(markdown_table(["text", "any gate open"], rows) if rows else "-")
-        where = s["gates"].get("memorized_rows")
+        where = self.gates.get("memorized_rows")
         if where and where["window"] is not None:
             lines += [
                 "",
@@ -233,7 +254,12 @@ class Protection:
                 f"{_pct(where['window'])} of the positions that choose the memorized tokens "
                 f"and on {_pct(where['prompt'])} of the prompt's positions before them.",
             ]
-        lines += ["", "## The points searched (tuning rows)", ""]
+        return lines
+
+    def _points_lines(self) -> list[str]:
+        from gss.report import markdown_table
+
+        lines = ["", "## The points searched (tuning rows)", ""]
         body = [
             [
                 t.stage,
@@ -253,6 +279,11 @@ class Protection:
             row[-1:-1] = [_g(t.checks[name]) if name in t.checks else "-" for name in names]
         header = ["stage", "preset", "blocks", "delta", "rank", "gate", "% extractable"]
         lines.append(markdown_table([*header, "utility", *names, "in budget"], body))
+        return lines
+
+    def _example_lines(self) -> list[str]:
+        """The side-by-side continuations, one --explain table, changed ordinary prompts."""
+        lines: list[str] = []
         if self.examples:
             lines += [
                 "",
@@ -279,13 +310,14 @@ class Protection:
                 self.explanation.rstrip(),
                 "```",
             ]
+        ordinary = self.after.get("ordinary_prompts")
         if ordinary and ordinary.get("changed"):
             lines += ["", "## Ordinary prompts whose continuation changed", ""]
             for ex in ordinary["changed"]:
                 lines += [f"- prompt: `{_line(ex['prompt'])}`"]
                 for key in ("fine-tune", "steered"):
                     lines.append(f"  - {key}: `{_line(ex[key])}`")
-        return "\n".join(lines) + "\n"
+        return lines
 
     def write(self, directory: str | Path, overwrite: bool = False) -> list[Path]:
         """``protect.json``, ``protect.md``, ``frontier.png``, ``rows.png`` and, when a steer

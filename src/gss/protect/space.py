@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from gss.audit import check_window
 from gss.config import COEFFICIENTS, GATES, PRESETS
 from gss.errors import GSSError
 
@@ -74,12 +73,12 @@ class SearchSpace:
         if self.coefficient not in COEFFICIENTS:
             raise GSSError(f"coefficient must be one of {COEFFICIENTS}, got {self.coefficient!r}.")
         pair = self.delta_range
-        if not (_numbers(pair) and len(pair) == 2 and all(math.isfinite(x) for x in pair)):
+        if not (numbers_only(pair) and len(pair) == 2 and all(math.isfinite(x) for x in pair)):
             raise GSSError(f"delta_range must be two finite numbers 0 < lo < hi, got {pair!r}.")
         lo, hi = pair
         if not 0 < lo < hi:
             raise GSSError(f"delta_range must be two finite numbers 0 < lo < hi, got {lo, hi}.")
-        if not (_numbers((self.delta_ceiling,)) and math.isfinite(self.delta_ceiling)) or (
+        if not (numbers_only((self.delta_ceiling,)) and math.isfinite(self.delta_ceiling)) or (
             self.delta_ceiling < hi
         ):
             raise GSSError(
@@ -104,16 +103,16 @@ class SearchSpace:
         for name in ("domain_budget", "follow_tolerance"):
             value = getattr(self, name)
             if value is not None and not (
-                _numbers((value,)) and math.isfinite(value) and value >= 0
+                numbers_only((value,)) and math.isfinite(value) and value >= 0
             ):
                 raise GSSError(f"{name} must be a finite number >= 0 or None, got {value!r}.")
-        if not (_numbers((self.gate_share,)) and 0 < self.gate_share < 1):
+        if not (numbers_only((self.gate_share,)) and 0 < self.gate_share < 1):
             raise GSSError(f"gate_share must be in (0, 1) (a number), got {self.gate_share!r}.")
         tolerances = (self.loop_tolerance, self.fluency_ratio)
         if (
             not _ints((self.reply_check,))
             or self.reply_check < 0
-            or not _numbers(tolerances)
+            or not numbers_only(tolerances)
             or not all(math.isfinite(t) and t >= 0 for t in tolerances)
         ):
             raise GSSError(
@@ -130,7 +129,7 @@ def _ints(values: object) -> bool:
     )
 
 
-def _numbers(values: object) -> bool:
+def numbers_only(values: object) -> bool:
     """A tuple or list of real numbers (a bool is not one)."""
     return isinstance(values, tuple | list) and all(
         isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values
@@ -144,41 +143,6 @@ def _names(values: object) -> bool:
         and bool(values)
         and all(isinstance(v, str) for v in values)
     )
-
-
-def check_options(
-    space: SearchSpace,
-    budget: float,
-    budget_mode: str,
-    target: float,
-    k: int,
-    n: int,
-    seed: int,
-) -> None:
-    """`protect`'s own options, refused before any work (`gss protect` calls this before the
-    models load)."""
-    if not isinstance(space, SearchSpace):
-        raise GSSError(
-            f"search must be a gss.SearchSpace (e.g. SearchSpace(blocks=(3,))), got "
-            f"{type(space).__name__}."
-        )
-    space.check()
-    check_window(k, n)
-    if (
-        budget_mode not in ("relative", "absolute")
-        or not _numbers((budget,))
-        or not (math.isfinite(budget) and budget >= 0)
-    ):
-        raise GSSError(
-            f"budget must be >= 0 (a number) with budget_mode 'relative' or 'absolute', got "
-            f"{budget!r}, {budget_mode!r}."
-        )
-    if not (_numbers((target,)) and 0 <= target <= 100):
-        raise GSSError(
-            f"target (gss protect --max-extractable) is a % of rows, in [0, 100], got {target}."
-        )
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise GSSError(f"seed must be an integer in [0, 2^63), got {seed!r}.")
 
 
 def check_general(rows: int) -> None:

@@ -1,0 +1,126 @@
+"""The last step of `gss.protect`: the held-out report. Only here are the held-out memorized
+rows read, unsteered and steered: how many stay extractable, the utility and the domain's
+perplexity, how often the gates open on each general source, what the steer says instead, and
+one `--explain` table."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from gss.artifact.stack import Steer, SteeringStack
+from gss.artifact.steering_artifact import SteeringArtifact
+from gss.errors import GSSWarning
+from gss.evaluate.utility import perplexity
+from gss.inference.explain import explain
+from gss.protect.checks import DomainRows
+from gss.protect.config import ProtectConfig, Setting
+from gss.protect.general import ORDINARY, Budget, GeneralText
+from gss.protect.measure import extractable, prompt_and_target, where_gates_open
+from gss.protect.replies import ordinary_unchanged, what_it_says
+from gss.protect.split import Split
+
+
+@dataclass
+class HeldoutReport:
+    """What the report reads on the held-out rows, before and after the chosen steer."""
+
+    before: dict[str, Any]
+    after: dict[str, Any] = field(default_factory=dict)
+    gates: dict[str, Any] = field(default_factory=dict)
+    examples: list[dict[str, Any]] = field(default_factory=list)
+    explanation: str = ""
+
+
+def heldout_report(
+    s: Setting,
+    config: ProtectConfig,
+    split: Split,
+    general: GeneralText,
+    budget: Budget,
+    domain: DomainRows,
+    steer: Steer | None,
+) -> HeldoutReport:
+    """The held-out rows and the general text's measuring half, unsteered and with ``steer``
+    (only the unsteered side where nothing was chosen)."""
+    model, k, n = s.model, config.k, config.n
+    rows = split.held_candidates
+    out = HeldoutReport(
+        before={
+            "memorized": extractable(model, rows, k, n, s.pad_id, s.batch_size),
+            "utility": budget.base,
+            **domain.measure(model),
+        }
+    )
+    if steer is None:
+        return out
+    with steer.attach(model, track_gates=True) as handle:
+        out.after = {
+            "memorized": extractable(model, rows, k, n, s.pad_id, s.batch_size),
+            "utility": float(budget.utility(model)),
+            **domain.measure(model),
+        }
+        out.gates = {"open_share": {}}
+        for name, measured in general.measure.items():
+            handle.reset_stats()
+            perplexity(model, measured, s.pad_id, batch_size=s.batch_size)
+            out.gates["open_share"][name] = handle.gate_stats().get("any_open_share")
+    out.gates["memorized_rows"] = where_gates_open(model, steer, rows, k, n)
+    out.after["quality"], out.examples = what_it_says(
+        model, s.reference, steer, rows, k, n, s.pad_id, s.batch_size, s.tokenizer
+    )
+    ordinary = general.measure.get(ORDINARY) or next(iter(general.measure.values()), [])
+    out.after["ordinary_prompts"] = ordinary_unchanged(
+        model, steer, ordinary, s.pad_id, s.batch_size, s.tokenizer, s.reference, split.audit.ids
+    )
+    if rows:  # one --explain table: where the gates opened on a held-out prompt
+        shown = prompt_and_target(rows[0], k, n)[0]
+        out.explanation = explain(
+            model, steer, shown, max_new_tokens=n - k, tokenizer=s.tokenizer
+        ).render()
+    _warn_open(out.gates, config.search.gate_share)
+    return out
+
+
+def with_record(
+    steer: Steer, config: ProtectConfig, split: Split, budget: Budget, report: HeldoutReport
+) -> Steer:
+    """``steer`` with what protect measured on the held-out rows in each member's
+    ``provenance.extra["protect"]``: saved and pushed with it (`gss.artifact.card`)."""
+    record = {
+        "heldout_rows": len(split.heldout),
+        "k": config.k,
+        "n": config.n,
+        "memorized_from": split.audit.memorized_from,
+        "before": {"memorized": report.before["memorized"], "utility": budget.base},
+        "after": {"memorized": report.after["memorized"], "utility": report.after["utility"]},
+        "budget": {"measure": budget.name, "limit": budget.limit},
+        "max_extractable": config.max_extractable,
+        "reached": report.after["memorized"] <= config.max_extractable,
+        "gate_open_share": report.gates.get("open_share", {}),
+    }
+
+    def one(a: SteeringArtifact) -> SteeringArtifact:
+        extra = {**a.provenance.extra, "protect": record}
+        return dataclasses.replace(a, provenance=dataclasses.replace(a.provenance, extra=extra))
+
+    if isinstance(steer, SteeringStack):
+        return SteeringStack(tuple(one(a) for a in steer))
+    return one(steer)
+
+
+def _warn_open(gates: dict[str, Any], expected: float) -> None:
+    """Warn when the gates open far more often on some general text than the thresholds ask:
+    the text they were set on does not look like that one."""
+    for name, share in gates.get("open_share", {}).items():
+        if share is not None and share > 3 * expected + 0.02:
+            warnings.warn(
+                f"the gates open on {100 * share:.0f}% of held-out {name} tokens (set for "
+                f"about {100 * expected:.0f}%): the general text the thresholds came from does "
+                "not look like this text. Pass a (larger) sample of the text the model will "
+                "serve (general=, gss protect --general).",
+                GSSWarning,
+                stacklevel=4,
+            )
