@@ -13,8 +13,8 @@ from gss.config import RunOptions
 from gss.evaluate.decoding import greedy_generate
 from gss.protect import SearchSpace, Trial, protect
 from gss.protect.checks import DOMAIN, DomainRows
-from gss.protect.config import Setting
-from gss.protect.general import ORDINARY
+from gss.protect.config import ProtectConfig, Setting
+from gss.protect.general import DATA, ORDINARY, GeneralText
 from gss.protect.measure import FOLLOWS, Judge
 from gss.protect.ordinary import ordinary_english
 from gss.protect.replies import ordinary_unchanged
@@ -198,6 +198,7 @@ def test_protect_reports_the_domain_and_the_ordinary_prompts(memorizer):
         "general (given)",
         "reference-generated",
         ORDINARY,
+        DATA,  # gate_on_data: gates set on the user's own domain too
     }
     assert result.steer.provenance.threshold_rule["sources"] == list(result.gates["open_share"])
     assert {DOMAIN, FOLLOWS} <= set(result.chosen.checks)
@@ -286,3 +287,44 @@ def test_the_report_counts_apart_the_ordinary_prompts_that_recite_the_data():
         "Ordinary prompts: 50.0% of 6 greedy continuations (32 tokens) are the unsteered "
         "fine-tune's, word for word."
     )
+
+
+def test_the_data_sets_gates_but_is_neither_calibration_nor_utility_text():
+    """`SearchSpace.gate_on_data`: the data's clean rows are a source the thresholds are set on
+    and the open share is measured on, but not the calibration's general text (Sigma_gen) nor
+    the default utility's text (the domain check reads them)."""
+    text = GeneralText(
+        fit={"reference-generated": [[1, 2]], DATA: [[3, 4]]},
+        measure={"reference-generated": [[5, 6]], DATA: [[7, 8]]},
+    )
+    assert text.fit_rows == [[1, 2]] and text.measure_rows == [[5, 6]]
+    assert SearchSpace().gate_on_data is True
+    with pytest.raises(GSSError, match="gate_on_data must be True or False"):
+        SearchSpace(gate_on_data="yes").check()  # type: ignore[arg-type]
+
+
+def test_the_data_is_dropped_from_the_gates_sources_where_no_point_reaches_the_goal(monkeypatch):
+    """On a model that learned every row alike, gates set on the data's clean rows stay shut on
+    the memorized rows too: each artifact is searched again without them, only then."""
+    from gss.protect import stages
+
+    calls: list[list[str]] = []
+
+    def fake_gated(s, art, sources, share):
+        calls.append(list(sources))
+        return art
+
+    def fake_search(judge, make, space, stage, preset, goal):
+        reached = DATA not in calls[-1] or preset == "reaches with the data"
+        return [Trial(stage, preset, (0,), (1.0,), 2, "hard", 0.0 if reached else 50.0, 0, 1, True)]
+
+    monkeypatch.setattr(stages, "gated", fake_gated)
+    monkeypatch.setattr(stages, "strength_search", fake_search)
+    search = stages.Search.__new__(stages.Search)
+    search.general = GeneralText(fit={"reference-generated": [[1]], DATA: [[2]]}, measure={})
+    search.s, search.space, search.judge = None, SearchSpace(), None
+    search.config = ProtectConfig(max_extractable=0.0)
+    search.explore(object(), "block", "reaches with the data")  # type: ignore[arg-type]
+    assert calls == [["reference-generated", DATA]]
+    search.explore(object(), "block", "gss-tr")  # type: ignore[arg-type]
+    assert calls[1:] == [["reference-generated", DATA], ["reference-generated"]]

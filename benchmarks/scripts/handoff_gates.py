@@ -36,6 +36,7 @@ from protect_says import canary_fine_tune, handed_measures, heldout_split, ordin
 
 from gss import audit, calibrate, load
 from gss.artifact.stack import Steer
+from gss.artifact.steering_artifact import SteeringArtifact
 from gss.config import RunOptions
 from gss.evaluate.decoding import greedy_generate
 from gss.evaluate.utility import perplexity
@@ -94,6 +95,14 @@ def main() -> None:
     parser.add_argument(
         "--without-no-gate", action="store_true", help="skip the rows with no gate (measured)"
     )
+    parser.add_argument(
+        "--gate-on-data",
+        type=float,
+        metavar="SHARE",
+        help="also the steer protect chose with its thresholds set again for SHARE on its general "
+        "sources plus the data's clean rows (the audit's unflagged rows, the half protect's "
+        "domain check reads)",
+    )
     args = parser.parse_args()
     c = canary_fine_tune(args.variant)
     model, base, tokenizer, data, pad = c.model, c.base, c.tokenizer, c.data, c.pad
@@ -114,6 +123,18 @@ def main() -> None:
         if not args.shares
         else fit_sources(model, base, report, split["heldout"], data, tokenizer, n)
     )
+    if args.gate_on_data is not None:
+        flagged = {r.index for r in report.memorized}
+        clean = [list(report.ids[i]) for i in range(len(report.ids)) if i not in flagged]
+        every = fit_sources(model, base, report, split["heldout"], data, tokenizer, n)
+        s = Setting(model, base, tokenizer, pad, RunOptions(batch_size=bs, progress=False))
+        assert isinstance(protected, SteeringArtifact), "one block: its gates are set again"
+        share = args.gate_on_data
+        on_data = gated_on(
+            s, protected, {**every, "clean rows of the data": clean[::2]}, args.gate_on_data
+        )
+        name = f"the steer protect chose, gates set on the data's clean rows too ({share:.1%})"
+        gates[name] = on_data
     for block in blocks if args.shares else []:
         art = calibrate(
             model,

@@ -26,6 +26,8 @@ from gss.statistics.capture import calibration_mode
 
 ORDINARY = "ordinary English (built-in)"
 """The general source `ordinary.ordinary_english` gives."""
+DATA = "clean rows of the data"
+"""The gate source of the data's rows the audit did not flag (`SearchSpace.gate_on_data`)."""
 
 
 def within_context(
@@ -92,20 +94,20 @@ def reference_text(
 
 @dataclass(frozen=True)
 class GeneralText:
-    """Each general source's rows, halved: ``fit`` sets the gates' thresholds (and is the
-    calibration's general text), ``measure`` says how often they open and is the default
-    utility's text."""
+    """Each general source's rows, halved: ``fit`` sets the gates' thresholds (and, but for
+    `DATA`, is the calibration's general text), ``measure`` says how often they open and, but
+    for `DATA`, is the default utility's text (the data's clean rows have their own check)."""
 
     fit: dict[str, list[list[int]]]
     measure: dict[str, list[list[int]]]
 
     @property
     def fit_rows(self) -> list[list[int]]:
-        return [r for rows in self.fit.values() for r in rows]
+        return [r for name, rows in self.fit.items() if name != DATA for r in rows]
 
     @property
     def measure_rows(self) -> list[list[int]]:
-        return [r for rows in self.measure.values() for r in rows]
+        return [r for name, rows in self.measure.items() if name != DATA for r in rows]
 
 
 def general_text(
@@ -116,7 +118,8 @@ def general_text(
     given: list[list[int]] | None,
 ) -> GeneralText:
     """The user's sample (``given``), text the reference writes from the first token of rows
-    that are not held out, and ordinary English (when there is a tokenizer), each halved."""
+    that are not held out, ordinary English (when there is a tokenizer) and the data's clean
+    rows that the report does not read (`DomainRows`), each halved."""
     seen = [i for i in range(len(report.ids)) if i not in set(held)]  # never a held-out row
     picked = random.Random(config.seed + 1).sample(seen, min(config.reference_rows, len(seen)))
     written = reference_text(
@@ -133,6 +136,11 @@ def general_text(
         ordinary = ordinary_rows(s.model, s.tokenizer, config.search.ordinary_english, config.seed)
         if len(ordinary) > 1:
             sources[ORDINARY] = ordinary
+    if config.search.gate_on_data:
+        flagged = {r.index for r in report.memorized}
+        clean = [list(row) for i, row in enumerate(report.ids) if i not in flagged]
+        if len(clean[::2]) > 1:  # the half `checks.DomainRows` bounds the search with
+            sources[DATA] = clean[::2]
     return GeneralText(
         fit={name: rows[::2] for name, rows in sources.items()},
         # a source of one row (the reference's text, from as few rows) has nothing to measure

@@ -80,6 +80,10 @@ def heldout_report(
         out.explanation = explain(
             model, steer, shown, max_new_tokens=n - k, tokenizer=s.tokenizer
         ).render()
+    members = list(steer) if isinstance(steer, SteeringStack) else [steer]
+    out.gates["sources"] = sorted(
+        {n for m in members for n in m.provenance.threshold_rule.get("sources", ())}
+    )
     _warn_open(out.gates, config.search.gate_share)
     return out
 
@@ -114,13 +118,20 @@ def with_record(
 def _warn_open(gates: dict[str, Any], expected: float) -> None:
     """Warn when the gates open far more often on some general text than the thresholds ask:
     the text they were set on does not look like that one."""
+    sources = gates.get("sources") or list(gates.get("open_share", {}))
     for name, share in gates.get("open_share", {}).items():
         if share is not None and share > 3 * expected + 0.02:
+            why = (
+                "the general text the thresholds came from does not look like this text. Pass "
+                "a (larger) sample of the text the model will serve (general=, gss protect "
+                "--general)."
+                if name in sources
+                else "it was left out of the text the thresholds were set on, as with it no "
+                "point reached the goal (the gates stayed shut on the memorized rows too)."
+            )
             warnings.warn(
                 f"the gates open on {100 * share:.0f}% of held-out {name} tokens (set for "
-                f"about {100 * expected:.0f}%): the general text the thresholds came from does "
-                "not look like this text. Pass a (larger) sample of the text the model will "
-                "serve (general=, gss protect --general).",
+                f"about {100 * expected:.0f}%): {why}",
                 GSSWarning,
                 stacklevel=4,
             )

@@ -244,8 +244,11 @@ class Protection:
         from gss.report import markdown_table
 
         lines = ["", "## Gate open share on general text", ""]
-        rows = [[name, _pct(v)] for name, v in self.gates.get("open_share", {}).items()]
-        lines.append(markdown_table(["text", "any gate open"], rows) if rows else "-")
+        shares = self.gates.get("open_share", {})
+        sources = self.gates.get("sources") or list(shares)  # older reports: every one
+        rows = [[name, _pct(v), "yes" if name in sources else "no"] for name, v in shares.items()]
+        head = ["text (held-out half)", "any gate open", "thresholds set on its other half"]
+        lines.append(markdown_table(head, rows) if rows else "-")
         where = self.gates.get("memorized_rows")
         if where and where["window"] is not None:
             lines += [

@@ -42,6 +42,13 @@ class SearchSpace:
     # rows of ordinary English (`ordinary.ordinary_english`, offline) among the general
     # sources; 0: none (it needs the tokenizer)
     ordinary_english: int = 64
+    # the data's clean rows (the audit flagged none; the half the domain check does not read)
+    # among the sources the thresholds are set on, not the calibration's general text: on the
+    # chat canaries gates set on no chat-template text handed 34% of the steps of in-domain
+    # conversations to the reference, set on these too none (results/protect-says/
+    # gate-on-data); an artifact that reaches no goal with them is searched again without
+    # (on the README's tiny model they shut the gates on the planted rows too)
+    gate_on_data: bool = True
     # among points equal on the target: "reference" (the reference's continuations likeliest:
     # it says what the reference would), "margin" (fewest tokens still reproduced) or "utility"
     prefer: Literal["reference", "margin", "utility"] = "reference"
@@ -95,6 +102,8 @@ class SearchSpace:
             raise GSSError(
                 f"prefer must be 'reference', 'margin' or 'utility', got {self.prefer!r}."
             )
+        if not isinstance(self.gate_on_data, bool):
+            raise GSSError(f"gate_on_data must be True or False, got {self.gate_on_data!r}.")
         if not _ints((self.ordinary_english,)) or self.ordinary_english < 0:
             raise GSSError(
                 f"ordinary_english must be a number of rows >= 0 (0: none), got "

@@ -4,6 +4,7 @@ replies check, each a method of one `Search` over the same points (`measure.Judg
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +19,7 @@ from gss.errors import GSSError, GSSWarning
 from gss.hf.blocks import find_decoder_blocks
 from gss.protect.checks import DomainRows, search_checks
 from gss.protect.config import ProtectConfig, Setting
-from gss.protect.general import Budget, GeneralText
+from gss.protect.general import DATA, Budget, GeneralText
 from gss.protect.measure import Check, Judge, strength_search
 from gss.protect.replies import least_looping
 from gss.protect.result import Trial
@@ -167,7 +168,7 @@ class Search:
             with head.attach(self.s.model):
                 second = self.calibrated(best.preset, layer, head.rank)
                 if second is not None:
-                    second = self.gated(second.with_options(gate=head.config.gate))
+                    second = self.gated_as(second.with_options(gate=head.config.gate), head)
             if second is None:
                 continue
             for share in (1.0, 0.5):  # the first block gives up part of the budget
@@ -210,22 +211,44 @@ class Search:
             return None
 
     def explore(self, art: SteeringArtifact, stage: str, preset: str) -> None:
-        """The strength bisection of one artifact, its gates set on the general text first."""
+        """The strength bisection of one artifact, its gates set on the general text first;
+        where no point reaches the goal with the data's clean rows among the gates' sources,
+        again without them (on a model that learned every row of its data alike, gates set
+        on the clean rows stay shut on the memorized ones too)."""
+        trials = self._explore(art, stage, preset, self.general.fit)
+        others = {name: rows for name, rows in self.general.fit.items() if name != DATA}
+        if (
+            others
+            and DATA in self.general.fit
+            and not any(t.within_budget and t.memorized <= self.goal for t in trials)
+        ):
+            self._explore(art, stage, preset, others)
+
+    def _explore(
+        self,
+        art: SteeringArtifact,
+        stage: str,
+        preset: str,
+        sources: dict[str, list[list[int]]],
+    ) -> list[Trial]:
         try:
-            art = self.gated(art)
+            art = gated(self.s, art, sources, self.space.gate_share)
         except GSSError as e:  # thresholds this gate cannot have here: the others are searched
             warnings.warn(
                 f"protect: skipped block {art.layer}, {art.config.gate} gate ({preset}): {e}",
                 GSSWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
-            return
-        strength_search(
+            return []
+        return strength_search(
             self.judge, lambda d: art.with_options(delta=d), self.space, stage, preset, self.goal
         )
 
-    def gated(self, artifact: SteeringArtifact) -> SteeringArtifact:
-        return gated(self.s, artifact, self.general.fit, self.space.gate_share)
+    def gated_as(self, artifact: SteeringArtifact, like: SteeringArtifact) -> SteeringArtifact:
+        """``artifact`` with its gates set on the sources ``like``'s were set on."""
+        named = like.provenance.threshold_rule["sources"]
+        sources = {name: rows for name, rows in self.general.fit.items() if name in named}
+        return gated(self.s, artifact, sources, self.space.gate_share)
 
 
 def gated(
@@ -243,8 +266,12 @@ def gated(
         for name, rows in named.items()
     }
     gated = {name: with_gates_set(artifact, r, None, share) for name, r in responses.items()}
-    if len(gated) == 1:
-        return next(iter(gated.values()))
+    if len(gated) == 1:  # its own thresholds and shares; the rule names the source
+        ((name, one),) = gated.items()
+        rule = {**one.provenance.threshold_rule, "sources": [name]}
+        return dataclasses.replace(
+            one, provenance=dataclasses.replace(one.provenance, threshold_rule=rule)
+        )
     eps = torch.stack([g.thresholds for g in gated.values()]).amax(0)
     levels = [g.condition_threshold for g in gated.values() if g.condition_threshold is not None]
     level = max(levels, default=None)
