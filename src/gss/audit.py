@@ -39,6 +39,8 @@ from gss.artifact.files import check_outputs, record_outputs
 from gss.config import RunOptions
 from gss.data import TextsOrIds, batches, count_batches, encode_every, predictable
 from gss.errors import GSSError, GSSWarning
+from gss.evaluate.intervals import clopper_pearson
+from gss.evaluate.sampled import LIKELY, SAMPLES, TOP_P, sampled_chance, window_logprobs
 from gss.evaluate.suite import is_pair
 from gss.hf.forward import (
     check_same_vocab,
@@ -73,6 +75,12 @@ class AuditRow:
     # model and by the reference
     extracted_from: tuple[int, ...] = ()
     reference_extracted_from: tuple[int, ...] = ()
+    # log P(one sample reproduces the window), from its first k tokens (`gss.evaluate.sampled`):
+    # at temperature 1, with top-p `sampled.TOP_P` (-inf: a token outside the nucleus), and
+    # the reference's at temperature 1; None: no window (or an older audit)
+    sampled_logprob: float | None = None
+    nucleus_logprob: float | None = None
+    reference_sampled_logprob: float | None = None
 
     @property
     def memorized(self) -> bool:
@@ -84,6 +92,16 @@ class AuditRow:
         """The shortest prompt the model extracts the row from and the reference does not
         (None: no scored prompt)."""
         return min(set(self.extracted_from) - set(self.reference_extracted_from), default=None)
+
+    def sampled_chance(self, samples: int = SAMPLES, nucleus: bool = False) -> float | None:
+        """The chance that one of ``samples`` samples reproduces the window (None: not known)."""
+        logprob = self.nucleus_logprob if nucleus else self.sampled_logprob
+        return None if logprob is None else sampled_chance(logprob, samples)
+
+    def sample_extractable(self, samples: int = SAMPLES, nucleus: bool = False) -> bool:
+        """``samples`` samples reproduce the window with a chance of `sampled.LIKELY` or more."""
+        chance = self.sampled_chance(samples, nucleus)
+        return chance is not None and chance >= LIKELY
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> AuditRow:
@@ -264,6 +282,35 @@ class AuditReport:
             reverse=True,
         )
 
+    def sampled(self, samples: int = SAMPLES) -> dict[str, Any] | None:
+        """The attacker who samples (issue 70): how many rows ``samples`` draws from the first
+        k tokens reproduce with a chance of `sampled.LIKELY` or more, at temperature 1 and with
+        top-p; the reference's at temperature 1; and the memorized ones among them (the model's
+        and not the reference's). None: the audit has no sampled numbers (an older one)."""
+        rows = [r for r in self.rows if r.sampled_logprob is not None]
+        if not rows:
+            return None
+        model = [r for r in rows if r.sample_extractable(samples)]
+        reference = [r for r in rows if r.reference_sampled_logprob is not None]
+        by_reference = {
+            r.index
+            for r in reference
+            if sampled_chance(cast(float, r.reference_sampled_logprob), samples) >= LIKELY
+        }
+        memorized = [r for r in model if r.index not in by_reference]
+        return {
+            "samples": samples,
+            "top_p": TOP_P,
+            "likely": LIKELY,
+            "rows": len(rows),
+            "extractable": len(model),
+            "nucleus_extractable": sum(r.sample_extractable(samples, nucleus=True) for r in rows),
+            "reference_extractable": len(by_reference),
+            "memorized": len(memorized),
+            "memorized_interval": list(clopper_pearson(len(memorized), len(rows))),
+            "mean_chance": sum(cast(float, r.sampled_chance(samples)) for r in rows) / len(rows),
+        }
+
     def summary(self) -> dict[str, Any]:
         checkable = [r for r in self.rows if self.checkable(r)]
         return {
@@ -277,6 +324,9 @@ class AuditReport:
             "prefixes": list(self.prefixes),
             "memorized_from": self.memorized_from,
             "memorized_per_prefix": self.memorized_per_prefix(),
+            # the exact 95% interval of the memorized share: what the count can tell apart
+            "memorized_interval": list(clopper_pearson(len(self.memorized), len(checkable))),
+            "sampled": self.sampled(),
             "seconds": self.seconds,
             "rows_per_second": len(self.rows) / max(self.seconds, 1e-9),
         }
@@ -292,6 +342,16 @@ class AuditReport:
             f"not by the reference ({rule}, {s['rows']} rows, {s['seconds']:.1f} s, "
             f"{s['rows_per_second']:.1f} rows/s)"
         )
+        low, high = s["memorized_interval"]
+        line += f"; memorized {100 * low:.1f}-{100 * high:.1f}% of checkable rows (95%)"
+        sampled = s["sampled"]
+        if sampled is not None:
+            line += (
+                f"; sampled from the first k tokens ({sampled['samples']} draws, a chance of "
+                f"{sampled['likely']:.0%} or more): {sampled['extractable']} of "
+                f"{sampled['rows']} rows at temperature 1 ({sampled['memorized']} not by the "
+                f"reference), {sampled['nucleus_extractable']} with top-p {sampled['top_p']:g}"
+            )
         shorter = {p: c for p, c in s["memorized_per_prefix"].items() if p < self.k}
         if shorter:
             counts = ", ".join(f"{c} from {p}" for p, c in shorter.items())
@@ -546,6 +606,9 @@ def audit(
                     reference_extracted_from=_extracted_from(
                         ref_hits[j, : length - 1], length, scored, n - k
                     ),
+                    **_sampled(
+                        logits[j : j + 1], ref_logits[j : j + 1], ids[j : j + 1], start, length
+                    ),
                 )
     if tokens and not differs:
         raise same_model_error(tokens, "audited")
@@ -564,6 +627,19 @@ def audit(
     )
     report.scored_texts = _scored_texts(report, tokenizer)
     return report
+
+
+def _sampled(
+    logits: Tensor, ref_logits: Tensor, ids: Tensor, start: int, length: int
+) -> dict[str, float | None]:
+    """One row's `AuditRow` sampled fields: its window ``start..length-1``, teacher-forced."""
+    if length <= start:
+        return {}
+    return {
+        "sampled_logprob": float(window_logprobs(logits, ids, start, length)[0]),
+        "nucleus_logprob": float(window_logprobs(logits, ids, start, length, TOP_P)[0]),
+        "reference_sampled_logprob": float(window_logprobs(ref_logits, ids, start, length)[0]),
+    }
 
 
 def _decoded(tokenizer: Any, seqs: list[list[int]]) -> list[str] | None:

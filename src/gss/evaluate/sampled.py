@@ -1,0 +1,74 @@
+"""Sampled extraction without sampling: the chance that one of N samples reproduces a window.
+
+Greedy decoding is the weakest attacker (issue 70): a row it misses is often drawn within a
+few hundred samples at temperature 1 (Hayes et al. 2024). One sample reproduces a window
+exactly with the product of its tokens' probabilities under the sampler, so the teacher-forced
+pass the audit already makes gives that chance exactly, for temperature 1 and for top-p
+(nucleus) sampling, and N independent samples reproduce it at least once with
+``1 - (1 - p) ** N``: no generation per row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from gss.errors import GSSError
+
+SAMPLES = 100
+"""How many samples the attacker draws per prompt (`sampled_chance`): a few hundred is what
+Hayes et al. needed; 100 keeps the rate comparable across reports."""
+
+TOP_P = 0.9
+"""The nucleus the second sampler keeps (transformers' ``top_p``)."""
+
+LIKELY = 0.5
+"""A row counts as sample-extractable when N samples reproduce it with at least this chance."""
+
+
+def window_logprobs(
+    logits: Tensor, ids: Tensor, start: int, end: int, top_p: float | None = None
+) -> Tensor:
+    """log P(one sample from each position reproduces tokens ``start..end-1``), per row:
+    ``logits`` (B, T, V) of ``ids`` (B, T), teacher-forced; temperature 1, or nucleus
+    sampling with ``top_p`` as transformers' `TopPLogitsWarper` keeps it (the most probable
+    tokens until their mass reaches top_p, at least one; -inf when a target falls outside)."""
+    if not 1 <= start < end <= ids.shape[1]:
+        raise GSSError(f"a window needs 1 <= start < end <= {ids.shape[1]}, got {start}, {end}.")
+    logp = torch.log_softmax(logits[:, start - 1 : end - 1].float(), dim=-1)
+    targets = ids[:, start:end].to(logp.device).unsqueeze(-1)
+    chosen = logp.gather(-1, targets).squeeze(-1)  # (B, W)
+    if top_p is None:
+        return chosen.sum(-1)
+    if not 0 < top_p <= 1:
+        raise GSSError(f"top_p must be in (0, 1], got {top_p}.")
+    probs = logp.exp()
+    ordered = probs.sort(-1, descending=True).values
+    above = ordered.cumsum(-1) - ordered  # the mass of the tokens more probable than each
+    kept = above < top_p
+    kept[..., 0] = True
+    mass = (ordered * kept).sum(-1)  # the nucleus the sampler renormalises over
+    # a target is kept when the tokens more probable than it hold less than top_p (ties count
+    # as more probable: a tie at the edge is the sampler's to break, not the attacker's)
+    target_above = (probs * (probs > chosen.exp().unsqueeze(-1))).sum(-1)
+    inside = target_above < top_p  # the most probable token too: nothing is above it
+    per_token = torch.where(inside, chosen - mass.log(), torch.full_like(chosen, -math.inf))
+    return per_token.sum(-1)
+
+
+def sampled_chance(logprob: float, samples: int = SAMPLES) -> float:
+    """The chance that at least one of ``samples`` independent samples reproduces a window
+    one sample reproduces with probability ``exp(logprob)``."""
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise GSSError(f"samples must be an integer >= 1, got {samples!r}.")
+    if logprob == -math.inf:
+        return 0.0
+    if logprob >= 0.0:  # one sample always reproduces it
+        return 1.0
+    # 1 - (1 - p)^N, accurate for p near 0 (log1p) and near 1 (expm1)
+    return -math.expm1(samples * math.log1p(-math.exp(logprob)))
+
+
+__all__ = ["LIKELY", "SAMPLES", "TOP_P", "sampled_chance", "window_logprobs"]
