@@ -16,7 +16,7 @@ with _startup.interruptible():
     from gss.artifact.steering_artifact import Provenance, SteeringArtifact
     from gss.audit import AuditReport, audit
     from gss.calibrate import calibrate
-    from gss.config import PRESETS, CalibrationConfig, RunOptions, preset
+    from gss.config import PRESETS, CalibrationConfig, RunOptions, Window, preset
     from gss.errors import GSSError, GSSWarning
     from gss.hf.adapters import adapters_off
     from gss.hf.blocks import find_decoder_blocks
@@ -45,6 +45,7 @@ __all__ = [
     "SignalStatistics",
     "SteeringArtifact",
     "SteeringStack",
+    "Window",
     "__version__",
     "adapters_off",
     "audit",

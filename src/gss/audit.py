@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gss.artifact.files import check_outputs, record_outputs
-from gss.config import RunOptions
+from gss.config import DEFAULT_WINDOW, RunOptions, Window
 from gss.data import TextsOrIds, batches, count_batches, encode_every, predictable
 from gss.errors import GSSError, GSSWarning
 from gss.evaluate.intervals import clopper_pearson
@@ -470,11 +470,9 @@ class AuditReport:
 
 
 def check_window(k: int, n: int) -> None:
-    """Refuse a window no row can be audited in: k prompt tokens, rows read up to n."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise GSSError(f"k must be an integer >= 1, got {k!r}.")
-    if isinstance(n, bool) or not isinstance(n, int) or n <= k:
-        raise GSSError(f"n must be an integer > k = {k}, got {n!r}.")
+    """Refuse a window no row can be audited in: k prompt tokens, rows read up to n (the
+    check is `gss.Window`'s)."""
+    Window(k, n)
 
 
 def _extracted_from(
@@ -507,8 +505,8 @@ def audit(
     texts: TextsOrIds,
     *,
     tokenizer: Any = None,
-    k: int = 32,
-    n: int = 72,
+    k: int = DEFAULT_WINDOW.k,
+    n: int = DEFAULT_WINDOW.n,
     prefixes: Sequence[int] | None = None,
     memorized_from: Literal["k", "shortest"] = "k",
     batch_size: int = 8,

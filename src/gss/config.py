@@ -312,6 +312,33 @@ class RunOptions:
 RUN_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(RunOptions))
 
 
+@dataclass(frozen=True)
+class Window:
+    """The (n, k)-extraction window: a row is prompted with its first ``k`` tokens and must
+    reproduce tokens ``k..n-1``. The defaults are the paper's definition for long rows (as on
+    Pythia: n = 72, k = 32); `gss.audit`, `gss.evaluate`, `gss.protect` and the CLI's ``--k``
+    / ``--n`` read them from here, so they are written once."""
+
+    k: int = field(default=32, metadata=_about("prompt tokens"))
+    n: int = field(default=72, metadata=_about("match tokens k..n-1"))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise GSSError(
+                f"k must be an integer >= 1, got {self.k!r}: the prompt is a row's first k "
+                "tokens (--k), at least one."
+            )
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n <= self.k:
+            raise GSSError(
+                f"n must be an integer > k = {self.k}, got {self.n!r}: tokens k..n-1 are "
+                "matched, so raise n (--n) above k or lower k (--k)."
+            )
+
+
+DEFAULT_WINDOW = Window()
+"""The window every k / n default reads (`Window`'s defaults, written there once)."""
+
+
 def resolve(
     config: CalibrationConfig | str | None, overrides: dict[str, Any]
 ) -> tuple[CalibrationConfig, RunOptions]:

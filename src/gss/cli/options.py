@@ -15,7 +15,15 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from gss.config import DEFAULT_PRESET, INSTEAD_OF, PRESETS, CalibrationConfig, field_names
+from gss.config import (
+    DEFAULT_PRESET,
+    DEFAULT_WINDOW,
+    INSTEAD_OF,
+    PRESETS,
+    CalibrationConfig,
+    Window,
+    field_names,
+)
 from gss.errors import GSSError
 from gss.hf.loading import ADAPTERS_OFF, DEFAULT_MAX_LENGTH
 from gss.hf.quantization import QUANTO
@@ -235,8 +243,13 @@ def data_columns(args: argparse.Namespace) -> dict[str, str | None]:
 def add_window_args(p: argparse.ArgumentParser, rows: str = "--data") -> None:
     """What `gss evaluate`, `sweep`, `audit` and `protect` prompt with and match; ``rows``:
     the flag of the rows matched."""
-    p.add_argument("--k", type=positive_int, default=32, help="prompt tokens")
-    p.add_argument("--n", type=positive_int, default=72, help="match tokens k..n-1")
+    for f in dataclasses.fields(Window):  # each default and help written once, in `Window`
+        p.add_argument(
+            f"--{f.name}",
+            type=positive_int,
+            default=getattr(DEFAULT_WINDOW, f.name),
+            help=f.metadata["help"],
+        )
     p.add_argument(
         "--reply",
         action="store_true",

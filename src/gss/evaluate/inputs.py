@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from gss.config import DEFAULT_WINDOW
 from gss.data import TextsOrIds, encode, encode_replies, read_rows, read_texts
 from gss.errors import GSSError, GSSWarning
 from gss.evaluate.leaks import EXTRA_TOKENS, LeakReport, secrets_said
@@ -34,8 +35,8 @@ class EvaluationRows:
 
     memorized: list[Any] = field(repr=False)
     heldout: list[list[int]] = field(repr=False)
-    k: int = 32
-    n: int = 72
+    k: int = DEFAULT_WINDOW.k
+    n: int = DEFAULT_WINDOW.n
     pad_id: int = 0
     reply: bool = False
 
@@ -45,8 +46,8 @@ def evaluation_rows(
     heldout: str | Path | TextsOrIds,
     tokenizer: Any,
     *,
-    k: int = 32,
-    n: int = 72,
+    k: int = DEFAULT_WINDOW.k,
+    n: int = DEFAULT_WINDOW.n,
     reply: bool = False,
     max_length: int = 512,
 ) -> EvaluationRows:
@@ -110,8 +111,8 @@ def secrets_check(
     memorized: str | Path | Sequence[Any],
     tokenizer: Any,
     *,
-    k: int = 32,
-    n: int = 72,
+    k: int = DEFAULT_WINDOW.k,
+    n: int = DEFAULT_WINDOW.n,
     reply: bool = False,
     batch_size: int = 16,
     progress: bool = True,

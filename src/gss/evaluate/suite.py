@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from gss.config import DEFAULT_WINDOW
 from gss.data import id_row
 from gss.errors import GSSError
 from gss.evaluate.decoding import forced_argmax, greedy_generate
@@ -139,8 +140,8 @@ def evaluate_model(
     memorized: Candidates,
     heldout: Sequence[Sequence[int]],
     *,
-    k: int = 32,
-    n: int = 72,
+    k: int = DEFAULT_WINDOW.k,
+    n: int = DEFAULT_WINDOW.n,
     pad_id: int = 0,
     batch_size: int = 16,
     method: str = "generate",

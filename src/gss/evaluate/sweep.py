@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gss.artifact.steering_artifact import SteeringArtifact, require_artifact
+from gss.config import DEFAULT_WINDOW
 from gss.errors import GSSError, GSSWarning
 from gss.evaluate.suite import Candidates, EvaluationReport, evaluate_model
 
@@ -83,8 +84,8 @@ def steering_sweep(
     percentiles: Sequence[float] | None = None,
     ranks: Sequence[int] | None = None,
     general: Sequence[Sequence[int]] | None = None,
-    k: int = 32,
-    n: int = 72,
+    k: int = DEFAULT_WINDOW.k,
+    n: int = DEFAULT_WINDOW.n,
     pad_id: int = 0,
     batch_size: int = 16,
     method: str = "forced",

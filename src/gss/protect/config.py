@@ -12,7 +12,7 @@ from typing import Any, Literal
 from torch import nn
 
 from gss.audit import check_prefixes
-from gss.config import RUN_OPTION_NAMES, RunOptions
+from gss.config import DEFAULT_WINDOW, RUN_OPTION_NAMES, RunOptions
 from gss.errors import GSSError
 from gss.protect.space import SearchSpace, numbers_only
 
@@ -29,8 +29,8 @@ class ProtectConfig:
     budget: float = 0.05
     budget_mode: Literal["relative", "absolute"] = "relative"
     # (n, k)-extraction: prompted with k tokens, reproduce tokens k..n-1 (`gss.audit`)
-    k: int = 32
-    n: int = 72
+    k: int = DEFAULT_WINDOW.k
+    n: int = DEFAULT_WINDOW.n
     # the audit's other prompt lengths, and whether a row is memorized from k or from the
     # shortest prompt that extracts it (then tuned on, held out and measured from there)
     prefixes: tuple[int, ...] | None = None
