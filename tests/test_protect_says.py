@@ -181,7 +181,9 @@ def test_protect_reports_the_domain_and_the_ordinary_prompts(memorizer):
     open share in the report, and the ordinary prompts read from its held-out half."""
     pytest.importorskip("pydoc_data.topics")
     model, reference, planted, general = memorizer
-    space = SearchSpace(presets=("gss-tr",), ranks=(2,), gates=("hard",), max_blocks=1, steps=3)
+    space = SearchSpace(
+        presets=("gss-tr",), ranks=(2,), gates=("hard",), max_blocks=1, steps=3, gate_on_data=True
+    )
     result = protect(
         model,
         reference,
@@ -298,7 +300,7 @@ def test_the_data_sets_gates_but_is_neither_calibration_nor_utility_text():
         measure={"reference-generated": [[5, 6]], DATA: [[7, 8]]},
     )
     assert text.fit_rows == [[1, 2]] and text.measure_rows == [[5, 6]]
-    assert SearchSpace().gate_on_data is True
+    assert SearchSpace().gate_on_data is False  # measured: results/protect-says/gate-on-data
     with pytest.raises(GSSError, match="gate_on_data must be True or False"):
         SearchSpace(gate_on_data="yes").check()  # type: ignore[arg-type]
 

@@ -43,12 +43,13 @@ class SearchSpace:
     # sources; 0: none (it needs the tokenizer)
     ordinary_english: int = 64
     # the data's clean rows (the audit flagged none; the half the domain check does not read)
-    # among the sources the thresholds are set on, not the calibration's general text: on the
-    # chat canaries gates set on no chat-template text handed 34% of the steps of in-domain
-    # conversations to the reference, set on these too none (results/protect-says/
-    # gate-on-data); an artifact that reaches no goal with them is searched again without
-    # (on the README's tiny model they shut the gates on the planted rows too)
-    gate_on_data: bool = True
+    # among the sources the thresholds are set on, not the calibration's general text; an
+    # artifact that reaches no goal with them is searched again without. Off: on the chat
+    # canaries it kept every in-domain conversation the reference's hand-over touched (0 ->
+    # 100% unchanged), but the gates then open on a quarter of the memorized positions (86-98%
+    # without) and on the LoRA canaries the hand-over said a held-out secret it did not say
+    # before (results/protect-says/gate-on-data)
+    gate_on_data: bool = False
     # among points equal on the target: "reference" (the reference's continuations likeliest:
     # it says what the reference would), "margin" (fewest tokens still reproduced) or "utility"
     prefer: Literal["reference", "margin", "utility"] = "reference"
