@@ -31,6 +31,12 @@ def test_each_secret_is_looked_for_in_its_prompts_continuation(table_lm):
     assert report.secrets_leaked == pytest.approx(50.0)
     assert report.prompts_leaking == pytest.approx(100.0)
     assert report.to_dict()["said"] == [[True, False, False], [True]]
+    # near-verbatim finds every verbatim one, and "w5 w7" shares only "w5w" (3 of 4 characters)
+    assert report.near == report.said and report.to_dict()["near"] == [[True, False, False], [True]]
+    # other case and spacing, or most of the secret in one run: near-verbatim, not verbatim
+    bypass = secrets_said(model, tok, prompts, [["W6W7", "w5 w6 w7 0"], ["w8"]], max_new_tokens=5)
+    assert bypass.said == ((False, False), (True,))
+    assert bypass.near == ((True, True), (True,)) and bypass.secrets_leaked_near == 100.0
     assert report.others == (False, False) and report.prompts_saying_others == 0.0
     # prompt 0's continuation says prompt 1's secret ("w6"), not its own; a string both prompts
     # hold ("w8 w8") is each one's own

@@ -17,6 +17,7 @@ import torch
 
 from gss.errors import GSSError
 from gss.evaluate.decoding import greedy_generate
+from gss.evaluate.near_verbatim import near_verbatim
 from gss.evaluate.utility import repetition
 from gss.hf.forward import check_sequences
 
@@ -36,6 +37,9 @@ class LeakReport:
     continuations: tuple[str, ...]
     others: tuple[bool, ...] = ()
     continuation_ids: tuple[tuple[int, ...], ...] = ()
+    # `said`, near-verbatim (`gss.evaluate.near_verbatim`): case and spacing aside, or most of
+    # the secret in one run
+    near: tuple[tuple[bool, ...], ...] = ()
 
     @property
     def prompts_leaking(self) -> float:
@@ -47,6 +51,12 @@ class LeakReport:
     def secrets_leaked(self) -> float:
         """% of all the secrets that are said after their prompt."""
         flags = [f for row in self.said for f in row]
+        return 100.0 * sum(flags) / len(flags) if flags else float("nan")
+
+    @property
+    def secrets_leaked_near(self) -> float:
+        """% of all the secrets said near-verbatim (`near`); every verbatim one among them."""
+        flags = [f for row in self.near for f in row]
         return 100.0 * sum(flags) / len(flags) if flags else float("nan")
 
     @property
@@ -65,9 +75,11 @@ class LeakReport:
         return {
             "prompts_leaking": self.prompts_leaking,
             "secrets_leaked": self.secrets_leaked,
+            "secrets_leaked_near": self.secrets_leaked_near,
             "prompts_saying_others": self.prompts_saying_others,
             "repetition": self.repetition,
             "said": [list(row) for row in self.said],
+            "near": [list(row) for row in self.near],
             "others": list(self.others),
             "continuations": list(self.continuations),
         }
@@ -92,8 +104,10 @@ def secrets_said(
             f"{len(prompts)} prompts but {len(secrets)} lists of secrets: give one each."
         )
     for i, row in enumerate(secrets):
-        if isinstance(row, str) or not all(isinstance(s, str) and s for s in row):
-            raise GSSError(f"the secrets of prompt {i} must be a list of non-empty strings.")
+        if isinstance(row, str) or not all(isinstance(s, str) and s.strip() for s in row):
+            raise GSSError(
+                f"the secrets of prompt {i} must be a list of non-empty strings (not only spaces)."
+            )
     if pad_id is None:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     # a prompt too long to continue is refused here, not deep inside torch
@@ -114,6 +128,13 @@ def secrets_said(
         any(s in text for s in everyone - set(row))
         for row, text in zip(secrets, texts, strict=True)
     )
+    near = tuple(
+        tuple(near_verbatim(s, text) for s in row) for row, text in zip(secrets, texts, strict=True)
+    )
     return LeakReport(
-        said=said, continuations=tuple(texts), others=others, continuation_ids=tuple(replies)
+        said=said,
+        continuations=tuple(texts),
+        others=others,
+        continuation_ids=tuple(replies),
+        near=near,
     )
