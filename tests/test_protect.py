@@ -84,6 +84,11 @@ def test_protect_reaches_the_target_within_the_budget(protected):
     assert result.after["memorized"] < 100.0  # and carried, in part at least, to unseen rows
     assert result.reached == (result.after["memorized"] <= result.max_extractable)
     assert result.after["utility"] <= result.budget["limit"] * 1.05  # measured on other text
+    # the attacker who samples, before and after (issue 70): the planted rows are learned so
+    # well that 100 draws reproduce each, and the steer takes that down as it does greedy's
+    assert result.before["sampled"] == {"temperature_1": 100.0, "top_p": 100.0}
+    assert result.after["sampled"]["temperature_1"] < 100.0
+    assert "Sampled (100 draws from each held-out prompt" in result.markdown()
     stages = {t.stage for t in result.trials}
     assert "block" in stages and len({t.blocks for t in result.trials}) >= 2  # blocks searched
     deltas = {t.deltas[0] for t in result.trials if t.blocks == result.chosen.blocks}

@@ -11,11 +11,15 @@ pass the audit already makes gives that chance exactly, for temperature 1 and fo
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
+from gss.data import right_pad
 from gss.errors import GSSError
+from gss.evaluate.decoding import eval_mode
+from gss.hf.forward import forward_logits
 
 SAMPLES = 100
 """How many samples the attacker draws per prompt (`sampled_chance`): a few hundred is what
@@ -58,6 +62,28 @@ def window_logprobs(
     return per_token.sum(-1)
 
 
+def row_logprobs(
+    model: torch.nn.Module,
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    pad_id: int,
+    batch_size: int,
+    top_p: float | None = None,
+) -> list[float]:
+    """`window_logprobs` of each (prompt, window) pair, teacher-forced in right-padded
+    batches: what a sampling attacker's chance on rows outside an audit is read from."""
+    out: list[float] = []
+    with eval_mode(model):
+        for start in range(0, len(pairs), batch_size):
+            chunk = [([*p], [*w]) for p, w in pairs[start : start + batch_size]]
+            ids, mask = right_pad([p + w for p, w in chunk], pad_id)
+            logits = forward_logits(model, ids, mask)
+            for j, (p, w) in enumerate(chunk):
+                end = len(p) + len(w)
+                one = window_logprobs(logits[j : j + 1], ids[j : j + 1], len(p), end, top_p)
+                out.append(float(one[0]))
+    return out
+
+
 def sampled_chance(logprob: float, samples: int = SAMPLES) -> float:
     """The chance that at least one of ``samples`` independent samples reproduces a window
     one sample reproduces with probability ``exp(logprob)``."""
@@ -71,4 +97,4 @@ def sampled_chance(logprob: float, samples: int = SAMPLES) -> float:
     return -math.expm1(samples * math.log1p(-math.exp(logprob)))
 
 
-__all__ = ["LIKELY", "SAMPLES", "TOP_P", "sampled_chance", "window_logprobs"]
+__all__ = ["LIKELY", "SAMPLES", "TOP_P", "row_logprobs", "sampled_chance", "window_logprobs"]

@@ -18,7 +18,7 @@ from gss.inference.explain import explain
 from gss.protect.checks import DomainRows
 from gss.protect.config import ProtectConfig, Setting
 from gss.protect.general import ORDINARY, Budget, GeneralText
-from gss.protect.measure import extractable, prompt_and_target, where_gates_open
+from gss.protect.measure import extractable, prompt_and_target, sampled, where_gates_open
 from gss.protect.replies import ordinary_unchanged, what_it_says
 from gss.protect.split import Split
 
@@ -50,6 +50,7 @@ def heldout_report(
     out = HeldoutReport(
         before={
             "memorized": extractable(model, rows, k, n, s.pad_id, s.batch_size),
+            "sampled": sampled(model, rows, k, n, s.pad_id, s.batch_size),
             "utility": budget.base,
             **domain.measure(model),
         }
@@ -59,6 +60,7 @@ def heldout_report(
     with steer.attach(model, track_gates=True) as handle:
         out.after = {
             "memorized": extractable(model, rows, k, n, s.pad_id, s.batch_size),
+            "sampled": sampled(model, rows, k, n, s.pad_id, s.batch_size),
             "utility": float(budget.utility(model)),
             **domain.measure(model),
         }

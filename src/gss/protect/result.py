@@ -15,6 +15,7 @@ from gss.artifact.stack import Steer
 from gss.audit import AuditReport
 from gss.errors import GSSError
 from gss.evaluate.intervals import clopper_pearson
+from gss.evaluate.sampled import LIKELY, SAMPLES, TOP_P
 from gss.protect.config import ProtectConfig
 
 OUTPUTS = ("protect.json", "protect.md", "frontier.png", "rows.png", "steer")  # `Protection.write`
@@ -192,6 +193,7 @@ class Protection:
                 f"Utility ({self.budget['measure']}): {_g(self.before['utility'])} before, "
                 f"{_g(self.after['utility'])} after (limit {_g(self.budget['limit'])}).",
             ]
+        lines += self._sampled_lines()
         if windows:
             lines.append(windows)
         if "domain_perplexity" in self.after:
@@ -201,6 +203,28 @@ class Protection:
                 f"{_g(self.after['domain_perplexity'])} after."
             )
         return lines
+
+    def _sampled_lines(self) -> list[str]:
+        """The attacker who samples, on the held-out rows, before and after (issue 70)."""
+        before, after = self.before.get("sampled"), self.after.get("sampled")
+        if not before:
+            return []
+        count = len(self.heldout)
+
+        def rates(side: dict[str, float]) -> str:
+            hits = round(side["temperature_1"] * count / 100)
+            lo, hi = clopper_pearson(hits, count) if count else (0.0, 1.0)
+            return (
+                f"{side['temperature_1']:.1f}% (95% interval {100 * lo:.1f}-{100 * hi:.1f}%) / "
+                f"{side['top_p']:.1f}%"
+            )
+
+        line = (
+            f"Sampled ({SAMPLES} draws from each held-out prompt, at temperature 1 / top-p "
+            f"{TOP_P:g}; a row counts when they reproduce its window with a chance of "
+            f"{LIKELY:.0%} or more, exact from the teacher-forced pass): {rates(before)} before"
+        )
+        return [line + (f", {rates(after)} after." if after else ".")]
 
     def _says_lines(self) -> list[str]:
         """Ordinary prompts unchanged, what it says on memorized prompts, the replies check."""
