@@ -95,3 +95,19 @@ def test_progress_bars_count_the_batches_of_each_part_and_can_be_turned_off(tabl
     quiet = evaluate_model(model, rows, heldout, k=2, n=6, batch_size=2, progress=False)
     assert capsys.readouterr().err == ""
     assert quiet.per_row == (True, True, True)
+
+
+def test_the_sampled_attacker_reads_the_windows_probabilities(table_lm, memorizer):
+    """The lookup table puts logit 1 on its token and 0 on the others: greedy reproduces every
+    window, one sample a 4-token window with p = (e / (e + V - 1))^4, so 100 draws rarely do;
+    the tiny memorizer's planted rows are learned sharply enough that 100 draws reproduce each."""
+    known = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 3, 5, 7, 9, 11, 2, 4]]
+    model = table_lm(known, VOCAB, default=0)
+    report = evaluate_model(model, known, [[1, 2, 3]], k=4, n=8, sampled=True, progress=False)
+    p = (math.e / (math.e + VOCAB - 1)) ** 4
+    assert report.memorized == 100.0 and 1 - (1 - p) ** 100 < 0.5
+    assert report.sampled == {"temperature_1": 0.0, "top_p": 0.0}
+    assert evaluate_model(model, known, [[1, 2, 3]], k=4, n=8, progress=False).sampled is None
+    tiny, _, planted, general = memorizer
+    sharp = evaluate_model(tiny, planted.tolist(), general[:2].tolist(), k=4, n=16, sampled=True)
+    assert sharp.memorized == 100.0 and sharp.sampled == {"temperature_1": 100.0, "top_p": 100.0}

@@ -39,9 +39,10 @@ def evaluate_steering(
     batch_size: int = 16,
     progress: bool = True,
 ) -> SteeringEvaluation:
-    """(n, k)-memorization and held-out perplexity of ``model`` (`evaluate_model`, greedy
-    decoding) on ``rows``, and with ``artifact`` attached (at strength ``delta``: None for
-    its own) when there is one; ``secrets``: run on each, when given."""
+    """(n, k)-memorization (greedy decoding, and the attacker who samples) and held-out
+    perplexity of ``model`` (`evaluate_model`) on ``rows``, and with ``artifact`` attached
+    (at strength ``delta``: None for its own) when there is one; ``secrets``: run on each,
+    when given."""
     leaks: dict[str, LeakReport] = {}
 
     def measure(name: str) -> EvaluationReport:
@@ -54,6 +55,7 @@ def evaluate_steering(
             pad_id=rows.pad_id,
             batch_size=batch_size,
             progress=progress,
+            sampled=True,
         )
         if secrets is not None:
             leaks[name] = secrets(model)

@@ -27,6 +27,7 @@ from gss.config import DEFAULT_WINDOW
 from gss.data import id_row
 from gss.errors import GSSError
 from gss.evaluate.decoding import forced_argmax, greedy_generate
+from gss.evaluate.sampled import LIKELY, TOP_P, row_logprobs, sampled_chance
 from gss.evaluate.utility import next_token_stats
 from gss.hf.forward import check_sequences
 
@@ -70,6 +71,9 @@ class EvaluationReport:
     seconds: dict[str, float]
     index: tuple[int, ...] = field(repr=False)
     per_row: tuple[bool, ...] = field(repr=False)
+    # the attacker who samples (``sampled=True``): % of the counted windows that `SAMPLES`
+    # draws reproduce with a chance of `LIKELY` or more, at temperature 1 and with top-p
+    sampled: dict[str, float] | None = None
 
     def deviation_scores(
         self, base: EvaluationReport, lambdas: Sequence[float] = DS_LAMBDAS
@@ -146,6 +150,7 @@ def evaluate_model(
     batch_size: int = 16,
     method: str = "generate",
     progress: bool = True,
+    sampled: bool = False,
 ) -> EvaluationReport:
     """(n, k)-memorization of `memorized` and perplexity of `heldout` (token id lists).
 
@@ -157,7 +162,8 @@ def evaluate_model(
     `method="forced"` decides exact matches from one teacher-forced pass (the same verdicts as
     greedy decoding, several times faster: what sweeps use); its `token_match` is then the
     teacher-forced argmax accuracy on the windows, which can exceed the greedy one.
-    `progress`: progress bars over the batches of each part.
+    `progress`: progress bars over the batches of each part. `sampled`: also the attacker
+    who samples (`gss.evaluate.sampled`: one more teacher-forced pass over the windows).
     """
     if not 1 <= k < n:
         raise GSSError(f"need 1 <= k < n (prompt k tokens, match up to token n); got k={k}, n={n}.")
@@ -193,6 +199,18 @@ def evaluate_model(
         exact.append(all(same))
         hits += sum(same)
         total += len(want)
+    chances = None
+    if sampled:
+        pairs = list(zip(prompts, targets, strict=True))
+        chances = {
+            name: 100.0
+            * sum(
+                sampled_chance(lp) >= LIKELY
+                for lp in row_logprobs(model, pairs, pad_id, batch_size, top_p)
+            )
+            / len(pairs)
+            for name, top_p in (("temperature_1", None), ("top_p", TOP_P))
+        }
     mem_seconds = time.perf_counter() - started
     started = time.perf_counter()
     try:
@@ -211,4 +229,5 @@ def evaluate_model(
         seconds={"memorization": mem_seconds, "perplexity": ppl_seconds},
         index=tuple(index),
         per_row=tuple(exact),
+        sampled=chances,
     )

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gss.evaluate.leaks import LeakReport
+from gss.evaluate.sampled import SAMPLES, TOP_P
 from gss.evaluate.suite import DS_LAMBDAS, EvaluationReport
 from gss.evaluate.sweep import SweepPoint, pareto_front, plot_pareto
 from gss.report import markdown_table
@@ -62,6 +63,7 @@ class SteeringEvaluation:
         """One Markdown row per run: memorization, the secrets said (with secrets in the rows),
         perplexity, the deviation scores against the unsteered run and the seconds taken."""
         rows = []
+        sampled = all(r.sampled for r in self.runs.values())
         for name, report in self.runs.items():
             said = []
             if name in self.leaks:
@@ -72,6 +74,7 @@ class SteeringEvaluation:
                     name,
                     f"{report.memorized:.1f}",
                     f"{report.token_match:.1f}",
+                    *_sampled_cells(report, sampled),
                     *said,
                     f"{report.perplexity:.3f}",
                     *(f"{v:.2f}" for v in report.deviation_scores(self.base).values()),
@@ -79,6 +82,7 @@ class SteeringEvaluation:
                 ]
             )
         header = ["run", "% memorized", "% tokens matched"]
+        header += [f"% sampled ({SAMPLES} draws, T=1 / top-p {TOP_P:g})"] if sampled else []
         header += ["% secrets said", REPEATED] if self.leaks else []
         header += ["perplexity", *(f"DS {lam:g}" for lam in DS_LAMBDAS), "seconds"]
         return markdown_table(header, rows)
@@ -181,3 +185,10 @@ class SweepResult:
         curve = [(p.report.memorized, p.report.perplexity) for p in self.points]
         base = (self.unsteered.memorized, self.unsteered.perplexity)
         return plot_pareto({"GSS sweep": curve}, base, path)
+
+
+def _sampled_cells(report: EvaluationReport, shown: bool) -> list[str]:
+    """The sampled attacker's cell (`EvaluationReport.sampled`), where the table shows it."""
+    if not shown or report.sampled is None:
+        return []
+    return [f"{report.sampled['temperature_1']:.1f} / {report.sampled['top_p']:.1f}"]
