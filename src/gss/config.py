@@ -95,10 +95,18 @@ class CalibrationConfig:
     )
     coefficient: Coefficient = field(
         default="projection",
-        metadata=_about("how much of v_k an open gate subtracts (docs/method.md)", COEFFICIENTS),
+        metadata=_about(
+            "how much of v_k an open gate subtracts: projection, or bounded (never more than "
+            "the state's own component); ridge and paper-constant are the paper's ablations, "
+            "used by no preset or search (docs/method.md)",
+            COEFFICIENTS,
+        ),
     )
     ridge_delta: float | None = field(
-        default=None, metadata=_about("the ridge coefficient's regulariser (default: delta)")
+        default=None,
+        metadata=_about(
+            "the ridge coefficient's regulariser (default: delta; a paper ablation's option)"
+        ),
     )
     centering: Centering = field(
         default="covariance",

@@ -103,8 +103,8 @@ class GatedSteer:
             correction is never larger than the hidden state it corrects, issue 72).
         delta: the variance budget, used by ``paper-constant``.
         ridge_delta: the ridge regulariser of ``ridge`` (defaults to ``delta``).
-        min_alignment: ``ridge`` skips directions whose |<u_k, v_k>| / ||u_k|| is below this,
-            where the coefficient would blow up.
+        min_alignment: ``ridge`` (a paper ablation) skips directions whose
+            |<u_k, v_k>| / ||u_k|| is below this, where the coefficient would blow up.
         condition: (d,) the ``discriminant`` gate's condition direction w, with
             ``condition_threshold``: every gate opens where ``w . h`` passes it
             (`gss.solve.condition`); the coefficient is then the response s_k itself.
