@@ -124,8 +124,7 @@ def main() -> None:
         else fit_sources(model, base, report, split["heldout"], data, tokenizer, n)
     )
     if args.gate_on_data is not None:
-        flagged = {r.index for r in report.memorized}
-        clean = [list(report.ids[i]) for i in range(len(report.ids)) if i not in flagged]
+        clean = report.clean_ids
         every = fit_sources(model, base, report, split["heldout"], data, tokenizer, n)
         s = Setting(model, base, tokenizer, pad, RunOptions(batch_size=bs, progress=False))
         assert isinstance(protected, SteeringArtifact), "one block: its gates are set again"

@@ -267,6 +267,13 @@ class AuditReport:
         """The extractable rows the reference does not extract (`is_memorized`)."""
         return [r for r in self.rows if self.is_memorized(r)]
 
+    @property
+    def clean_ids(self) -> list[list[int]]:
+        """The token ids of the rows not memorized, in input order: the data's clean rows
+        (what the fine-tune is for, which protect's domain check and gates read)."""
+        flagged = {r.index for r in self.memorized}
+        return [list(ids) for i, ids in enumerate(self.ids) if i not in flagged]
+
     def memorized_per_prefix(self) -> dict[int, int]:
         """How many rows each scored prompt length extracts and the reference's does not."""
         return {

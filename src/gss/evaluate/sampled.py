@@ -84,6 +84,28 @@ def row_logprobs(
     return out
 
 
+def likely_shares(
+    model: torch.nn.Module,
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    pad_id: int,
+    batch_size: int,
+    samples: int = SAMPLES,
+) -> dict[str, float]:
+    """% of the (prompt, window) ``pairs`` that ``samples`` draws reproduce with a chance of
+    `LIKELY` or more, at temperature 1 and with top-p `TOP_P` (empty without pairs)."""
+    if not pairs:
+        return {}
+    return {
+        name: 100.0
+        * sum(
+            sampled_chance(lp, samples) >= LIKELY
+            for lp in row_logprobs(model, pairs, pad_id, batch_size, top_p)
+        )
+        / len(pairs)
+        for name, top_p in (("temperature_1", None), ("top_p", TOP_P))
+    }
+
+
 def sampled_chance(logprob: float, samples: int = SAMPLES) -> float:
     """The chance that at least one of ``samples`` independent samples reproduces a window
     one sample reproduces with probability ``exp(logprob)``."""
@@ -97,4 +119,12 @@ def sampled_chance(logprob: float, samples: int = SAMPLES) -> float:
     return -math.expm1(samples * math.log1p(-math.exp(logprob)))
 
 
-__all__ = ["LIKELY", "SAMPLES", "TOP_P", "row_logprobs", "sampled_chance", "window_logprobs"]
+__all__ = [
+    "LIKELY",
+    "SAMPLES",
+    "TOP_P",
+    "likely_shares",
+    "row_logprobs",
+    "sampled_chance",
+    "window_logprobs",
+]

@@ -27,7 +27,7 @@ from gss.config import DEFAULT_WINDOW
 from gss.data import id_row
 from gss.errors import GSSError
 from gss.evaluate.decoding import forced_argmax, greedy_generate
-from gss.evaluate.sampled import LIKELY, TOP_P, row_logprobs, sampled_chance
+from gss.evaluate.sampled import likely_shares
 from gss.evaluate.utility import next_token_stats
 from gss.hf.forward import check_sequences
 
@@ -199,18 +199,11 @@ def evaluate_model(
         exact.append(all(same))
         hits += sum(same)
         total += len(want)
-    chances = None
-    if sampled:
-        pairs = list(zip(prompts, targets, strict=True))
-        chances = {
-            name: 100.0
-            * sum(
-                sampled_chance(lp) >= LIKELY
-                for lp in row_logprobs(model, pairs, pad_id, batch_size, top_p)
-            )
-            / len(pairs)
-            for name, top_p in (("temperature_1", None), ("top_p", TOP_P))
-        }
+    chances = (
+        likely_shares(model, list(zip(prompts, targets, strict=True)), pad_id, batch_size)
+        if sampled
+        else None
+    )
     mem_seconds = time.perf_counter() - started
     started = time.perf_counter()
     try:

@@ -39,8 +39,7 @@ class DomainRows:
         """At most ``search_rows`` bound the search (each point reads them; a steer's effect
         on the same rows is measured paired, so a few suffice to see a +5% rise), the other
         half of the clean rows the report."""
-        flagged = {r.index for r in report.memorized}
-        clean = [list(report.ids[i]) for i in range(len(report.ids)) if i not in flagged]
+        clean = report.clean_ids
         return cls(clean[::2][:search_rows], clean[1::2], pad_id, batch_size)
 
     def perplexity(self, model: nn.Module, rows: Sequence[Sequence[int]]) -> float:

@@ -137,10 +137,9 @@ def general_text(
         if len(ordinary) > 1:
             sources[ORDINARY] = ordinary
     if config.search.gate_on_data:
-        flagged = {r.index for r in report.memorized}
-        clean = [list(row) for i, row in enumerate(report.ids) if i not in flagged]
-        if len(clean[::2]) > 1:  # the half `checks.DomainRows` bounds the search with
-            sources[DATA] = clean[::2]
+        clean = report.clean_ids[::2]  # the half `checks.DomainRows` bounds the search with
+        if len(clean) > 1:
+            sources[DATA] = clean
     return GeneralText(
         fit={name: rows[::2] for name, rows in sources.items()},
         # a source of one row (the reference's text, from as few rows) has nothing to measure

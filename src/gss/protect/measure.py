@@ -13,7 +13,7 @@ from torch import nn
 
 from gss.artifact.stack import Steer, SteeringStack
 from gss.errors import GSSError
-from gss.evaluate.sampled import LIKELY, TOP_P, row_logprobs, sampled_chance
+from gss.evaluate.sampled import likely_shares
 from gss.evaluate.suite import EvaluationReport, evaluate_model
 from gss.inference.explain import explain
 from gss.protect.result import Trial
@@ -88,15 +88,7 @@ def sampled(
     from the prompt reproduce with a chance of `sampled.LIKELY` or more, at temperature 1 and
     with top-p `sampled.TOP_P`, exact from one teacher-forced pass (`gss.evaluate.sampled`)."""
     pairs = [prompt_and_target(r, k, n) for r in rows]
-    pairs = [(p, w) for p, w in pairs if p and w]
-    if not pairs:
-        return {}
-    out = {}
-    for name, top_p in (("temperature_1", None), ("top_p", TOP_P)):
-        logprobs = row_logprobs(model, pairs, pad_id, batch_size, top_p)
-        likely = sum(sampled_chance(lp) >= LIKELY for lp in logprobs)
-        out[name] = 100.0 * likely / len(pairs)
-    return out
+    return likely_shares(model, [(p, w) for p, w in pairs if p and w], pad_id, batch_size)
 
 
 FOLLOWS = "reference continuations"

@@ -42,7 +42,7 @@ class SearchSpace:
     # rows of ordinary English (`ordinary.ordinary_english`, offline) among the general
     # sources; 0: none (it needs the tokenizer)
     ordinary_english: int = 64
-    # the data's clean rows (the audit flagged none; the half the domain check does not read)
+    # the data's clean rows (the audit flagged none; the domain check's half, not the report's)
     # among the sources the thresholds are set on, not the calibration's general text; an
     # artifact that reaches no goal with them is searched again without. Off: on the chat
     # canaries it kept every in-domain conversation the reference's hand-over touched (0 ->
