@@ -184,7 +184,16 @@ def test_protect_writes_the_steer_and_the_report(protected, memorizer, tmp_path)
     card = (tmp_path / "out" / "steer" / "README.md").read_text()
     assert "held-out memorized rows the search never saw" in card
     assert data["chosen"]["blocks"] == list(result.chosen.blocks)
-    assert "never seen by the search" in (tmp_path / "out" / "protect.md").read_text()
+    report = (tmp_path / "out" / "protect.md").read_text()
+    assert "never seen by the search" in report
+    # where the time went: the run's steps, the search's stages and its kinds of work
+    assert set(data["seconds"]) == {"audit", "general_text", "search", "report", "total"}
+    stages, work = data["search_seconds"]["stages"], data["search_seconds"]["work"]
+    assert {"candidate blocks", "block stage"} <= set(stages)
+    assert {"calibration", "gate thresholds", "extraction (tuning rows)", "utility"} <= set(work)
+    assert sum(stages.values()) <= data["seconds"]["search"] + 1e-6
+    assert all(v >= 0 for v in [*stages.values(), *work.values()])
+    assert "The search by stage: candidate blocks" in report
     with pytest.raises(GSSError, match="already holds"):
         result.write(tmp_path / "out")
     with pytest.raises(GSSError, match="is empty"):  # not the working directory

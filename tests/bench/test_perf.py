@@ -255,3 +255,36 @@ def test_kept_parts_say_which_machine_measured_them(tmp_path):
     table = (out / "table.md").read_text()
     assert "memory (`gss bench perf --only memory`; on Old-Linux)" in table
     assert "adapters (`older`; machine not recorded)" in table
+
+
+def test_protect_part_times_both_searches_and_says_where_the_time_goes(
+    tmp_path, tinymem_cache, monkeypatch
+):
+    """`--only protect` (opt-in): issue 72's search beside the search before it, on the quick
+    TinyMem models, each arm's time split by protect itself; kept parts stay."""
+    monkeypatch.setenv("GSS_CACHE_DIR", str(tinymem_cache))
+    out = tmp_path / "perf"
+    assert main(["--quick", "--only", "protect", "--out", str(out), "--no-progress"]) == 0
+    part = json.loads((out / "results.json").read_text())["parts"]["protect"]
+    assert set(part["arms"]) == {"issue 72", "before issue 72"}
+    assert part["ratio"]["n"] == 1 and part["ratio"]["median"] > 0
+    for record in part["arms"].values():
+        steps = record["seconds"]
+        assert steps["search"] > 0 and steps["total"] >= steps["search"]
+        assert "block stage" in record["search_seconds"]["stages"]
+        assert "calibration" in record["search_seconds"]["work"]
+    work = {name: r["search_seconds"]["work"] for name, r in part["arms"].items()}
+    # the arm before issue 72 holds no point to the data's rows or the reference's replies
+    assert "reference continuations" in work["issue 72"]
+    assert "reference continuations" not in work["before issue 72"]
+    assert "replies check" not in work["before issue 72"]
+    table = (out / "table.md").read_text()
+    assert "## gss protect: issue 72's search beside the search before it" in table
+    assert (out / "protect.png").stat().st_size > 1000
+
+
+def test_protect_is_asked_for_by_name_only(tmp_path):
+    from gss_bench.perf.run import OPT_IN, PARTS, build_parser
+
+    assert "protect" in OPT_IN and "protect" not in PARTS
+    assert "protect" not in build_parser().parse_args([]).only.split(",")

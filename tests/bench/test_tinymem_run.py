@@ -11,10 +11,10 @@ from gss_bench.tinymem.run import main
 from gss_bench.trained_on import KEY_CPU_CAPABILITY
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One model cache for the file: each quick setting trains once."""
-    return tmp_path_factory.mktemp("cache")
+@pytest.fixture
+def cache(tinymem_cache):
+    """The session's model cache: each quick setting trains once."""
+    return tinymem_cache
 
 
 @pytest.mark.parametrize("setting", ["math_noise", "math_backdoor"])

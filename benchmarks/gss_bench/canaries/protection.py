@@ -24,6 +24,24 @@ from gss_bench.canaries.data import secret_fields
 from gss_bench.protect_report import write_report
 
 
+def protect_arguments(
+    data: Any, tokenizer: Any, texts: Sequence[Any], budget: float, batch_size: int
+) -> dict[str, Any]:
+    """`gss.protect`'s arguments after the two models: the rows the calibrations see, the
+    bench's general and held-out rows, its window and its budget (+5% perplexity)."""
+    return {
+        "texts": [list(r) for r in texts],
+        "tokenizer": tokenizer,
+        "general": [list(r) for r in data.general_rows],
+        "heldout": [list(r) for r in data.heldout_rows],
+        "budget": budget,
+        "k": data.config.k,
+        "n": data.config.row_len,
+        "batch_size": batch_size,
+        "pad_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+    }
+
+
 def protect_point(
     model: nn.Module,
     reference: nn.Module,
@@ -40,23 +58,10 @@ def protect_point(
 ) -> tuple[SweepPoint, float, dict[str, Any]]:
     """Run `gss.protect`; its choice as a one-point sweep (for the table), its wall time, and
     what it measured on the canaries it held out."""
-    k, n = data.config.k, data.config.row_len
+    k = data.config.k
     started = time.perf_counter()
-    result = protect(
-        model,
-        reference,
-        [list(r) for r in texts],
-        tokenizer=tokenizer,
-        general=[list(r) for r in data.general_rows],
-        heldout=[list(r) for r in data.heldout_rows],
-        budget=budget,
-        k=k,
-        n=n,
-        batch_size=batch_size,
-        search=search,
-        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-        progress=progress,
-    )
+    arguments = protect_arguments(data, tokenizer, texts, budget, batch_size)
+    result = protect(model, reference, search=search, progress=progress, **arguments)
     seconds = time.perf_counter() - started
     write_report(result, report_dir)
     if result.steer is None or result.chosen is None:

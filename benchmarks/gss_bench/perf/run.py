@@ -4,11 +4,13 @@ Parts (``--only`` picks some): ``overhead`` (generate tokens/s steered vs unstee
 ``calibration`` (gss.calibrate vs the passes it cannot avoid, plus a profile), ``solve``
 (solve_probe_steer vs d and K, full vs truncated SVD), ``memory`` (peak RSS of calibration
 vs corpus size, a fresh process per size), ``adapters`` and ``audit`` (gss.audit rows/s vs
-the forward passes it reads). Writes ``results.json``, ``table.md``, ``profile.txt`` and PNG
-figures under ``--out``. ``--device cuda --dtype bfloat16`` runs the
-first three parts on a GPU in half precision (every timing synchronizes); memory is then
-skipped, as it measures host RSS of float32 CPU calibration. ``--model`` takes local model
-directories; one holding only a ``config.json`` gives that architecture with random weights.
+the forward passes it reads); ``protect`` (asked for by name only: minutes per round on the
+canaries) times issue 72's protect search beside the search before it. Writes
+``results.json``, ``table.md``, ``profile.txt`` and PNG figures under ``--out``.
+``--device cuda --dtype bfloat16`` runs the first three parts on a GPU in half precision
+(every timing synchronizes); memory is then skipped, as it measures host RSS of float32 CPU
+calibration. ``--model`` takes local model directories; one holding only a ``config.json``
+gives that architecture with random weights.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ import torch
 from gss import __version__
 from gss.report import machine_info, write_json
 from gss_bench.perf import adapters, audit, calibration, figures, memory, overhead, scaling
+from gss_bench.perf import protect as protect_cost
 from gss_bench.perf.common import QUICK, Sizes, log
 
 PARTS = ("overhead", "calibration", "solve", "memory", "adapters", "audit")
+OPT_IN = ("protect",)  # asked for by name only (--only protect): minutes per round
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -39,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--only",
         default=",".join(PARTS),
-        help=f"comma-separated parts from {', '.join(PARTS)} (default all)",
+        help=f"comma-separated parts from {', '.join(PARTS + OPT_IN)} (default all but "
+        f"{', '.join(OPT_IN)})",
     )
     p.add_argument(
         "--model",
@@ -115,9 +120,11 @@ def _memory_skip_reason(device: torch.device, dtype: str) -> str | None:
 
 def _parts(spec: str) -> list[str]:
     parts = [s.strip() for s in spec.split(",") if s.strip()]
-    unknown = [s for s in parts if s not in PARTS]
+    unknown = [s for s in parts if s not in PARTS + OPT_IN]
     if unknown or not parts:
-        raise SystemExit(f"gss bench perf: unknown part(s) {unknown}; use {', '.join(PARTS)}")
+        raise SystemExit(
+            f"gss bench perf: unknown part(s) {unknown}; use {', '.join(PARTS + OPT_IN)}"
+        )
     return parts
 
 
@@ -194,6 +201,16 @@ def table(results: dict[str, Any]) -> str:
             "the model's forward alone, and the model's and the reference's forwards over the "
             "same rows and batches; ratios are per round (median, range).\n",
         ]
+    if "protect" in parts:
+        lines += [
+            "## gss protect: issue 72's search beside the search before it\n",
+            protect_cost.table(parts["protect"]),
+            f"Goal: {parts['protect']['goal']}. The arm before issue 72 runs today's code with "
+            f"the search space of then ({parts['protect']['before_space']}) and no per-point "
+            "check besides the utility; both arms run in turn in one process, a fresh order "
+            "each round, with no warm-up round (the first pays the process's first calls). "
+            "Seconds are protect's own split of each arm's last run.\n",
+        ]
     if "adapters" in parts:
         lines += [
             "## Calibrating an adapter (LoRA) fine-tune: base loaded again vs adapters_off\n",
@@ -262,6 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 quick=args.quick,
             )
             figure_paths.append(audit.figure(result, out / "audit.png"))
+        elif part == "protect":
+            result = protect_cost.run(repeats=args.repeats, progress=progress, quick=args.quick)
+            figure_paths.append(protect_cost.figure(result, out / "protect.png"))
         elif reason := _memory_skip_reason(device, args.dtype):
             log(f"{part}: skipped, {reason}")
             result = {"skipped": reason}
@@ -284,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["part_machines"][part] = results["machine"]
     results["seconds"]["total"] = time.perf_counter() - started
     previous = out / "results.json"
-    if previous.exists() and set(parts) != set(PARTS):
+    if previous.exists() and not set(PARTS) <= set(parts):
         import json
 
         old = json.loads(previous.read_text())

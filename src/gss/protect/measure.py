@@ -16,6 +16,7 @@ from gss.errors import GSSError
 from gss.evaluate.sampled import likely_shares
 from gss.evaluate.suite import EvaluationReport, evaluate_model
 from gss.inference.explain import explain
+from gss.protect.clock import Clock
 from gss.protect.result import Trial
 from gss.protect.space import SearchSpace
 from gss.steering.prefix_replay import BlockPrefixReplay
@@ -114,8 +115,10 @@ class Judge:
         bar: Any,
         prefer: str = "margin",
         checks: dict[str, Check] | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.prefer = prefer
+        self.clock = clock or Clock()  # seconds per kind of work: extraction, utility, checks
         self.checks = dict(checks or {})
         self.model, self.rows, self.utility, self.limit = model, rows, utility, limit
         self.k, self.n, self.pad_id, self.batch_size, self.bar = k, n, pad_id, batch_size, bar
@@ -133,16 +136,19 @@ class Judge:
 
     def __call__(self, steer: Steer, stage: str, preset: str) -> Trial:
         members = steer.artifacts if isinstance(steer, SteeringStack) else (steer,)
+        clock = self.clock
         with self.replay.below(min(a.layer for a in members)), steer.attach(self.model):
-            mem, match = self.memorized()
+            with clock.part("extraction (tuning rows)"):
+                mem, match = self.memorized()
             # a steer too strong may give NaN or inf: that point is out of the budget
-            value = utility_value(self.utility, self.model, "the utility", finite=False)
+            with clock.part("utility"):
+                value = utility_value(self.utility, self.model, "the utility", finite=False)
             # a point already over the utility budget is out: its checks would not change that
-            checks = {
-                name: utility_value(fn, self.model, name, finite=False)
-                for name, (fn, _) in self.checks.items()
-                if value <= self.limit
-            }
+            checks = {}
+            for name, (fn, _) in self.checks.items():
+                if value <= self.limit:
+                    with clock.part(name):
+                        checks[name] = utility_value(fn, self.model, name, finite=False)
         last = members[-1]
         bounded = all(
             limit is None or checks.get(name, math.inf) <= limit

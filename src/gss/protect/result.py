@@ -57,7 +57,10 @@ class Protection:
     after: dict[str, Any]
     gates: dict[str, Any]
     examples: list[dict[str, Any]] = field(default_factory=list)
+    # the run's steps (audit, general text, search, report, total)
     seconds: dict[str, float] = field(default_factory=dict)
+    # where the search's own time went: per stage ("stages") and per kind of work ("work")
+    search_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
     replies: dict[str, Any] = field(default_factory=dict)  # step 7's check, when it ran
     # every point's steer, in the order of `trials`: another point can be taken by hand
     # (`steer_for`) without searching again; not saved by `write`
@@ -95,6 +98,7 @@ class Protection:
             "gates": self.gates,
             "trials": len(self.trials),
             "seconds": self.seconds,
+            "search_seconds": self.search_seconds,
             "reply_check": self.replies,
             "heldout_interval": self.heldout_interval(),
             "heldout_windows": self.heldout_windows(),
@@ -306,6 +310,24 @@ class Protection:
             row[-1:-1] = [_g(t.checks[name]) if name in t.checks else "-" for name in names]
         header = ["stage", "preset", "blocks", "delta", "rank", "gate", "% extractable"]
         lines.append(markdown_table([*header, "utility", *names, "in budget"], body))
+        return lines + self._time_lines()
+
+    def _time_lines(self) -> list[str]:
+        """Where the run's time went: its steps, the search's stages and its kinds of work."""
+        if not self.seconds:
+            return []
+
+        def parts(seconds: dict[str, float]) -> str:
+            return ", ".join(f"{name} {value:.0f} s" for name, value in seconds.items())
+
+        steps = {k: v for k, v in self.seconds.items() if k != "total"}
+        lines = ["", f"Time: {self.seconds.get('total', 0.0):.0f} s ({parts(steps)})."]
+        stages, work = self.search_seconds.get("stages"), self.search_seconds.get("work")
+        if stages:
+            lines.append(f"The search by stage: {parts(stages)}.")
+        if work:
+            ranked = dict(sorted(work.items(), key=lambda kv: -kv[1]))
+            lines.append(f"The search by kind of work (across the stages): {parts(ranked)}.")
         return lines
 
     def _example_lines(self) -> list[str]:

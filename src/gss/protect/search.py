@@ -77,6 +77,7 @@ def protect(
         )
     seconds["search"] = time.perf_counter() - started - sum(seconds.values())
     report = heldout_report(s, config, split, text, budget, domain, steer)
+    seconds["report"] = time.perf_counter() - started - sum(seconds.values())
     seconds["total"] = time.perf_counter() - started
     if steer is not None:  # the held-out report travels with the steer (its model card)
         steer = with_record(steer, config, split, budget, report)
@@ -94,6 +95,7 @@ def protect(
         gates=report.gates,
         examples=report.examples,
         seconds=seconds,
+        search_seconds={"stages": search.stages.seconds, "work": search.work.seconds},
         replies=search.replies,
         steers=search.judge.steers,
         explanation=report.explanation,

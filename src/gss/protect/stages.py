@@ -18,6 +18,7 @@ from gss.calibrate import calibrate
 from gss.errors import GSSError, GSSWarning
 from gss.hf.blocks import find_decoder_blocks
 from gss.protect.checks import DomainRows, search_checks
+from gss.protect.clock import Clock
 from gss.protect.config import ProtectConfig, Setting
 from gss.protect.general import DATA, Budget, GeneralText
 from gss.protect.measure import Check, Judge, strength_search
@@ -44,6 +45,8 @@ class Search:
         self.s, self.config, self.space, self.split = s, config, config.search, split
         self.general = general
         self.bar = tqdm(desc="gss: protect", unit="point", disable=not s.progress)
+        # where the search's time goes: per stage, and per kind of work across the stages
+        self.stages, self.work = Clock(), Clock()
         self.judge = Judge(
             s.model,
             split.tune_candidates,
@@ -56,6 +59,7 @@ class Search:
             bar=self.bar,
             prefer=self.space.prefer,
             checks=checks,
+            clock=self.work,
         )
         self.made: dict[tuple[str, int], SteeringArtifact] = {}
         self.replies: dict[str, Any] = {}
@@ -74,15 +78,28 @@ class Search:
 
     def run(self) -> Trial | None:
         """The stages in order, each only where the ones before fell short; the best point."""
-        self.block_stage(self.candidate_blocks())
+        with self.stages.part("candidate blocks"):
+            candidates = self.candidate_blocks()
+        with self.stages.part("block stage"):
+            self.block_stage(candidates)
         if self.short_of_goal():
-            self.refine()
+            with self.stages.part("refinement"):
+                self.refine()
         if self.short_of_goal() and self.space.max_blocks >= 2:
-            self.second_block()
+            with self.stages.part("second block"):
+                self.second_block()
         best = self.best()
         if best is not None and self.space.reply_check > 1:
             self.bar.set_description_str("gss: protect (replies)")
-            best, self.replies = least_looping(
+            with self.stages.part("replies check"):
+                best, self.replies = self.replies_check()
+        self.bar.close()
+        return best
+
+    def replies_check(self) -> tuple[Trial | None, dict[str, Any]]:
+        """Step 7: the best points' greedy replies to the tuning prompts, for loops."""
+        with self.work.part("replies check"):
+            return least_looping(
                 self.s.model,
                 self.s.reference,
                 self.judge,
@@ -94,8 +111,6 @@ class Search:
                 self.s.pad_id,
                 self.s.batch_size,
             )
-        self.bar.close()
-        return best
 
     def candidate_blocks(self) -> list[int]:
         """Step 4: every block of a small model; otherwise the strongest signal's blocks
@@ -108,15 +123,16 @@ class Search:
             return list(range(count))
         from gss.layer_scan import scan_layers
 
-        scan = scan_layers(
-            self.s.model,
-            self.s.reference,
-            self.split.tune_rows,
-            "gss-tr",
-            gen_texts=self.general.fit_rows,
-            batch_size=self.s.batch_size,
-            progress=False,
-        )
+        with self.work.part("layer scan"):
+            scan = scan_layers(
+                self.s.model,
+                self.s.reference,
+                self.split.tune_rows,
+                "gss-tr",
+                gen_texts=self.general.fit_rows,
+                batch_size=self.s.batch_size,
+                progress=False,
+            )
         frozen = set(scan.unchanged)  # blocks whose output equals the reference's
         ranked = sorted(set(scan.strengths) - frozen, key=lambda b: -scan.strengths[b])
         half = space.max_candidates // 2
@@ -185,7 +201,7 @@ class Search:
     def calibrated(self, preset: str, layer: int, rank: int) -> SteeringArtifact | None:
         """One calibration on the tuning rows (None, said, where the block cannot be)."""
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), self.work.part("calibration"):
                 # its soundness warnings are of the largest rank, before a rank is chosen, and
                 # protect measures what they foretell (rows left, gates open on general text);
                 # the chosen steer records its own directions' (`gss show`)
@@ -232,7 +248,8 @@ class Search:
         sources: dict[str, list[list[int]]],
     ) -> list[Trial]:
         try:
-            art = gated(self.s, art, sources, self.space.gate_share)
+            with self.work.part("gate thresholds"):
+                art = gated(self.s, art, sources, self.space.gate_share)
         except GSSError as e:  # thresholds this gate cannot have here: the others are searched
             warnings.warn(
                 f"protect: skipped block {art.layer}, {art.config.gate} gate ({preset}): {e}",
@@ -248,7 +265,8 @@ class Search:
         """``artifact`` with its gates set on the sources ``like``'s were set on."""
         named = like.provenance.threshold_rule["sources"]
         sources = {name: rows for name, rows in self.general.fit.items() if name in named}
-        return gated(self.s, artifact, sources, self.space.gate_share)
+        with self.work.part("gate thresholds"):
+            return gated(self.s, artifact, sources, self.space.gate_share)
 
 
 def gated(
