@@ -11,8 +11,7 @@ from gss import GSSError
 from gss.cli import main
 from gss.hf.forward import forward_logits
 
-from .helpers import general_rows, random_ids, tiny_model, train
-from .test_cli import _tokenizer
+from .helpers import general_rows, random_ids, tiny_model, train, word_tokenizer
 from .test_sign import _planted_loss, steered_losses
 
 peft = pytest.importorskip("peft")
@@ -138,7 +137,7 @@ def test_a_model_without_adapters_is_refused():
 def test_cli_calibrates_an_adapter_directory_against_its_base(tmp_path, capsys):
     base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
     tiny_model("llama").save_pretrained(base_dir)
-    _tokenizer().save_pretrained(base_dir)
+    word_tokenizer().save_pretrained(base_dir)
     from transformers import AutoModelForCausalLM
 
     _lora(AutoModelForCausalLM.from_pretrained(base_dir)).save_pretrained(adapter_dir)

@@ -183,11 +183,11 @@ def test_options_that_would_be_silently_dropped_or_overflow_are_refused(memorize
 def test_calibrate_warns_when_gen_data_is_data(tmp_path, capsys):
     from gss.cli import main
 
-    from .test_cli import _tokenizer
+    from .helpers import word_tokenizer
 
     for name, seed in (("model", 0), ("reference", 1)):
         tiny_model("llama", seed=seed).save_pretrained(tmp_path / name)
-        _tokenizer().save_pretrained(tmp_path / name)
+        word_tokenizer().save_pretrained(tmp_path / name)
     lines = [" ".join(f"w{(i * 7 + j * 3) % 44}" for j in range(12)) for i in range(20)]
     (tmp_path / "data.txt").write_text("\n".join(lines) + "\n")
     args = ["calibrate", "--model", str(tmp_path / "model"), "--reference"]

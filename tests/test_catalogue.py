@@ -22,8 +22,7 @@ import torch
 from gss.artifact.steering_artifact import content_sha256
 from gss.cli import main
 
-from .helpers import tiny_model
-from .test_cli import WORDS, _tokenizer
+from .helpers import WORDS, tiny_model, word_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +30,7 @@ def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("catalogue")
     for name, seed in (("model", 0), ("ref", 1)):
         tiny_model("llama", seed=seed).save_pretrained(root / name)
-        _tokenizer().save_pretrained(root / name)
+        word_tokenizer().save_pretrained(root / name)
     lines = [" ".join(f"w{(i * 7 + j * 3) % 44}" for j in range(12)) for i in range(20)]
     (root / "data.txt").write_text("\n".join(lines) + "\n")
     (root / "latin1.txt").write_bytes("caf\xe9 w1 w2\n".encode("latin-1"))
@@ -40,10 +39,10 @@ def root(tmp_path_factory):
     (root / "data.xlsx").write_text("text\nw1 w2\n")  # .csv reads through datasets
     # a fine-tune whose embeddings were padded past the tokenizer (64 rows for 48 tokens)
     tiny_model("llama", seed=0, vocab=64).save_pretrained(root / "padded")
-    _tokenizer().save_pretrained(root / "padded")
+    word_tokenizer().save_pretrained(root / "padded")
     # a reference with another tokenizer (the same words under other ids)
     tiny_model("llama", seed=1).save_pretrained(root / "other_tok")
-    _tokenizer(WORDS[:4] + WORDS[4:][::-1]).save_pretrained(root / "other_tok")
+    word_tokenizer(WORDS[:4] + WORDS[4:][::-1]).save_pretrained(root / "other_tok")
     args = ["calibrate", "--model", str(root / "model"), "--reference", str(root / "ref")]
     args += ["--data", str(root / "data.txt"), "--layer", "1", "--rank", "2"]
     assert main([*args, "--out", str(root / "art"), "--no-progress"]) == 0
@@ -65,11 +64,11 @@ def root(tmp_path_factory):
     (root / "truncated").mkdir()  # weights cut short, as by an interrupted download
     for name in ("config.json", "model.safetensors"):
         (root / "truncated" / name).write_bytes((root / "model" / name).read_bytes()[:1000])
-    _tokenizer().save_pretrained(root / "truncated")
+    word_tokenizer().save_pretrained(root / "truncated")
     (root / "more_words").mkdir()  # the model beside a tokenizer with words past its vocabulary
     for name in ("config.json", "model.safetensors"):
         (root / "more_words" / name).write_bytes((root / "model" / name).read_bytes())
-    _tokenizer([*WORDS, "x1"]).save_pretrained(root / "more_words")
+    word_tokenizer([*WORDS, "x1"]).save_pretrained(root / "more_words")
     (root / "no_tokenizer").mkdir()  # weights saved without their tokenizer
     for name in ("config.json", "model.safetensors"):
         (root / "no_tokenizer" / name).write_bytes((root / "model" / name).read_bytes())
@@ -80,7 +79,7 @@ def root(tmp_path_factory):
     with torch.no_grad():
         nan.model.layers[-1].mlp.down_proj.weight[0, 0] = float("nan")
     nan.save_pretrained(root / "nan_model")
-    _tokenizer().save_pretrained(root / "nan_model")
+    word_tokenizer().save_pretrained(root / "nan_model")
     (root / "broken_model").mkdir()
     (root / "broken_model" / "config.json").write_text("{bad")
     # artifacts whose config was edited by hand into something no artifact holds

@@ -33,8 +33,7 @@ from gss.file_names import CONFIG_NAME, TENSORS_NAME
 from gss.signal.omega import memorization_signal
 from gss.solve.thresholds import thresholds_from_responses
 
-from .helpers import random_ids, tiny_model
-from .test_cli import _tokenizer
+from .helpers import random_ids, tiny_model, word_tokenizer
 
 LINES = [" ".join(f"w{(i * 7 + j * 3) % 44}" for j in range(12)) for i in range(16)]
 
@@ -78,7 +77,7 @@ def ctx(tmp_path_factory):
         warnings.simplefilter("ignore", GSSWarning)
         art = gss.calibrate(model, ref, ids, layer=1, rank=2, progress=False)
     saved = art.save_pretrained(tmp_path_factory.mktemp("catalogue_api") / "art")
-    return Ctx(model, ref, _tokenizer(), ids, art, saved, forwards)
+    return Ctx(model, ref, word_tokenizer(), ids, art, saved, forwards)
 
 
 @dataclass(frozen=True)

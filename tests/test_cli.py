@@ -3,28 +3,11 @@
 import json
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 import gss
 from gss.cli import main
 
-from .helpers import tiny_model
-
-WORDS = ["<pad>", "<bos>", "<eos>", "<unk>"] + [f"w{i}" for i in range(44)]
-
-
-def _tokenizer(words=WORDS):
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        bos_token="<bos>",
-        eos_token="<eos>",
-        unk_token="<unk>",
-        model_input_names=["input_ids", "attention_mask"],  # as decoder-only tokenizers have
-    )
+from .helpers import WORDS, tiny_model, word_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +15,7 @@ def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     for name, seed in (("model", 0), ("reference", 1)):
         tiny_model("llama", seed=seed).save_pretrained(root / name)
-        _tokenizer().save_pretrained(root / name)
+        word_tokenizer().save_pretrained(root / name)
     lines = [" ".join(f"w{(i * 7 + j * 3) % 44}" for j in range(12)) for i in range(20)]
     (root / "data.txt").write_text("\n".join(lines) + "\n")
     (root / "data.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in lines) + "\n")
@@ -185,7 +168,7 @@ def test_a_reference_with_another_tokenizer_is_refused(workdir, capsys):
     # the same vocabulary size, two words' ids swapped: only the tokenizers tell them apart
     other = workdir / "reference-other-tokenizer"
     tiny_model("llama", seed=1).save_pretrained(other)
-    _tokenizer([*WORDS[:4], "w1", "w0", *WORDS[6:]]).save_pretrained(other)
+    word_tokenizer([*WORDS[:4], "w1", "w0", *WORDS[6:]]).save_pretrained(other)
     for command in ("calibrate", "signal", "layers"):
         args = [command, "--model", str(workdir / "model"), "--reference", str(other)]
         args += ["--data", str(workdir / "data.txt")]
@@ -198,10 +181,10 @@ def test_a_reference_with_another_tokenizer_is_refused(workdir, capsys):
 def test_tokens_a_fine_tune_added_do_not_count_as_another_tokenizer():
     from gss.data import check_same_tokenizer
 
-    tuned = _tokenizer()
+    tuned = word_tokenizer()
     tuned.add_tokens(["<|im_start|>"], special_tokens=True)
-    check_same_tokenizer(tuned, _tokenizer())
-    check_same_tokenizer(_tokenizer(), tuned)
+    check_same_tokenizer(tuned, word_tokenizer())
+    check_same_tokenizer(word_tokenizer(), tuned)
 
 
 def test_preset_sets_options_and_explicit_flags_win(workdir):
@@ -292,7 +275,7 @@ def test_evaluate_looks_for_the_secrets_rows_carry(workdir, steer, capsys):
     from gss.evaluate.leaks import secrets_said
 
     lines = (workdir / "data.txt").read_text().splitlines()[:4]
-    tok = _tokenizer()
+    tok = word_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(workdir / "model")
     prompt = tok(lines[0])["input_ids"][:4]
     (said,) = secrets_said(model, tok, [prompt], [["x"]], max_new_tokens=6).continuations

@@ -18,8 +18,7 @@ from gss.data import DatasetRows, encode, encode_compact, encode_replies, read_t
 from gss.data_sources import read_data
 from gss.signal.tokens import encode_trained
 
-from .helpers import tiny_model
-from .test_cli import _tokenizer
+from .helpers import tiny_model, word_tokenizer
 from .test_data import TEMPLATE
 from .test_docs import GUIDE, section
 
@@ -57,13 +56,13 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("datasets")
     for name, seed in (("model", 0), ("reference", 1)):
         tiny_model("llama", seed=seed).save_pretrained(root / name)
-        _tokenizer().save_pretrained(root / name)
+        word_tokenizer().save_pretrained(root / name)
     return root
 
 
 @pytest.fixture(scope="module")
 def chat_tokenizer():
-    tok = _tokenizer()
+    tok = word_tokenizer()
     tok.chat_template = TEMPLATE
     return tok
 
@@ -382,7 +381,7 @@ def test_cli_calibrate_on_a_csv_and_a_saved_gen_data_equals_the_jsonl(tmp_path, 
 
 @pytest.fixture(scope="module")
 def loaded():
-    return tiny_model("llama", seed=0), tiny_model("llama", seed=1), _tokenizer()
+    return tiny_model("llama", seed=0), tiny_model("llama", seed=1), word_tokenizer()
 
 
 def test_calibrate_on_a_dataset_and_a_stream_equals_the_list(loaded, monkeypatch):
@@ -467,7 +466,7 @@ def test_conversations_labels_and_replies_from_a_dataset(chat_tokenizer):
 
 
 def test_a_dataset_dict_or_an_empty_dataset_is_refused():
-    tok = _tokenizer()
+    tok = word_tokenizer()
     table = datasets.Dataset.from_dict({"text": LINES})
     with pytest.raises(GSSError, match=r"a DatasetDict of splits \['train'\]: pass one split"):
         encode(datasets.DatasetDict({"train": table}), tok)
@@ -486,7 +485,7 @@ def test_cli_evaluate_reads_token_id_rows_and_a_saved_heldout(tmp_path, models):
     """--memorized rows of token ids (as `gss audit` writes extractable.jsonl: no text column
     to name) beside --heldout, a saved dataset whose text is in the column --text-column
     names: what --heldout general.txt gives."""
-    tok = _tokenizer()
+    tok = word_tokenizer()
     ids = _jsonl(tmp_path / "ids.jsonl", [{"input_ids": tok(t)["input_ids"]} for t in LINES])
     saved = _write(datasets.Dataset.from_dict({"body": GENERAL}), tmp_path / "general")
     (tmp_path / "general.txt").write_text("\n".join(GENERAL) + "\n")
@@ -508,7 +507,7 @@ def test_your_model_data_example_runs(tmp_path, monkeypatch, capsys):
     assert block is not None
     for name, seed in (("ft", 0), ("base", 1)):
         tiny_model("llama", seed=seed).save_pretrained(tmp_path / name)
-        _tokenizer().save_pretrained(tmp_path / name)
+        word_tokenizer().save_pretrained(tmp_path / name)
     rows = [" ".join(f"w{(i * 7 + j * 3) % 40}" for j in range(40)) for i in range(12)]
     posts = {"body": rows, "id": list(range(len(rows)))}
     datasets.Dataset.from_dict(posts).to_parquet(str(tmp_path / "posts.parquet"))

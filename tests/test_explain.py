@@ -21,8 +21,7 @@ import gss
 from gss.cli import main
 from gss.inference.explain import Explanation
 
-from .helpers import calibrated_llama, random_ids, tiny_model
-from .test_cli import _tokenizer
+from .helpers import calibrated_llama, random_ids, tiny_model, word_tokenizer
 
 NEW = 10
 
@@ -164,7 +163,7 @@ def test_the_evidence_says_what_the_steer_did(steered):
 
 def test_rows_json_and_rendering(steered):
     model, art = steered
-    tok = _tokenizer()
+    tok = word_tokenizer()
     e = gss.explain(model, art, "w1 w2 w3 w4", max_new_tokens=6, tokenizer=tok)
     assert isinstance(e, Explanation)
     assert e.text == tok.decode(list(e.generated_ids), skip_special_tokens=True)
@@ -251,7 +250,7 @@ def cli_model(tmp_path_factory, steered):
     root = tmp_path_factory.mktemp("explain")
     model, art = steered
     copy.deepcopy(model).save_pretrained(root / "model")
-    _tokenizer().save_pretrained(root / "model")
+    word_tokenizer().save_pretrained(root / "model")
     art.save_pretrained(root / "artifact")
     return root
 

@@ -163,9 +163,9 @@ def test_a_lora_fine_tune_hands_off_to_its_own_base():
 def test_gss_generate_says_the_references_text_where_gates_open(tmp_path, capsys):
     from gss.cli import main
 
-    from .test_cli import _tokenizer
+    from .helpers import word_tokenizer
 
-    tokenizer = _tokenizer()
+    tokenizer = word_tokenizer()
     for name, seed in (("model", 3), ("reference", 11)):
         tiny_model("llama", seed=seed).save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)

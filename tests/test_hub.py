@@ -30,8 +30,7 @@ from gss.artifact import card as cards
 from gss.artifact import hub
 from gss.cli import main
 
-from .helpers import at_block, random_ids, tiny_model
-from .test_cli import _tokenizer
+from .helpers import at_block, random_ids, tiny_model, word_tokenizer
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "hub.md"
 
@@ -65,7 +64,7 @@ def made(tmp_path_factory):
     calibrated on it."""
     root = tmp_path_factory.mktemp("hub")
     tiny_model("llama", seed=3).save_pretrained(root / "model")
-    _tokenizer().save_pretrained(root / "model")
+    word_tokenizer().save_pretrained(root / "model")
     model = AutoModelForCausalLM.from_pretrained(root / "model").eval()
     ref = tiny_model("llama", seed=11)
     art = gss.calibrate(model, ref, random_ids(16, 14, seed=2), layer=1, rank=2, progress=False)

@@ -27,8 +27,7 @@ from gss.evaluate.lm_eval_bridge import (
     run_lm_eval,
 )
 
-from .helpers import calibrated_llama
-from .test_cli import _tokenizer
+from .helpers import calibrated_llama, word_tokenizer
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (the lm-eval extra)")
 try:  # lm-eval without its [hf] extra (accelerate) has no HFLM: skipped, saying why
@@ -90,7 +89,7 @@ def tasks_dir(tmp_path_factory):
 def steered():
     """A tiny Llama, a steer strong enough to change its logits, and a tokenizer for it."""
     model, artifact = calibrated_llama()
-    return model, artifact, _tokenizer()
+    return model, artifact, word_tokenizer()
 
 
 def _direct(model, tokenizer, tasks_dir) -> dict:

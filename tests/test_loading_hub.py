@@ -21,8 +21,7 @@ from gss.cli import main
 from gss.errors import GSSError
 from gss.hf.loading import load_model, load_reference
 
-from .helpers import random_ids, tiny_model, train
-from .test_cli import _tokenizer
+from .helpers import random_ids, tiny_model, train, word_tokenizer
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER_COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
@@ -45,7 +44,7 @@ def hub(tmp_path_factory):
     cache = root / "cache"
     for name, seed in (("model", 0), ("reference", 1)):
         tiny_model("llama", seed=seed).save_pretrained(root / name)
-        _tokenizer().save_pretrained(root / name)
+        word_tokenizer().save_pretrained(root / name)
         _publish(cache, f"gss-test/tiny-{name}", root / name)
     weights = root / "weights-only"  # a repo whose tokenizer files were never fetched
     weights.mkdir()
@@ -181,7 +180,7 @@ def test_hub_adapter_repo_offline(offline, tmp_path, monkeypatch):
     _publish(cache, "gss-test/tiny-adapter", adapter)
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     model, tokenizer = load_model("gss-test/tiny-adapter")  # tokenizer: the base's
-    assert len(tokenizer) == len(_tokenizer())
+    assert len(tokenizer) == len(word_tokenizer())
     ref = load_reference("adapters-off", model, tokenizer)
     ids = random_ids(2, 8)
     with torch.no_grad():
@@ -250,7 +249,7 @@ def memorizer_dirs(tmp_path_factory):
     train(ref, general, steps=40, seed=0)
     for name, m in (("model", model), ("reference", ref)):
         m.save_pretrained(root / name)
-        _tokenizer().save_pretrained(root / name)
+        word_tokenizer().save_pretrained(root / name)
     return root, torch.cat([planted, general[:40]])
 
 
@@ -392,7 +391,7 @@ def test_a_missing_reference_shaped_like_a_repo_id_fails_before_the_model_loads(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model = tmp_path / "model"
     tiny_model("llama").save_pretrained(model)
-    _tokenizer().save_pretrained(model)
+    word_tokenizer().save_pretrained(model)
     for weights in model.glob("*.safetensors"):
         weights.write_bytes(b"damaged")
     (tmp_path / "data.txt").write_text("w1 w2 w3 w4 w5 w6\n" * 4)
@@ -435,7 +434,7 @@ def test_what_config_json_tells_is_said_before_the_weights_load(tmp_path, capsys
 
     model = tmp_path / "model"
     tiny_model("llama").save_pretrained(model)
-    _tokenizer().save_pretrained(model)
+    word_tokenizer().save_pretrained(model)
     for weights in model.glob("*.safetensors"):
         weights.write_bytes(b"damaged")
     (tmp_path / "data.txt").write_text("w1 w2 w3 w4 w5 w6\n" * 4)
@@ -470,7 +469,7 @@ def test_what_the_prompt_and_config_tell_is_said_before_the_weights_load(
     )
     art.save_pretrained(tmp_path / "steer")
     tiny.save_pretrained(model)
-    _tokenizer().save_pretrained(model)
+    word_tokenizer().save_pretrained(model)
     saved = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**saved, **config}))
     for weights in model.glob("*.safetensors"):
@@ -502,7 +501,7 @@ def test_ids_and_labels_in_the_data_are_checked_before_the_weights_load(
 
     model = tmp_path / "model"
     tiny_model("llama").save_pretrained(model)
-    _tokenizer().save_pretrained(model)
+    word_tokenizer().save_pretrained(model)
     shutil.copytree(model, tmp_path / "reference")
     for weights in [*model.glob("*.safetensors"), *(tmp_path / "reference").glob("*.safetensors")]:
         weights.write_bytes(b"damaged")

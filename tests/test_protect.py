@@ -452,12 +452,12 @@ def test_protect_replays_the_blocks_below_each_steer_to_the_same_result(memorize
 
 def test_protect_command(memorizer, tmp_path, capsys):
     pytest.importorskip("transformers")
-    from .test_cli import WORDS, _tokenizer
+    from .helpers import WORDS, word_tokenizer
 
     model, reference, planted, general = memorizer
     for name, m in (("model", model), ("ref", reference)):
         m.save_pretrained(tmp_path / name)
-        _tokenizer(WORDS[:24]).save_pretrained(tmp_path / name)  # the memorizer's 24 ids
+        word_tokenizer(WORDS[:24]).save_pretrained(tmp_path / name)  # the memorizer's 24 ids
     rows = torch.cat([planted, general[:20]]).tolist()
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
     (tmp_path / "general.jsonl").write_text(

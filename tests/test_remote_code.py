@@ -14,8 +14,7 @@ import pytest
 from gss import GSSError
 from gss.hf.loading import load_model
 
-from .helpers import tiny_model
-from .test_cli import _tokenizer
+from .helpers import tiny_model, word_tokenizer
 
 HOSTILE = """
 from pathlib import Path
@@ -31,7 +30,7 @@ class HostileModel(LlamaForCausalLM):
 def _hostile_folder(root: Path, model_type: str) -> Path:
     folder = root / model_type
     tiny_model("llama").save_pretrained(folder)
-    _tokenizer().save_pretrained(folder)
+    word_tokenizer().save_pretrained(folder)
     (folder / "hostile.py").write_text(HOSTILE)
     config = json.loads((folder / "config.json").read_text())
     config["model_type"] = model_type
@@ -69,7 +68,7 @@ def test_a_pickled_weights_file_and_a_config_nested_too_deep_are_one_message(tmp
 
     folder = tmp_path / "model"
     tiny_model("llama").save_pretrained(folder)
-    _tokenizer().save_pretrained(folder)
+    word_tokenizer().save_pretrained(folder)
     for weights in folder.glob("*.safetensors"):
         weights.unlink()
     (folder / "model.safetensors.index.json").unlink(missing_ok=True)
@@ -98,14 +97,14 @@ def test_audit_warns_when_the_tokenizer_is_another_models(memorizer):
 
     import gss
 
-    from .test_cli import _tokenizer
+    from .helpers import word_tokenizer
 
     model, reference, _, _ = memorizer
-    foreign = _tokenizer(["<pad>", "<x>", "<y>", "<eos>", "w1", "w2"])  # eos id 3, not 2
+    foreign = word_tokenizer(["<pad>", "<x>", "<y>", "<eos>", "w1", "w2"])  # eos id 3, not 2
     texts = ["w1 w2 w1 w2 w1 w2 w1 w2"] * 2
     with pytest.warns(gss.GSSWarning, match="does not look like the model's"):
         gss.audit(model, reference, texts, tokenizer=foreign, k=2, n=6, progress=False)
-    own = _tokenizer()  # the tiny models' own ids (end of sequence: 2)
+    own = word_tokenizer()  # the tiny models' own ids (end of sequence: 2)
     with warnings.catch_warnings():
         warnings.simplefilter("error", gss.GSSWarning)
         gss.audit(

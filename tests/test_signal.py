@@ -6,8 +6,7 @@ import torch
 
 from gss import GSSError, memorization_signal, signal_statistics
 
-from .helpers import random_ids
-from .test_cli import _tokenizer
+from .helpers import random_ids, word_tokenizer
 
 
 def _logprob(model, row):
@@ -61,7 +60,7 @@ def test_rows_padded_past_the_tokenizer_take_no_probability(make_model):
     padded.resize_token_embeddings(48, pad_to_multiple_of=64, mean_resizing=False)
     ids = random_ids(3, 10)
     for ref in (padded, model):
-        omega = memorization_signal(model, ref, ids, tokenizer=_tokenizer())
+        omega = memorization_signal(model, ref, ids, tokenizer=word_tokenizer())
         assert torch.equal(omega, torch.zeros_like(omega))
     assert not torch.equal(padded(ids).logits[..., 48:], torch.zeros(3, 10, 16))
 

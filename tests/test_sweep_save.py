@@ -16,8 +16,7 @@ import pytest
 import gss
 from gss.cli import main
 
-from .helpers import tiny_model
-from .test_cli import _tokenizer
+from .helpers import tiny_model, word_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +24,15 @@ def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("sweep-save")
     for name, seed in (("model", 0), ("reference", 1)):
         tiny_model("llama", seed=seed).save_pretrained(root / name)
-        _tokenizer().save_pretrained(root / name)
+        word_tokenizer().save_pretrained(root / name)
     lines = [" ".join(f"w{(i * 7 + j * 3) % 44}" for j in range(12)) for i in range(20)]
     (root / "data.txt").write_text("\n".join(lines) + "\n")
     heldout = [" ".join(f"w{(i * 5 + j * 11) % 44}" for j in range(12)) for i in range(12)]
     (root / "heldout.txt").write_text("\n".join(heldout) + "\n")
     model, ref = (tiny_model("llama", seed=s) for s in (0, 1))
-    art = gss.calibrate(model, ref, lines, tokenizer=_tokenizer(), layer=1, rank=2, progress=False)
+    art = gss.calibrate(
+        model, ref, lines, tokenizer=word_tokenizer(), layer=1, rank=2, progress=False
+    )
     art.save_pretrained(root / "artifact")
     return root
 

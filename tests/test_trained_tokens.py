@@ -12,8 +12,7 @@ from gss.data import read_texts
 from gss.signal.tokens import encode_trained
 from gss.statistics.collect import collect_statistics
 
-from .helpers import random_ids, tiny_model
-from .test_cli import _tokenizer
+from .helpers import random_ids, tiny_model, word_tokenizer
 from .test_data import CHAT, TEMPLATE, _ids
 
 MULTI = [
@@ -26,7 +25,7 @@ MULTI = [
 
 @pytest.fixture
 def chat_tokenizer():
-    tok = _tokenizer()
+    tok = word_tokenizer()
     tok.chat_template = TEMPLATE
     return tok
 
