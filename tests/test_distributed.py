@@ -25,8 +25,8 @@ def _data(quantile: bool) -> tuple:
     if quantile:
         return random_ids(13, 12), {}
     from .helpers import word_tokenizer
+    from .signal.test_replies import _conversations
     from .test_data import TEMPLATE
-    from .test_reply_signal import _conversations
 
     tokenizer = word_tokenizer()
     tokenizer.chat_template = TEMPLATE

@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 
 import gss
 
+from .artifact.test_hub import MAIN, fake_hub, offline_cache, put_in_cache  # noqa: F401 (fixtures)
 from .helpers import tiny_model, word_tokenizer
-from .test_hub import MAIN, fake_hub, offline_cache, put_in_cache  # noqa: F401 (fixtures)
 
 datasets = pytest.importorskip("datasets")
 
