@@ -76,7 +76,8 @@ vllm-env: $(VLLM_STAMP)
 # interpreter: the variable must be set before Triton is imported, so in a process of its own
 test-vllm: $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
-	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_vllm_op.py
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider \
+	  tests/serving/test_vllm_op.py
 
 clean:
 	rm -rf $(VENV) $(MIN_VENV) build *.egg-info src/*.egg-info

@@ -15,8 +15,8 @@ from .helpers import general_rows, tiny_model, train
 # The suite compiles into a cache of its own, made fresh for the run. Inductor's on-disk cache is
 # not keyed on ATEN_CPU_CAPABILITY: a graph generated under `make bench`'s AVX2 setting and
 # loaded by an AVX-512 process stores 16-float vectors where the code steps by 8, past the end of
-# its buffers (measured: "double free or corruption" in tests/test_vllm_op.py whenever an AVX2
-# run had filled /tmp/torchinductor_$USER first).
+# its buffers (measured: "double free or corruption" in tests/serving/test_vllm_op.py whenever an
+# AVX2 run had filled /tmp/torchinductor_$USER first).
 _INDUCTOR_CACHE = tempfile.mkdtemp(prefix="gss-tests-inductor-")
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
 atexit.register(shutil.rmtree, _INDUCTOR_CACHE, ignore_errors=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -15,6 +16,7 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -142,3 +144,20 @@ def sealed(raw: dict) -> dict:
     if "content_sha256" in raw:
         raw["content_sha256"] = content_sha256(raw)
     return raw
+
+
+WORDS = ["<pad>", "<bos>", "<eos>", "<unk>"] + [f"w{i}" for i in range(44)]
+
+
+def word_tokenizer(words=WORDS):
+    """A word-level tokenizer over ``words`` (ids in their order), built here: no download."""
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        model_input_names=["input_ids", "attention_mask"],  # as decoder-only tokenizers have
+    )

@@ -89,12 +89,11 @@ def test_audit_refuses_a_window_it_cannot_read(memorizer):
 
 
 def test_audit_command(tmp_path, capsys):
-    from .helpers import tiny_model
-    from .test_cli import _tokenizer
+    from .helpers import tiny_model, word_tokenizer
 
     for name, seed in (("model", 0), ("ref", 1)):
         tiny_model("llama", seed=seed).save_pretrained(tmp_path / name)
-        _tokenizer().save_pretrained(tmp_path / name)
+        word_tokenizer().save_pretrained(tmp_path / name)
     lines = [" ".join(f"w{(i * 7 + j * 3) % 44}" for j in range(12)) for i in range(6)]
     (tmp_path / "data.txt").write_text("\n".join(lines) + "\n")
     args = ["audit", "--model", str(tmp_path / "model"), "--reference", str(tmp_path / "ref")]
@@ -194,11 +193,11 @@ def test_a_row_extracted_only_from_a_shorter_prompt_is_found_with_prefixes(memor
 def test_audit_reports_which_part_of_each_row_was_scored(memorizer, tmp_path):
     """The table and audit.jsonl say where each row's prompt ends and its window starts, with
     the text either side when the audit had the tokenizer."""
-    from .test_cli import WORDS, _tokenizer
+    from .helpers import WORDS, word_tokenizer
 
     model, reference, planted, _ = memorizer
     rows = [_cut_late(r) for r in planted.tolist()]
-    tok = _tokenizer(WORDS[:24])  # the memorizer's 24 ids
+    tok = word_tokenizer(WORDS[:24])  # the memorizer's 24 ids
     report = gss.audit(
         model, reference, rows, tokenizer=tok, k=8, n=16, prefixes=[4],
         memorized_from="shortest", progress=False,
@@ -282,7 +281,7 @@ def test_an_older_audit_jsonl_still_loads(memorizer, tmp_path):
 def test_audit_command_scores_shorter_prompts(memorizer, tmp_path, capsys):
     """--prefixes and --memorized-from, and a bad list refused in one line before the models
     load (the model directories here do not exist)."""
-    from .test_cli import WORDS, _tokenizer
+    from .helpers import WORDS, word_tokenizer
 
     args = ["audit", "--model", str(tmp_path / "none"), "--reference", str(tmp_path / "nor")]
     args += ["--data", str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "out")]
@@ -298,7 +297,7 @@ def test_audit_command_scores_shorter_prompts(memorizer, tmp_path, capsys):
     model, reference, planted, _ = memorizer
     for name, m in (("none", model), ("nor", reference)):
         m.save_pretrained(tmp_path / name)
-        _tokenizer(WORDS[:24]).save_pretrained(tmp_path / name)
+        word_tokenizer(WORDS[:24]).save_pretrained(tmp_path / name)
     rows = [_cut_late(r) for r in planted.tolist()]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
     window = ["--k", "8", "--n", "16", "--prefixes", "4", "--no-progress"]

@@ -13,8 +13,7 @@ from gss import GSSError
 from gss.data import chat_prompt, encode, encode_compact, encode_replies, read_texts
 from gss.evaluate import evaluate_model
 
-from .helpers import random_ids
-from .test_cli import _tokenizer
+from .helpers import random_ids, word_tokenizer
 
 # roles as words of the test vocabulary: w40 opens a user turn, w41 an assistant turn
 TEMPLATE = (
@@ -27,7 +26,7 @@ CHAT = [{"role": "user", "content": "w3 w4"}, {"role": "assistant", "content": "
 
 @pytest.fixture(scope="module")
 def chat_tokenizer():
-    tok = _tokenizer()
+    tok = word_tokenizer()
     tok.chat_template = TEMPLATE
     return tok
 
@@ -102,7 +101,7 @@ def test_a_jsonl_file_in_each_format(tmp_path, chat_tokenizer):
 
 def test_conversations_need_a_chat_template_and_well_formed_messages(chat_tokenizer):
     with pytest.raises(GSSError, match="sequence 0 is a conversation, but the tokenizer has no"):
-        encode([CHAT], _tokenizer())
+        encode([CHAT], word_tokenizer())
     with pytest.raises(GSSError, match=r"message without 'role' and 'content' \(keys \['text'\]"):
         encode([[{"role": "user", "content": "w1"}, {"text": "w2"}]], chat_tokenizer)
     with pytest.raises(GSSError, match="pass the model's tokenizer"):
@@ -112,7 +111,7 @@ def test_conversations_need_a_chat_template_and_well_formed_messages(chat_tokeni
 def test_a_chat_prompt_ends_with_the_assistants_turn(chat_tokenizer):
     assert chat_prompt("w3", chat_tokenizer) == "<bos>w40 w3 <eos> w41 "
     with pytest.raises(GSSError, match="drop --chat"):
-        chat_prompt("w3", _tokenizer())
+        chat_prompt("w3", word_tokenizer())
 
 
 @pytest.mark.parametrize(
@@ -179,7 +178,7 @@ def test_input_ids_that_are_not_integers_are_refused_by_the_signal(make_model, d
 @pytest.mark.parametrize("padding_side", ["left", "right"])
 @pytest.mark.parametrize("tensors", [None, "pt"])
 def test_a_tokenizers_batch_is_its_rows_without_the_padding(padding_side, tensors):
-    tok = _tokenizer()
+    tok = word_tokenizer()
     tok.padding_side = padding_side
     texts = ["w1 w2 w3 w4", "w5 w6", "w7 w8 w9"]
     batch = tok(texts, padding=True, return_tensors=tensors)
@@ -232,7 +231,7 @@ def test_the_command_line_calibrates_on_conversations_and_prompts_through_the_te
     assert "steered:" in capsys.readouterr().out
     plain = tmp_path / "plain"  # the same model, its tokenizer without a template
     tiny_model("llama", seed=0).save_pretrained(plain)
-    _tokenizer().save_pretrained(plain)
+    word_tokenizer().save_pretrained(plain)
     assert main([*generate[:2], str(plain), *generate[3:], "--chat"]) == 2
     assert "drop --chat" in capsys.readouterr().err
     # --reply: each conversation prompted with what comes before its reply, matched on it

@@ -24,11 +24,11 @@ def _data(quantile: bool) -> tuple:
     template, so the replies' signal (gss.signal.replies) is summed over the ranks too."""
     if quantile:
         return random_ids(13, 12), {}
-    from .test_cli import _tokenizer
+    from .helpers import word_tokenizer
+    from .signal.test_replies import _conversations
     from .test_data import TEMPLATE
-    from .test_reply_signal import _conversations
 
-    tokenizer = _tokenizer()
+    tokenizer = word_tokenizer()
     tokenizer.chat_template = TEMPLATE
     return _conversations(13), {"tokenizer": tokenizer}
 

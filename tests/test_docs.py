@@ -11,8 +11,7 @@ import json
 import re
 from pathlib import Path
 
-from .helpers import tiny_model
-from .test_cli import _tokenizer
+from .helpers import tiny_model, word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -48,7 +47,7 @@ def test_your_model_python_example_runs(tmp_path, monkeypatch, capsys):
     assert block is not None
     for name, seed in (("ft", 0), ("base", 1)):
         tiny_model("llama", seed=seed).save_pretrained(tmp_path / name)
-        _tokenizer().save_pretrained(tmp_path / name)
+        word_tokenizer().save_pretrained(tmp_path / name)
 
     def lines(offset: int) -> str:  # rows longer than k = 32 tokens, so they can be prompted
         rows = [" ".join(f"w{(i * 7 + j * offset) % 40}" for j in range(40)) for i in range(12)]

@@ -15,8 +15,7 @@ import torch
 
 from gss.cli import build_parser
 
-from .helpers import general_rows, tiny_model, train
-from .test_cli import _tokenizer
+from .helpers import general_rows, tiny_model, train, word_tokenizer
 from .test_docs import RESULTS, ROOT, cells, section, table_rows
 
 README = ROOT / "README.md"
@@ -26,7 +25,7 @@ def test_readme_example_runs(tmp_path, monkeypatch, capsys):
     """On a tiny Llama that memorized 8 planted lines, and a reference trained without them."""
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
     assert len(blocks) == 1  # ONE example, and it is this one
-    tokenizer = _tokenizer()
+    tokenizer = word_tokenizer()
     gen = torch.Generator().manual_seed(0)
     general = general_rows(256, 24, gen, len(tokenizer))
     planted = torch.randint(4, len(tokenizer), (8, 24), generator=gen)

@@ -16,9 +16,8 @@ from transformers import AutoModelForCausalLM
 
 import gss
 
-from .helpers import tiny_model
-from .test_cli import _tokenizer
-from .test_hub import MAIN, fake_hub, offline_cache, put_in_cache  # noqa: F401 (fixtures)
+from .artifact.test_hub import MAIN, fake_hub, offline_cache, put_in_cache  # noqa: F401 (fixtures)
+from .helpers import tiny_model, word_tokenizer
 
 datasets = pytest.importorskip("datasets")
 
@@ -47,7 +46,7 @@ def test_dataset_to_hub_to_a_fresh_process_is_bit_identical(
 ):
     model_dir = tmp_path / "model"
     tiny_model("llama", seed=3).save_pretrained(model_dir)
-    tokenizer = _tokenizer()
+    tokenizer = word_tokenizer()
     tokenizer.save_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     reference = tiny_model("llama", seed=11)

@@ -36,8 +36,10 @@ overhead() {  # the overhead part of gss bench perf: the tiny model, the 135M sh
 case $stage in
     tests)
         python3 -m pytest -q -rs -p no:cacheprovider tests/test_device_map.py \
-            tests/test_compile.py tests/test_hook.py tests/test_steer_paths.py \
-            tests/test_stack.py tests/test_protect.py tests/test_explain.py tests/test_vllm_op.py \
+            tests/steering/test_compiled.py tests/steering/test_gated.py \
+            tests/steering/test_gated_paths.py tests/artifact/test_stack.py \
+            tests/protect/test_search.py tests/inference/test_explain.py \
+            tests/serving/test_vllm_op.py \
             2>&1 | tee "$out/tests.log"
         ;;
     overhead)

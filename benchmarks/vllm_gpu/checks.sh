@@ -2,8 +2,9 @@
 # The last device call (README.md beside this file): once every part is in $PARTS, installs
 # vLLM and gss, then runs, in this order, each stage only if it fits before $DEADLINE seconds:
 #
-#   op-tests        tests/test_vllm_op.py: the op and the runner patches without vLLM, its CUDA
-#                   tests (the op in a CUDA graph and under reduce-overhead) included (~30 s)
+#   op-tests        tests/serving/test_vllm_op.py: the op and the runner patches without vLLM,
+#                   its CUDA tests (the op in a CUDA graph and under reduce-overhead) included
+#                   (~30 s)
 #   prep            benchmarks/scripts/vllm_throughput.py prep on SmolLM2-135M's shape (random
 #                   weights)
 #   bench-compiled  its bench, vLLM's default torch.compile + CUDA graphs (at most 240 s)
@@ -69,7 +70,7 @@ bash benchmarks/vllm_gpu/install_on_device.sh || exit 3
 export PYTHONPATH=/tmp/site VLLM_USE_V2_MODEL_RUNNER=0 VLLM_USE_FLASHINFER_SAMPLER=0
 python3 -c "from vllm import LLM; import vllm.v1.engine.core" || exit 4  # fail fast
 fits op-tests 90 && timeout $((deadline - SECONDS)) python3 -m pytest -x -q -rs \
-    -p no:cacheprovider --junitxml="$out/tests-op.xml" tests/test_vllm_op.py
+    -p no:cacheprovider --junitxml="$out/tests-op.xml" tests/serving/test_vllm_op.py
 fits prep 40 && python3 benchmarks/scripts/vllm_throughput.py prep --work "$work" \
     --model benchmarks/configs/smollm2-135m && cp "$work/prep.json" "$out/"
 [ -f "$work/prep.json" ] && fits bench-compiled 150 && bench compiled "${COMPILED_S:-240}"

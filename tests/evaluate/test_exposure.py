@@ -7,7 +7,7 @@ import pytest
 from gss.errors import GSSError
 from gss.evaluate.exposure import exposure, format_size, same_format
 
-from ..test_cli import WORDS, _tokenizer
+from ..helpers import WORDS, word_tokenizer
 
 
 def _ids(words: str) -> list[int]:
@@ -15,7 +15,7 @@ def _ids(words: str) -> list[int]:
 
 
 def test_a_learned_secret_ranks_first_and_an_unknown_one_exposes_nothing(table_lm):
-    tok = _tokenizer()
+    tok = word_tokenizer()
     model = table_lm([_ids("w1 w2 w5 w6 w7")], len(WORDS), default=WORDS.index("w8"))
     learned = exposure(model, tok, _ids("w1 w2"), "w5 w6 w7", candidates=200, letters=False)
     assert learned.rank == 1 and learned.bits == pytest.approx(math.log2(201))

@@ -5,7 +5,7 @@ import pytest
 from gss.errors import GSSError
 from gss.evaluate.leaks import secrets_said
 
-from ..test_cli import WORDS, _tokenizer
+from ..helpers import WORDS, word_tokenizer
 
 
 def _ids(words: str) -> list[int]:
@@ -13,7 +13,7 @@ def _ids(words: str) -> list[int]:
 
 
 def test_each_secret_is_looked_for_in_its_prompts_continuation(table_lm):
-    tok = _tokenizer()
+    tok = word_tokenizer()
     # after "w1 w2" the model says "w5 w6 w7" then EOS (and w9 after it, never read); after
     # "w3 w4" it says "w8 w8 w8"
     paths = [_ids("w1 w2 w5 w6 w7 <eos> w9"), _ids("w3 w4 w8 w8 w8 w8 w8 w8")]
@@ -51,7 +51,7 @@ def test_each_secret_is_looked_for_in_its_prompts_continuation(table_lm):
 
 
 def test_secrets_must_be_one_list_of_strings_per_prompt(table_lm):
-    tok, model = _tokenizer(), table_lm([], len(WORDS), default=4)
+    tok, model = word_tokenizer(), table_lm([], len(WORDS), default=4)
     with pytest.raises(GSSError, match="2 prompts but 1 lists of secrets"):
         secrets_said(model, tok, [[5], [6]], [["w1"]], max_new_tokens=2)
     with pytest.raises(GSSError, match="secrets of prompt 0 must be a list of non-empty strings"):
@@ -66,4 +66,4 @@ def test_prompts_the_model_cannot_run_are_refused_before_decoding(make_model):
         GSSError,
         match="sequence 0 has 120 tokens, and 10 more to generate make 130, more than the 128",
     ):
-        secrets_said(model, _tokenizer(), [[5] * 120], [["w1"]], max_new_tokens=10)
+        secrets_said(model, word_tokenizer(), [[5] * 120], [["w1"]], max_new_tokens=10)

@@ -6,8 +6,8 @@ and records at the steered block, for every position the model reads (the prompt
 then one position per decode step with the KV cache), the probe response of each direction,
 which gates opened and the norm of the change the steer made to the block's output. The steer
 runs exactly as ``attach(..., track_gates=True)`` runs it (the checked path, which
-tests/test_steer_paths.py shows gives the bits of every other path); a recorder around it only
-reads what goes in and comes out, so recording never changes what is generated.
+tests/steering/test_gated_paths.py shows gives the bits of every other path); a recorder around it
+only reads what goes in and comes out, so recording never changes what is generated.
 
 The steer at a position acts on that token's hidden state, so on the choice of the next token
 (and, through the KV cache of the blocks after it, on every later one): a generated token is

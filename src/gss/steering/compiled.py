@@ -4,7 +4,7 @@ gss attaches nothing as a forward hook: a steer, and calibration's read of a blo
 block's ``forward`` (``gss.steering.attach.SteeredForward``, an instance attribute). With
 modules inlined (always from torch 2.5), dynamo guards on that attribute, so code compiled
 before the steer was attached recompiles when it is, and again when it comes off
-(``tests/test_compile.py``, every way of compiling). A forward hook would not do: with
+(``tests/steering/test_compiled.py``, every way of compiling). A forward hook would not do: with
 ``skip_nnmodule_hook_guards`` on (torch's default), code compiled while a module had no hooks
 never looks for them again. Before torch 2.5 modules are not inlined by default, and then
 compiled code did not see late hooks even with their guards on (measured on torch 2.4.1); a

@@ -1,0 +1,71 @@
+"""The fingerprint sees every weight tensor of every block (issue 69): an artifact refuses a
+fine-tune that changed only its MLP, or only its attention output, and attaches to the same
+weights in float16 or bfloat16."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import gss
+from gss import GSSError
+
+from ..helpers import random_ids, tiny_model
+
+
+@pytest.fixture(scope="module")
+def calibrated():
+    model = tiny_model("llama", seed=3, layers=3)
+    reference = tiny_model("llama", seed=11, layers=3)
+    art = gss.calibrate(
+        model, reference, random_ids(16, 14, seed=2), layer=1, rank=2, progress=False
+    )
+    return model, art
+
+
+def _tuned(model, name: str, block: int = 2, scale: float = 0.03):
+    """A fine-tune that moved one weight tensor of one block by ~3% of its size."""
+    other = copy.deepcopy(model)
+    weight = dict(other.model.layers[block].named_parameters())[name]
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        weight.add_(torch.randn(weight.shape, generator=gen) * weight.abs().mean() * scale)
+    return other
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "mlp.down_proj.weight",
+        "self_attn.o_proj.weight",
+        "self_attn.v_proj.weight",
+        "mlp.up_proj.weight",
+    ],
+)
+def test_a_fine_tune_of_any_one_tensor_is_refused(calibrated, name):
+    model, art = calibrated
+    with pytest.raises(GSSError, match=r"decoder block\(s\) \[2\] differ .*" + name):
+        art.check_model(_tuned(model, name))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_same_weights_in_half_precision_are_accepted(calibrated, dtype):
+    model, art = calibrated
+    art.check_model(copy.deepcopy(model).to(dtype))  # no error
+
+
+def test_an_artifact_saved_before_every_tensor_was_sampled_still_compares(calibrated):
+    """An older artifact's fingerprint has the first two tensors of each block only."""
+    import dataclasses
+
+    model, art = calibrated
+    old = dict(art.provenance.fingerprint)
+    old.pop("block_weights")
+    older = dataclasses.replace(
+        art, provenance=dataclasses.replace(art.provenance, fingerprint=old)
+    )
+    older.check_model(model)
+    with pytest.raises(GSSError, match="another model"):
+        older.check_model(_tuned(model, "self_attn.q_proj.weight", scale=1.0))
