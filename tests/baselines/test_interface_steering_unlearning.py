@@ -59,7 +59,14 @@ def test_every_registered_method_has_a_grid_and_family():
     for name in names:
         method = get_method(name)
         assert method.grid and method.summary
-        assert method.family in {"steering", "unlearning", "fine-tuning", "neuron", "weight"}
+        assert method.family in {
+            "steering",
+            "unlearning",
+            "fine-tuning",
+            "neuron",
+            "weight",
+            "decoding",
+        }
 
 
 def test_unknown_method_and_empty_memorized_set_are_clear_errors():

@@ -28,7 +28,7 @@ from gss_bench.baselines.interface import (
 from gss_bench.baselines.steering import MeanDifferenceSteer, mean_difference_vector
 
 # Modules that register methods, imported on first lookup (keeps `import gss` light).
-_MODULES = ("steering", "redirect", "unlearning", "finetune", "neurons", "weights")
+_MODULES = ("steering", "redirect", "unlearning", "finetune", "neurons", "weights", "decoding")
 
 
 def load_all() -> None:

@@ -218,7 +218,7 @@ def resolve_method_names(text: str) -> list[str]:
         if not found:
             raise GSSError(
                 f"unknown baseline {item!r}; use 'all', a family (steering, unlearning, "
-                f"fine-tuning, neuron, weight) or one of {', '.join(everything)}."
+                f"fine-tuning, neuron, weight, decoding) or one of {', '.join(everything)}."
             )
         out += [n for n in found if n not in out]
     return out

@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--baselines",
         default="",
         help="also run these baselines, each over its default grid: comma-separated names "
-        "(see `gss baselines`), families (steering, unlearning, fine-tuning, neuron, weight) "
+        "(see `gss baselines`), families (steering, unlearning, fine-tuning, neuron, weight, "
+        "decoding) "
         "or 'all' (default none)",
     )
     p.add_argument(

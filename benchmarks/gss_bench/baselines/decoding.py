@@ -1,0 +1,82 @@
+"""Decoding-time baselines: the model is left as it is and what it may say is filtered.
+
+MemFree (Ippolito et al. 2023, "Preventing Verbatim Memorization in Language Models Gives a
+False Sense of Privacy"): no n-gram of the output may be one of the training data's. At every
+position, the tokens that would complete an n-gram of the indexed rows (the n - 1 tokens before
+them and that token) are removed from the next-token distribution, the rest renormalised, so
+greedy decoding takes the likeliest token that completes none. It is the first thing an engineer
+reaches for: exact by construction on verbatim extraction, cheap, nothing to calibrate.
+
+The paper keeps the n-grams in a Bloom filter to scale to a pretraining corpus; here an exact
+set (a Bloom filter with no false positive) of the memorized set U, the rows a user wants kept
+in, which is what gss protects: indexing the clean rows too would block the domain's ordinary
+text. The filtered model is a forward-only wrapper, so gss's greedy decoding gives it the whole
+sequence at every step (no KV cache) and the teacher-forced extraction check reads the same
+filtered distribution. Its perplexity is the filtered distribution's: a held-out token that
+completes an indexed n-gram has probability 0 (perplexity infinite), the price of the filter on
+text that repeats the data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gss.hf.forward import forward_logits
+from gss_bench.baselines.interface import Mitigation, MitigationData, register
+
+NGRAM_SIZES = (16, 10, 6, 4)  # the grid, mildest first: a shorter n-gram blocks more
+
+
+def ngram_index(rows: Sequence[Sequence[int]], n: int) -> dict[tuple[int, ...], set[int]]:
+    """For every (n - 1)-token context in ``rows``, the tokens that complete an n-gram of them."""
+    index: dict[tuple[int, ...], set[int]] = {}
+    for row in rows:
+        ids = [int(t) for t in row]
+        for end in range(n - 1, len(ids)):
+            index.setdefault(tuple(ids[end - n + 1 : end]), set()).add(ids[end])
+    return index
+
+
+class NgramFilter(nn.Module):
+    """``model`` whose next-token scores never complete an n-gram of the indexed rows (the
+    banned tokens' logits are -inf: softmax renormalises over the rest)."""
+
+    def __init__(self, model: nn.Module, rows: Sequence[Sequence[int]], n: int) -> None:
+        super().__init__()
+        if n < 2:
+            raise ValueError(f"an n-gram filter needs n >= 2, got {n}")
+        self.model, self.n = model, int(n)
+        self.index = ngram_index(rows, self.n)
+        self.config = getattr(model, "config", None)  # what gss reads of a model (vocab)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        logits = forward_logits(self.model, input_ids, mask).clone()
+        context = self.n - 1
+        ids, real = input_ids.tolist(), mask.bool().tolist()
+        for b, (row, kept) in enumerate(zip(ids, real, strict=True)):
+            for t in range(context - 1, len(row)):
+                if not all(kept[t - context + 1 : t + 1]):  # padding in the context
+                    continue
+                banned = self.index.get(tuple(row[t - context + 1 : t + 1]))
+                if banned:
+                    logits[b, t, list(banned)] = -torch.inf
+        return logits
+
+
+@register(
+    "memfree",
+    "decoding",
+    grid=[{"n": n} for n in NGRAM_SIZES],
+    summary="MemFree: decoding never completes an n-gram of the memorized rows (an exact "
+    "n-gram set; Ippolito et al. 2023).",
+)
+def memfree(model: nn.Module, data: MitigationData, n: int = 10) -> Mitigation:
+    """The model wrapped in an n-gram filter of the memorized set U (the original untouched)."""
+    wrapped = NgramFilter(model, data.memorized, n)
+    info: dict[str, Any] = {"ngrams": sum(len(v) for v in wrapped.index.values())}
+    return Mitigation(wrapped.eval(), info=info)
