@@ -25,6 +25,7 @@ RAISES_MEMORIZED_LOSS = [
     ("npo", {"lr": 1e-3, "epochs": 5}),
     ("simnpo", {"lr": 1e-3, "epochs": 10}),
     ("task-vector", {"alpha": 4.0}),
+    ("rmu", {"lr": 1e-2, "retain_weight": 1.0}),
     ("clean-ft", {"epochs": 5, "lr": 1e-2, "batch_size": 4}),
     ("both-ft", {"epochs": 5, "lr": 1e-2, "batch_size": 4}),
 ]

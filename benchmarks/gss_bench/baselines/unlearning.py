@@ -1,7 +1,8 @@
-"""Parameter-space unlearning baselines: gradient ascent, NPO, SimNPO and task vectors.
+"""Parameter-space unlearning baselines: gradient ascent, NPO, SimNPO, task vectors and RMU.
 
-All four edit a copy of every parameter with AdamW on the unlearn set U (whole rows: they are
-sequence-level methods, unlike GSS's token-level signal). NPO and SimNPO add a retain loss on
+The first four edit a copy of every parameter with AdamW on the unlearn set U (whole rows: they
+are sequence-level methods, unlike GSS's token-level signal); RMU edits only the MLPs of three
+blocks, on the activations at the top one. NPO and SimNPO add a retain loss on
 the clean set C and stop early when it exceeds three times its starting value, as the GSS
 paper describes (its Appendix E). Learning rates and epochs are scaled to TinyMem-sized models;
 the paper's own settings (LoRA, lr 1e-5) are for 1B-parameter models. A grid over epochs
@@ -19,6 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gss.hf.blocks import resolve_layer
+from gss.hf.forward import forward_logits
+from gss.steering.attach import split_block_output
+from gss_bench.baselines.activations import block_activations, default_layer
 from gss_bench.baselines.interface import (
     Mitigation,
     MitigationData,
@@ -26,6 +31,7 @@ from gss_bench.baselines.interface import (
     register,
     reuse_info,
 )
+from gss_bench.baselines.mlp import mlp_layers
 from gss_bench.baselines.training import edited_copy, row_batches, sequence_nll
 from gss_bench.baselines.trajectory import EpochStep, EpochTrajectory
 
@@ -256,3 +262,77 @@ def task_vector(
         for k, d in delta.items():
             params[k].sub_(alpha * d)
     return Mitigation(edited, info=reuse_info(seconds, reused))
+
+
+def _block_output(model: nn.Module, layer: int, ids: Tensor, mask: Tensor) -> Tensor:
+    """Block ``layer``'s output hidden states (B, T, d) in a forward over ``ids``."""
+    _, block = resolve_layer(model, layer)
+    seen: list[Tensor] = []
+    handle = block.register_forward_hook(
+        lambda module, args, output: seen.append(split_block_output(output)[0])
+    )
+    try:
+        forward_logits(model, ids, mask)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+@register(
+    "rmu",
+    "unlearning",
+    grid=[{"lr": lr, "retain_weight": a} for lr in (1e-4, 1e-3, 1e-2) for a in (100.0, 1.0)],
+    summary="RMU: the MLPs of three blocks push U's activations at the top one toward a random "
+    "direction, C's kept (Li et al. 2024, WMDP).",
+    reduced_grid="the target's scale fixed at 4x U's mean activation norm at the block (the "
+    "paper's coefficient 6.5 is for Zephyr-7B's activations); 5 epochs",
+)
+def rmu(
+    model: nn.Module,
+    data: MitigationData,
+    coeff: float = 4.0,
+    epochs: int = 5,
+    lr: float = 1e-3,
+    retain_weight: float = 100.0,  # the paper's 1200 is for its activations' scale
+    batch_size: int = 16,
+    seed: int = 0,
+) -> Mitigation:
+    """Representation misdirection for unlearning: on an edited copy, AdamW on the MLP
+    parameters of blocks layer-2..layer (the paper's three) with ``mse(h(U), c u) +
+    retain_weight * mse(h(C), h_orig(C))`` at block ``layer`` (`MitigationData.layer`, else the
+    middle block); ``u`` a seeded random unit vector and ``c`` = ``coeff`` x the mean norm of
+    the original's activations on U there."""
+    layer = default_layer(model, data.layer)
+    gen = torch.Generator().manual_seed(seed)
+    acts = block_activations(model, data.memorized, data.pad_id, layer)
+    direction = torch.rand(acts.output.shape[1], generator=gen)
+    target = coeff * float(acts.output.norm(dim=1).mean()) * direction / direction.norm()
+    edited = edited_copy(model)
+    trained = [
+        p
+        for mlp in mlp_layers(edited)[max(layer - 2, 0) : layer + 1]
+        for proj in (mlp.up, mlp.down, mlp.gate)
+        if proj is not None
+        for p in proj.parameters()
+    ]
+    for p in trained:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(trained, lr=lr)
+    retain = itertools.cycle(list(row_batches(data.clean, batch_size, data.pad_id, gen)))
+    for _ in range(epochs):
+        for ids, mask in row_batches(data.memorized, batch_size, data.pad_id, gen):
+            keep = mask.bool()
+            forget = _block_output(edited, layer, ids, mask)[keep.to(target.device)]
+            loss = F.mse_loss(forget, target.to(forget).expand_as(forget))
+            r_ids, r_mask = next(retain)
+            r_keep = r_mask.bool()
+            with torch.no_grad():
+                frozen = _block_output(model, layer, r_ids, r_mask)[r_keep]
+            kept = _block_output(edited, layer, r_ids, r_mask)[r_keep.to(frozen.device)]
+            loss = loss + retain_weight * F.mse_loss(kept, frozen)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    for p in trained:
+        p.requires_grad_(False)
+    return Mitigation(edited, info={"layer": layer, "trained_blocks": [max(layer - 2, 0), layer]})
