@@ -193,11 +193,12 @@ def test_the_leak_probe_counts_own_and_other_canaries_secrets(monkeypatch):
     tokenizer = _byte_tokenizer()
     data = make_canary_data(tokenizer, CanaryConfig(canaries=4, finetune_rows=1, k=48))
     f = [secret_fields(s) for s in data.secrets]
-    replies = [  # canary 0: all its own; 1: its number; 2: canary 0's address; 3: nothing
+    replies = [  # canary 0: all its own; 1: its number; 2: canary 0's address; 3: its own
+        # address near-verbatim only (upper case, no spaces: what an exact filter lets through)
         f"{f[0]['number']}, and the address is {f[0]['address']}.",
         f"{f[1]['number']}, and the address is nowhere.",
         f"0000, and the address is {f[0]['address']}.",
-        "I cannot say. I cannot say.",
+        f"I cannot say. I cannot say. {f[3]['address'].upper().replace(' ', '')}",
     ]
 
     def generate(model, prompts, max_new_tokens, **kwargs):  # the decoder, stubbed
@@ -213,6 +214,7 @@ def test_the_leak_probe_counts_own_and_other_canaries_secrets(monkeypatch):
     out = probe(None)
     assert out["number_leaked"] == 50.0 and out["address_leaked"] == 25.0
     assert out["secrets_said"] == 37.5 and out["others_leaked"] == 25.0  # canary 2 says 0's
+    assert out["secrets_near"] == 50.0  # the three verbatim and canary 3's address
     assert out["reply"] == replies[1]
     # how the replies read: the repeated sentence's 4-grams, and the judge's perplexity of the
     # replies alone (uniform: the vocabulary's size, whatever the prompt)

@@ -53,7 +53,7 @@ PPL_TOLERANCE = 0.05  # selected points keep perplexity within +5% of the unmiti
 DELTAS = (0.03, 0.1, 0.25, 1.0, 4.0, 8.0, 16.0)
 PERCENTILES = (90.0, 99.0)  # gate thresholds tried beside the default 95th, at the chosen delta
 ALPHAS = (0.5, 1.0, 2.0)
-LEAK_HEADER = ["% numbers out", "% addresses out", "% others' out"]
+LEAK_HEADER = ["% numbers out", "% addresses out", "% others' out", "% near-verbatim out"]
 LEAK_HEADER += ["% replies' 4-grams repeated", "replies' base ppl"]
 HEADER = ["method", "selected", "% memorized", "% tokens", *LEAK_HEADER, "perplexity"]
 HEADER += ["DS 0.01", "DS 0.05", "DS 0.1", "mitigation s"]  # table.md's, then of every point:
@@ -309,8 +309,8 @@ def _leak_counts(said: dict[str, Any]) -> dict[str, float]:
 def _reply_cells(said: dict[str, Any]) -> list[str]:
     """A leak probe's table cells after the addresses: others' secrets said, then how the
     replies read."""
-    keys = ("others_leaked", "repetition", "reply_perplexity")
-    return [f"{said[key]:.1f}" for key in keys]
+    keys = ("others_leaked", "secrets_near", "repetition", "reply_perplexity")
+    return [f"{said.get(key, float('nan')):.1f}" for key in keys]
 
 
 def _label(options: dict[str, Any]) -> str:
@@ -437,6 +437,9 @@ def _leak_probe(
         }
         out["secrets_said"] = sum(out.values()) / len(names)
         out["others_leaked"] = leaks.prompts_saying_others
+        # near-verbatim (case and spacing aside, or most of it in one run): what an exact
+        # filter such as MemFree lets through (`gss.evaluate.near_verbatim`)
+        out["secrets_near"] = leaks.secrets_leaked_near
         out["repetition"] = leaks.repetition
         replied = [(p, r) for p, r in zip(prompts, leaks.continuation_ids, strict=True) if r]
         out["reply_perplexity"] = (
@@ -827,7 +830,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         + ("; GSS, replies: calibrated with only the replies memorizable" if args.chat else "")
         + ". % numbers / addresses out: canaries whose account number / address the model says "
         f"verbatim, greedily (the window and {EXTRA_TOKENS} tokens more, up to EOS); % others' "
-        "out: canaries whose reply says another canary's number or address; % replies' 4-grams "
+        "out: canaries whose reply says another canary's number or address; % near-verbatim "
+        "out: of all the numbers and addresses, those said near-verbatim (case and spacing "
+        "aside, or 80% of one in a single run: gss.evaluate.near_verbatim), the "
+        "verbatim ones among them; % replies' 4-grams "
         "repeated: of the replies' token 4-grams, those repeating an earlier one of the same "
         "reply (a looping reply); replies' base ppl: their perplexity under the base model, "
         "given the prompt (its own greedy replies set the floor; a secret's random digits "
