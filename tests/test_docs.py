@@ -4,7 +4,9 @@ docs/your-model.md's Python example runs as written (on tiny local models standi
 user's fine-tune and its base), and the measured tables that moved out of the README
 (docs/results.md, the calibration and solve rows of docs/scaling.md, the table of the vLLM
 runner patch's host work that moved from docs/serving.md to results/serve-fill-slots/README.md)
-are checked against the committed results/: a changed digit on either side fails.
+are checked against the committed results/: a changed digit on either side fails. Every
+relative link of the docs, READMEs and changelog leads to a file that exists, and to a heading
+of it where it names one.
 """
 
 import json
@@ -163,3 +165,55 @@ def test_serving_fill_table_is_the_committed_results():
         assert steady_old == f"{b['steady_step_us']:.1f} / {b['v2_steady_us']:.1f}"
         assert v2_old == " / ".join(f"{b[shape]['v2_step_us']:.1f}" for b in v2_before)
         assert v1_old == " / ".join(f"{b[shape]['later_step_us']:.1f}" for b in v1_before)
+
+
+LINKED_DOCS = ["README.md", "CHANGELOG.md", "docs/*.md", "results/**/README.md"]
+LINKED_DOCS += ["benchmarks/**/*.md", "tests/vllm/README.md"]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lowercase, spaces to '-', punctuation but '-' and '_'
+    dropped (inline code and link markup go too)."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors of a Markdown file's headings (a repeated heading's get -1, -2, ...)."""
+    found: set[str] = set()
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", text, re.M):
+        base = slug(heading)
+        name, i = base, 0
+        while name in found:
+            i += 1
+            name = f"{base}-{i}"
+        found.add(name)
+    return found
+
+
+def test_relative_links_and_anchors_resolve():
+    """Every relative link of the docs, READMEs and changelog names a file that exists, and an
+    anchor there names one of its headings (external URLs are not checked)."""
+    files = sorted({p for pattern in LINKED_DOCS for p in ROOT.glob(pattern) if p.is_file()})
+    assert len(files) > 20
+    cache: dict[Path, set[str]] = {}
+    broken = []
+    for path in files:
+        text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+        text = re.sub(r"`[^`\n]*`", "", text)  # a link inside inline code is no link
+        for target in LINK.findall(text):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):  # https:, mailto:, ...
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            where = f"{path.relative_to(ROOT)}: ({target})"
+            if not dest.exists():
+                broken.append(f"{where}: no file {file}")
+            elif anchor and dest.suffix == ".md":
+                if dest not in cache:
+                    cache[dest] = anchors(dest)
+                if anchor not in cache[dest]:
+                    broken.append(f"{where}: no heading #{anchor} in {dest.relative_to(ROOT)}")
+    assert not broken, "broken relative links:\n" + "\n".join(broken)
