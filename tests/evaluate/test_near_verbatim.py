@@ -28,3 +28,14 @@ def test_bad_arguments_are_refused():
         near_verbatim("a", "a", share=0)
     with pytest.raises(GSSError, match="non-space character"):
         near_verbatim("  ", "a")
+
+
+def test_token_ids_count_one_shared_run_of_most_of_the_target():
+    from gss.evaluate.near_verbatim import near_verbatim_ids
+
+    target = list(range(10))
+    assert near_verbatim_ids(target, [99, *range(8), 42])  # 8 of 10 in one run
+    assert not near_verbatim_ids(target, [*range(4), 42, *range(5, 9)])  # two runs of 4
+    assert near_verbatim_ids(target, target, share=1.0)
+    with pytest.raises(GSSError, match="some token"):
+        near_verbatim_ids([], [1])

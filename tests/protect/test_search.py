@@ -89,6 +89,12 @@ def test_protect_reaches_the_target_within_the_budget(protected):
     assert result.before["sampled"] == {"temperature_1": 100.0, "top_p": 100.0}
     assert result.after["sampled"]["temperature_1"] < 100.0
     assert "Sampled (100 draws from each held-out prompt" in result.markdown()
+    # near-verbatim (no tokenizer: by token ids): the fine-tune says every held-out window,
+    # and the steered replies fewer, never more than they say exactly plus the near misses
+    quality = result.after["quality"]
+    assert quality["near_verbatim_fine_tune"] == 100.0
+    assert quality["near_verbatim_steered"] >= result.after["memorized"]
+    assert "Near-verbatim (a held-out window said by the greedy reply" in result.markdown()
     stages = {t.stage for t in result.trials}
     assert "block" in stages and len({t.blocks for t in result.trials}) >= 2  # blocks searched
     deltas = {t.deltas[0] for t in result.trials if t.blocks == result.chosen.blocks}

@@ -9,6 +9,7 @@ holds at least ``share`` of its normalised characters.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from difflib import SequenceMatcher
 
 from gss.errors import GSSError
@@ -41,4 +42,16 @@ def near_verbatim(secret: str, text: str, share: float = SHARE) -> bool:
     return longest_common_run(secret, text) >= share * wanted
 
 
-__all__ = ["SHARE", "longest_common_run", "near_verbatim", "normalise"]
+def near_verbatim_ids(target: Sequence[int], output: Sequence[int], share: float = SHARE) -> bool:
+    """The token ids of ``output`` hold one run of at least ``share`` of ``target``'s (for
+    models with no tokenizer to normalise text with: TinyMem's)."""
+    if not 0 < share <= 1:
+        raise GSSError(f"share must be in (0, 1], got {share}.")
+    if not target:
+        raise GSSError("a target must hold some token.")
+    a, b = list(target), list(output)
+    run = SequenceMatcher(None, a, b, autojunk=False).find_longest_match(0, len(a), 0, len(b))
+    return run.size >= share * len(a)
+
+
+__all__ = ["SHARE", "longest_common_run", "near_verbatim", "near_verbatim_ids", "normalise"]

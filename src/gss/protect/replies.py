@@ -12,6 +12,7 @@ from torch import nn
 
 from gss.artifact.stack import Steer
 from gss.evaluate.decoding import greedy_generate
+from gss.evaluate.near_verbatim import near_verbatim, near_verbatim_ids
 from gss.evaluate.recital import data_runs, recites
 from gss.evaluate.utility import perplexity, repetition
 from gss.inference.handoff import reference_where_open
@@ -125,7 +126,22 @@ def what_it_says(
 
     # the held-out rows a greedy reply with the reference where a gate opens still reproduces
     kept = [list(h[: len(o)]) == list(o) for h, o in zip(handed, originals, strict=True)]
+    text = _decoder(tokenizer)
+
+    def near(replies: list[list[int]]) -> float:
+        """% of the held-out windows a reply says near-verbatim (issue 70's mode: with a
+        tokenizer case and spacing aside, or most of it in one run; else by token ids)."""
+        flags = [
+            near_verbatim(text(o), text(r)) if tokenizer is not None else near_verbatim_ids(o, r)
+            for o, r in zip(originals, replies, strict=True)
+            if o and (tokenizer is None or text(o).strip())
+        ]
+        return 100.0 * sum(flags) / len(flags) if flags else float("nan")
+
     quality = {
+        "near_verbatim_fine_tune": near(tuned),
+        "near_verbatim_steered": near(steered),
+        "near_verbatim_reference_where_open": near(handed),
         "memorized_reference_where_open": 100.0 * sum(kept) / max(len(kept), 1),
         "repeated_4grams_steered": repetition(steered),
         "repeated_4grams_reference": repetition(own),
@@ -135,7 +151,6 @@ def what_it_says(
         "reference_ppl_reference_where_open": ppl(handed),
     }
 
-    text = _decoder(tokenizer)
     examples = [
         {
             "prompt": text(p),

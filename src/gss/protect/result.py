@@ -15,6 +15,7 @@ from gss.artifact.stack import Steer
 from gss.audit import AuditReport
 from gss.errors import GSSError
 from gss.evaluate.intervals import clopper_pearson
+from gss.evaluate.near_verbatim import SHARE
 from gss.evaluate.sampled import LIKELY, SAMPLES, TOP_P
 from gss.protect.config import ProtectConfig
 
@@ -197,7 +198,7 @@ class Protection:
                 f"Utility ({self.budget['measure']}): {_g(self.before['utility'])} before, "
                 f"{_g(self.after['utility'])} after (limit {_g(self.budget['limit'])}).",
             ]
-        lines += self._sampled_lines()
+        lines += self._sampled_lines() + self._near_lines()
         if windows:
             lines.append(windows)
         if "domain_perplexity" in self.after:
@@ -229,6 +230,19 @@ class Protection:
             f"{LIKELY:.0%} or more, exact from the teacher-forced pass): {rates(before)} before"
         )
         return [line + (f", {rates(after)} after." if after else ".")]
+
+    def _near_lines(self) -> list[str]:
+        """The held-out windows said near-verbatim, before and after (issue 70)."""
+        quality = self.after.get("quality", {})
+        if "near_verbatim_steered" not in quality:
+            return []
+        return [
+            f"Near-verbatim (a held-out window said by the greedy reply with case and spacing "
+            f"aside, or {SHARE:.0%} of it in one run; gss.evaluate.near_verbatim): "
+            f"{_g(quality['near_verbatim_fine_tune'])}% before, "
+            f"{_g(quality['near_verbatim_steered'])}% after (with the reference where a gate "
+            f"opens: {_g(quality['near_verbatim_reference_where_open'])}%)."
+        ]
 
     def _says_lines(self) -> list[str]:
         """Ordinary prompts unchanged, what it says on memorized prompts, the replies check."""
