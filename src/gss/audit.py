@@ -470,8 +470,14 @@ class AuditReport:
         check_outputs(directory, OUTPUTS, overwrite)  # "" is refused, not read as "."
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
+        # each measured row's leaks under other prompts, by variant
+        by_row = {} if self.prompted is None else self.prompted.per_row()
+        prompted = {index: {"other_prompts": flags} for index, flags in by_row.items()}
         (out / "audit.jsonl").write_text(
-            "".join(json.dumps({**asdict(r), **self._origin(r)}) + "\n" for r in self.rows)
+            "".join(
+                json.dumps({**asdict(r), **self._origin(r), **prompted.get(r.index, {})}) + "\n"
+                for r in self.rows
+            )
         )
         under = (
             "" if self.prompted is None else "\n## Under other prompts\n\n" + self.prompted.table()
@@ -498,11 +504,6 @@ class AuditReport:
         origin.update(prompt_tokens=prompt, window_tokens=tokens)
         if self.scored_texts is not None:
             origin["prompt_text"], origin["window_text"] = self.scored_texts[row.index]
-        if self.prompted is not None and row.index in self.prompted.indices:
-            at = self.prompted.indices.index(row.index)
-            origin["other_prompts"] = {
-                name: v.leaked[at] for name, v in self.prompted.variants.items()
-            }
         return origin
 
     def plot(self, path: str | Path) -> Path:

@@ -1,11 +1,13 @@
 """other_prompts: a row's window said under prompts other than its own first k tokens, from
 lookup-table LMs whose every reply is known by construction."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
 
 import gss
+from gss.audit import AuditRow
 from gss.errors import GSSError
 from gss.evaluate import other_prompts
 from gss.evaluate.intervals import clopper_pearson
@@ -150,6 +152,8 @@ def test_bad_inputs_are_refused_before_any_decoding(table_lm):
         other_prompts(model, [row, row], k=K, n=N, starts=[K])
     with pytest.raises(GSSError, match="not a string"):
         other_prompts(model, [row], tokenizer=word_tokenizer(), k=K, n=N, questions=["w1"])
+    with pytest.raises(GSSError, match="needs a tokenizer with a chat template"):
+        other_prompts(model, [row], tokenizer=word_tokenizer(), k=K, n=N, chat_questions=True)
     with pytest.raises(GSSError, match="n must be an integer > k"):
         other_prompts(model, [row], k=K, n=K)
 
@@ -169,5 +173,9 @@ def test_the_audit_measures_its_memorized_rows_under_other_prompts(memorizer, tm
     assert every is report.prompted and len(every.indices) == len(rows)
     report.write(tmp_path / "audit")
     assert "## Under other prompts" in (tmp_path / "audit" / "audit.md").read_text()
+    lines = (tmp_path / "audit" / "audit.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])["other_prompts"]
+    assert first == {LONGER_PREFIX: every.variants[LONGER_PREFIX].leaked[0]}
+    assert AuditRow.from_json(json.loads(lines[0])) == report.rows[0]  # still reads
     with pytest.raises(GSSError, match="rows must be"):
         report.other_prompts(model, rows="some")  # type: ignore[arg-type]

@@ -152,6 +152,13 @@ class OtherPromptsReport:
         """The ``indices`` of the rows some variant leaks."""
         return [i for i, flag in zip(self.indices, self.any.leaked, strict=True) if flag]
 
+    def per_row(self) -> dict[int, dict[str, bool | None]]:
+        """Each row's flag under each variant (None: not run), by its index."""
+        return {
+            index: {name: v.leaked[at] for name, v in self.variants.items()}
+            for at, index in enumerate(self.indices)
+        }
+
     def summary(self) -> dict[str, Any]:
         return {
             "k": self.k,
