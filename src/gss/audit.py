@@ -40,6 +40,8 @@ from gss.config import DEFAULT_WINDOW, RunOptions, Window
 from gss.data import TextsOrIds, batches, count_batches, encode_every, predictable
 from gss.errors import GSSError, GSSWarning
 from gss.evaluate.intervals import clopper_pearson
+from gss.evaluate.other_prompts import OtherPromptsReport
+from gss.evaluate.other_prompts import other_prompts as under_other_prompts
 from gss.evaluate.sampled import LIKELY, SAMPLES, TOP_P, sampled_chance, window_logprobs
 from gss.evaluate.suite import is_pair
 from gss.hf.forward import (
@@ -195,6 +197,8 @@ class AuditReport:
     memorized_from: str = "k"
     # each row's scored window decoded, (prompt, window), when the audit had the tokenizer
     scored_texts: list[tuple[str, str]] | None = field(repr=False, default=None)
+    # the rows' leaks under other prompts, once `other_prompts` measured them
+    prompted: OtherPromptsReport | None = field(repr=False, default=None)
 
     def position(self, row: AuditRow) -> int:
         """Where ``row`` was among the texts given (its line in a file, blank lines aside)."""
@@ -318,6 +322,50 @@ class AuditReport:
             "mean_chance": sum(cast(float, r.sampled_chance(samples)) for r in rows) / len(rows),
         }
 
+    def other_prompts(
+        self,
+        model: nn.Module,
+        tokenizer: Any = None,
+        reference: nn.Module | None = None,
+        *,
+        questions: Sequence[Sequence[str]] | None = None,
+        rows: Literal["memorized", "all"] = "memorized",
+        batch_size: int = 16,
+        progress: bool = False,
+    ) -> OtherPromptsReport:
+        """The attacker who changes the prompt (issue 70): whether the model (and the
+        reference, given) says each memorized row's window (``rows="all"``: every row's)
+        near-verbatim under a longer prefix, the chat template and questions
+        (`gss.evaluate.other_prompts`), each row from the prompt its verdict reads (`window`).
+        ``questions``: one list per text given to the audit. Kept in `prompted`, so that the
+        summary and ``audit.md`` show it."""
+        if rows not in ("memorized", "all"):
+            raise GSSError(f"rows must be 'memorized' or 'all', got {rows!r}.")
+        chosen = self.memorized if rows == "memorized" else self.rows
+        asked = None
+        if questions is not None:
+            wanted = max((self.position(r) for r in self.rows), default=-1) + 1
+            if len(questions) < wanted:
+                raise GSSError(
+                    f"questions has {len(questions)} lists for at least {wanted} texts given "
+                    "to the audit: give one list per text (empty for none)."
+                )
+            asked = [questions[self.position(r)] for r in chosen]
+        self.prompted = under_other_prompts(
+            model,
+            [self.ids[r.index] for r in chosen],
+            tokenizer=tokenizer,
+            reference=reference,
+            k=self.k,
+            n=self.n,
+            starts=[self.window(r)[0] for r in chosen],
+            questions=asked,
+            indices=[r.index for r in chosen],
+            batch_size=batch_size,
+            progress=progress,
+        )
+        return self.prompted
+
     def summary(self) -> dict[str, Any]:
         checkable = [r for r in self.rows if self.checkable(r)]
         return {
@@ -334,6 +382,8 @@ class AuditReport:
             # the exact 95% interval of the memorized share: what the count can tell apart
             "memorized_interval": list(clopper_pearson(len(self.memorized), len(checkable))),
             "sampled": self.sampled(),
+            # the attacker who changes the prompt, once measured (`other_prompts`)
+            "other_prompts": None if self.prompted is None else self.prompted.summary(),
             "seconds": self.seconds,
             "rows_per_second": len(self.rows) / max(self.seconds, 1e-9),
         }
@@ -359,6 +409,8 @@ class AuditReport:
                 f"{sampled['rows']} rows at temperature 1 ({sampled['memorized']} not by the "
                 f"reference), {sampled['nucleus_extractable']} with top-p {sampled['top_p']:g}"
             )
+        if self.prompted is not None:
+            line += "; " + self.prompted.headline()
         shorter = {p: c for p, c in s["memorized_per_prefix"].items() if p < self.k}
         if shorter:
             counts = ", ".join(f"{c} from {p}" for p, c in shorter.items())
@@ -418,10 +470,19 @@ class AuditReport:
         check_outputs(directory, OUTPUTS, overwrite)  # "" is refused, not read as "."
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
+        # each measured row's leaks under other prompts, by variant
+        by_row = {} if self.prompted is None else self.prompted.per_row()
+        prompted = {index: {"other_prompts": flags} for index, flags in by_row.items()}
         (out / "audit.jsonl").write_text(
-            "".join(json.dumps({**asdict(r), **self._origin(r)}) + "\n" for r in self.rows)
+            "".join(
+                json.dumps({**asdict(r), **self._origin(r), **prompted.get(r.index, {})}) + "\n"
+                for r in self.rows
+            )
         )
-        (out / "audit.md").write_text(self.headline() + "\n\n" + self.table())
+        under = (
+            "" if self.prompted is None else "\n## Under other prompts\n\n" + self.prompted.table()
+        )
+        (out / "audit.md").write_text(self.headline() + "\n\n" + self.table() + under)
         for name, rows in (("memorized", self.memorized), ("extractable", self.extractable)):
             (out / f"{name}.jsonl").write_text(
                 "".join(json.dumps({"input_ids": self.ids[r.index]}) + "\n" for r in rows)
@@ -516,6 +577,7 @@ def audit(
     n: int = DEFAULT_WINDOW.n,
     prefixes: Sequence[int] | None = None,
     memorized_from: Literal["k", "shortest"] = "k",
+    other_prompts: bool = False,
     batch_size: int = 8,
     progress: bool = True,
 ) -> AuditReport:
@@ -529,7 +591,10 @@ def audit(
     ``texts`` may instead be (prompt ids, reply ids) pairs (`gss.data.encode_replies` makes
     them from chats): a pair is extractable when greedy decoding from its whole prompt
     reproduces the first ``n - k`` tokens of its reply, the reply given the conversation; its
-    prompt is the conversation, so ``prefixes`` are not scored."""
+    prompt is the conversation, so ``prefixes`` are not scored.
+
+    ``other_prompts``: also measure the memorized rows under other prompts, by the model and
+    the reference (`AuditReport.other_prompts`, kept in ``report.prompted``)."""
     scored = check_prefixes(prefixes, k, n, memorized_from)
     RunOptions(batch_size=batch_size, progress=progress)  # checks both
     vocab = check_same_vocab(model, reference, tokenizer)
@@ -631,6 +696,8 @@ def audit(
         memorized_from=memorized_from,
     )
     report.scored_texts = _scored_texts(report, tokenizer)
+    if other_prompts:
+        report.other_prompts(model, tokenizer, reference, batch_size=batch_size, progress=progress)
     return report
 
 

@@ -1,7 +1,7 @@
 """Metrics for any HF causal LM (hooks attached or not): memorization and utility, and the
-comparisons, tables and signal report the ``gss`` commands print and save; lm-eval's tasks on
-a model unsteered and steered (`lm_eval_steering`: lm-eval, an optional dependency, is
-imported only when called)."""
+comparisons, tables and signal report the ``gss`` commands print and save; leaks under other
+prompts than the row's own (`other_prompts`); lm-eval's tasks on a model unsteered and steered
+(`lm_eval_steering`: lm-eval, an optional dependency, is imported only when called)."""
 
 from gss.evaluate.compare import evaluate_steering, sweep_and_select
 from gss.evaluate.inputs import EvaluationRows, SecretsCheck, evaluation_rows, secrets_check
@@ -19,6 +19,7 @@ from gss.evaluate.memorization import (
     backdoor_success,
     nk_memorization,
 )
+from gss.evaluate.other_prompts import OtherPromptsReport, VariantLeaks, other_prompts
 from gss.evaluate.signal_report import (
     SignalReport,
     omega_all_zero,
@@ -38,11 +39,13 @@ __all__ = [
     "LMEvalTasks",
     "LeakReport",
     "MemorizationResult",
+    "OtherPromptsReport",
     "SecretsCheck",
     "SignalReport",
     "SteeringEvaluation",
     "SweepPoint",
     "SweepResult",
+    "VariantLeaks",
     "backdoor_success",
     "deviation_score",
     "evaluate_model",
@@ -53,6 +56,7 @@ __all__ = [
     "nk_memorization",
     "omega_all_zero",
     "omega_of_texts",
+    "other_prompts",
     "pareto_front",
     "perplexity",
     "repetition",
