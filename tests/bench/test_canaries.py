@@ -325,8 +325,10 @@ def test_quick_run_writes_the_report_and_reuses_the_fine_tune(base_dir, tmp_path
     assert all(d["reply_perplexity"] >= 1 for d in said.values())
     assert disclosure["example"]["secret"][:4].isdigit()  # the window: the account number onwards
     assert (
-        "| % numbers out | % addresses out | % others' out | % replies' 4-grams repeated |" in table
+        "| % numbers out | % addresses out | % others' out | % near-verbatim out "
+        "| % replies' 4-grams repeated |" in table
     )
+    assert all(0 <= d["secrets_near"] <= 100 for d in said.values())
     # every grid point carries its leaks; the selected one is the rule's pick over them
     for name in ("GSS", "Mean-diff"):
         grid = results["methods"][name]["grid"]
