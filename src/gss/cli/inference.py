@@ -7,8 +7,9 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gss.artifact.files import check_creatable, check_outputs, record_outputs
 from gss.cli.inputs import (
@@ -18,7 +19,20 @@ from gss.cli.inputs import (
     load_model_and_tokenizer,
     load_reference_flag,
 )
+from gss.cli.options import (
+    HUB_ID,
+    Flags,
+    add_command,
+    add_groups,
+    add_model_args,
+    port_number,
+    positive_int,
+)
 from gss.errors import GSSError
+from gss.hf.loading import ADAPTERS_OFF
+
+if TYPE_CHECKING:
+    from gss.cli.options import Commands
 
 
 def generate_command(args: argparse.Namespace) -> int:
@@ -249,3 +263,124 @@ def serve_command(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     os.execv(argv[0], argv)  # the server replaces this process: signals reach vLLM directly
     return 0  # not reached
+
+
+def add_generate_parser(sub: Commands) -> None:
+    summary = "greedy generation with a steering artifact attached"
+    p = add_command(sub, "generate", summary, generate_command)
+    titles = ("the model", "the steer", "what to generate", "the reference where a gate opens")
+    model, steer, prompts, handoff = add_groups(p, *titles)
+    (output,) = add_groups(p, "output")
+    add_model_args(model, run=output)
+    steer.add_argument("--steer", required=True, help=f"artifact directory, {HUB_ID}")
+    prompts.add_argument("--prompt", required=True, action="append", help="prompt (repeatable)")
+    prompts.add_argument(
+        "--max-new-tokens", type=positive_int, default=40, help="tokens to generate"
+    )
+    steer.add_argument("--delta", type=float, help="override the artifact's strength")
+    output.add_argument("--compare", action="store_true", help="also print the unsteered text")
+    prompts.add_argument(
+        "--chat",
+        action="store_true",
+        help="send each prompt as a user message through the tokenizer's chat template",
+    )
+    output.add_argument(
+        "--explain",
+        action="store_true",
+        help="after each text, the tokens the steer acted on: per token the probe responses, "
+        "the gates that opened and how far the steer moved the hidden state (gss.explain)",
+    )
+    output.add_argument(
+        "--explain-out",
+        metavar="FILE",
+        help="write that evidence as JSON lines, one object per token (prompt and generated)",
+    )
+    output.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --explain-out"
+    )
+    _add_handoff_args(handoff)
+
+
+def _add_handoff_args(p: Flags) -> None:
+    """`gss generate --reference-where-open` and the flags that tune it."""
+    p.add_argument(
+        "--reference-where-open",
+        metavar="REF",
+        help="where a gate opens, take the next token from REF (the model the fine-tune was "
+        f"tuned from, loaded as --model is; {ADAPTERS_OFF} for a PEFT adapter's base): it says "
+        "what the reference would, at a second model's memory (gss.reference_where_open)",
+    )
+    p.add_argument(
+        "--min-signal",
+        type=float,
+        metavar="NATS",
+        help="with --reference-where-open: hand a step over only where the fine-tune's choice "
+        "is more than NATS likelier under it than under REF (default 1, the measured best; "
+        "higher keeps more of the fine-tune's own words)",
+    )
+    p.add_argument(
+        "--min-confidence",
+        type=float,
+        metavar="P",
+        help="with --reference-where-open: a row's first hand-over also needs the fine-tune "
+        "to give its choice probability P or more (default 0.98, the measured best: a "
+        "recitation starts near-certain); after it --min-signal alone decides for that row "
+        "(0: any probability, wherever a gate opens)",
+    )
+    p.add_argument(
+        "--no-repeat-ngram",
+        type=int,
+        metavar="N",
+        help="with --reference-where-open: at the steps REF decides it may not complete an "
+        "N-gram the text already holds (default 6, the measured best: a small reference put "
+        "mid-sentence loops; 0: REF's scores as they are)",
+    )
+
+
+def add_serve_parser(sub: Commands) -> None:
+    summary = "vLLM's OpenAI server; each request may name an artifact to steer it"
+    p = add_command(sub, "serve", summary, serve_command)
+    server, artifacts = add_groups(p, "the server", "the artifacts")
+    server.add_argument(
+        "--model", required=True, help="the model vLLM serves: its directory or a Hub repo id"
+    )
+    artifacts.add_argument(
+        "--artifact",
+        required=True,
+        action="append",
+        metavar="NAME=DIR",
+        help="an artifact (a directory or a Hub repo id) requests may ask for by NAME "
+        '("vllm_xargs": {"gss": NAME}); repeatable',
+    )
+    artifacts.add_argument(
+        "--default",
+        metavar="NAME",
+        help="the artifact that steers every request that names no other served artifact; "
+        'one asking for {"gss": "none"} is refused unless --allow-opt-out (default: requests '
+        "naming none are not steered)",
+    )
+    artifacts.add_argument(
+        "--allow-opt-out",
+        action="store_true",
+        help='let a request ask for {"gss": "none"} and be served unsteered despite --default',
+    )
+    server.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address the server listens on (default: 127.0.0.1, this machine only; "
+        "0.0.0.0 for every interface, with -- --api-key KEY)",
+    )
+    server.add_argument("--port", type=port_number, default=8000, help="the server's port")
+    server.add_argument(
+        "vllm_args",
+        nargs=argparse.REMAINDER,
+        metavar="-- VLLM_ARGS",
+        help="after --: flags for vLLM's server, passed on (e.g. -- --max-model-len 4096)",
+    )
+
+
+# each command's parser, by name (`gss.cli.parser` puts them in `gss --help`'s order)
+PARSERS: dict[str, Callable[[Commands], None]] = {
+    "generate": add_generate_parser,
+    "serve": add_serve_parser,
+}
