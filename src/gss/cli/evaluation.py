@@ -4,7 +4,6 @@ unsteered, and the strength trade-off."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -175,17 +174,8 @@ def _lm_eval_command(
     return 0
 
 
-def sweep_command(args: argparse.Namespace) -> int:
-    from gss.artifact.stack import SteeringStack, load
-    from gss.artifact.steering_artifact import SteeringArtifact
-    from gss.audit import check_window
-    from gss.data import encode
-    from gss.evaluate.compare import sweep_and_select
-    from gss.evaluate.sweep import check_grid, check_tolerance
-    from gss.report import write_json
-
-    check_outputs(args.out, ["sweep.json", "sweep.md", "sweep.png"], args.overwrite)
-    check_window(args.k, args.n)  # before the model loads
+def _save_dir(args: argparse.Namespace) -> Path | None:
+    """--save's directory, checked before any model loads; None without it."""
     if args.save is not None and not args.save.strip():
         raise GSSError("--save is empty: give the directory to save the selected point into.")
     save = Path(args.save) if args.save else None
@@ -207,7 +197,17 @@ def sweep_command(args: argparse.Namespace) -> int:
                 f"--save {save} already holds a gss artifact: pass --overwrite to replace it, "
                 "or choose another directory."
             )
-    check_tolerance(args.tolerance)  # a bad --tolerance fails before any work
+    return save
+
+
+def _grid(
+    args: argparse.Namespace,
+) -> tuple[list[float] | None, list[float] | None, list[int] | None]:
+    """The grid over --steer's options: --deltas, --percentiles, --ranks (None: not given),
+    checked against the artifact (one, not a stack) before the model loads."""
+    from gss.artifact.stack import SteeringStack, load
+    from gss.evaluate.sweep import check_grid
+
     steer = load(args.steer)
     if isinstance(steer, SteeringStack):
         raise GSSError(
@@ -230,8 +230,25 @@ def sweep_command(args: argparse.Namespace) -> int:
             "--general is read only to set thresholds at --percentiles: give --percentiles too, "
             "or leave --general out."
         )
+    whole = [int(r) for r in ranks] if ranks else None
     # every grid value the artifact cannot take fails before the model loads
-    check_grid(steer, deltas, percentiles, [int(r) for r in ranks] if ranks else None)
+    check_grid(steer, deltas, percentiles, whole)
+    return deltas, percentiles, whole
+
+
+def sweep_command(args: argparse.Namespace) -> int:
+    from gss.artifact.steering_artifact import SteeringArtifact
+    from gss.audit import check_window
+    from gss.data import encode
+    from gss.evaluate.compare import sweep_and_select
+    from gss.evaluate.sweep import check_tolerance
+    from gss.evaluate.tables import SWEEP_OUTPUTS
+
+    check_outputs(args.out, SWEEP_OUTPUTS, args.overwrite)
+    check_window(args.k, args.n)  # before the model loads
+    save = _save_dir(args)
+    check_tolerance(args.tolerance)  # a bad --tolerance fails before any work
+    deltas, percentiles, ranks = _grid(args)
     general_rows = read_rows(args, "--general", keep_rows=False) if args.general else None
     model, tokenizer, artifact, rows, check = _evaluation_inputs(args)
     assert isinstance(artifact, SteeringArtifact)  # --steer is required, and not a stack
@@ -244,53 +261,40 @@ def sweep_command(args: argparse.Namespace) -> int:
             rows,
             deltas=deltas,
             percentiles=percentiles,
-            ranks=[int(r) for r in ranks] if ranks else None,
+            ranks=ranks,
             general=general,
             tolerance=args.tolerance,
             secrets=check,
             batch_size=args.batch_size,
             progress=not args.no_progress,
         )
-    table = result.table()
-    print(table)
-    out = Path(args.out)
-    write_json(out / "sweep.json", result.record())
-    (out / "sweep.md").write_text(table)
-    result.plot(out / "sweep.png")
-    record_outputs(out, ["sweep.json", "sweep.md", "sweep.png"])
-    print(f"wrote {out}/sweep.json, sweep.md and sweep.png")
+    print(result.table())
+    result.write(args.out, overwrite=args.overwrite)
+    print(f"wrote {Path(args.out)}/sweep.json, sweep.md and sweep.png")
     if save is not None:
-        if result.selected is None:
-            raise GSSError(
-                f"no point of the sweep is within the perplexity tolerance "
-                f"(+{100 * args.tolerance:g}%): nothing saved to {save}. Sweep weaker "
-                "strengths (smaller --deltas, higher --percentiles) or allow more (--tolerance)."
-            )
-        point = result.points[result.selected]
-        assert point.artifact is not None  # steering_sweep keeps each point's artifact
-        how = {
-            "steer": str(args.steer),
-            "options": point.options,
-            "memorized": point.report.memorized,
-            "perplexity": point.report.perplexity,
-            "unsteered_perplexity": result.unsteered.perplexity,
-            "tolerance": args.tolerance,
-        }
-        provenance = point.artifact.provenance
-        provenance = dataclasses.replace(provenance, extra={**provenance.extra, "sweep": how})
-        chosen = dataclasses.replace(point.artifact, provenance=provenance)
-        chosen.save_pretrained(save, overwrite=args.overwrite)
-        o = point.options
-        threshold = (
-            ""
-            if o["threshold_percentile"] is None
-            else f", gates at p{o['threshold_percentile']:g}"
-        )
-        print(
-            f"saved the selected point (delta {o['delta']:g}, rank {o['rank']}{threshold}) to "
-            f"{save}: gss generate / gss evaluate --steer {save}"
-        )
+        _save_selected(args, result, save)
     return 0
+
+
+def _save_selected(args: argparse.Namespace, result: Any, save: Path) -> None:
+    """--save: the selected point as an artifact in ``save``, or an error when no point is
+    within the tolerance."""
+    chosen = result.selected_artifact(args.steer)
+    if chosen is None:
+        raise GSSError(
+            f"no point of the sweep is within the perplexity tolerance "
+            f"(+{100 * args.tolerance:g}%): nothing saved to {save}. Sweep weaker "
+            "strengths (smaller --deltas, higher --percentiles) or allow more (--tolerance)."
+        )
+    chosen.save_pretrained(save, overwrite=args.overwrite)
+    o = result.points[result.selected].options
+    threshold = (
+        "" if o["threshold_percentile"] is None else f", gates at p{o['threshold_percentile']:g}"
+    )
+    print(
+        f"saved the selected point (delta {o['delta']:g}, rank {o['rank']}{threshold}) to "
+        f"{save}: gss generate / gss evaluate --steer {save}"
+    )
 
 
 def add_evaluate_parser(sub: Commands) -> None:
