@@ -24,7 +24,7 @@ from gss.artifact.stack import Steer
 from gss.artifact.steering_artifact import SteeringArtifact
 from gss.data import chat_prompt
 from gss.errors import GSSError
-from gss.hf.forward import check_sequences, context_length
+from gss.hf.forward import check_sequences, context_length, model_device
 from gss.inference.explain import Explanation, combined_gate_stats
 from gss.inference.explain import explain as record_generation
 from gss.inference.handoff import (
@@ -206,8 +206,9 @@ def generate_steered(
     """Greedy text from each of ``prompts`` with ``steer`` attached (at strength ``delta``:
     None for its own), as ``gss generate`` prints it.
 
-    Every prompt is encoded and checked (`encode_prompt`, then moved to ``device``) and the
-    steered scores after it checked finite (`check_finite_scores`) before any generates.
+    Every prompt is encoded and checked (`encode_prompt`, then moved to ``device``, default
+    the model's) and the steered scores after it checked finite (`check_finite_scores`)
+    before any generates.
     ``explain``: each generation recorded token by token (`Generation.explanations`);
     ``reference``: where a gate opens the reference chooses the token (``min_signal``,
     ``min_confidence``, ``no_repeat_ngram``: as `gss.reference_where_open` takes them), not
@@ -219,6 +220,7 @@ def generate_steered(
             "would record: give one of them."
         )
     prompts = list(prompts)
+    device = model_device(model) if device is None else device
     encoded = [  # every prompt checked before any runs
         encode_prompt(p, tokenizer, model, max_new_tokens=max_new_tokens, chat=chat).to(device)
         for p in prompts
