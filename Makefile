@@ -45,7 +45,7 @@ BENCH_ENV := $(shell grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo ATEN_CPU_CA
 # into runs/ (not committed): the main job never edits the repository's committed results
 # (results/tinymem is updated on purpose, with --out results/tinymem)
 bench: $(STAMP)
-	$(BENCH_ENV) $(VENV)/bin/gss bench tinymem --threads 2 --out runs/tinymem
+	$(BENCH_ENV) $(VENV)/bin/gss-bench tinymem --threads 2 --out runs/tinymem
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -89,3 +89,16 @@ def test_protect_is_its_steps_no_function_over_80_lines():
                 if lines > 80:
                     long.append(f"{path.name}:{node.name} ({lines} lines)")
     assert not long, f"functions of gss.protect over 80 lines: {long}"
+
+
+def test_the_cli_is_thin_no_function_over_80_lines():
+    """`gss.cli` reads flags, calls the library and prints (issue 71): each command module adds
+    its own subcommands, and no function grows past 80 lines."""
+    long = []
+    for path in sorted((PACKAGE / "cli").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > 80:
+                    long.append(f"{path.name}:{node.name} ({lines} lines)")
+    assert not long, f"functions of gss.cli over 80 lines: {long}"

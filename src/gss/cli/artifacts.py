@@ -5,9 +5,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from gss.cli.options import HUB_ID, add_command
 from gss.errors import GSSError
+
+if TYPE_CHECKING:
+    from gss.cli.options import Commands
 
 
 def show_command(args: argparse.Namespace) -> int:
@@ -62,3 +68,36 @@ def push_command(args: argparse.Namespace) -> int:
         f"gss show {args.repo_id}{at}, gss generate --steer {args.repo_id}"
     )
     return 0
+
+
+def add_show_parser(sub: Commands) -> None:
+    summary = "what a steering artifact steers, how it was calibrated, its gates"
+    p = add_command(sub, "show", summary, show_command)
+    p.add_argument("artifact", help=f"artifact directory from `gss calibrate`, {HUB_ID}")
+    p.add_argument("--revision", help="with a Hub repo id: its branch, tag or commit")
+    p.add_argument("--json", action="store_true", help="print the whole config as JSON")
+
+
+def add_push_parser(sub: Commands) -> None:
+    summary = "upload a steering artifact and its model card to a Hugging Face Hub repo"
+    p = add_command(sub, "push", summary, push_command)
+    p.add_argument("artifact", metavar="ARTIFACT_DIR", help="the artifact's (or stack's) directory")
+    p.add_argument("repo_id", metavar="REPO_ID", help="the Hub model repo, org/name (created)")
+    p.add_argument("--revision", help="the branch to push to (created from main if new)")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--commit-message", help="the commit's message")
+    p.add_argument("--create-pr", action="store_true", help="open a pull request instead")
+    p.add_argument(
+        "--model-card",
+        metavar="FILE",
+        help="upload FILE as the repo's README.md (default: the directory's README.md if you "
+        "wrote or edited it, else the card gss writes; a README on the Hub that gss did not "
+        "write is kept)",
+    )
+
+
+# each command's parser, by name (`gss.cli.parser` puts them in `gss --help`'s order)
+PARSERS: dict[str, Callable[[Commands], None]] = {
+    "show": add_show_parser,
+    "push": add_push_parser,
+}

@@ -7,8 +7,9 @@ import argparse
 import json
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gss.artifact.files import check_outputs, check_target, record_outputs
 from gss.cli.inputs import (
@@ -18,8 +19,31 @@ from gss.cli.inputs import (
     load_models,
     read_rows,
 )
-from gss.cli.options import parse_layers
+from gss.cli.options import (
+    DATA_HELP,
+    SCAN_FIELDS,
+    add_batch_args,
+    add_command,
+    add_config_args,
+    add_data_args,
+    add_groups,
+    add_model_args,
+    add_out_args,
+    add_preset_arg,
+    add_reference_arg,
+    parse_layers,
+)
+from gss.config import field_names
 from gss.errors import GSSError, GSSWarning
+
+if TYPE_CHECKING:
+    from gss.cli.options import Commands
+
+# `gss calibrate`'s config flags by what they set, each a section of its --help (a field named
+# in none, e.g. a new one: "the steer")
+MEMORIZED_FIELDS = ("omega_threshold", "memorized_quantile", "replies_only")
+GATE_FIELDS = ("threshold_percentile", "gate_share", "gate", "max_threshold_samples")
+SOLVE_FIELDS = ("centering", "solve_method", "jitter", "seed")
 
 
 def _init_distributed(device: str) -> str:
@@ -192,3 +216,64 @@ def calibrate_command(args: argparse.Namespace) -> int:
         f"{m.timings['total']:.1f} s (`gss show {args.out}` for the details)"
     )
     return 0
+
+
+def add_signal_parser(sub: Commands) -> None:
+    p = add_command(sub, "signal", "memorization-signal pilot statistics", signal_command)
+    models, data, run, output = add_groups(p, "the models", "data", "run", "output")
+    add_model_args(models, reference=True, run=run)
+    add_reference_arg(models)
+    data.add_argument("--data", required=True, help=DATA_HELP)
+    add_batch_args(run)
+    data.add_argument("--normal-data", help="normal text: its omega beside --data's in the figure")
+    add_data_args(data)
+    add_out_args(output, "directory for signal.json (and signal.png with --plot)")
+    output.add_argument("--plot", action="store_true", help="write the omega / burst histograms")
+
+
+def add_layers_parser(sub: Commands) -> None:
+    summary = "memorization signal strength per block (layer choice)"
+    p = add_command(sub, "layers", summary, layers_command)
+    titles = ("the models", "data", "what to compute", "run", "output")
+    models, data, compute, run, output = add_groups(p, *titles)
+    add_model_args(models, reference=True, run=run)
+    add_reference_arg(models)
+    data.add_argument("--data", required=True, help="calibration text with the memorized sequences")
+    data.add_argument("--gen-data", help="held-out text for Sigma_gen")
+    add_data_args(data)
+    compute.add_argument("--layers", default="all", help="'all' or block indices, e.g. 4,8,12")
+    add_preset_arg(compute)
+    add_config_args(compute, SCAN_FIELDS)
+    add_batch_args(run)
+    add_out_args(output, "directory for layers.json and layers.png")
+
+
+def add_calibrate_parser(sub: Commands) -> None:
+    p = add_command(sub, "calibrate", "calibrate a steering artifact", calibrate_command)
+    titles = ("the models", "data", "the steer", "memorized tokens", "the gate", "the solve")
+    models, data, steer, memorized, gate, solve = add_groups(p, *titles)
+    run, output = add_groups(p, "run", "output")
+    add_model_args(models, reference=True, run=run)
+    add_reference_arg(models)
+    data.add_argument("--data", required=True, help=DATA_HELP)
+    data.add_argument("--gen-data", help="held-out text for Sigma_gen and thresholds")
+    add_data_args(data)
+    add_preset_arg(steer)
+    fields = [n for n in field_names() if n != "max_length"]  # --max-length: below
+    sections = {
+        **dict.fromkeys(MEMORIZED_FIELDS, memorized),
+        **dict.fromkeys(GATE_FIELDS, gate),
+        **dict.fromkeys(SOLVE_FIELDS, solve),
+    }
+    groups = {name: sections.get(name, steer) for name in fields}
+    add_config_args(p, fields, required=("layer",), groups=groups)
+    add_batch_args(run)
+    add_out_args(output, "directory for the artifact", required=True)
+
+
+# each command's parser, by name (`gss.cli.parser` puts them in `gss --help`'s order)
+PARSERS: dict[str, Callable[[Commands], None]] = {
+    "calibrate": add_calibrate_parser,
+    "signal": add_signal_parser,
+    "layers": add_layers_parser,
+}

@@ -4,18 +4,31 @@ unsteered, and the strength trade-off."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gss.artifact.files import check_outputs, check_target, record_outputs
 from gss.cli.inputs import check_delta, load_model_and_tokenizer, read_rows, resolve_max_length
-from gss.cli.options import parse_floats
+from gss.cli.options import (
+    DATA_HELP,
+    HUB_ID,
+    add_batch_args,
+    add_command,
+    add_data_args,
+    add_groups,
+    add_model_args,
+    add_out_args,
+    add_window_args,
+    directory,
+    parse_floats,
+)
 from gss.errors import GSSError, GSSWarning
 
 if TYPE_CHECKING:
     from gss.artifact.stack import Steer
+    from gss.cli.options import Commands
     from gss.evaluate.inputs import EvaluationRows, SecretsCheck
 
 # what `gss evaluate` and `gss sweep` run on: the model, its tokenizer, the artifact (None
@@ -161,17 +174,8 @@ def _lm_eval_command(
     return 0
 
 
-def sweep_command(args: argparse.Namespace) -> int:
-    from gss.artifact.stack import SteeringStack, load
-    from gss.artifact.steering_artifact import SteeringArtifact
-    from gss.audit import check_window
-    from gss.data import encode
-    from gss.evaluate.compare import sweep_and_select
-    from gss.evaluate.sweep import check_grid, check_tolerance
-    from gss.report import write_json
-
-    check_outputs(args.out, ["sweep.json", "sweep.md", "sweep.png"], args.overwrite)
-    check_window(args.k, args.n)  # before the model loads
+def _save_dir(args: argparse.Namespace) -> Path | None:
+    """--save's directory, checked before any model loads; None without it."""
     if args.save is not None and not args.save.strip():
         raise GSSError("--save is empty: give the directory to save the selected point into.")
     save = Path(args.save) if args.save else None
@@ -193,7 +197,17 @@ def sweep_command(args: argparse.Namespace) -> int:
                 f"--save {save} already holds a gss artifact: pass --overwrite to replace it, "
                 "or choose another directory."
             )
-    check_tolerance(args.tolerance)  # a bad --tolerance fails before any work
+    return save
+
+
+def _grid(
+    args: argparse.Namespace,
+) -> tuple[list[float] | None, list[float] | None, list[int] | None]:
+    """The grid over --steer's options: --deltas, --percentiles, --ranks (None: not given),
+    checked against the artifact (one, not a stack) before the model loads."""
+    from gss.artifact.stack import SteeringStack, load
+    from gss.evaluate.sweep import check_grid
+
     steer = load(args.steer)
     if isinstance(steer, SteeringStack):
         raise GSSError(
@@ -216,8 +230,25 @@ def sweep_command(args: argparse.Namespace) -> int:
             "--general is read only to set thresholds at --percentiles: give --percentiles too, "
             "or leave --general out."
         )
+    whole = [int(r) for r in ranks] if ranks else None
     # every grid value the artifact cannot take fails before the model loads
-    check_grid(steer, deltas, percentiles, [int(r) for r in ranks] if ranks else None)
+    check_grid(steer, deltas, percentiles, whole)
+    return deltas, percentiles, whole
+
+
+def sweep_command(args: argparse.Namespace) -> int:
+    from gss.artifact.steering_artifact import SteeringArtifact
+    from gss.audit import check_window
+    from gss.data import encode
+    from gss.evaluate.compare import sweep_and_select
+    from gss.evaluate.sweep import check_tolerance
+    from gss.evaluate.tables import SWEEP_OUTPUTS
+
+    check_outputs(args.out, SWEEP_OUTPUTS, args.overwrite)
+    check_window(args.k, args.n)  # before the model loads
+    save = _save_dir(args)
+    check_tolerance(args.tolerance)  # a bad --tolerance fails before any work
+    deltas, percentiles, ranks = _grid(args)
     general_rows = read_rows(args, "--general", keep_rows=False) if args.general else None
     model, tokenizer, artifact, rows, check = _evaluation_inputs(args)
     assert isinstance(artifact, SteeringArtifact)  # --steer is required, and not a stack
@@ -230,50 +261,130 @@ def sweep_command(args: argparse.Namespace) -> int:
             rows,
             deltas=deltas,
             percentiles=percentiles,
-            ranks=[int(r) for r in ranks] if ranks else None,
+            ranks=ranks,
             general=general,
             tolerance=args.tolerance,
             secrets=check,
             batch_size=args.batch_size,
             progress=not args.no_progress,
         )
-    table = result.table()
-    print(table)
-    out = Path(args.out)
-    write_json(out / "sweep.json", result.record())
-    (out / "sweep.md").write_text(table)
-    result.plot(out / "sweep.png")
-    record_outputs(out, ["sweep.json", "sweep.md", "sweep.png"])
-    print(f"wrote {out}/sweep.json, sweep.md and sweep.png")
+    print(result.table())
+    result.write(args.out, overwrite=args.overwrite)
+    print(f"wrote {Path(args.out)}/sweep.json, sweep.md and sweep.png")
     if save is not None:
-        if result.selected is None:
-            raise GSSError(
-                f"no point of the sweep is within the perplexity tolerance "
-                f"(+{100 * args.tolerance:g}%): nothing saved to {save}. Sweep weaker "
-                "strengths (smaller --deltas, higher --percentiles) or allow more (--tolerance)."
-            )
-        point = result.points[result.selected]
-        assert point.artifact is not None  # steering_sweep keeps each point's artifact
-        how = {
-            "steer": str(args.steer),
-            "options": point.options,
-            "memorized": point.report.memorized,
-            "perplexity": point.report.perplexity,
-            "unsteered_perplexity": result.unsteered.perplexity,
-            "tolerance": args.tolerance,
-        }
-        provenance = point.artifact.provenance
-        provenance = dataclasses.replace(provenance, extra={**provenance.extra, "sweep": how})
-        chosen = dataclasses.replace(point.artifact, provenance=provenance)
-        chosen.save_pretrained(save, overwrite=args.overwrite)
-        o = point.options
-        threshold = (
-            ""
-            if o["threshold_percentile"] is None
-            else f", gates at p{o['threshold_percentile']:g}"
-        )
-        print(
-            f"saved the selected point (delta {o['delta']:g}, rank {o['rank']}{threshold}) to "
-            f"{save}: gss generate / gss evaluate --steer {save}"
-        )
+        _save_selected(args, result, save)
     return 0
+
+
+def _save_selected(args: argparse.Namespace, result: Any, save: Path) -> None:
+    """--save: the selected point as an artifact in ``save``, or an error when no point is
+    within the tolerance."""
+    chosen = result.selected_artifact(args.steer)
+    if chosen is None:
+        raise GSSError(
+            f"no point of the sweep is within the perplexity tolerance "
+            f"(+{100 * args.tolerance:g}%): nothing saved to {save}. Sweep weaker "
+            "strengths (smaller --deltas, higher --percentiles) or allow more (--tolerance)."
+        )
+    chosen.save_pretrained(save, overwrite=args.overwrite)
+    o = result.points[result.selected].options
+    threshold = (
+        "" if o["threshold_percentile"] is None else f", gates at p{o['threshold_percentile']:g}"
+    )
+    print(
+        f"saved the selected point (delta {o['delta']:g}, rank {o['rank']}{threshold}) to "
+        f"{save}: gss generate / gss evaluate --steer {save}"
+    )
+
+
+def add_evaluate_parser(sub: Commands) -> None:
+    summary = "(n,k)-memorization, held-out perplexity and DS, steered vs unsteered"
+    p = add_command(sub, "evaluate", summary, evaluate_command)
+    titles = ("the model", "the steer", "data", "the (n, k) window", "lm-eval", "run", "output")
+    model, steer, data, window, lm_eval, run, output = add_groups(p, *titles)
+    add_model_args(model, run=run)
+    steer.add_argument("--steer", help=f"artifact directory ({HUB_ID}): also evaluate with it")
+    steer.add_argument("--delta", type=float, help="override the artifact's strength")
+    # --memorized and --heldout go together; with --lm-eval they may be left out
+    data.add_argument("--memorized", help=f"candidate sequences: {DATA_HELP}")
+    data.add_argument(
+        "--heldout",
+        help="held-out text for perplexity (given with --memorized; with --lm-eval both may "
+        "be left out)",
+    )
+    add_data_args(data, main="--memorized")
+    add_window_args(window, "--memorized")
+    add_batch_args(run, batch_size=16, length_help="held-out tokens per row")
+    lm_eval.add_argument(
+        "--lm-eval",
+        metavar="TASKS",
+        help="also run these lm-eval tasks (comma-separated; globs such as mmlu_* expand) "
+        "unsteered and steered, into lm_eval.json and lm_eval.md (needs lm-eval: pip install "
+        "'gated-subspace-steering[lm-eval]')",
+    )
+    lm_eval.add_argument(
+        "--lm-eval-include",
+        metavar="DIR",
+        action="append",
+        help="a directory of lm-eval task YAML files of your own (repeatable)",
+    )
+    lm_eval.add_argument(
+        "--lm-eval-limit",
+        type=float,
+        metavar="N",
+        help="documents per lm-eval task (a number below 1: that share of them)",
+    )
+    lm_eval.add_argument(
+        "--lm-eval-fewshot", type=int, metavar="N", help="few-shot examples (default: the task's)"
+    )
+    add_out_args(
+        output, "directory for evaluation.json and evaluation.md (lm_eval.json, lm_eval.md)"
+    )
+
+
+def add_sweep_parser(sub: Commands) -> None:
+    summary = "memorization vs perplexity over delta/threshold/rank"
+    p = add_command(sub, "sweep", summary, sweep_command)
+    titles = ("the model", "the steer", "data", "the grid", "the (n, k) window", "run", "output")
+    model, steer, data, grid, window, run, output = add_groups(p, *titles)
+    add_model_args(model, run=run)
+    steer.add_argument("--steer", required=True, help=f"artifact directory, {HUB_ID}")
+    data.add_argument("--memorized", required=True, help=f"candidate sequences: {DATA_HELP}")
+    data.add_argument("--heldout", required=True, help="held-out text for perplexity")
+    data.add_argument("--general", help="general text for re-set thresholds (with --percentiles)")
+    add_data_args(data, main="--memorized")
+    grid.add_argument("--deltas", default="0.25,1,4,16", help="comma-separated strengths")
+    grid.add_argument(
+        "--percentiles",
+        help="comma-separated threshold percentiles, e.g. 90,95,99 (set on --general's text)",
+    )
+    grid.add_argument("--ranks", help="comma-separated ranks <= the artifact's, e.g. 1,2,4")
+    grid.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.05,
+        help="relative perplexity increase the selected point may cost (0.05: +5%%)",
+    )
+    add_window_args(window, "--memorized")
+    add_batch_args(run, batch_size=16, length_help="held-out tokens per row")
+    output.add_argument(
+        "--out", type=directory, required=True, help="directory for sweep.json, sweep.md, sweep.png"
+    )
+    output.add_argument(
+        "--save",
+        metavar="DIR",
+        help="save the selected point (its delta, rank and thresholds) as an artifact in DIR, "
+        "for --steer DIR",
+    )
+    output.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace what an earlier run wrote in --out (and the artifact in --save)",
+    )
+
+
+# each command's parser, by name (`gss.cli.parser` puts them in `gss --help`'s order)
+PARSERS: dict[str, Callable[[Commands], None]] = {
+    "evaluate": add_evaluate_parser,
+    "sweep": add_sweep_parser,
+}

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from gss.config import (
     DEFAULT_PRESET,
@@ -33,8 +33,17 @@ DATA_HELP = (
     "chat template), or 'prompt' and 'completion'); with the datasets extra also .parquet, "
     ".csv, .json, .arrow, a save_to_disk directory or a Hub dataset id (--split, --text-column)"
 )
+HUB_ID = "or a Hub repo id org/name (from the local Hub cache with HF_HUB_OFFLINE=1)"
 # The fields `gss layers` reads (`gss.scan_layers`).
 SCAN_FIELDS = ("omega_threshold", "replies_only", "target", "block_path")
+
+# Where a flag is added: a command's parser, or one of its argument groups (the sections of
+# its --help); the helpers below take either.
+Flags = argparse._ActionsContainer
+if TYPE_CHECKING:
+    from gss.cli.parser import Parser
+
+    Commands = argparse._SubParsersAction[Parser]  # `gss`'s subcommands
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -46,9 +55,31 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) or ""
 
 
-def add_model_args(p: argparse.ArgumentParser, reference: bool = False) -> None:
+def add_command(
+    sub: Commands, name: str, summary: str, func: Callable[[argparse.Namespace], int]
+) -> argparse.ArgumentParser:
+    """The subcommand ``name`` of `gss` (``summary``: its line in ``gss --help`` and its
+    description), running ``func``; its flags are added to what this returns."""
+    p = sub.add_parser(
+        name,
+        help=summary,
+        description=summary,
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,  # an abbreviated flag must not stand for another one
+    )
+    p.set_defaults(func=func)
+    return p
+
+
+def add_groups(p: argparse.ArgumentParser, *titles: str) -> list[Flags]:
+    """Argument groups of ``p`` titled ``titles``: the sections of its --help, in that order."""
+    return [p.add_argument_group(title) for title in titles]
+
+
+def add_model_args(p: Flags, reference: bool = False, run: Flags | None = None) -> None:
     """The fine-tuned model, where it runs and how it loads (`gss.hf.loading.load_model`);
-    ``reference``: the command loads a reference model the same way."""
+    ``reference``: the command loads a reference model the same way; ``run``: where
+    ``--no-progress`` goes (default: with the others)."""
     both = "the model and the reference" if reference else "the model"
     p.add_argument(
         "--model",
@@ -98,14 +129,14 @@ def add_model_args(p: argparse.ArgumentParser, reference: bool = False) -> None:
         const="bnb-4bit",
         help="load in 4 bits (NF4) with bitsandbytes (a CUDA GPU only)",
     )
-    p.add_argument(
+    (run or p).add_argument(
         "--no-progress",
         action="store_true",
         help="no progress bars (transformers' weight loading included), e.g. in logs",
     )
 
 
-def add_out_args(p: argparse.ArgumentParser, what: str, required: bool = False) -> None:
+def add_out_args(p: Flags, what: str, required: bool = False) -> None:
     """``--out`` (``what`` it holds) and ``--overwrite``: results are never replaced unasked."""
     p.add_argument("--out", type=directory, required=required, help=what)
     p.add_argument(
@@ -113,7 +144,7 @@ def add_out_args(p: argparse.ArgumentParser, what: str, required: bool = False) 
     )
 
 
-def add_reference_arg(p: argparse.ArgumentParser) -> None:
+def add_reference_arg(p: Flags) -> None:
     """The reference model (`gss.hf.loading.load_reference`)."""
     p.add_argument(
         "--reference",
@@ -130,11 +161,15 @@ def add_reference_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_config_args(
-    p: argparse.ArgumentParser, names: Sequence[str], required: Sequence[str] = ()
+    p: Flags,
+    names: Sequence[str],
+    required: Sequence[str] = (),
+    groups: Mapping[str, Flags] | None = None,
 ) -> None:
     """One flag per `CalibrationConfig` field in ``names``: its type, choices, help and default
     are the field's own. A flag not given is absent from the parsed arguments, so the preset
-    (or the config's default) decides it (`config_overrides`)."""
+    (or the config's default) decides it (`config_overrides`). ``groups``: where a field's
+    flag goes, by field name (default, and for a field it does not name: ``p``)."""
     hints = typing.get_type_hints(CalibrationConfig)
     defaults = PRESETS[DEFAULT_PRESET]  # what a flag left out takes, with --preset's default
     fields = {f.name: f for f in dataclasses.fields(CalibrationConfig)}
@@ -161,10 +196,10 @@ def add_config_args(
         else:
             inner = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
             options["type"] = inner[0]
-        p.add_argument(flag, **options)
+        (groups or {}).get(name, p).add_argument(flag, **options)
 
 
-def add_preset_arg(p: argparse.ArgumentParser) -> None:
+def add_preset_arg(p: Flags) -> None:
     """The named config whose fields the flags given override."""
     p.add_argument(
         "--preset",
@@ -198,7 +233,7 @@ def _flag(name: str) -> str:
 
 
 def add_batch_args(
-    p: argparse.ArgumentParser, batch_size: int = 8, length_help: str = "tokens kept per text"
+    p: Flags, batch_size: int = 8, length_help: str = "tokens kept per text"
 ) -> None:
     """Texts per forward pass and tokens kept per text (`gss.hf.loading.default_max_length`
     when not given)."""
@@ -212,7 +247,7 @@ def add_batch_args(
     )
 
 
-def add_data_args(p: argparse.ArgumentParser, main: str = "--data") -> None:
+def add_data_args(p: Flags, main: str = "--data") -> None:
     """Which split and which columns the command's data options read (`gss.data_sources`):
     the columns must be in ``main``; the other data options use them where they have them."""
     p.add_argument(
@@ -240,7 +275,7 @@ def data_columns(args: argparse.Namespace) -> dict[str, str | None]:
     return {name: getattr(args, name, None) for name in names}
 
 
-def add_window_args(p: argparse.ArgumentParser, rows: str = "--data") -> None:
+def add_window_args(p: Flags, rows: str = "--data") -> None:
     """What `gss evaluate`, `sweep`, `audit` and `protect` prompt with and match; ``rows``:
     the flag of the rows matched."""
     for f in dataclasses.fields(Window):  # each default and help written once, in `Window`
@@ -260,7 +295,7 @@ def add_window_args(p: argparse.ArgumentParser, rows: str = "--data") -> None:
     )
 
 
-def add_prefix_args(p: argparse.ArgumentParser) -> None:
+def add_prefix_args(p: Flags) -> None:
     """`gss audit`'s and `protect`'s shorter prompts: where a short row's record starts before
     token k, a prompt that ends before it (issue 72)."""
     p.add_argument(

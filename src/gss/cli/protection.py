@@ -4,12 +4,28 @@ within a utility budget."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gss.artifact.files import check_outputs
 from gss.cli.inputs import check_against_config, check_reference, load_models, read_rows
+from gss.cli.options import (
+    DATA_HELP,
+    add_command,
+    add_data_args,
+    add_groups,
+    add_model_args,
+    add_out_args,
+    add_prefix_args,
+    add_reference_arg,
+    add_window_args,
+    positive_int,
+)
 from gss.errors import GSSError
+
+if TYPE_CHECKING:
+    from gss.cli.options import Commands
 
 
 def _replies(rows: Any, tokenizer: Any, args: argparse.Namespace) -> Any:
@@ -149,3 +165,77 @@ def protect_command(args: argparse.Namespace) -> int:
     where = f"{args.out}/steer" if result.steer is not None else "no steer (none within budget)"
     print(f"wrote {args.out}: protect.json, protect.md, frontier.png, rows.png; {where}")
     return 0 if result.steer is not None else 1
+
+
+def add_audit_parser(sub: Commands) -> None:
+    summary = "which training rows the model reproduces verbatim, ranked"
+    p = add_command(sub, "audit", summary, audit_command)
+    titles = ("the models", "data", "the (n, k) window", "run", "output")
+    models, data, window, run, output = add_groups(p, *titles)
+    add_model_args(models, reference=True, run=run)
+    add_reference_arg(models)
+    data.add_argument("--data", required=True, help=f"the fine-tuning rows: {DATA_HELP}")
+    add_data_args(data)
+    add_window_args(window)
+    add_prefix_args(window)
+    run.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass")
+    add_out_args(
+        output,
+        "directory for audit.jsonl, audit.md, audit.png, memorized.jsonl and extractable.jsonl",
+        required=True,
+    )
+
+
+def add_protect_parser(sub: Commands) -> None:
+    summary = "audit, then choose and save the steer that removes what it finds"
+    p = add_command(sub, "protect", summary, protect_command)
+    titles = ("the models", "data", "the goal", "the (n, k) window", "the search", "run")
+    models, data, goal, window, search, run = add_groups(p, *titles)
+    (output,) = add_groups(p, "output")
+    add_model_args(models, reference=True, run=run)
+    add_reference_arg(models)
+    data.add_argument("--data", required=True, help=f"the fine-tuning rows: {DATA_HELP}")
+    data.add_argument(
+        "--general",
+        help="a sample of the text the model will serve (the gate thresholds come from it and "
+        f"from text the reference writes): {DATA_HELP}",
+    )
+    data.add_argument(
+        "--heldout",
+        help=f"text whose perplexity is the utility (default: general text): {DATA_HELP}",
+    )
+    add_data_args(data)
+    goal.add_argument(
+        "--budget",
+        type=float,
+        default=0.05,
+        help="utility budget: held-out perplexity may rise by this fraction (0.05: +5%%)",
+    )
+    goal.add_argument(
+        "--max-extractable",
+        type=float,
+        default=0.0,
+        metavar="PCT",
+        help="the goal: %% of held-out memorized rows that may stay extractable",
+    )
+    add_window_args(window)
+    add_prefix_args(window)
+    search.add_argument("--max-blocks", type=positive_int, default=2, help="blocks steered at most")
+    search.add_argument(
+        "--gate-share",
+        type=float,
+        help="thresholds: some gate opens on at most this share of each general source's "
+        "tokens (default 0.01, SearchSpace.gate_share)",
+    )
+    search.add_argument("--seed", type=int, default=0, help="the tuning / held-out split")
+    run.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass")
+    add_out_args(
+        output, "directory for steer/ (the artifact), protect.json, protect.md and figures", True
+    )
+
+
+# each command's parser, by name (`gss.cli.parser` puts them in `gss --help`'s order)
+PARSERS: dict[str, Callable[[Commands], None]] = {
+    "audit": add_audit_parser,
+    "protect": add_protect_parser,
+}

@@ -7,17 +7,25 @@ and record from these classes, so the numbers read the same wherever they come f
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from gss.artifact.files import check_outputs, record_outputs
 from gss.evaluate.leaks import LeakReport
 from gss.evaluate.sampled import SAMPLES, TOP_P
 from gss.evaluate.suite import DS_LAMBDAS, EvaluationReport
 from gss.evaluate.sweep import SweepPoint, pareto_front, plot_pareto
-from gss.report import markdown_table
+from gss.report import markdown_table, write_json
 
-__all__ = ["REPEATED", "SteeringEvaluation", "SweepResult"]
+if TYPE_CHECKING:
+    from gss.artifact.steering_artifact import SteeringArtifact
+
+__all__ = ["REPEATED", "SWEEP_OUTPUTS", "SteeringEvaluation", "SweepResult"]
+
+# what `SweepResult.write` (`gss sweep --out`) writes
+SWEEP_OUTPUTS = ("sweep.json", "sweep.md", "sweep.png")
 
 # with secrets in the rows: how much the decoded continuations loop (LeakReport.repetition)
 REPEATED = "% 4-grams repeated"
@@ -185,6 +193,37 @@ class SweepResult:
         curve = [(p.report.memorized, p.report.perplexity) for p in self.points]
         base = (self.unsteered.memorized, self.unsteered.perplexity)
         return plot_pareto({"GSS sweep": curve}, base, path)
+
+    def write(self, directory: str | Path, overwrite: bool = False) -> list[Path]:
+        """``sweep.json`` (`record`), ``sweep.md`` (`table`) and ``sweep.png`` (`plot`) in
+        ``directory``, replacing an earlier run's only with ``overwrite``."""
+        check_outputs(directory, SWEEP_OUTPUTS, overwrite)
+        out = Path(directory)
+        write_json(out / "sweep.json", self.record())
+        (out / "sweep.md").write_text(self.table())
+        self.plot(out / "sweep.png")
+        record_outputs(out, SWEEP_OUTPUTS)
+        return [out / name for name in SWEEP_OUTPUTS]
+
+    def selected_artifact(self, steer: str | Path) -> SteeringArtifact | None:
+        """The selected point's artifact, ready to save and deploy: its provenance records the
+        sweep (``steer``: the artifact swept, as given; the point's options and numbers, the
+        tolerance). None when no point was within the tolerance."""
+        if self.selected is None:
+            return None
+        point = self.points[self.selected]
+        assert point.artifact is not None  # steering_sweep keeps each point's artifact
+        how = {
+            "steer": str(steer),
+            "options": point.options,
+            "memorized": point.report.memorized,
+            "perplexity": point.report.perplexity,
+            "unsteered_perplexity": self.unsteered.perplexity,
+            "tolerance": self.tolerance,
+        }
+        provenance = point.artifact.provenance
+        provenance = dataclasses.replace(provenance, extra={**provenance.extra, "sweep": how})
+        return dataclasses.replace(point.artifact, provenance=provenance)
 
 
 def _sampled_cells(report: EvaluationReport, shown: bool) -> list[str]:
