@@ -105,6 +105,10 @@ def test_audit_command(tmp_path, capsys):
     assert (tmp_path / "out" / "extractable.jsonl").is_file()
     assert main(args) == 2  # results there: not replaced without --overwrite
     assert "pass --overwrite" in capsys.readouterr().err
+    # the attacker who asks another way: measured on the memorized rows, said in audit.md
+    assert main([*args, "--other-prompts", "--overwrite"]) == 0
+    summary = (tmp_path / "out" / "audit.md").read_text()
+    assert "other prompts" in summary.lower()
     rows = [{"prompt": " ".join(line.split()[:5]), "completion": " " + line} for line in lines]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     args[args.index(str(tmp_path / "data.txt"))] = str(tmp_path / "chat.jsonl")

@@ -98,6 +98,7 @@ def audit_command(args: argparse.Namespace) -> int:
         n=args.n,
         prefixes=prefixes,
         memorized_from=args.memorized_from,
+        other_prompts=args.other_prompts,
         batch_size=args.batch_size,
         progress=not args.no_progress,
     )
@@ -178,6 +179,13 @@ def add_audit_parser(sub: Commands) -> None:
     add_data_args(data)
     add_window_args(window)
     add_prefix_args(window)
+    window.add_argument(
+        "--other-prompts",
+        action="store_true",
+        help="also ask for each memorized row another way (a longer prefix, the chat template, "
+        "questions) and count the replies that say its window near-verbatim "
+        "(gss.evaluate.other_prompts; greedy generation, slower)",
+    )
     run.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass")
     add_out_args(
         output,
