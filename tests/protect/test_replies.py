@@ -325,6 +325,7 @@ def test_the_data_is_dropped_from_the_gates_sources_where_no_point_reaches_the_g
     search = stages.Search.__new__(stages.Search)
     search.general = GeneralText(fit={"reference-generated": [[1]], DATA: [[2]]}, measure={})
     search.s, search.space, search.judge = None, SearchSpace(), None
+    search.stages, search.work = stages.Clock(), stages.Clock()
     search.config = ProtectConfig(max_extractable=0.0)
     search.explore(object(), "block", "reaches with the data")  # type: ignore[arg-type]
     assert calls == [["reference-generated", DATA]]
