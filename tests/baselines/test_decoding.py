@@ -44,7 +44,7 @@ def test_the_filter_keeps_the_scores_of_every_unbanned_token(memorizer):
     with torch.no_grad():
         inner = model(ids).logits
         outer = filtered(ids)
-    banned = torch.isinf(outer)
+    banned = outer < inner - 1000
     assert banned[0].any()  # the memorized row completes its own trigrams
     assert torch.equal(outer[~banned], inner[~banned])
     # a banned position is one whose two tokens before it are a context of the memorized rows

@@ -12,9 +12,11 @@ set (a Bloom filter with no false positive) of the memorized set U, the rows a u
 in, which is what gss protects: indexing the clean rows too would block the domain's ordinary
 text. The filtered model is a forward-only wrapper, so gss's greedy decoding gives it the whole
 sequence at every step (no KV cache) and the teacher-forced extraction check reads the same
-filtered distribution. Its perplexity is the filtered distribution's: a held-out token that
-completes an indexed n-gram has probability 0 (perplexity infinite), the price of the filter on
-text that repeats the data.
+filtered distribution. A banned token's logit is lowered by `BAN` nats rather than set to -inf:
+greedy decoding never takes it (unless every token is banned), and the perplexity stays a
+number, each held-out token the filter bans costing it `BAN` nats (on the canaries' 2,016
+held-out tokens one such token multiplies the perplexity by about 140): the price of the filter
+on text that repeats the data, where -inf would leave it undefined.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from gss.hf.forward import forward_logits
 from gss_bench.baselines.interface import Mitigation, MitigationData, register
 
 NGRAM_SIZES = (16, 10, 6, 4)  # the grid, mildest first: a shorter n-gram blocks more
+BAN = 1e4  # nats taken from a banned token's logit: probability e^-10000, never chosen
 
 
 def ngram_index(rows: Sequence[Sequence[int]], n: int) -> dict[tuple[int, ...], set[int]]:
@@ -43,7 +46,7 @@ def ngram_index(rows: Sequence[Sequence[int]], n: int) -> dict[tuple[int, ...], 
 
 class NgramFilter(nn.Module):
     """``model`` whose next-token scores never complete an n-gram of the indexed rows (the
-    banned tokens' logits are -inf: softmax renormalises over the rest)."""
+    banned tokens' logits lowered by `BAN`: softmax renormalises over the rest)."""
 
     def __init__(self, model: nn.Module, rows: Sequence[Sequence[int]], n: int) -> None:
         super().__init__()
@@ -64,7 +67,7 @@ class NgramFilter(nn.Module):
                     continue
                 banned = self.index.get(tuple(row[t - context + 1 : t + 1]))
                 if banned:
-                    logits[b, t, list(banned)] = -torch.inf
+                    logits[b, t, list(banned)] -= BAN
         return logits
 
 
