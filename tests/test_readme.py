@@ -122,7 +122,7 @@ def test_readme_protect_numbers_are_the_committed_results():
     for setting in ("math_backdoor", "lang_backdoor"):  # "protect leaves 0.0% on every seed"
         assert counted(setting, "GSS protect") == [0.0] * 3
     assert f"(GSS-TR: {listed(counted('math_backdoor', 'GSS-TR'))} on the math backdoor)" in text
-    said = []  # "0.0% at +4.6%" per fine-tune: secrets said by held-out canaries, perplexity
+    said = []  # "0.0% at +0.1%" per fine-tune: secrets said by held-out canaries, perplexity
     for folder in ("canaries-protect", "canaries-lora-protect", "canaries-chat-protect"):
         canaries = json.loads((RESULTS / folder / "results.json").read_text())
         after = canaries["protect"]["heldout_canaries"]["after"]
