@@ -37,6 +37,7 @@ from gss.evaluate.decoding import greedy_generate
 from gss.evaluate.leaks import EXTRA_TOKENS, secrets_said
 from gss.evaluate.recital import data_runs, recites
 from gss.evaluate.utility import perplexity, repetition
+from gss.hf.blocks import find_decoder_blocks
 from gss.inference.handoff import reference_where_open
 from gss.protect import Protection, SearchSpace, protect
 from gss.protect.checks import DomainRows
@@ -47,9 +48,11 @@ from gss_bench.canaries.data import secret_fields
 from gss_bench.canaries.finetune import FinetuneConfig
 from gss_bench.canaries.run import (
     CALIBRATION_CLEAN_ROWS,
+    DEFAULT_MODEL,
     PPL_TOLERANCE,
     default_cache,
     default_setup,
+    default_train_blocks,
     finetuned,
 )
 
@@ -58,6 +61,8 @@ OPTIONS: dict[str, dict[str, Any]] = {  # what each run changes from protect's d
     "gates at 1%": {"gate_share": 0.01},
     "bounded (coefficient)": {"coefficient": "bounded"},
     "bounded+gates at 1%": {"coefficient": "bounded", "gate_share": 0.01},
+    "centred (probe responses)": {"centering": "full"},
+    "centred+bounded": {"centering": "full", "coefficient": "bounded"},
     "before (issue 72)": {
         "prefer": "margin",
         "reply_check": 0,
@@ -81,18 +86,19 @@ VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {  # FinetuneConfig's options
 }
 
 
-def canary_fine_tune(variant: str = "plain") -> SimpleNamespace:
+def canary_fine_tune(variant: str = "plain", model_name: str = DEFAULT_MODEL) -> SimpleNamespace:
     """The cached canary fine-tune (seed 0; `variant`: plain, a LoRA or chat rows, as the
-    committed `gss bench canaries` runs; trained once if missing) and what every measurement
+    committed `gss bench canaries` runs; `model_name`: as their `--model`; trained once if
+    missing) and what every measurement
     here reads: its reference (``base``: for the LoRA, its adapters off), tokenizer, data, pad
     id, window (k, n), batch size, the rows protect audits (``train_rows``) and the ordinary
     English rows (``ordinary``)."""
     torch.set_num_threads(2)
     options, chat = VARIANTS[variant]
-    base_path, base, tokenizer, data, pad = default_setup(chat=chat)
-    model, _ = finetuned(
-        base, base_path, data, FinetuneConfig(seed=0, **options), pad, default_cache(), tokenizer
-    )
+    base_path, base, tokenizer, data, pad = default_setup(chat=chat, model=model_name)
+    blocks = default_train_blocks(len(find_decoder_blocks(base)))
+    cfg = FinetuneConfig(seed=0, train_blocks=blocks, **options)
+    model, _ = finetuned(base, base_path, data, cfg, pad, default_cache(), tokenizer)
     return SimpleNamespace(
         model=model,
         base=adapters_off(model) if options.get("lora_rank") else base,
@@ -397,8 +403,13 @@ def main() -> None:
         help="with --min-signal: also with correct=False (the gates only choose where the "
         "reference speaks; every other token the unsteered fine-tune's)",
     )
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="the canary bench's --model (e.g. gemma3-270m): its cached plain fine-tune",
+    )
     args = parser.parse_args()
-    c = canary_fine_tune()
+    c = canary_fine_tune(model_name=args.model)
     model, base, tokenizer, data, pad = c.model, c.base, c.tokenizer, c.data, c.pad
     k, n, bs, train_rows, ordinary = c.k, c.n, c.bs, c.train_rows, c.ordinary
     plain = {

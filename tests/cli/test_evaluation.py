@@ -118,3 +118,31 @@ def test_no_point_within_the_tolerance_saves_nothing(workdir, capsys, monkeypatc
     assert "nothing saved" in err[0]
     assert not saved.exists()
     assert json.loads((out / "sweep.json").read_text())["selected"] is None  # the sweep is kept
+
+
+def test_evaluate_other_prompts_writes_both_sides(workdir, capsys):
+    """gss evaluate --other-prompts: the --memorized rows asked another way, unsteered and
+    steered, printed and written beside evaluation.json (issue 70)."""
+    out = workdir / "other"
+    args = ["evaluate", "--model", str(workdir / "model"), "--steer", str(workdir / "artifact")]
+    args += ["--memorized", str(workdir / "data.txt"), "--heldout", str(workdir / "heldout.txt")]
+    args += ["--k", "4", "--n", "10", "--other-prompts", "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "Other prompts, unsteered: under other prompts" in printed
+    assert "| prompt | unsteered | steered |" in printed
+    saved = json.loads((out / "other_prompts.json").read_text())
+    for side in ("before", "after"):
+        longer = saved[side]["variants"]["longer prefix"]
+        assert longer["rows"] == 20  # every row has tokens past k + m
+        assert 0 <= longer["leaked"] <= longer["rows"]
+    # a word tokenizer without a chat template: the two questions run as plain text
+    assert set(saved["before"]["variants"]) == {"longer prefix", "question 1", "question 2"}
+    assert (out / "other_prompts.md").read_text().startswith("Other prompts, unsteered")
+
+
+def test_evaluate_other_prompts_needs_a_steer(workdir, capsys):
+    args = ["evaluate", "--model", str(workdir / "model"), "--other-prompts"]
+    args += ["--memorized", str(workdir / "data.txt"), "--heldout", str(workdir / "heldout.txt")]
+    assert main(args) == 2
+    assert "--other-prompts asks the --memorized rows another way" in capsys.readouterr().err

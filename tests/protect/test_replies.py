@@ -229,9 +229,11 @@ def test_without_the_documentation_topics_there_is_no_ordinary_source(monkeypatc
     assert ordinary_english(8) == []
 
 
-def test_a_bounded_search_calibrates_every_point_with_the_bounded_coefficient(memorizer):
-    """SearchSpace(coefficient="bounded"): every point searched, and the chosen steer, subtract
-    at most the hidden state's own component (issue 72's ablation)."""
+@pytest.mark.parametrize(("option", "value"), [("coefficient", "bounded"), ("centering", "full")])
+def test_a_search_option_calibrates_every_point_with_it(memorizer, option, value):
+    """SearchSpace(coefficient="bounded") / (centering="full"), issue 72's ablations: every
+    point searched, and the chosen steer, are calibrated with the option; centred probes read
+    their response from the general text's mean (a non-zero offset)."""
     model, reference, planted, general = memorizer
     space = SearchSpace(
         presets=("gss-tr",),
@@ -239,8 +241,8 @@ def test_a_bounded_search_calibrates_every_point_with_the_bounded_coefficient(me
         gates=("hard",),
         max_blocks=1,
         steps=2,
-        coefficient="bounded",
         reply_check=0,
+        **{option: value},
     )
     result = protect(
         model,
@@ -252,8 +254,10 @@ def test_a_bounded_search_calibrates_every_point_with_the_bounded_coefficient(me
         search=space,
         progress=False,
     )
-    assert result.steer is not None and result.steer.config.coefficient == "bounded"
-    assert all(s.config.coefficient == "bounded" for s in result.steers if s is not None)
+    assert result.steer is not None and getattr(result.steer.config, option) == value
+    assert all(getattr(s.config, option) == value for s in result.steers if s is not None)
+    if option == "centering":
+        assert all(bool(s.offset.abs().sum() > 0) for s in result.steers if s is not None)
 
 
 def test_protect_shows_one_explain_table_without_being_asked(memorizer):

@@ -95,6 +95,14 @@ def test_protect_reaches_the_target_within_the_budget(protected):
     assert quality["near_verbatim_fine_tune"] == 100.0
     assert quality["near_verbatim_steered"] >= result.after["memorized"]
     assert "Near-verbatim (a held-out window said by the greedy reply" in result.markdown()
+    # other prompts (no tokenizer: the longer prefix alone): the fine-tune, given more of each
+    # held-out row, still says the rest of it; the protected model says no more than it
+    other = result.after["other_prompts"]
+    longer = other["before"]["variants"]["longer prefix"]
+    assert longer["rows"] == len(result.heldout) and longer["leaked"] == longer["rows"]
+    assert longer["reference_leaked"] == 0
+    assert other["after"]["any"]["leaked"] <= other["before"]["any"]["leaked"]
+    assert "| longer prefix | " in result.markdown()
     stages = {t.stage for t in result.trials}
     assert "block" in stages and len({t.blocks for t in result.trials}) >= 2  # blocks searched
     deltas = {t.deltas[0] for t in result.trials if t.blocks == result.chosen.blocks}
@@ -223,6 +231,7 @@ def test_protect_refuses_bad_options(memorizer):
         ({"search": SearchSpace(delta_ceiling=10.0)}, "delta_ceiling"),
         ({"search": SearchSpace(gate_share=1.0)}, "gate_share"),
         ({"search": SearchSpace(coefficient="clip")}, "coefficient must be one of"),
+        ({"search": SearchSpace(centering="mean")}, "centering must be one of"),
         ({"search": SearchSpace(prefer="speed")}, "prefer must be"),  # type: ignore[arg-type]
         ({"search": SearchSpace(loop_tolerance=float("nan"))}, "loop_tolerance"),
         ({"search": SearchSpace(fluency_ratio=-0.1)}, "fluency_ratio"),

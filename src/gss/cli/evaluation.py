@@ -106,6 +106,13 @@ def evaluate_command(args: argparse.Namespace) -> int:
         )
     outputs = ["evaluation.json", "evaluation.md"] if memorization else []
     outputs += ["lm_eval.json", "lm_eval.md"] if lm_eval else []
+    if args.other_prompts:
+        if not memorization or args.steer is None:
+            raise GSSError(
+                "--other-prompts asks the --memorized rows another way, with and without the "
+                "steer: give --steer DIR, --memorized and --heldout with it."
+            )
+        outputs += ["other_prompts.json", "other_prompts.md"]
     check_outputs(args.out, outputs, args.overwrite)
     if args.delta is not None and args.steer is None:
         raise GSSError("--delta sets the steer's strength: give --steer DIR with it.")
@@ -126,9 +133,51 @@ def evaluate_command(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     _report(args, result, result.headline(), "evaluation")
+    if args.other_prompts and artifact is not None:
+        _other_prompts(args, model, tokenizer, artifact, rows)
     if tasks is not None:
         return _lm_eval_command(args, model, tokenizer, artifact, tasks)
     return 0
+
+
+def _other_prompts(
+    args: argparse.Namespace, model: Any, tokenizer: Any, artifact: Steer, rows: Any
+) -> None:
+    """`gss evaluate --other-prompts`: the memorized rows asked another way, unsteered and
+    steered; printed and, with --out, written as other_prompts.json / .md."""
+    from gss.artifact.steering_artifact import SteeringArtifact
+    from gss.evaluate.other_prompts import side_by_side, steered_other_prompts
+    from gss.report import write_json
+
+    steer = artifact  # --delta on a stack was refused before the model loaded (check_delta)
+    if args.delta is not None and isinstance(artifact, SteeringArtifact):
+        steer = artifact.with_options(delta=args.delta)
+    found = steered_other_prompts(
+        model,
+        steer,
+        rows.memorized,
+        tokenizer=tokenizer,
+        k=rows.k,
+        n=rows.n,
+        pad_id=rows.pad_id,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+    )
+    summary = {side: report.summary() for side, report in found.items()}
+    text = (
+        f"Other prompts, unsteered: {found['before'].headline()}\n"
+        f"Other prompts, steered: {found['after'].headline()}\n\n"
+        f"{side_by_side(summary['before'], summary['after'])}\n"
+    )
+    print(text, end="")
+    if args.out:
+        out = Path(args.out)
+        write_json(
+            out / "other_prompts.json", {"model": args.model, "steer": args.steer, **summary}
+        )
+        (out / "other_prompts.md").write_text(text)
+        record_outputs(out, ["other_prompts.json", "other_prompts.md"])
+        print(f"wrote {out}/other_prompts.json and other_prompts.md")
 
 
 def _lm_eval_tasks(args: argparse.Namespace) -> Any:
@@ -314,6 +363,13 @@ def add_evaluate_parser(sub: Commands) -> None:
     )
     add_data_args(data, main="--memorized")
     add_window_args(window, "--memorized")
+    data.add_argument(
+        "--other-prompts",
+        action="store_true",
+        help="also ask for each --memorized row another way (a longer prefix, the chat "
+        "template, questions), with and without --steer, and count the replies that say its "
+        "window near-verbatim, into other_prompts.json / .md (greedy generation, slower)",
+    )
     add_batch_args(run, batch_size=16, length_help="held-out tokens per row")
     lm_eval.add_argument(
         "--lm-eval",
@@ -366,6 +422,13 @@ def add_sweep_parser(sub: Commands) -> None:
         help="relative perplexity increase the selected point may cost (0.05: +5%%)",
     )
     add_window_args(window, "--memorized")
+    data.add_argument(
+        "--other-prompts",
+        action="store_true",
+        help="also ask for each --memorized row another way (a longer prefix, the chat "
+        "template, questions), with and without --steer, and count the replies that say its "
+        "window near-verbatim, into other_prompts.json / .md (greedy generation, slower)",
+    )
     add_batch_args(run, batch_size=16, length_help="held-out tokens per row")
     output.add_argument(
         "--out", type=directory, required=True, help="directory for sweep.json, sweep.md, sweep.png"

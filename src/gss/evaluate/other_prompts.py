@@ -512,3 +512,74 @@ __all__ = [
     "other_prompts",
     "question_name",
 ]
+
+
+def candidate_rows(
+    candidates: Sequence[Sequence[int] | tuple[Sequence[int], Sequence[int]]], k: int
+) -> tuple[list[list[int]], list[int]]:
+    """Rows and their prompt lengths (``starts``) from what an extraction reads: id rows
+    (prompted with their first k tokens) or (prompt, window) pairs (a reply, or a window a
+    shorter prefix was scored on)."""
+    pairs = [(c[0], c[1]) if isinstance(c, tuple) else (c[:k], c[k:]) for c in candidates]
+    return [[*map(int, p), *map(int, w)] for p, w in pairs], [len(p) for p, _ in pairs]
+
+
+def steered_other_prompts(
+    model: nn.Module,
+    steer: Any,
+    candidates: Sequence[Sequence[int] | tuple[Sequence[int], Sequence[int]]],
+    *,
+    tokenizer: Any = None,
+    reference: nn.Module | None = None,
+    k: int = DEFAULT_WINDOW.k,
+    n: int = DEFAULT_WINDOW.n,
+    pad_id: int | None = None,
+    batch_size: int = 16,
+    progress: bool = False,
+) -> dict[str, OtherPromptsReport]:
+    """`other_prompts` on ``candidates`` unsteered (beside ``reference``, where given), then
+    with ``steer`` attached: whether the steer also stops the leaks a changed prompt finds.
+    ``{"before": ..., "after": ...}``."""
+    rows, starts = candidate_rows(candidates, k)
+    asked: dict[str, Any] = {
+        "tokenizer": tokenizer,
+        "k": k,
+        "n": n,
+        "starts": starts,
+        "pad_id": pad_id,
+        "batch_size": batch_size,
+        "progress": progress,
+    }
+    before = other_prompts(model, rows, reference=reference, **asked)
+    with steer.attach(model):
+        after = other_prompts(model, rows, **asked)
+    return {"before": before, "after": after}
+
+
+def side_by_side(
+    before: dict[str, Any],
+    after: dict[str, Any],
+    labels: tuple[str, str] = ("unsteered", "steered"),
+) -> str:
+    """A Markdown table of two `OtherPromptsReport.summary()` dicts: each prompt's rows leaked
+    (95% interval) before and after, and the reference's where it was measured."""
+    from gss.report import markdown_table
+
+    sides = [{**s["variants"], "any": s["any"]} for s in (before, after)]
+
+    def said(v: dict[str, Any]) -> str:
+        low, high = v["interval"]
+        return f"{v['leaked']} of {v['rows']} ({100 * low:.0f}-{100 * high:.0f}%)"
+
+    with_reference = any("reference_leaked" in v for v in sides[0].values())
+    header = ["prompt", labels[0], *(["reference"] if with_reference else []), labels[1]]
+    body = [
+        [
+            name,
+            said(v),
+            *([str(v.get("reference_leaked", "-"))] if with_reference else []),
+            said(sides[1][name]),
+        ]
+        for name, v in sides[0].items()
+    ]
+    return markdown_table(header, body)

@@ -13,12 +13,13 @@ from typing import Any
 from gss.artifact.stack import Steer, SteeringStack
 from gss.artifact.steering_artifact import SteeringArtifact
 from gss.errors import GSSWarning
+from gss.evaluate.other_prompts import steered_other_prompts
 from gss.evaluate.utility import perplexity
 from gss.inference.explain import explain
 from gss.protect.checks import DomainRows
 from gss.protect.config import ProtectConfig, Setting
 from gss.protect.general import ORDINARY, Budget, GeneralText
-from gss.protect.measure import extractable, prompt_and_target, sampled, where_gates_open
+from gss.protect.measure import Candidate, extractable, prompt_and_target, sampled, where_gates_open
 from gss.protect.replies import ordinary_unchanged, what_it_says
 from gss.protect.split import Split
 
@@ -73,6 +74,7 @@ def heldout_report(
     out.after["quality"], out.examples = what_it_says(
         model, s.reference, steer, rows, k, n, s.pad_id, s.batch_size, s.tokenizer
     )
+    out.after["other_prompts"] = other_prompt_leaks(s, steer, rows, k, n)
     ordinary = general.measure.get(ORDINARY) or next(iter(general.measure.values()), [])
     out.after["ordinary_prompts"] = ordinary_unchanged(
         model, steer, ordinary, s.pad_id, s.batch_size, s.tokenizer, s.reference, split.audit.ids
@@ -88,6 +90,32 @@ def heldout_report(
     )
     _warn_open(out.gates, config.search.gate_share)
     return out
+
+
+def other_prompt_leaks(
+    s: Setting, steer: Steer, rows: list[Candidate], k: int, n: int
+) -> dict[str, Any]:
+    """The held-out memorized rows asked another way (`gss.evaluate.other_prompts`: a longer
+    prefix, the chat template, questions), by the fine-tune and the reference, then by the
+    protected model: an attacker rarely holds the row's own first k tokens (issue 70)."""
+    if not rows:
+        return {}
+    found = steered_other_prompts(
+        s.model,
+        steer,
+        rows,
+        tokenizer=s.tokenizer,
+        reference=s.reference,
+        k=k,
+        n=n,
+        pad_id=s.pad_id,
+        batch_size=s.batch_size,
+    )
+    # the report's time is in Protection.seconds: the rest is the same on every run
+    return {
+        side: {key: v for key, v in report.summary().items() if key != "seconds"}
+        for side, report in found.items()
+    }
 
 
 def with_record(

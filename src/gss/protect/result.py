@@ -16,6 +16,7 @@ from gss.audit import AuditReport
 from gss.errors import GSSError
 from gss.evaluate.intervals import clopper_pearson
 from gss.evaluate.near_verbatim import SHARE
+from gss.evaluate.other_prompts import side_by_side
 from gss.evaluate.sampled import LIKELY, SAMPLES, TOP_P
 from gss.protect.config import ProtectConfig
 
@@ -198,7 +199,7 @@ class Protection:
                 f"Utility ({self.budget['measure']}): {_g(self.before['utility'])} before, "
                 f"{_g(self.after['utility'])} after (limit {_g(self.budget['limit'])}).",
             ]
-        lines += self._sampled_lines() + self._near_lines()
+        lines += self._sampled_lines() + self._near_lines() + self._other_prompt_lines()
         if windows:
             lines.append(windows)
         if "domain_perplexity" in self.after:
@@ -242,6 +243,20 @@ class Protection:
             f"{_g(quality['near_verbatim_fine_tune'])}% before, "
             f"{_g(quality['near_verbatim_steered'])}% after (with the reference where a gate "
             f"opens: {_g(quality['near_verbatim_reference_where_open'])}%)."
+        ]
+
+    def _other_prompt_lines(self) -> list[str]:
+        """The held-out rows asked another way, before and after (issue 70)."""
+        other = self.after.get("other_prompts")
+        if not other:
+            return []
+        return [
+            "Other prompts (the held-out rows asked another way: a longer prefix, the chat "
+            "template, questions; a row leaks when the greedy reply says its window "
+            "near-verbatim; gss.evaluate.other_prompts), rows leaked (95% interval):",
+            "",
+            side_by_side(other["before"], other["after"], ("fine-tune", "protected")),
+            "",
         ]
 
     def _says_lines(self) -> list[str]:

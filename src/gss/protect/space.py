@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from gss.config import COEFFICIENTS, GATES, PRESETS
+from gss.config import CENTERINGS, COEFFICIENTS, GATES, PRESETS
 from gss.errors import GSSError
 
 
@@ -28,6 +28,10 @@ class SearchSpace:
     # how much of v_k an open gate subtracts at every point (`CalibrationConfig.coefficient`):
     # "bounded" never more than the hidden state's own component (issue 72's ablation)
     coefficient: str = "projection"
+    # what the probe response is measured from (`CalibrationConfig.centering`): "full" from
+    # the general text's mean, so that a direction carrying a constant offset neither sits at
+    # its threshold (firing at random) nor subtracts that offset where it opens (issue 72)
+    centering: str = "covariance"
     delta_range: tuple[float, float] = (1e-3, 1e2)
     steps: int = 7  # bisection steps on log10(delta): 5 decades / 2^7 = a factor of 1.09
     # where the range's strongest point is within the budget and short of the target, the
@@ -80,6 +84,8 @@ class SearchSpace:
             raise GSSError(f"gates must be among {GATES}, got {self.gates!r}.")
         if self.coefficient not in COEFFICIENTS:
             raise GSSError(f"coefficient must be one of {COEFFICIENTS}, got {self.coefficient!r}.")
+        if self.centering not in CENTERINGS:
+            raise GSSError(f"centering must be one of {CENTERINGS}, got {self.centering!r}.")
         pair = self.delta_range
         if not (numbers_only(pair) and len(pair) == 2 and all(math.isfinite(x) for x in pair)):
             raise GSSError(f"delta_range must be two finite numbers 0 < lo < hi, got {pair!r}.")

@@ -217,6 +217,7 @@ class Search:
                     # the condition direction too, when some point may use the discriminant gate
                     gate="discriminant" if "discriminant" in self.space.gates else "hard",
                     coefficient=self.space.coefficient,
+                    centering=self.space.centering,
                     batch_size=self.s.batch_size,
                     progress=False,
                 )
