@@ -63,6 +63,8 @@ OPTIONS: dict[str, dict[str, Any]] = {  # what each run changes from protect's d
     "bounded+gates at 1%": {"coefficient": "bounded", "gate_share": 0.01},
     "centred (probe responses)": {"centering": "full"},
     "centred+bounded": {"centering": "full", "coefficient": "bounded"},
+    "centred+replies of 12": {"centering": "full", "reply_check": 12},
+    "replies of 12": {"reply_check": 12},
     "before (issue 72)": {
         "prefer": "margin",
         "reply_check": 0,
