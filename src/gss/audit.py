@@ -599,28 +599,9 @@ def audit(
     RunOptions(batch_size=batch_size, progress=progress)  # checks both
     vocab = check_same_vocab(model, reference, tokenizer)
     warn_if_foreign_tokenizer(model, tokenizer)
-    starts: list[int] | None = None
-    if isinstance(texts, Sequence) and texts and all(is_pair(r) for r in texts):
-        pairs = [([int(t) for t in p], [int(t) for t in c]) for p, c in cast(Any, texts)]
-        if any(not p or not c for p, c in pairs):
-            raise GSSError("every (prompt, reply) pair needs a non-empty prompt and reply.")
-        starts = [len(p) for p, _ in pairs]
-        seqs = [p + c[: n - k] for p, c in pairs]
-        positions = None
+    seqs, starts, positions = _audited_rows(model, reference, texts, tokenizer, k, n)
+    if starts is not None:  # (prompt, reply) pairs: the prompt is the conversation
         scored = ()
-    else:
-        sides = (("model", model), ("reference", reference))
-        contexts = [(c[0], who) for who, m in sides if (c := context_length(m))]
-        if contexts and n > min(contexts)[0]:  # rows are cut to n: n is what must fit
-            limit, who = min(contexts)
-            raise GSSError(
-                f"n = {n} passes the {who}'s context ({limit} positions): lower n (--n) to "
-                f"{limit} or less."
-            )
-        given = encode_every(texts, tokenizer, n)
-        seqs = predictable(given)  # rows under 2 tokens have nothing to check
-        kept = [i for i, s in enumerate(given) if len(s) >= 2]
-        positions = kept if len(kept) < len(given) else None
     check_sequences((model, reference), seqs, "the texts")
     if all(len(s) <= (k if starts is None else starts[i]) for i, s in enumerate(seqs)):
         warnings.warn(
@@ -630,58 +611,7 @@ def audit(
             stacklevel=2,
         )
     started = time.perf_counter()
-    found: dict[int, AuditRow] = {}
-    differs, tokens = False, 0  # omega != 0 on some token: the reference is another model
-    with calibration_mode(model, reference), torch.no_grad():
-        for batch in tqdm(
-            batches(seqs, batch_size),
-            total=count_batches(len(seqs), batch_size),
-            desc="gss: audit",
-            disable=not progress,
-            leave=False,
-        ):
-            ids, mask = batch.input_ids, batch.attention_mask
-            logits = forward_logits(model, ids, mask)
-            hits = logits[:, :-1].argmax(-1).cpu() == ids[:, 1:].cpu()  # (B, T-1)
-            omega = token_logprobs(logits, ids, vocab).float().cpu()
-            ref_logits = forward_logits(reference, ids, mask)
-            ref_hits = ref_logits[:, :-1].argmax(-1).cpu() == ids[:, 1:].cpu()
-            ref_lp = token_logprobs(ref_logits, ids, vocab).float().cpu()
-            valid = target_mask(mask).cpu()
-            for name, lp in (("model", omega), ("reference", ref_lp)):
-                if not bool(torch.isfinite(lp[valid]).all()):  # else nothing looks memorized
-                    raise nonfinite_error(name, "audited")
-            omega -= ref_lp
-            differs = differs or bool((omega[valid] != 0).any())
-            tokens += int(valid.sum())
-            for j, index in enumerate(batch.index.tolist()):
-                length = int(mask[j].sum())
-                start = k if starts is None else starts[index]  # the window's first token
-                row_hits = hits[j, : length - 1]
-                row_omega = omega[j][valid[j]]
-                window = row_hits[start - 1 : length - 1]  # predictions of tokens start..
-                found[index] = AuditRow(
-                    index=index,
-                    tokens=length,
-                    extractable=bool(window.all()) if length > start else None,
-                    matched=float(window.float().mean()) if length > start else 0.0,
-                    longest_run=_longest_run(row_hits),
-                    omega_mean=float(row_omega.mean()) if row_omega.numel() else 0.0,
-                    omega_max=float(row_omega.max()) if row_omega.numel() else 0.0,
-                    omega_burst=_longest_run(row_omega > 0),
-                    reference_extractable=(
-                        bool(ref_hits[j, start - 1 : length - 1].all()) if length > start else None
-                    ),
-                    extracted_from=_extracted_from(row_hits, length, scored, n - k),
-                    reference_extracted_from=_extracted_from(
-                        ref_hits[j, : length - 1], length, scored, n - k
-                    ),
-                    **_sampled(
-                        logits[j : j + 1], ref_logits[j : j + 1], ids[j : j + 1], start, length
-                    ),
-                )
-    if tokens and not differs:
-        raise same_model_error(tokens, "audited")
+    found = _scored_rows(model, reference, seqs, starts, vocab, k, n, scored, batch_size, progress)
     rows = [found[i] for i in range(len(seqs))]
     report = AuditReport(
         rows=rows,
@@ -699,6 +629,136 @@ def audit(
     if other_prompts:
         report.other_prompts(model, tokenizer, reference, batch_size=batch_size, progress=progress)
     return report
+
+
+def _scored_rows(
+    model: nn.Module,
+    reference: nn.Module,
+    seqs: list[list[int]],
+    starts: list[int] | None,
+    vocab: int | None,
+    k: int,
+    n: int,
+    scored: Sequence[int],
+    batch_size: int,
+    progress: bool,
+) -> dict[int, AuditRow]:
+    """Each row's `AuditRow`, by index, from one teacher-forced pass of both models over the
+    rows; refused when omega is 0 on every token (the reference is the model itself)."""
+    found: dict[int, AuditRow] = {}
+    differs, tokens = False, 0  # omega != 0 on some token: the reference is another model
+    with calibration_mode(model, reference), torch.no_grad():
+        for batch in tqdm(
+            batches(seqs, batch_size),
+            total=count_batches(len(seqs), batch_size),
+            desc="gss: audit",
+            disable=not progress,
+            leave=False,
+        ):
+            scores = _BatchScores.of(model, reference, batch.input_ids, batch.attention_mask, vocab)
+            differs = differs or bool((scores.omega[scores.valid] != 0).any())
+            tokens += int(scores.valid.sum())
+            for j, index in enumerate(batch.index.tolist()):
+                start = k if starts is None else starts[index]  # the window's first token
+                found[index] = scores.row(j, index, start, scored, n - k)
+    if tokens and not differs:
+        raise same_model_error(tokens, "audited")
+    return found
+
+
+def _audited_rows(
+    model: nn.Module,
+    reference: nn.Module,
+    texts: TextsOrIds,
+    tokenizer: Any,
+    k: int,
+    n: int,
+) -> tuple[list[list[int]], list[int] | None, list[int] | None]:
+    """The rows `audit` reads, as token ids, with each pair's prompt length (None for rows,
+    whose prompt is their first k tokens) and where the rows kept came from in ``texts``
+    (None when every row was kept). Refuses an empty pair and a window past a model's
+    context before anything runs."""
+    if isinstance(texts, Sequence) and texts and all(is_pair(r) for r in texts):
+        pairs = [([int(t) for t in p], [int(t) for t in c]) for p, c in cast(Any, texts)]
+        if any(not p or not c for p, c in pairs):
+            raise GSSError("every (prompt, reply) pair needs a non-empty prompt and reply.")
+        return [p + c[: n - k] for p, c in pairs], [len(p) for p, _ in pairs], None
+    sides = (("model", model), ("reference", reference))
+    contexts = [(c[0], who) for who, m in sides if (c := context_length(m))]
+    if contexts and n > min(contexts)[0]:  # rows are cut to n: n is what must fit
+        limit, who = min(contexts)
+        raise GSSError(
+            f"n = {n} passes the {who}'s context ({limit} positions): lower n (--n) to "
+            f"{limit} or less."
+        )
+    given = encode_every(texts, tokenizer, n)
+    seqs = predictable(given)  # rows under 2 tokens have nothing to check
+    kept = [i for i, s in enumerate(given) if len(s) >= 2]
+    return seqs, None, kept if len(kept) < len(given) else None
+
+
+@dataclass
+class _BatchScores:
+    """One batch read by both models, teacher-forced: what each of its rows' `AuditRow` is
+    measured from."""
+
+    ids: Tensor
+    mask: Tensor
+    logits: Tensor
+    ref_logits: Tensor
+    hits: Tensor  # (B, T-1): the model's argmax is the next token
+    ref_hits: Tensor  # the same for the reference
+    omega: Tensor  # (B, T-1) float32 on the CPU: log p_model - log p_ref
+    valid: Tensor  # (B, T-1) on the CPU: real targets, not padding
+
+    @classmethod
+    def of(
+        cls, model: nn.Module, reference: nn.Module, ids: Tensor, mask: Tensor, vocab: int | None
+    ) -> _BatchScores:
+        """Both models' forwards over one batch; a non-finite log-probability is refused (else
+        nothing would look memorized)."""
+        logits = forward_logits(model, ids, mask)
+        hits = logits[:, :-1].argmax(-1).cpu() == ids[:, 1:].cpu()  # (B, T-1)
+        omega = token_logprobs(logits, ids, vocab).float().cpu()
+        ref_logits = forward_logits(reference, ids, mask)
+        ref_hits = ref_logits[:, :-1].argmax(-1).cpu() == ids[:, 1:].cpu()
+        ref_lp = token_logprobs(ref_logits, ids, vocab).float().cpu()
+        valid = target_mask(mask).cpu()
+        for name, lp in (("model", omega), ("reference", ref_lp)):
+            if not bool(torch.isfinite(lp[valid]).all()):  # else nothing looks memorized
+                raise nonfinite_error(name, "audited")
+        omega -= ref_lp
+        return cls(ids, mask, logits, ref_logits, hits, ref_hits, omega, valid)
+
+    def row(self, j: int, index: int, start: int, scored: Sequence[int], span: int) -> AuditRow:
+        """Row ``j`` of the batch (row ``index`` of the audit), its window from ``start``."""
+        length = int(self.mask[j].sum())
+        row_hits = self.hits[j, : length - 1]
+        row_omega = self.omega[j][self.valid[j]]
+        window = row_hits[start - 1 : length - 1]  # predictions of tokens start..
+        ref_hits = self.ref_hits[j, : length - 1]
+        return AuditRow(
+            index=index,
+            tokens=length,
+            extractable=bool(window.all()) if length > start else None,
+            matched=float(window.float().mean()) if length > start else 0.0,
+            longest_run=_longest_run(row_hits),
+            omega_mean=float(row_omega.mean()) if row_omega.numel() else 0.0,
+            omega_max=float(row_omega.max()) if row_omega.numel() else 0.0,
+            omega_burst=_longest_run(row_omega > 0),
+            reference_extractable=(
+                bool(self.ref_hits[j, start - 1 : length - 1].all()) if length > start else None
+            ),
+            extracted_from=_extracted_from(row_hits, length, scored, span),
+            reference_extracted_from=_extracted_from(ref_hits, length, scored, span),
+            **_sampled(
+                self.logits[j : j + 1],
+                self.ref_logits[j : j + 1],
+                self.ids[j : j + 1],
+                start,
+                length,
+            ),
+        )
 
 
 def _sampled(

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gss import distributed
@@ -25,7 +25,7 @@ from gss.errors import GSSError
 from gss.hf.blocks import resolve_layer
 from gss.solve.condition import condition_direction, with_condition
 from gss.solve.thresholds import ThresholdSample, gate_levels
-from gss.solve.whitened import solve_probe_steer
+from gss.solve.whitened import ProbeSteer, solve_probe_steer
 from gss.statistics import soundness
 from gss.statistics.capture import calibration_mode, layer_activations
 from gss.statistics.collect import (
@@ -106,6 +106,8 @@ def build_artifact(
 def _build(
     model: nn.Module, stats: CalibrationStatistics, cfg: CalibrationConfig, progress: bool
 ) -> SteeringArtifact:
+    """The artifact of ``stats`` under ``cfg``: the solve, the thresholds and what both
+    measured (the soundness warnings are said from here, for the caller of `calibrate`)."""
     rank, delta, centering, seed = cfg.rank, cfg.delta, cfg.centering, cfg.seed
     _check_counts(stats.counts, stats.memorization.count, rank)
     _, block = resolve_layer(model, stats.layer, stats.block_path)
@@ -135,20 +137,62 @@ def _build(
         general_from_calibration=stats.gen_seqs is None,
     )
     facts["warnings"] = soundness.warn_about(facts, rank, stacklevel=3)
-    device = sigma.device
+    offset, condition = _offset_and_condition(stats, cfg, probe, sigma.device)
+    readers, shift = with_condition(probe.to(sigma.device), offset, condition)
+    timings["solve"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    samples = _threshold_samples(model, block, stats, cfg, readers, shift, progress)
+    thresholds, level, info = gate_levels(
+        samples, rank, cfg.gate, condition is not None, cfg.threshold_percentile, cfg.gate_share
+    )
+    timings["thresholds"] = time.perf_counter() - t0
+    timings["total"] = sum(timings[k] for k in ("signal", "statistics", "solve", "thresholds"))
+    return SteeringArtifact(
+        probe=probe.cpu(),
+        steer=steer.cpu(),
+        thresholds=thresholds.cpu(),
+        offset=offset.float().cpu(),
+        singular_values=singular_values.cpu(),
+        config=cfg,
+        provenance=_provenance(model, stats, timings, samples, info, solution, facts),
+        condition=None if condition is None else condition.float().cpu(),
+        condition_threshold=level,
+    )
+
+
+def _offset_and_condition(
+    stats: CalibrationStatistics, cfg: CalibrationConfig, probe: Tensor, device: torch.device
+) -> tuple[Tensor, Tensor | None]:
+    """The probes' offsets (``U mu`` for centred probes, else zeros) and, for the
+    discriminant gate, its condition direction, on ``device``."""
+    sigma_acc = stats.sigma
     mean = sigma_acc.mean.float()
-    offset = probe.to(device) @ mean if centering == "full" else torch.zeros(rank, device=device)
+    offset = (
+        probe.to(device) @ mean if cfg.centering == "full" else torch.zeros(cfg.rank, device=device)
+    )
     condition = None
     if cfg.gate == "discriminant":  # read beside the probes: one column more to sample
         condition = condition_direction(sigma_acc.covariance, stats.memorized_mean.mean, mean)
         condition = distributed.broadcast_tensors(condition)[0].to(device)
-    readers, shift = with_condition(probe.to(device), offset, condition)
-    timings["solve"] = time.perf_counter() - t0
+    return offset, condition
 
-    t0 = time.perf_counter()
+
+def _threshold_samples(
+    model: nn.Module,
+    block: nn.Module,
+    stats: CalibrationStatistics,
+    cfg: CalibrationConfig,
+    readers: Tensor,
+    shift: Tensor,
+    progress: bool,
+) -> Tensor:
+    """The general tokens' responses the thresholds are set from: from the hidden states the
+    pass kept, else a second pass stopped after the block (a capped sample of either)."""
+    device = readers.device
     # each rank draws its own keys (rank 0's are one process's), and the cap is applied to all
     # ranks' rows together: a sample of the same size as one process's
-    keys = torch.Generator().manual_seed(seed + 1_000_003 * distributed.rank())
+    keys = torch.Generator().manual_seed(cfg.seed + 1_000_003 * distributed.rank())
     reservoir = ThresholdSample(cfg.max_threshold_samples, keys)
     kept = stats.general_sample
     if kept is not None:  # every general token's hidden state: no second pass needed
@@ -164,18 +208,26 @@ def _build(
             hidden = layer_activations(model, block, batch)
             rows = hidden[:, :-1][mask.to(hidden.device)].float().to(device)
             reservoir.add(rows @ readers.T - shift)
-    samples = reservoir.gathered(readers.shape[0])
-    thresholds, level, info = gate_levels(
-        samples, rank, cfg.gate, condition is not None, cfg.threshold_percentile, cfg.gate_share
-    )
-    timings["thresholds"] = time.perf_counter() - t0
-    timings["total"] = sum(timings[k] for k in ("signal", "statistics", "solve", "thresholds"))
+    return reservoir.gathered(readers.shape[0])
+
+
+def _provenance(
+    model: nn.Module,
+    stats: CalibrationStatistics,
+    timings: dict[str, float],
+    samples: Tensor,
+    info: dict[str, Any],
+    solution: ProbeSteer,
+    facts: dict[str, Any],
+) -> Provenance:
+    """What calibration measured, recorded beside the config in the artifact."""
     counts = {
         **stats.counts,
         "threshold_samples": int(samples.shape[0]),
-        "threshold_pass": kept is None,  # False: thresholds from hidden states kept in pass 1
+        # False: thresholds from hidden states kept in pass 1
+        "threshold_pass": stats.general_sample is None,
     }
-    provenance = Provenance(
+    return Provenance(
         fingerprint=model_fingerprint(model, stats.block_path),
         token_counts=counts,
         timings=timings,
@@ -189,17 +241,6 @@ def _build(
         },
         jitter=solution.jitter,
         soundness=facts,
-    )
-    return SteeringArtifact(
-        probe=probe.cpu(),
-        steer=steer.cpu(),
-        thresholds=thresholds.cpu(),
-        offset=offset.float().cpu(),
-        singular_values=singular_values.cpu(),
-        config=cfg,
-        provenance=provenance,
-        condition=None if condition is None else condition.float().cpu(),
-        condition_threshold=level,
     )
 
 

@@ -136,6 +136,23 @@ def read_data(
     columns gss reads alone (``secrets`` too, for `gss evaluate`).
     """
     columns = Columns(text_column, messages_column, prompt_column, completion_column)
+    name, path, stream = _checked_source(source, split, columns, strict)
+    if stream or (path.is_file() and path.suffix.lower() in LINE_FORMATS):
+        rows = numbered_rows(path)
+        if columns.named:
+            rows = [
+                (where, columns.rename(row, where, strict) if isinstance(row, dict) else row)
+                for where, row in rows
+            ]
+        return texts_of(rows, keep_rows)
+    return _read_table(name, path, split, columns, strict, progress)
+
+
+def _checked_source(
+    source: str | Path, split: str | None, columns: Columns, strict: bool
+) -> tuple[str, Path, bool]:
+    """`read_data`'s source as a name, a path and whether it is a stream (a pipe, a device),
+    refused where the options cannot apply to it, before anything is read."""
     if split is not None and (not isinstance(split, str) or not split.strip()):
         raise GSSError(f"split must be a split's name (e.g. 'train'), got {split!r}.")
     name = str(source)
@@ -161,14 +178,14 @@ def read_data(
             f"{name} is a text file, one sequence a line: it has no columns to name "
             "(--text-column, ...). Leave them out, or give a .jsonl or table file."
         )
-    if stream or (path.is_file() and path.suffix.lower() in LINE_FORMATS):
-        rows = numbered_rows(path)
-        if columns.named:
-            rows = [
-                (where, columns.rename(row, where, strict) if isinstance(row, dict) else row)
-                for where, row in rows
-            ]
-        return texts_of(rows, keep_rows)
+    return name, path, stream
+
+
+def _read_table(
+    name: str, path: Path, split: str | None, columns: Columns, strict: bool, progress: bool
+) -> DatasetRows:
+    """A table file, a dataset folder or a Hub dataset, through ``datasets``, as the rows of
+    its text columns; an unknown file format or a missing file is refused first."""
     if path.is_file() and path.suffix.lower() not in TABLE_FORMATS:
         known = ", ".join((".txt", ".jsonl", *TABLE_FORMATS))
         raise GSSError(

@@ -361,35 +361,8 @@ class SteeringArtifact(hub.HubMixin):
                 "gss.load or SteeringStack.from_pretrained."
             )
         if not cfg_path.is_file() or not tensors_path.is_file():
-            missing = [p.name for p in (cfg_path, tensors_path) if not p.is_file()]
-            lacks = "" if len(missing) == 2 or not path.is_dir() else f" ({missing[0]} is missing)"
-            inner = path / "steer"  # gss protect's --out holds its artifact there
-            hint = f" Did you mean {inner}?" if (inner / CONFIG_NAME).is_file() else ""
-            hint = f" Did you mean {inner} (a stack)?" if (inner / STACK_NAME).is_file() else hint
-            aside = interrupted_saves(path)
-            if aside and not path.exists():
-                hint = (
-                    f" An interrupted save set it aside in {aside[-1].parent}: saving there "
-                    "again restores it first, or rename that folder's artifact/ back."
-                )
-            raise GSSError(
-                f"{path} is not a gss artifact directory{lacks}: expected {CONFIG_NAME} and "
-                f"{TENSORS_NAME} in it (written by SteeringArtifact.save_pretrained).{hint}"
-            )
-        try:
-            raw = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise GSSError(
-                f"{cfg_path} is not valid JSON ({e}): the artifact is damaged."
-            ) from None
-        if not isinstance(raw, dict):
-            raise GSSError(f"{cfg_path} does not hold a JSON object: the artifact is damaged.")
-        version = raw.get("format_version")
-        if type(version) is not int:  # "2" (a string) or 2.0 is no version this gss wrote
-            raise GSSError(
-                f"{cfg_path}: format_version is {version!r}, not a version number: the "
-                "artifact is damaged (or edited by hand). Save it again."
-            )
+            raise _not_an_artifact(path)
+        raw, version = _config_file(cfg_path)
         if version == 1:
             config, provenance = _read_format_1(raw, path)
         elif version in (2, FORMAT_VERSION):
@@ -400,34 +373,7 @@ class SteeringArtifact(hub.HubMixin):
                 f"{FORMAT_VERSION}. Re-calibrate, or install the gss version that wrote it "
                 f"({raw.get('gss_version')})."
             )
-        try:  # before the checksum: a damaged file is named damaged, not from another save
-            t = load_file(str(tensors_path))
-        except Exception as e:  # safetensors raises its own error types for a damaged file
-            raise GSSError(
-                f"{tensors_path} does not load ({e}): the artifact is damaged."
-            ) from None
-        recorded = raw.get("tensors_sha256")
-        if version >= 2 and not isinstance(recorded, str):
-            raise GSSError(
-                f"{cfg_path} records no SHA-256 of {TENSORS_NAME} (tensors_sha256 is "
-                f"{recorded!r}): nothing ties the tensors to this config, so the artifact is "
-                "refused. Save it again from the object that has both (gss.load of the original)."
-            )
-        if recorded is not None and recorded != sha256_of(tensors_path):
-            raise GSSError(
-                f"{path}: {TENSORS_NAME} is not the file {CONFIG_NAME} was saved with (its "
-                "SHA-256 differs): the two files come from different saves. Save the artifact "
-                "again, or copy both files of one save."
-            )
-        missing = sorted({"probe", "steer", "thresholds", "offset", "singular_values"} - set(t))
-        if missing:
-            raise GSSError(f"{tensors_path} lacks the tensors {missing}: the artifact is damaged.")
-        if config.layer is None or config.rank != t["probe"].shape[0]:
-            raise GSSError(
-                f"{cfg_path} records layer {config.layer} and rank {config.rank}, and its tensors "
-                f"hold {t['probe'].shape[0]} directions: the artifact is damaged (a config needs "
-                "the block it steers and the rank of its tensors)."
-            )
+        t = _tensors_file(path, raw, version, config)
         return cls(
             probe=t["probe"],
             steer=t["steer"],
@@ -443,6 +389,80 @@ class SteeringArtifact(hub.HubMixin):
                 else None
             ),
         )
+
+
+def _not_an_artifact(path: Path) -> GSSError:
+    """What to say of a directory without both artifact files: which one is missing, and
+    where the artifact may be instead (`gss protect`'s steer/, a save set aside)."""
+    cfg_path, tensors_path = path / CONFIG_NAME, path / TENSORS_NAME
+    missing = [p.name for p in (cfg_path, tensors_path) if not p.is_file()]
+    lacks = "" if len(missing) == 2 or not path.is_dir() else f" ({missing[0]} is missing)"
+    inner = path / "steer"  # gss protect's --out holds its artifact there
+    hint = f" Did you mean {inner}?" if (inner / CONFIG_NAME).is_file() else ""
+    hint = f" Did you mean {inner} (a stack)?" if (inner / STACK_NAME).is_file() else hint
+    aside = interrupted_saves(path)
+    if aside and not path.exists():
+        hint = (
+            f" An interrupted save set it aside in {aside[-1].parent}: saving there "
+            "again restores it first, or rename that folder's artifact/ back."
+        )
+    return GSSError(
+        f"{path} is not a gss artifact directory{lacks}: expected {CONFIG_NAME} and "
+        f"{TENSORS_NAME} in it (written by SteeringArtifact.save_pretrained).{hint}"
+    )
+
+
+def _config_file(cfg_path: Path) -> tuple[dict[str, Any], int]:
+    """The config file's JSON object and its format version; a file that is no JSON object
+    or records no integer version is refused as damaged."""
+    try:
+        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise GSSError(f"{cfg_path} is not valid JSON ({e}): the artifact is damaged.") from None
+    if not isinstance(raw, dict):
+        raise GSSError(f"{cfg_path} does not hold a JSON object: the artifact is damaged.")
+    version = raw.get("format_version")
+    if type(version) is not int:  # "2" (a string) or 2.0 is no version this gss wrote
+        raise GSSError(
+            f"{cfg_path}: format_version is {version!r}, not a version number: the "
+            "artifact is damaged (or edited by hand). Save it again."
+        )
+    return raw, version
+
+
+def _tensors_file(
+    path: Path, raw: dict[str, Any], version: int, config: CalibrationConfig
+) -> dict[str, Tensor]:
+    """The tensors file's tensors, refused where the file is damaged, is not the one the
+    config was saved with (its SHA-256), lacks a tensor, or does not match the config's rank."""
+    cfg_path, tensors_path = path / CONFIG_NAME, path / TENSORS_NAME
+    try:  # before the checksum: a damaged file is named damaged, not from another save
+        t = load_file(str(tensors_path))
+    except Exception as e:  # safetensors raises its own error types for a damaged file
+        raise GSSError(f"{tensors_path} does not load ({e}): the artifact is damaged.") from None
+    recorded = raw.get("tensors_sha256")
+    if version >= 2 and not isinstance(recorded, str):
+        raise GSSError(
+            f"{cfg_path} records no SHA-256 of {TENSORS_NAME} (tensors_sha256 is "
+            f"{recorded!r}): nothing ties the tensors to this config, so the artifact is "
+            "refused. Save it again from the object that has both (gss.load of the original)."
+        )
+    if recorded is not None and recorded != sha256_of(tensors_path):
+        raise GSSError(
+            f"{path}: {TENSORS_NAME} is not the file {CONFIG_NAME} was saved with (its "
+            "SHA-256 differs): the two files come from different saves. Save the artifact "
+            "again, or copy both files of one save."
+        )
+    missing = sorted({"probe", "steer", "thresholds", "offset", "singular_values"} - set(t))
+    if missing:
+        raise GSSError(f"{tensors_path} lacks the tensors {missing}: the artifact is damaged.")
+    if config.layer is None or config.rank != t["probe"].shape[0]:
+        raise GSSError(
+            f"{cfg_path} records layer {config.layer} and rank {config.rank}, and its tensors "
+            f"hold {t['probe'].shape[0]} directions: the artifact is damaged (a config needs "
+            "the block it steers and the rank of its tensors)."
+        )
+    return t
 
 
 def _warn_unknown(path: Path, keys: set[str]) -> None:

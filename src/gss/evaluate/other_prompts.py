@@ -331,18 +331,42 @@ def other_prompts(
     kept = _within_context(prompts, models, skipped)
     check_sequences([m for _, m in models], [p.ids for p in kept], "the other prompts")
     if pad_id is None:
-        pad_id = next(
-            (
-                t
-                for t in (getattr(tokenizer, a, None) for a in ("pad_token_id", "eos_token_id"))
-                if isinstance(t, int)
-            ),
-            0,
-        )
+        pad_id = _default_pad_id(tokenizer)
     replies = {
         who: _replies(m, kept, pad_id, batch_size, progress, f"gss: other prompts ({who})")
         for who, m in models
     }
+    found = _judged(kept, replies, tokenizer)
+    report = {
+        name: _variant(name, len(given), found, skipped, reference is not None) for name in names
+    }
+    return OtherPromptsReport(
+        k=k,
+        n=n,
+        variants=report,
+        indices=tuple(range(len(given)) if indices is None else (int(i) for i in indices)),
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _default_pad_id(tokenizer: Any) -> int:
+    """What fills the batches when no pad_id is given: the tokenizer's pad token, else its
+    EOS, else 0."""
+    return next(
+        (
+            t
+            for t in (getattr(tokenizer, a, None) for a in ("pad_token_id", "eos_token_id"))
+            if isinstance(t, int)
+        ),
+        0,
+    )
+
+
+def _judged(
+    kept: Sequence[_Prompt], replies: dict[str, list[list[int]]], tokenizer: Any
+) -> dict[tuple[str, int], list[tuple[bool, bool | None, tuple[int, ...]]]]:
+    """For each (variant, row), one (the model leaked, the reference leaked or None, the
+    model's reply) per prompt: each reply cut at EOS and judged against its window."""
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
     found: dict[tuple[str, int], list[tuple[bool, bool | None, tuple[int, ...]]]] = {}
     for j, prompt in enumerate(kept):
@@ -354,16 +378,7 @@ def other_prompts(
         found.setdefault((prompt.variant, prompt.row), []).append(
             (said["model"], said.get("reference"), reply)
         )
-    report = {
-        name: _variant(name, len(given), found, skipped, reference is not None) for name in names
-    }
-    return OtherPromptsReport(
-        k=k,
-        n=n,
-        variants=report,
-        indices=tuple(range(len(given)) if indices is None else (int(i) for i in indices)),
-        seconds=time.perf_counter() - started,
-    )
+    return found
 
 
 def _check_lists(

@@ -139,6 +139,54 @@ def _ids(row: Any, index: int, what: str) -> Any:
     return id_row(row, index, f"{what} row {index}")
 
 
+def _nothing_to_prompt(memorized: Sequence[Any], k: int) -> GSSError:
+    """What to say when no candidate has both a prompt and tokens to match after it."""
+    if any(is_pair(r) for r in memorized):
+        return GSSError("every (prompt, continuation) pair has an empty prompt or reply.")
+    longest = max((len(r) for r in memorized), default=0)
+    return GSSError(
+        f"no candidate sequence is longer than k={k} tokens (the longest has {longest}); "
+        "give longer sequences or a smaller --k."
+    )
+
+
+def _continuations(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    targets: list[list[int]],
+    method: str,
+    pad_id: int,
+    batch_size: int,
+    progress: bool,
+) -> list[list[int]]:
+    """What ``model`` continues each prompt with, by ``method``: greedy decoding to the
+    longest target, or the teacher-forced argmax along each target."""
+    if method == "generate":
+        width = max(len(t) for t in targets)
+        return greedy_generate(
+            model, prompts, width, pad_id=pad_id, batch_size=batch_size, progress=progress
+        )
+    if method == "forced":
+        return forced_argmax(
+            model, prompts, targets, pad_id=pad_id, batch_size=batch_size, progress=progress
+        )
+    raise GSSError(f"method must be 'generate' or 'forced', got {method!r}.")
+
+
+def _matches(
+    continuations: Sequence[Sequence[int]], targets: list[list[int]]
+) -> tuple[list[bool], int, int]:
+    """Per candidate whether its continuation is its target exactly, and the matching and
+    total target tokens over all of them."""
+    exact, hits, total = [], 0, 0
+    for got, want in zip(continuations, targets, strict=True):
+        same = [a == b for a, b in zip(got, want, strict=False)]
+        exact.append(all(same))
+        hits += sum(same)
+        total += len(want)
+    return exact, hits, total
+
+
 def evaluate_model(
     model: torch.nn.Module,
     memorized: Candidates,
@@ -174,31 +222,10 @@ def evaluate_model(
         check_sequences((model,), rows, what)
     index, prompts, targets = _windows(memorized, k, n)
     if not index:
-        if any(is_pair(r) for r in memorized):
-            raise GSSError("every (prompt, continuation) pair has an empty prompt or reply.")
-        longest = max((len(r) for r in memorized), default=0)
-        raise GSSError(
-            f"no candidate sequence is longer than k={k} tokens (the longest has {longest}); "
-            "give longer sequences or a smaller --k."
-        )
+        raise _nothing_to_prompt(memorized, k)
     started = time.perf_counter()
-    if method == "generate":
-        width = max(len(t) for t in targets)
-        continuations = greedy_generate(
-            model, prompts, width, pad_id=pad_id, batch_size=batch_size, progress=progress
-        )
-    elif method == "forced":
-        continuations = forced_argmax(
-            model, prompts, targets, pad_id=pad_id, batch_size=batch_size, progress=progress
-        )
-    else:
-        raise GSSError(f"method must be 'generate' or 'forced', got {method!r}.")
-    exact, hits, total = [], 0, 0
-    for got, want in zip(continuations, targets, strict=True):
-        same = [a == b for a, b in zip(got, want, strict=False)]
-        exact.append(all(same))
-        hits += sum(same)
-        total += len(want)
+    continuations = _continuations(model, prompts, targets, method, pad_id, batch_size, progress)
+    exact, hits, total = _matches(continuations, targets)
     chances = (
         likely_shares(model, list(zip(prompts, targets, strict=True)), pad_id, batch_size)
         if sampled

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 from transformers import NoRepeatNGramLogitsProcessor, PreTrainedModel
 
 from gss.artifact.stack import SteeringStack
@@ -232,23 +233,63 @@ def reference_where_open(
     reference then runs at every step, twice the cost of decoding: the comparison that shows
     what the gates add).
     """
-    members: list[SteeringArtifact] | None
+    members = _members(steer, min_signal)
+    _check_options(model, reference, min_signal, min_confidence, no_repeat_ngram)
+    gates: list[_LastOpen] = []
+    handles: list[SteerHandle] = []
+    processor = ReferenceWhereOpen(
+        reference, None if members is None else gates, min_signal, min_confidence, no_repeat_ngram
+    )
+    try:
+        for member in members or []:
+            member.check_model(model, strict=strict)
+            _, block = resolve_layer(model, member.layer, member.config.block_path)
+            hook = member.make_hook()
+            warn_if_steering(block, member.identity, "handing over where it opens")
+            hook.origin = member.identity
+            gate = _LastOpen(hook, correct)
+            gates.append(gate)
+            handles.append(register(block, gate, model))
+        mask_hooks = _mask_readers(model, processor)
+        try:
+            yield processor
+        finally:
+            for mask_hook in mask_hooks:
+                mask_hook.remove()
+    finally:
+        for handle in reversed(handles):
+            handle.remove()
+
+
+def _members(steer: Any, min_signal: float | None) -> list[SteeringArtifact] | None:
+    """The artifacts whose gates `reference_where_open` reads (None: no steer, every step
+    open); any other ``steer`` is refused."""
     if steer is None:
         if min_signal is None:
             raise GSSError(
                 "reference_where_open(steer=None) needs min_signal: without a gate and a "
                 "signal every step would be the reference's (use the reference itself)."
             )
-        members = None
-    elif isinstance(steer, SteeringArtifact):
-        members = [steer]
-    elif isinstance(steer, SteeringStack):
-        members = list(steer)
-    else:
-        raise GSSError(
-            "reference_where_open takes a SteeringArtifact, a SteeringStack (gss.load) or None, "
-            f"got {type(steer).__name__}."
-        )
+        return None
+    if isinstance(steer, SteeringArtifact):
+        return [steer]
+    if isinstance(steer, SteeringStack):
+        return list(steer)
+    raise GSSError(
+        "reference_where_open takes a SteeringArtifact, a SteeringStack (gss.load) or None, "
+        f"got {type(steer).__name__}."
+    )
+
+
+def _check_options(
+    model: Any,
+    reference: Any,
+    min_signal: float | None,
+    min_confidence: float | None,
+    no_repeat_ngram: int | None,
+) -> None:
+    """Refuse an option of `reference_where_open` of the wrong kind or range, and a reference
+    that is no model or a model not loaded, before anything is attached."""
     if min_signal is not None and not (
         isinstance(min_signal, int | float)
         and not isinstance(min_signal, bool)
@@ -279,37 +320,17 @@ def reference_where_open(
     check_loaded(reference, "reference")
     if isinstance(model, nn.Module):
         check_loaded(model)
-    gates: list[_LastOpen] = []
-    handles: list[SteerHandle] = []
-    processor = ReferenceWhereOpen(
-        reference, None if members is None else gates, min_signal, min_confidence, no_repeat_ngram
-    )
+
+
+def _mask_readers(model: nn.Module, processor: ReferenceWhereOpen) -> list[RemovableHandle]:
+    """Hooks that give ``processor`` the attention mask of each forward of ``model``, which
+    the reference reads its positions from."""
 
     def read_mask(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         mask = kwargs.get("attention_mask")
         if isinstance(mask, Tensor) and mask.ndim == 2:  # (B, S): not a model's 4D form
             processor.mask = mask
 
-    try:
-        for member in members or []:
-            member.check_model(model, strict=strict)
-            _, block = resolve_layer(model, member.layer, member.config.block_path)
-            hook = member.make_hook()
-            warn_if_steering(block, member.identity, "handing over where it opens")
-            hook.origin = member.identity
-            gate = _LastOpen(hook, correct)
-            gates.append(gate)
-            handles.append(register(block, gate, model))
-        # every transformers model inside (a PEFT wrapper's generate calls the inner one's)
-        inner: list[nn.Module] = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
-        mask_hooks = [
-            m.register_forward_pre_hook(read_mask, with_kwargs=True) for m in inner or [model]
-        ]
-        try:
-            yield processor
-        finally:
-            for mask_hook in mask_hooks:
-                mask_hook.remove()
-    finally:
-        for handle in reversed(handles):
-            handle.remove()
+    # every transformers model inside (a PEFT wrapper's generate calls the inner one's)
+    inner: list[nn.Module] = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+    return [m.register_forward_pre_hook(read_mask, with_kwargs=True) for m in inner or [model]]

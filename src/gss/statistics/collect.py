@@ -286,10 +286,65 @@ def run_pass(
     many. With one block it also keeps what the thresholds need (which tokens were general,
     and their hidden states while few); ``compare_reference`` measures how far each block's
     output moved from the reference's."""
+    inputs = _read_inputs(model, reference, texts, cfg, tokenizer, gen_texts, layers)
+    sums = _start_sums(model, reference, inputs, cfg, run, compare_reference)
+    with calibration_mode(model, reference):
+        cut, ref_logp = _omega_cut(model, reference, inputs, cfg, run, sums)
+        desc = "gss: signal + statistics" if inputs.single else "gss: layer scan"
+        n_batches = count_batches(len(inputs.seqs), run.batch_size)
+        for b, batch in enumerate(
+            _bar(batches(inputs.seqs, run.batch_size), desc, n_batches, run.progress)
+        ):
+            _one_batch(model, reference, batch, ref_logp.get(b), cut, inputs, cfg, sums)
+        if inputs.gen_seqs is not None:
+            _general_pass(model, inputs.gen_seqs, inputs, run, sums)
+
+    for accs in (sums.sigma, sums.memorization, sums.memorized_mean):
+        for acc in accs:
+            acc.all_reduce()
+    counts = sums.counts
+    keys = ("sequences", "tokens", "trained", "memorized", "general", "omega_nonzero")
+    distributed.sum_counts(counts, keys)
+    counts["memorized_share"] = counts["memorized"] / max(counts["tokens"], 1)
+    reply_signal = inputs.replies.result()
+    if reply_signal is not None:
+        counts["replies"] = reply_signal
+        warn_if_replies_alone(reply_signal, stacklevel=stacklevel)
+    return _assembled(inputs, cfg, sums, cut)
+
+
+@dataclass
+class _Inputs:
+    """What `run_pass` reads, checked and encoded before any forward: bad input is refused
+    before the expensive work, and the steps after it share one record of it."""
+
+    vocab: int | None  # the logits both models share (`check_same_vocab`)
+    layers: list[int]  # the blocks' indices, sorted
+    blocks: list[nn.Module]
+    summed: bool  # gradient="summed": one backward of the summed objective
+    seqs: list[Tensor]  # this process's share of the texts' token ids
+    trained: list[Tensor] | None  # which of their tokens were trained on (None: all)
+    replies: ReplySignal
+    gen_seqs: list[Tensor] | None
+
+    @property
+    def single(self) -> bool:
+        """One block: the pass also keeps what calibration's thresholds need."""
+        return len(self.blocks) == 1
+
+
+def _read_inputs(
+    model: nn.Module,
+    reference: nn.Module,
+    texts: TextsOrIds,
+    cfg: CalibrationConfig,
+    tokenizer: Any | None,
+    gen_texts: TextsOrIds | None,
+    layers: Sequence[int],
+) -> _Inputs:
+    """The blocks and the token ids of the pass, each checked in the order the pass always
+    checked them (the vocabularies, the blocks, the texts, then gen_texts)."""
     block_path, max_length = cfg.block_path, cfg.max_length
-    omega_threshold, memorized_quantile = cfg.omega_threshold, cfg.memorized_quantile
-    target, gradient, replies_only = cfg.target, cfg.gradient, cfg.replies_only
-    batch_size, keep_general, progress = run.batch_size, run.keep_general, run.progress
     vocab = check_same_vocab(model, reference, tokenizer)
     resolved = sorted({resolve_layer(model, layer, block_path)[0] for layer in layers})
     if not resolved:
@@ -297,16 +352,15 @@ def run_pass(
     blocks = [resolve_layer(model, i, block_path)[1] for i in resolved]
     # a quantized model whose layers above the lowest tap drop the gradient: refused now
     check_backward(model, find_decoder_blocks(model, block_path)[: resolved[0] + 1])
-    single = len(blocks) == 1
-    summed = gradient == "summed"
-    if not summed and not single:
+    summed = cfg.gradient == "summed"
+    if not summed and len(blocks) != 1:
         raise GSSError(
             "gradient='per-position' reads one block at a time: scan with 'summed', or "
             "calibrate each block apart."
         )
     head: list[Any] = []  # the first rows, for the replies check: a stream is read once
     all_seqs, all_trained = encode_trained(
-        texts, tokenizer, max_length, replies_only=replies_only, head=head
+        texts, tokenizer, max_length, replies_only=cfg.replies_only, head=head
     )
     check_sequences((model, reference), all_seqs, "the texts")
     seqs = distributed.shard(all_seqs)
@@ -314,198 +368,361 @@ def run_pass(
     # nothing restricts the memorized set: does the signal say the replies alone were trained?
     masks = reply_masks(head, tokenizer, max_length) if all_trained is None else None
     replies = ReplySignal(distributed.shard(masks) if masks is not None else None)
-
     gen_seqs = None
     if gen_texts is not None:
         all_gen = encode_compact(gen_texts, tokenizer, max_length)
         check_sequences((model, reference), all_gen, "gen_texts")
         gen_seqs = distributed.shard(all_gen)
+    return _Inputs(vocab, resolved, blocks, summed, seqs, trained, replies, gen_seqs)
+
+
+@dataclass
+class _Sums:
+    """What `run_pass` adds up over its batches: the statistics at each block, the general
+    tokens kept for the thresholds, the distance to the reference, the counts and the time
+    each part took."""
+
+    sigma: list[CovarianceAccumulator]
+    memorization: list[CrossMomentAccumulator]
+    memorized_mean: list[MeanAccumulator]
+    keeper: _GeneralKeeper
+    general_flags: GeneralFlags | None
+    ref_blocks: list[nn.Module]  # the reference's blocks to compare with (none: no comparing)
+    moved: list[float]
+    norm: list[float]
+    counts: dict[str, Any]
+    timings: dict[str, float]
+
+
+def _start_sums(
+    model: nn.Module,
+    reference: nn.Module,
+    inputs: _Inputs,
+    cfg: CalibrationConfig,
+    run: RunOptions,
+    compare_reference: bool,
+) -> _Sums:
+    """Empty sums, on each block's device, before the first batch."""
     dim = residual_width(model)
-    devices = [execution_device(model, block) for block in blocks]
+    devices = [execution_device(model, block) for block in inputs.blocks]
+    keep_general = run.keep_general
     keeper = _GeneralKeeper(keep_general if keep_general is not None else 2**24 // dim)
     sigma_accs = [CovarianceAccumulator(dim, device) for device in devices]
     m_accs = [CrossMomentAccumulator(dim, device) for device in devices]
     mem_means = [MeanAccumulator(dim, device) for device in devices]
     ref_blocks = (
-        _matching_blocks(reference, resolved, model, block_path) if compare_reference else []
+        _matching_blocks(reference, inputs.layers, model, cfg.block_path)
+        if compare_reference
+        else []
     )
-    moved = [0.0] * len(blocks)
-    norm = [0.0] * len(blocks)
+    moved = [0.0] * len(inputs.blocks)
+    norm = [0.0] * len(inputs.blocks)
     timings = {"signal": 0.0, "statistics": 0.0}
-    counts: dict[str, Any] = {"sequences": len(seqs), "tokens": 0, "memorized": 0, "general": 0}
+    counts: dict[str, Any] = {
+        "sequences": len(inputs.seqs),
+        "tokens": 0,
+        "memorized": 0,
+        "general": 0,
+    }
     counts["trained"] = 0  # the tokens that could be memorized (all, without labels or replies)
     # tokens whose log-prob differs between the two models: none means the reference is the
     # model itself, which the callers say in so many words
     counts["omega_nonzero"] = 0
-    n_batches = count_batches(len(seqs), batch_size)
-    general_flags = GeneralFlags(seqs) if gen_seqs is None and single else None
+    general_flags = GeneralFlags(inputs.seqs) if inputs.gen_seqs is None and inputs.single else None
+    return _Sums(
+        sigma_accs,
+        m_accs,
+        mem_means,
+        keeper,
+        general_flags,
+        ref_blocks,
+        moved,
+        norm,
+        counts,
+        timings,
+    )
 
-    def bar(it: Any, desc: str, total: int) -> Any:
-        return tqdm(it, desc=desc, total=total, disable=not progress, leave=False)
 
-    def logprobs(m: nn.Module, batch: Batch) -> Tensor:
-        return token_logprobs(
-            forward_logits(m, batch.input_ids, batch.attention_mask), batch.input_ids, vocab
+def _bar(it: Any, desc: str, total: int, progress: bool) -> Any:
+    """A progress bar of the pass, gone when done."""
+    return tqdm(it, desc=desc, total=total, disable=not progress, leave=False)
+
+
+def _logprobs(m: nn.Module, batch: Batch, vocab: int | None) -> Tensor:
+    """Each target's log-probability under ``m``, over the first ``vocab`` logits."""
+    return token_logprobs(
+        forward_logits(m, batch.input_ids, batch.attention_mask), batch.input_ids, vocab
+    )
+
+
+def _omega_cut(
+    model: nn.Module,
+    reference: nn.Module,
+    inputs: _Inputs,
+    cfg: CalibrationConfig,
+    run: RunOptions,
+    sums: _Sums,
+) -> tuple[float, dict[int, Tensor]]:
+    """The omega above which a token is memorized, and the reference's log-probabilities by
+    batch where a pre-pass read them: ``omega_threshold``, or the global cut of the
+    top-quantile rule (`memorized_quantile`), which needs every token's omega first."""
+    ref_logp: dict[int, Tensor] = {}
+    cut = cfg.omega_threshold
+    if cfg.memorized_quantile is not None:
+        seqs, batch_size = inputs.seqs, run.batch_size
+        t0 = time.perf_counter()
+        all_omega = []
+        for b, batch in enumerate(
+            _bar(
+                batches(seqs, batch_size),
+                "gss: omega (quantile rule)",
+                count_batches(len(seqs), batch_size),
+                run.progress,
+            )
+        ):
+            with torch.no_grad():
+                lp_ref = _logprobs(reference, batch, inputs.vocab)
+                lp = _logprobs(model, batch, inputs.vocab)
+            ref_logp[b] = lp_ref
+            valid = trained_targets(
+                inputs.trained, batch, target_mask(batch.attention_mask).to(lp.device)
+            )
+            all_omega.append((lp - lp_ref.to(lp.device))[valid].float().cpu())
+        values = distributed.gather_rows(torch.cat(all_omega))[: 2**24].double()
+        cut = float(torch.quantile(values, 1 - cfg.memorized_quantile))
+        sums.timings["signal"] += time.perf_counter() - t0
+    return cut, ref_logp
+
+
+@dataclass
+class _Forward:
+    """One batch's forwards: the model's with its blocks tapped (gradients flow to the taps
+    with the summed objective), and the reference's where its log-probabilities were not
+    kept by the pre-pass or its blocks are compared."""
+
+    logits: Tensor
+    lp_model: Tensor
+    lp_ref: Tensor
+    ref_logits: Tensor | None
+    taps: list[Tap]
+    ref_taps: list[Tap]
+
+
+def _forward(
+    model: nn.Module,
+    reference: nn.Module,
+    batch: Batch,
+    kept_lp_ref: Tensor | None,
+    inputs: _Inputs,
+    target: str,
+    ref_blocks: list[nn.Module],
+) -> _Forward:
+    """Both models' forwards over ``batch`` (the reference's log-probabilities from the
+    pre-pass, ``kept_lp_ref``, where they are all the objective needs)."""
+    vocab = inputs.vocab
+    ref_logits = None
+    ref_taps: list[Tap] = []
+    if kept_lp_ref is not None and target == "loglik" and not ref_blocks:
+        lp_ref = kept_lp_ref
+    else:
+        with torch.no_grad(), ExitStack() as stack:
+            ref_taps = [
+                stack.enter_context(tapped(rb, stop=False, leaf=False)) for rb in ref_blocks
+            ]
+            ref_logits = forward_logits(reference, batch.input_ids, batch.attention_mask)
+        lp_ref = token_logprobs(ref_logits, batch.input_ids, vocab)
+    # gradients stop at the lowest block: the ones above it are read on the way
+    summed = inputs.summed
+    with torch.set_grad_enabled(summed), ExitStack() as stack:
+        taps = [
+            stack.enter_context(tapped(block, stop=False, leaf=summed and i == 0))
+            for i, block in enumerate(inputs.blocks)
+        ]
+        logits = forward_logits(model, batch.input_ids, batch.attention_mask)
+    lp_model = token_logprobs(logits, batch.input_ids, vocab)
+    return _Forward(logits, lp_model, lp_ref, ref_logits, taps, ref_taps)
+
+
+@dataclass
+class _Split:
+    """One batch's targets as the memorization signal splits them ((B, T-1) each)."""
+
+    valid: Tensor  # real targets, not padding
+    omega: Tensor  # log p_model - log p_ref
+    eligible: Tensor  # the trained-on targets, the ones that can be memorized
+    mem: Tensor  # memorized: eligible with omega above the cut
+    gen: Tensor  # general: every other valid target
+
+
+def _split(fwd: _Forward, batch: Batch, cut: float, inputs: _Inputs) -> _Split:
+    """Omega and the token split of one batch; a non-finite log-probability is refused."""
+    lp_model = fwd.lp_model
+    valid = target_mask(batch.attention_mask).to(lp_model.device)
+    omega = lp_model.detach() - fwd.lp_ref.to(lp_model.device)
+    if not bool(torch.isfinite(omega[valid]).all()):
+        bad = "model" if not bool(torch.isfinite(lp_model[valid]).all()) else "reference"
+        raise nonfinite_error(bad, "calibration")
+    eligible = trained_targets(inputs.trained, batch, valid)
+    inputs.replies.update(batch, omega, valid)
+    mem = eligible & (omega > cut)
+    gen = valid & ~mem
+    return _Split(valid, omega, eligible, mem, gen)
+
+
+def _one_batch(
+    model: nn.Module,
+    reference: nn.Module,
+    batch: Batch,
+    kept_lp_ref: Tensor | None,
+    cut: float,
+    inputs: _Inputs,
+    cfg: CalibrationConfig,
+    sums: _Sums,
+) -> None:
+    """One batch of the pass: the signal (both forwards, the token split), then what each
+    block's statistics take from it."""
+    t0 = time.perf_counter()
+    fwd = _forward(model, reference, batch, kept_lp_ref, inputs, cfg.target, sums.ref_blocks)
+    split = _split(fwd, batch, cut, inputs)
+    sums.timings["signal"] += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _batch_statistics(model, batch, fwd, split, inputs, cfg.target, sums)
+    del fwd
+    sums.timings["statistics"] += time.perf_counter() - t0
+
+
+def _batch_statistics(
+    model: nn.Module,
+    batch: Batch,
+    fwd: _Forward,
+    split: _Split,
+    inputs: _Inputs,
+    target: str,
+    sums: _Sums,
+) -> None:
+    """Add one batch to the sums: the distance to the reference's blocks, M and the
+    memorized mean from the memorized tokens' gradients, Sigma_gen from the general tokens
+    (without gen_texts), and the counts."""
+    valid, mem, gen = split.valid, split.mem, split.gen
+    hiddens = outputs(fwd.taps)
+    for i, ref_hidden in enumerate(
+        outputs(fwd.ref_taps, " of the reference") if sums.ref_blocks else []
+    ):
+        ours = hiddens[i].detach()[:, :-1][valid.to(hiddens[i].device)]
+        theirs = ref_hidden[:, :-1][valid.to(ref_hidden.device)].to(ours.device)
+        sums.moved[i] += float((ours - theirs).double().pow(2).sum())
+        sums.norm[i] += float(theirs.double().pow(2).sum())
+    n_mem = int(mem.sum())
+    if n_mem:
+        pairs = _memorized_pairs(model, batch, fwd, mem, hiddens, inputs, target)
+        for (h_mem, g_mem), m_acc, mem_mean in zip(
+            pairs, sums.memorization, sums.memorized_mean, strict=True
+        ):
+            m_acc.update(h_mem, g_mem)
+            mem_mean.update(h_mem.detach())
+    if inputs.gen_seqs is None:
+        for hidden, sigma_acc in zip(hiddens, sums.sigma, strict=True):
+            gen_h = hidden.detach()[:, :-1][gen.to(hidden.device)]
+            sigma_acc.update(gen_h)
+            if inputs.single:
+                sums.keeper.add(gen_h)
+        if sums.general_flags is not None:
+            sums.general_flags.add(gen, valid)
+    counts = sums.counts
+    counts["tokens"] += int(valid.sum())
+    counts["trained"] += int(split.eligible.sum())
+    counts["memorized"] += n_mem
+    counts["general"] += int(gen.sum())
+    counts["omega_nonzero"] += int((valid & (split.omega != 0)).sum())
+
+
+def _memorized_pairs(
+    model: nn.Module,
+    batch: Batch,
+    fwd: _Forward,
+    mem: Tensor,
+    hiddens: list[Tensor],
+    inputs: _Inputs,
+    target: str,
+) -> list[tuple[Tensor, Tensor]]:
+    """Per block, the memorized tokens' hidden states and the gradients g at them: from one
+    backward of the summed objective, or (per-position) one per memorized token."""
+    ref_logits = fwd.ref_logits
+    if ref_logits is not None:
+        ref_logits = ref_logits.to(fwd.logits.device)
+    if inputs.summed:
+        total = objective(target, fwd.logits, fwd.lp_model, ref_logits, mem, inputs.vocab)
+        grads = torch.autograd.grad(total, hiddens)
+        pairs = []
+        for hidden, grad in zip(hiddens, grads, strict=True):
+            mem_h = mem.to(hidden.device)
+            pairs.append((hidden[:, :-1][mem_h], grad[:, :-1][mem_h]))
+        return pairs
+    rows, positions = mem.nonzero(as_tuple=True)
+    return [
+        per_position_gradients(
+            model,
+            inputs.blocks[0],
+            batch.input_ids,
+            batch.attention_mask,
+            rows.cpu(),
+            positions.cpu(),
+            target,
+            ref_logits,
+            inputs.vocab,
         )
+    ]
 
-    with calibration_mode(model, reference):
-        # Optional pre-pass: the global omega cut of the top-quantile rule.
-        ref_logp: dict[int, Tensor] = {}
-        cut = omega_threshold
-        if memorized_quantile is not None:
-            t0 = time.perf_counter()
-            all_omega = []
-            for b, batch in enumerate(
-                bar(batches(seqs, batch_size), "gss: omega (quantile rule)", n_batches)
-            ):
-                with torch.no_grad():
-                    lp_ref = logprobs(reference, batch)
-                    lp = logprobs(model, batch)
-                ref_logp[b] = lp_ref
-                valid = trained_targets(
-                    trained, batch, target_mask(batch.attention_mask).to(lp.device)
-                )
-                all_omega.append((lp - lp_ref.to(lp.device))[valid].float().cpu())
-            values = distributed.gather_rows(torch.cat(all_omega))[: 2**24].double()
-            cut = float(torch.quantile(values, 1 - memorized_quantile))
-            timings["signal"] += time.perf_counter() - t0
 
-        desc = "gss: signal + statistics" if single else "gss: layer scan"
-        for b, batch in enumerate(bar(batches(seqs, batch_size), desc, n_batches)):
-            t0 = time.perf_counter()
-            ref_logits = None
-            ref_taps: list[Tap] = []
-            if b in ref_logp and target == "loglik" and not ref_blocks:
-                lp_ref = ref_logp[b]
-            else:
-                with torch.no_grad(), ExitStack() as stack:
-                    ref_taps = [
-                        stack.enter_context(tapped(rb, stop=False, leaf=False)) for rb in ref_blocks
-                    ]
-                    ref_logits = forward_logits(reference, batch.input_ids, batch.attention_mask)
-                lp_ref = token_logprobs(ref_logits, batch.input_ids, vocab)
-            # gradients stop at the lowest block: the ones above it are read on the way
-            with torch.set_grad_enabled(summed), ExitStack() as stack:
-                taps = [
-                    stack.enter_context(tapped(block, stop=False, leaf=summed and i == 0))
-                    for i, block in enumerate(blocks)
-                ]
-                logits = forward_logits(model, batch.input_ids, batch.attention_mask)
-            lp_model = token_logprobs(logits, batch.input_ids, vocab)
-            valid = target_mask(batch.attention_mask).to(lp_model.device)
-            omega = lp_model.detach() - lp_ref.to(lp_model.device)
-            if not bool(torch.isfinite(omega[valid]).all()):
-                bad = "model" if not bool(torch.isfinite(lp_model[valid]).all()) else "reference"
-                raise nonfinite_error(bad, "calibration")
-            eligible = trained_targets(trained, batch, valid)
-            replies.update(batch, omega, valid)
-            mem = eligible & (omega > cut)
-            gen = valid & ~mem
-            timings["signal"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            hiddens = outputs(taps)
-            for i, ref_hidden in enumerate(
-                outputs(ref_taps, " of the reference") if ref_blocks else []
-            ):
-                ours = hiddens[i].detach()[:, :-1][valid.to(hiddens[i].device)]
-                theirs = ref_hidden[:, :-1][valid.to(ref_hidden.device)].to(ours.device)
-                moved[i] += float((ours - theirs).double().pow(2).sum())
-                norm[i] += float(theirs.double().pow(2).sum())
-            n_mem = int(mem.sum())
-            if n_mem:
-                if ref_logits is not None:
-                    ref_logits = ref_logits.to(logits.device)
-                if summed:
-                    total = objective(target, logits, lp_model, ref_logits, mem, vocab)
-                    grads = torch.autograd.grad(total, hiddens)
-                    pairs = []
-                    for hidden, grad in zip(hiddens, grads, strict=True):
-                        mem_h = mem.to(hidden.device)
-                        pairs.append((hidden[:, :-1][mem_h], grad[:, :-1][mem_h]))
-                else:
-                    rows, positions = mem.nonzero(as_tuple=True)
-                    pairs = [
-                        per_position_gradients(
-                            model,
-                            blocks[0],
-                            batch.input_ids,
-                            batch.attention_mask,
-                            rows.cpu(),
-                            positions.cpu(),
-                            target,
-                            ref_logits,
-                            vocab,
-                        )
-                    ]
-                for (h_mem, g_mem), m_acc, mem_mean in zip(pairs, m_accs, mem_means, strict=True):
-                    m_acc.update(h_mem, g_mem)
-                    mem_mean.update(h_mem.detach())
-            if gen_seqs is None:
-                for hidden, sigma_acc in zip(hiddens, sigma_accs, strict=True):
-                    gen_h = hidden.detach()[:, :-1][gen.to(hidden.device)]
-                    sigma_acc.update(gen_h)
-                    if single:
-                        keeper.add(gen_h)
-                if general_flags is not None:
-                    general_flags.add(gen, valid)
-            counts["tokens"] += int(valid.sum())
-            counts["trained"] += int(eligible.sum())
-            counts["memorized"] += n_mem
-            counts["general"] += int(gen.sum())
-            counts["omega_nonzero"] += int((valid & (omega != 0)).sum())
-            del logits, lp_model, hiddens, taps
-            timings["statistics"] += time.perf_counter() - t0
+def _general_pass(
+    model: nn.Module, gen_seqs: list[Tensor], inputs: _Inputs, run: RunOptions, sums: _Sums
+) -> None:
+    """Sigma_gen from gen_texts: a forward without gradients, stopped after the blocks."""
+    t0 = time.perf_counter()
+    for batch in _bar(
+        batches(gen_seqs, run.batch_size),
+        "gss: Sigma_gen",
+        count_batches(len(gen_seqs), run.batch_size),
+        run.progress,
+    ):
+        mask = target_mask(batch.attention_mask)
+        for hidden, sigma_acc in zip(
+            block_outputs(model, inputs.blocks, batch), sums.sigma, strict=True
+        ):
+            gen_h = hidden[:, :-1][mask.to(hidden.device)]
+            sigma_acc.update(gen_h)
+            if inputs.single:
+                sums.keeper.add(gen_h)
+        sums.counts["general"] += int(mask.sum())
+    sums.timings["statistics"] += time.perf_counter() - t0
 
-        if gen_seqs is not None:
-            t0 = time.perf_counter()
-            for batch in bar(
-                batches(gen_seqs, batch_size),
-                "gss: Sigma_gen",
-                count_batches(len(gen_seqs), batch_size),
-            ):
-                mask = target_mask(batch.attention_mask)
-                for hidden, sigma_acc in zip(
-                    block_outputs(model, blocks, batch), sigma_accs, strict=True
-                ):
-                    gen_h = hidden[:, :-1][mask.to(hidden.device)]
-                    sigma_acc.update(gen_h)
-                    if single:
-                        keeper.add(gen_h)
-                counts["general"] += int(mask.sum())
-            timings["statistics"] += time.perf_counter() - t0
 
-    for accs in (sigma_accs, m_accs, mem_means):
-        for acc in accs:
-            acc.all_reduce()
-    keys = ("sequences", "tokens", "trained", "memorized", "general", "omega_nonzero")
-    distributed.sum_counts(counts, keys)
-    counts["memorized_share"] = counts["memorized"] / max(counts["tokens"], 1)
-    reply_signal = replies.result()
-    if reply_signal is not None:
-        counts["replies"] = reply_signal
-        warn_if_replies_alone(reply_signal, stacklevel=stacklevel)
+def _assembled(inputs: _Inputs, cfg: CalibrationConfig, sums: _Sums, cut: float) -> Pass:
+    """The `Pass` of the reduced sums, with the memorized-token rule it applied."""
+    memorized_quantile = cfg.memorized_quantile
     memorized_rule = {
         "kind": "quantile" if memorized_quantile is not None else "omega_above",
-        "omega_threshold": omega_threshold if memorized_quantile is None else None,
+        "omega_threshold": cfg.omega_threshold if memorized_quantile is None else None,
         "quantile": memorized_quantile,
         "cut": cut,
-        "sigma_from": "gen_texts" if gen_seqs is not None else "non_memorized_tokens",
-        "among": "trained tokens" if trained is not None else "all tokens",
+        "sigma_from": "gen_texts" if inputs.gen_seqs is not None else "non_memorized_tokens",
+        "among": "trained tokens" if inputs.trained is not None else "all tokens",
     }
+    compared = bool(sums.ref_blocks)
     return Pass(
-        layers=resolved,
-        sigma=sigma_accs,
-        memorization=m_accs,
-        memorized_mean=mem_means,
-        counts=counts,
-        timings=timings,
+        layers=inputs.layers,
+        sigma=sums.sigma,
+        memorization=sums.memorization,
+        memorized_mean=sums.memorized_mean,
+        counts=sums.counts,
+        timings=sums.timings,
         memorized_rule=memorized_rule,
-        seqs=seqs,
-        gen_seqs=gen_seqs,
-        general_flags=general_flags,
-        general_sample=keeper.result() if single else None,
-        moved=moved if ref_blocks else None,
-        norm=norm if ref_blocks else None,
+        seqs=inputs.seqs,
+        gen_seqs=inputs.gen_seqs,
+        general_flags=sums.general_flags,
+        general_sample=sums.keeper.result() if inputs.single else None,
+        moved=sums.moved if compared else None,
+        norm=sums.norm if compared else None,
     )
 
 

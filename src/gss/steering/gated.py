@@ -84,6 +84,83 @@ def resolve_device(device: torch.device | str) -> torch.device:
     return device
 
 
+def _check_steer(
+    probe: Tensor,
+    steer: Tensor,
+    thresholds: Tensor,
+    gate: str,
+    coefficient: str,
+    condition: Tensor | None,
+    condition_threshold: float | None,
+) -> None:
+    """Refuse a `GatedSteer` whose options or tensor shapes do not fit together, before any
+    tensor is made from them."""
+    if gate not in GATES:
+        raise GSSError(f"gate must be one of {GATES}, got {gate!r}.")
+    if coefficient not in COEFFICIENTS:
+        raise GSSError(f"coefficient must be one of {COEFFICIENTS}, got {coefficient!r}.")
+    if probe.ndim != 2 or steer.shape != probe.shape:
+        raise GSSError(
+            f"probe and steer must both be (K, d); got {tuple(probe.shape)} and "
+            f"{tuple(steer.shape)}."
+        )
+    k = probe.shape[0]
+    if (gate == "discriminant") != (condition is not None and condition_threshold is not None):
+        raise GSSError(
+            "the discriminant gate needs a condition direction and its threshold, and only "
+            "it takes them: calibrate with gate='discriminant', or pick another gate."
+        )
+    if thresholds.shape != (k,):
+        raise GSSError(f"thresholds must have shape ({k},), got {tuple(thresholds.shape)}.")
+
+
+def _scale(
+    probe32: Tensor,
+    steer32: Tensor,
+    coefficient: str,
+    delta: float,
+    ridge_delta: float | None,
+    min_alignment: float,
+) -> Tensor:
+    """The factor each direction's coefficient is scaled by (K,): the paper's constant or
+    the ridge's, from the alignment <u_k, v_k>; ones for the others."""
+    alignment = (probe32 * steer32).sum(-1)
+    if coefficient == "paper-constant":
+        return alignment / (alignment**2 + delta)
+    if coefficient == "ridge":
+        rd = delta if ridge_delta is None else ridge_delta
+        scale = alignment / (alignment**2 + rd)
+        usable = alignment.abs() >= min_alignment * probe32.norm(dim=-1).clamp_min(1e-30)
+        return torch.where(usable, scale, torch.zeros_like(scale))
+    return torch.ones(probe32.shape[0])
+
+
+def _fused_tensors(
+    probe32: Tensor,
+    steer32: Tensor,
+    offset32: Tensor,
+    eps32: Tensor,
+    gate: str,
+    coefficient: str,
+) -> dict[str, Tensor] | None:
+    """The fused form's folded tensors (`_fused_steer`), or None where it does not take the
+    steer: another coefficient or gate, a threshold not positive and finite, or folded
+    tensors that would not be finite."""
+    k = probe32.shape[0]
+    positive = bool(((eps32 > 0) & torch.isfinite(eps32)).all())
+    if not (coefficient == "projection" and (gate == "none" or (gate == "hard" and positive))):
+        return None
+    unit = eps32 if gate == "hard" else torch.ones(k)
+    fused = {
+        "fused_probe_t": (probe32 / unit[:, None]).t().contiguous(),
+        "fused_neg_offset": -offset32 / unit,
+        "fused_neg_steer": (-steer32 * unit[:, None]).contiguous(),
+    }
+    if all(bool(torch.isfinite(t).all()) for t in fused.values()):
+        return fused
+    return None
+
+
 class GatedSteer:
     """Gated rank-K steer: ``h <- h - sum_k c_k(s_k) v_k`` where the gate of k is open.
 
@@ -127,39 +204,15 @@ class GatedSteer:
         condition: Tensor | None = None,
         condition_threshold: float | None = None,
     ) -> None:
-        if gate not in GATES:
-            raise GSSError(f"gate must be one of {GATES}, got {gate!r}.")
-        if coefficient not in COEFFICIENTS:
-            raise GSSError(f"coefficient must be one of {COEFFICIENTS}, got {coefficient!r}.")
-        if probe.ndim != 2 or steer.shape != probe.shape:
-            raise GSSError(
-                f"probe and steer must both be (K, d); got {tuple(probe.shape)} and "
-                f"{tuple(steer.shape)}."
-            )
+        _check_steer(probe, steer, thresholds, gate, coefficient, condition, condition_threshold)
         k = probe.shape[0]
-        if (gate == "discriminant") != (condition is not None and condition_threshold is not None):
-            raise GSSError(
-                "the discriminant gate needs a condition direction and its threshold, and only "
-                "it takes them: calibrate with gate='discriminant', or pick another gate."
-            )
-        if thresholds.shape != (k,):
-            raise GSSError(f"thresholds must have shape ({k},), got {tuple(thresholds.shape)}.")
         self.gate = gate
         self.coefficient = coefficient
         self.hidden_size = probe.shape[1]
         probe32 = probe.detach().float()
         steer32 = steer.detach().float()
         offset32 = torch.zeros(k) if offset is None else offset.detach().float().reshape(k)
-        alignment = (probe32 * steer32).sum(-1)
-        if coefficient == "paper-constant":
-            scale = alignment / (alignment**2 + delta)
-        elif coefficient == "ridge":
-            rd = delta if ridge_delta is None else ridge_delta
-            scale = alignment / (alignment**2 + rd)
-            usable = alignment.abs() >= min_alignment * probe32.norm(dim=-1).clamp_min(1e-30)
-            scale = torch.where(usable, scale, torch.zeros_like(scale))
-        else:
-            scale = torch.ones(k)
+        scale = _scale(probe32, steer32, coefficient, delta, ridge_delta, min_alignment)
         self._cpu = {
             "probe_t": probe32.t().contiguous(),
             "steer": steer32.contiguous(),
@@ -174,19 +227,12 @@ class GatedSteer:
         # The fused form (`_fused_steer`) takes the projection coefficient with the hard gate
         # (every threshold positive and finite) or none; a threshold that would make its folded
         # tensors non-finite (extreme) leaves the steer to `correction`, as do the other modes.
-        self._fused = False
-        eps32 = self._cpu["thresholds"]
-        positive = bool(((eps32 > 0) & torch.isfinite(eps32)).all())
-        if coefficient == "projection" and (gate == "none" or (gate == "hard" and positive)):
-            unit = eps32 if gate == "hard" else torch.ones(k)
-            fused = {
-                "fused_probe_t": (probe32 / unit[:, None]).t().contiguous(),
-                "fused_neg_offset": -offset32 / unit,
-                "fused_neg_steer": (-steer32 * unit[:, None]).contiguous(),
-            }
-            if all(bool(torch.isfinite(t).all()) for t in fused.values()):
-                self._cpu.update(fused)
-                self._fused = True
+        fused = _fused_tensors(
+            probe32, steer32, offset32, self._cpu["thresholds"], gate, coefficient
+        )
+        self._fused = fused is not None
+        if fused is not None:
+            self._cpu.update(fused)
         self._fused_by: dict[tuple[torch.device, torch.dtype], FusedSteer] = {}
         # the fused steer of the last checked call's device and dtype: what every decode step
         # runs (see __call__)
