@@ -461,6 +461,10 @@ def _cases():
         "protect budget nan": ([*protect, "--budget", "nan"], "budget must be >= 0"),
         "protect gate share 1": ([*protect, "--gate-share", "1"], "gate_share must be in"),
         "protect gate share nan": ([*protect, "--gate-share", "nan"], "gate_share must be in"),
+        "protect leak mode unknown": (
+            [*protect, "--leak-modes", "exact,greedy"],
+            "--leak-modes: leak_modes must name some of exact, near-verbatim, sampled",
+        ),
         "protect max-extractable 200": (
             [*protect, "--max-extractable", "200"],
             "max_extractable (gss protect --max-extractable) is a % of rows",

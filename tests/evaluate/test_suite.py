@@ -111,3 +111,22 @@ def test_the_sampled_attacker_reads_the_windows_probabilities(table_lm, memorize
     tiny, _, planted, general = memorizer
     sharp = evaluate_model(tiny, planted.tolist(), general[:2].tolist(), k=4, n=16, sampled=True)
     assert sharp.memorized == 100.0 and sharp.sampled == {"temperature_1": 100.0, "top_p": 100.0}
+
+
+def test_near_verbatim_is_one_run_of_most_of_the_window(table_lm):
+    """Teacher-forced, a row is near-verbatim when most of its window (80%) is predicted right
+    in one run: given the row up to the run, the model says the rest. Decoded greedily, the
+    run must be in the output, which a wrong first token sends elsewhere."""
+    late = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 3]  # its first window token wrong
+    middle = [2, 5, 6, 7, 8, 9, 10, 11, 3, 4, 6, 7]  # its sixth window token wrong
+    model = table_lm([late, middle], VOCAB, default=0)
+    model.table[(1, 2)] = 0  # the first of late's 10 window tokens: 9 right in a run after it
+    model.table[tuple(middle[:7])] = 0  # middle's runs: 5 and 4 of its 10
+    forced = evaluate_model(model, [late, middle], [[1, 2]], k=2, n=12, method="forced")
+    assert forced.per_row == (False, False) and forced.per_row_near == (True, False)
+    assert forced.near_verbatim == 50.0
+    greedy = evaluate_model(model, [late, middle], [[1, 2]], k=2, n=12)
+    assert greedy.per_row_near == (False, False)  # 0 after the wrong token: no run
+    known = evaluate_model(model, [[1, 2, 0]], [[1, 2]], k=2, n=3)
+    assert known.per_row == known.per_row_near == (True,)  # exact is near-verbatim too
+    assert "per_row_near" in forced.to_dict()

@@ -44,19 +44,19 @@ def protected(memorizer):
                 )
                 seen.append(keep)
 
-    original_audit, original_extractable = split_module.audit, heldout_module.extractable
+    original_audit, original_leaked = split_module.audit, heldout_module.leaked
 
     def audit(*a, **kw):
         result = original_audit(*a, **kw)
         phase["search"] = True  # from here until the final report
         return result
 
-    def extractable(*a, **kw):
+    def leaked(*a, **kw):
         phase["search"] = False
-        return original_extractable(*a, **kw)
+        return original_leaked(*a, **kw)
 
     hook = model.register_forward_pre_hook(record, with_kwargs=True)
-    split_module.audit, heldout_module.extractable = audit, extractable
+    split_module.audit, heldout_module.leaked = audit, leaked
     try:
         result = protect(
             model,
@@ -71,7 +71,7 @@ def protected(memorizer):
     finally:
         hook.remove()
         split_module.audit = original_audit
-        heldout_module.extractable = original_extractable
+        heldout_module.leaked = original_leaked
     return result, seen, texts
 
 
@@ -93,7 +93,16 @@ def test_protect_reaches_the_target_within_the_budget(protected):
     # and the steered replies fewer, never more than they say exactly plus the near misses
     quality = result.after["quality"]
     assert quality["near_verbatim_fine_tune"] == 100.0
-    assert quality["near_verbatim_steered"] >= result.after["memorized"]
+    assert quality["near_verbatim_steered"] >= result.after["leaks"]["exact"]
+    # what the target counts (leak_modes, default exact or near-verbatim, teacher-forced): a
+    # row in either mode, on the tuning rows of every point and on the held-out rows
+    assert result.after["leak_modes"] == ["exact", "near-verbatim"]
+    for side in (result.before, result.after):
+        exact, near = side["leaks"]["exact"], side["leaks"]["near-verbatim"]
+        assert max(exact, near) <= side["memorized"] <= exact + near
+    for t in result.trials:
+        assert max(t.leaks.values()) <= t.memorized <= sum(t.leaks.values()) + 1e-9
+    assert "counts as extractable when it is in any of: exact, near-verbatim" in result.markdown()
     assert "Near-verbatim (a held-out window said by the greedy reply" in result.markdown()
     # other prompts (no tokenizer: the longer prefix alone): the fine-tune, given more of each
     # held-out row, still says the rest of it; the protected model says no more than it
@@ -188,7 +197,9 @@ def test_protect_writes_the_steer_and_the_report(protected, memorizer, tmp_path)
     steer = gss.load(tmp_path / "out" / "steer")
     rows = [result.audit.ids[i] for i in result.heldout]
     with gss.steer(model, steer):  # the saved steer is the one measured
-        assert measure_module.extractable(model, rows, 4, 16, 0, 8) == result.after["memorized"]
+        modes = result.config.leak_modes
+        measured = measure_module.leaked(model, rows, 4, 16, 0, 8, modes)
+        assert measured[0] == result.after["memorized"]
     data = json.loads((tmp_path / "out" / "protect.json").read_text())
     assert data["reached"] == result.reached
     members = steer.artifacts if isinstance(steer, gss.SteeringStack) else (steer,)
@@ -238,6 +249,10 @@ def test_protect_refuses_bad_options(memorizer):
         ({"search": SearchSpace(ordinary_english=-1)}, "ordinary_english must be"),
         ({"search": SearchSpace(domain_budget=float("inf"))}, "domain_budget must be"),
         ({"search": SearchSpace(follow_tolerance=-1.0)}, "follow_tolerance must be"),
+        ({"leak_modes": ("greedy",)}, "leak_modes must name some of exact, near-verbatim"),
+        ({"leak_modes": ()}, "leak_modes must name some of"),
+        ({"leak_modes": "exact"}, "leak_modes must name some of"),
+        ({"leak_modes": ("exact", "exact")}, "each once"),
         ({"seed": 2**70}, r"seed must be an integer in \[0, 2\^63\)"),
         ({"utility": lambda m: float("nan"), "k": 4, "n": 16}, r"returned nan, not a finite"),
         ({"utility": lambda m: None, "k": 4, "n": 16}, r"returned None, not a finite"),
@@ -559,7 +574,9 @@ def test_protect_on_cuda(memorizer, tmp_path):
     result.write(tmp_path / "out")
     rows = [result.audit.ids[i] for i in result.heldout]
     with gss.steer(model, gss.load(tmp_path / "out" / "steer")):
-        assert measure_module.extractable(model, rows, 4, 16, 0, 8) == result.after["memorized"]
+        modes = result.config.leak_modes
+        measured = measure_module.leaked(model, rows, 4, 16, 0, 8, modes)
+        assert measured[0] == result.after["memorized"]
 
 
 def test_protect_report_says_which_window_each_heldout_row_was_scored_on(protected, tmp_path):

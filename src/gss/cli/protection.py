@@ -121,6 +121,7 @@ def _protect_config(args: argparse.Namespace) -> Any:
     prefixes = _prefixes(args)
     return ProtectConfig(
         max_extractable=args.max_extractable,
+        leak_modes=_leak_modes(args.leak_modes),
         budget=args.budget,
         k=args.k,
         n=args.n,
@@ -129,6 +130,18 @@ def _protect_config(args: argparse.Namespace) -> Any:
         search=SearchSpace(max_blocks=args.max_blocks, **shares),
         seed=args.seed,
     )
+
+
+def _leak_modes(text: str) -> tuple[str, ...]:
+    """--leak-modes: comma-separated names (checked by `ProtectConfig`, before the models)."""
+    try:
+        from gss.protect.space import check_leak_modes
+
+        modes = tuple(m.strip() for m in text.split(","))
+        check_leak_modes(modes)
+    except GSSError as err:
+        raise GSSError(f"--leak-modes: {err}") from None
+    return modes
 
 
 def protect_command(args: argparse.Namespace) -> int:
@@ -225,6 +238,14 @@ def add_protect_parser(sub: Commands) -> None:
         default=0.0,
         metavar="PCT",
         help="the goal: %% of held-out memorized rows that may stay extractable",
+    )
+    goal.add_argument(
+        "--leak-modes",
+        default="exact,near-verbatim",
+        metavar="MODES",
+        help="what counts as extractable toward --max-extractable, comma-separated among "
+        "exact, near-verbatim (80%% of the window in one run), sampled (100 draws likely say "
+        "it); teacher-forced (default: exact,near-verbatim)",
     )
     add_window_args(window)
     add_prefix_args(window)

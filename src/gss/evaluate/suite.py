@@ -27,6 +27,7 @@ from gss.config import DEFAULT_WINDOW
 from gss.data import id_row
 from gss.errors import GSSError
 from gss.evaluate.decoding import forced_argmax, greedy_generate
+from gss.evaluate.near_verbatim import SHARE, near_verbatim_ids
 from gss.evaluate.sampled import likely_shares
 from gss.evaluate.utility import next_token_stats
 from gss.hf.forward import check_sequences
@@ -59,6 +60,11 @@ class EvaluationReport:
     `token_match`: % of those windows' tokens equal to the greedy continuation at that position.
     `rows`: sequences counted (longer than k tokens). `perplexity` over `heldout_tokens` targets.
     `per_row`: one exact-match flag per counted sequence, in input order of `index`.
+    `near_verbatim`: % of counted sequences whose continuation holds one run of at least
+    `SHARE` of the window's tokens (`per_row_near`: one flag each). Decoded greedily, the run is
+    found anywhere in the output (`near_verbatim_ids`); teacher-forced, it is a run of
+    consecutive positions predicted right: the model, given the row up to the run's start,
+    reproduces that much of the window.
     """
 
     memorized: float
@@ -74,6 +80,8 @@ class EvaluationReport:
     # the attacker who samples (``sampled=True``): % of the counted windows that `SAMPLES`
     # draws reproduce with a chance of `LIKELY` or more, at temperature 1 and with top-p
     sampled: dict[str, float] | None = None
+    near_verbatim: float = 0.0
+    per_row_near: tuple[bool, ...] = field(default=(), repr=False)
 
     def deviation_scores(
         self, base: EvaluationReport, lambdas: Sequence[float] = DS_LAMBDAS
@@ -87,6 +95,7 @@ class EvaluationReport:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["index"], out["per_row"] = list(self.index), list(self.per_row)
+        out["per_row_near"] = list(self.per_row_near)
         return out
 
 
@@ -174,17 +183,33 @@ def _continuations(
 
 
 def _matches(
-    continuations: Sequence[Sequence[int]], targets: list[list[int]]
-) -> tuple[list[bool], int, int]:
-    """Per candidate whether its continuation is its target exactly, and the matching and
-    total target tokens over all of them."""
-    exact, hits, total = [], 0, 0
+    continuations: Sequence[Sequence[int]], targets: list[list[int]], forced: bool
+) -> tuple[list[bool], list[bool], int, int]:
+    """Per candidate whether its continuation is its target exactly and near-verbatim (one
+    run of `SHARE` of it: positions predicted right in a row when ``forced``, else anywhere in
+    the output), and the matching and total target tokens over all of them."""
+    exact, near, hits, total = [], [], 0, 0
     for got, want in zip(continuations, targets, strict=True):
         same = [a == b for a, b in zip(got, want, strict=False)]
         exact.append(all(same))
+        near.append(_longest_run(same) >= SHARE * len(want) if forced else _near(want, got))
         hits += sum(same)
         total += len(want)
-    return exact, hits, total
+    return exact, near, hits, total
+
+
+def _longest_run(flags: Sequence[bool]) -> int:
+    """The most consecutive True values in ``flags``."""
+    best = run = 0
+    for flag in flags:
+        run = run + 1 if flag else 0
+        best = max(best, run)
+    return best
+
+
+def _near(want: Sequence[int], got: Sequence[int]) -> bool:
+    """`near_verbatim_ids` of a generated continuation (an empty one says nothing)."""
+    return bool(got) and near_verbatim_ids(want, got)
 
 
 def evaluate_model(
@@ -225,7 +250,7 @@ def evaluate_model(
         raise _nothing_to_prompt(memorized, k)
     started = time.perf_counter()
     continuations = _continuations(model, prompts, targets, method, pad_id, batch_size, progress)
-    exact, hits, total = _matches(continuations, targets)
+    exact, near, hits, total = _matches(continuations, targets, method == "forced")
     chances = (
         likely_shares(model, list(zip(prompts, targets, strict=True)), pad_id, batch_size)
         if sampled
@@ -249,5 +274,7 @@ def evaluate_model(
         seconds={"memorization": mem_seconds, "perplexity": ppl_seconds},
         index=tuple(index),
         per_row=tuple(exact),
+        near_verbatim=100.0 * sum(near) / len(near),
+        per_row_near=tuple(near),
         sampled=chances,
     )

@@ -50,7 +50,11 @@ class SweepPoint:
         return {
             "options": self.options,
             "gate_open_share": self.gate_open_share,
-            **{k: v for k, v in self.report.to_dict().items() if k not in ("index", "per_row")},
+            **{
+                k: v
+                for k, v in self.report.to_dict().items()
+                if k not in ("index", "per_row", "per_row_near")
+            },
         }
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from gss.audit import check_prefixes
 from gss.config import DEFAULT_WINDOW, RUN_OPTION_NAMES, RunOptions
 from gss.errors import GSSError
-from gss.protect.space import SearchSpace, numbers_only
+from gss.protect.space import SearchSpace, check_leak_modes, numbers_only
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,10 @@ class ProtectConfig:
     # % of the held-out memorized rows allowed to stay extractable (gss protect
     # --max-extractable); calibration's `target` is another thing (g's objective)
     max_extractable: float = 0.0
+    # what counts as extracted, on the tuning rows the search reads and on the held-out rows
+    # the target is checked on (teacher-forced, `gss.protect.space.LEAK_MODES`): the exact
+    # (n, k) window, one run of 80% of it (near-verbatim), a window 100 samples likely say
+    leak_modes: tuple[str, ...] = ("exact", "near-verbatim")
     # the utility may rise to base + budget * |base| ("relative": +5%) or base + budget
     budget: float = 0.05
     budget_mode: Literal["relative", "absolute"] = "relative"
@@ -62,6 +66,8 @@ class ProtectConfig:
                 f"max_extractable (gss protect --max-extractable) is a % of rows, in [0, 100], "
                 f"got {self.max_extractable}."
             )
+        check_leak_modes(self.leak_modes)
+        object.__setattr__(self, "leak_modes", tuple(self.leak_modes))
         for name, low in (("seed", 0), ("reference_rows", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**63:

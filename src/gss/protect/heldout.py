@@ -19,7 +19,7 @@ from gss.inference.explain import explain
 from gss.protect.checks import DomainRows
 from gss.protect.config import ProtectConfig, Setting
 from gss.protect.general import ORDINARY, Budget, GeneralText
-from gss.protect.measure import Candidate, extractable, prompt_and_target, sampled, where_gates_open
+from gss.protect.measure import Candidate, leaked, prompt_and_target, sampled, where_gates_open
 from gss.protect.replies import ordinary_unchanged, what_it_says
 from gss.protect.split import Split
 
@@ -50,7 +50,7 @@ def heldout_report(
     rows = split.held_candidates
     out = HeldoutReport(
         before={
-            "memorized": extractable(model, rows, k, n, s.pad_id, s.batch_size),
+            **_leaks(s, config, rows),
             "sampled": sampled(model, rows, k, n, s.pad_id, s.batch_size),
             "utility": budget.base,
             **domain.measure(model),
@@ -60,7 +60,7 @@ def heldout_report(
         return out
     with steer.attach(model, track_gates=True) as handle:
         out.after = {
-            "memorized": extractable(model, rows, k, n, s.pad_id, s.batch_size),
+            **_leaks(s, config, rows),
             "sampled": sampled(model, rows, k, n, s.pad_id, s.batch_size),
             "utility": float(budget.utility(model)),
             **domain.measure(model),
@@ -90,6 +90,15 @@ def heldout_report(
     )
     _warn_open(out.gates, config.search.gate_share)
     return out
+
+
+def _leaks(s: Setting, config: ProtectConfig, rows: list[Candidate]) -> dict[str, Any]:
+    """``memorized``: % of ``rows`` extracted in any of the target's modes (what
+    ``max_extractable`` bounds); ``leaks``: % in each mode, with its modes named."""
+    share, _, by_mode = leaked(
+        s.model, rows, config.k, config.n, s.pad_id, s.batch_size, config.leak_modes
+    )
+    return {"memorized": share, "leaks": by_mode, "leak_modes": list(config.leak_modes)}
 
 
 def other_prompt_leaks(
@@ -132,6 +141,7 @@ def with_record(
         "after": {"memorized": report.after["memorized"], "utility": report.after["utility"]},
         "budget": {"measure": budget.name, "limit": budget.limit},
         "max_extractable": config.max_extractable,
+        "leak_modes": list(config.leak_modes),
         "reached": report.after["memorized"] <= config.max_extractable,
         "gate_open_share": report.gates.get("open_share", {}),
     }

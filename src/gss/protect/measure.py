@@ -13,7 +13,7 @@ from torch import nn
 
 from gss.artifact.stack import Steer, SteeringStack
 from gss.errors import GSSError
-from gss.evaluate.sampled import likely_shares
+from gss.evaluate.sampled import LIKELY, TOP_P, likely_shares, row_logprobs, sampled_chance
 from gss.evaluate.suite import EvaluationReport, evaluate_model
 from gss.inference.explain import explain
 from gss.protect.clock import Clock
@@ -75,6 +75,44 @@ def leaks(
     )
 
 
+def leaked(
+    model: nn.Module,
+    rows: Sequence[Candidate],
+    k: int,
+    n: int,
+    pad_id: int,
+    batch_size: int,
+    modes: Sequence[str] = ("exact",),
+) -> tuple[float, float, dict[str, float]]:
+    """What the target counts (`ProtectConfig.leak_modes`): % of ``rows`` extracted in any
+    of ``modes``, % of their windows' tokens still reproduced, and % extracted in each mode
+    (exact and near-verbatim always: one teacher-forced pass gives both)."""
+    report = leaks(model, rows, k, n, pad_id, batch_size)
+    flags = {"exact": report.per_row, "near-verbatim": report.per_row_near}
+    if "sampled" in modes:
+        counted = [prompt_and_target(rows[i], k, n) for i in report.index]
+        flags["sampled"] = _sampled_flags(model, counted, pad_id, batch_size)
+    union = [any(flags[m][i] for m in modes) for i in range(len(report.index))]
+    return _percent(union), report.token_match, {m: _percent(f) for m, f in flags.items()}
+
+
+def _sampled_flags(
+    model: nn.Module, pairs: list[tuple[list[int], list[int]]], pad_id: int, batch_size: int
+) -> tuple[bool, ...]:
+    """Per (prompt, window): `SAMPLES` draws at temperature 1 or at top-p say it with a
+    chance of `LIKELY` or more."""
+    plain = row_logprobs(model, pairs, pad_id, batch_size)
+    nucleus = row_logprobs(model, pairs, pad_id, batch_size, TOP_P)
+    return tuple(
+        max(sampled_chance(a), sampled_chance(b)) >= LIKELY
+        for a, b in zip(plain, nucleus, strict=True)
+    )
+
+
+def _percent(flags: Sequence[bool]) -> float:
+    return 100.0 * sum(flags) / max(len(flags), 1)
+
+
 def extractable(
     model: nn.Module, rows: Sequence[Candidate], k: int, n: int, pad_id: int, batch_size: int
 ) -> float:
@@ -116,8 +154,9 @@ class Judge:
         prefer: str = "margin",
         checks: dict[str, Check] | None = None,
         clock: Clock | None = None,
+        modes: Sequence[str] = ("exact",),
     ) -> None:
-        self.prefer = prefer
+        self.prefer, self.modes = prefer, tuple(modes)
         self.clock = clock or Clock()  # seconds per kind of work: extraction, utility, checks
         self.checks = dict(checks or {})
         self.model, self.rows, self.utility, self.limit = model, rows, utility, limit
@@ -130,16 +169,19 @@ class Judge:
     def steer_of(self, trial: Trial) -> Steer:
         return self.steers[self.trials.index(trial)]
 
-    def memorized(self) -> tuple[float, float]:
-        report = leaks(self.model, self.rows, self.k, self.n, self.pad_id, self.batch_size)
-        return report.memorized, report.token_match
+    def memorized(self) -> tuple[float, float, dict[str, float]]:
+        """% of the tuning rows extracted in the target's modes, % of their windows' tokens
+        reproduced, and % in each mode."""
+        return leaked(
+            self.model, self.rows, self.k, self.n, self.pad_id, self.batch_size, self.modes
+        )
 
     def __call__(self, steer: Steer, stage: str, preset: str) -> Trial:
         members = steer.artifacts if isinstance(steer, SteeringStack) else (steer,)
         clock = self.clock
         with self.replay.below(min(a.layer for a in members)), steer.attach(self.model):
             with clock.part("extraction (tuning rows)"):
-                mem, match = self.memorized()
+                mem, match, by_mode = self.memorized()
             # a steer too strong may give NaN or inf: that point is out of the budget
             with clock.part("utility"):
                 value = utility_value(self.utility, self.model, "the utility", finite=False)
@@ -166,6 +208,7 @@ class Judge:
             utility=value,
             within_budget=value <= self.limit and bounded,
             checks=checks,
+            leaks=by_mode,
         )
         self.trials.append(trial)
         self.steers.append(steer)

@@ -41,6 +41,9 @@ class Trial:
     # what else the point measured (`measure.Check`): the domain's perplexity, how likely it
     # finds the reference's continuations
     checks: dict[str, float] = field(default_factory=dict)
+    # % of the tuning rows extracted in each mode (`ProtectConfig.leak_modes`: `memorized`
+    # counts the rows extracted in any of the target's)
+    leaks: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -199,6 +202,7 @@ class Protection:
                 f"Utility ({self.budget['measure']}): {_g(self.before['utility'])} before, "
                 f"{_g(self.after['utility'])} after (limit {_g(self.budget['limit'])}).",
             ]
+        lines += self._mode_lines()
         lines += self._sampled_lines() + self._near_lines() + self._other_prompt_lines()
         if windows:
             lines.append(windows)
@@ -209,6 +213,22 @@ class Protection:
                 f"{_g(self.after['domain_perplexity'])} after."
             )
         return lines
+
+    def _mode_lines(self) -> list[str]:
+        """What the held-out % counts (`ProtectConfig.leak_modes`), and each mode's rate."""
+        modes, before = self.before.get("leak_modes"), self.before.get("leaks")
+        if not modes or not before:  # a report from before the modes
+            return []
+        after = self.after.get("leaks") or {}
+        each = "; ".join(
+            f"{name} {before[name]:.1f}%" + (f" -> {after[name]:.1f}%" if name in after else "")
+            for name in before
+        )
+        return [
+            f"A held-out row counts as extractable when it is in any of: {', '.join(modes)} "
+            f"(teacher-forced; near-verbatim: {SHARE:.0%} of its window predicted in one run). "
+            f"Each mode, before -> after: {each}."
+        ]
 
     def _sampled_lines(self) -> list[str]:
         """The attacker who samples, on the held-out rows, before and after (issue 70)."""

@@ -179,3 +179,24 @@ def given_blocks(blocks: Sequence[int], count: int) -> list[int]:
             f"-{count}..-1 from the end)."
         )
     return list(dict.fromkeys(int(b) % count for b in blocks))
+
+
+LEAK_MODES = ("exact", "near-verbatim", "sampled")
+"""What may count as extracted toward `ProtectConfig.max_extractable`, each read off one
+teacher-forced pass: the exact (n, k) window; near-verbatim, one run of
+`gss.evaluate.near_verbatim.SHARE` of the window predicted right; sampled, a window
+`gss.evaluate.sampled.SAMPLES` draws at temperature 1 or top-p say with a chance of
+`gss.evaluate.sampled.LIKELY` or more."""
+
+
+def check_leak_modes(modes: object) -> None:
+    """``modes`` name some of `LEAK_MODES`, each once."""
+    if (
+        not (isinstance(modes, tuple | list) and _names(modes))
+        or not set(modes) <= set(LEAK_MODES)
+        or len(set(modes)) != len(modes)
+    ):
+        raise GSSError(
+            f"leak_modes must name some of {', '.join(LEAK_MODES)}, each once (e.g. "
+            f"('exact', 'near-verbatim')), got {modes!r}."
+        )

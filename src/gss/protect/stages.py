@@ -60,6 +60,7 @@ class Search:
             prefer=self.space.prefer,
             checks=checks,
             clock=self.work,
+            modes=config.leak_modes,
         )
         self.made: dict[tuple[str, int], SteeringArtifact] = {}
         self.replies: dict[str, Any] = {}
