@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gss.artifact.files import check_outputs, record_outputs
-from gss.config import DEFAULT_WINDOW, RunOptions, Window
+from gss.config import DEFAULT_WINDOW, RunOptions, Window, run_options
 from gss.data import TextsOrIds, batches, count_batches, encode_every, predictable
 from gss.errors import GSSError, GSSWarning
 from gss.evaluate.intervals import clopper_pearson
@@ -330,15 +330,17 @@ class AuditReport:
         *,
         questions: Sequence[Sequence[str]] | None = None,
         rows: Literal["memorized", "all"] = "memorized",
-        batch_size: int = 16,
-        progress: bool = False,
+        batch_size: int | None = None,
+        progress: bool | None = None,
+        run: RunOptions | None = None,
     ) -> OtherPromptsReport:
         """The attacker who changes the prompt (issue 70): whether the model (and the
         reference, given) says each memorized row's window (``rows="all"``: every row's)
         near-verbatim under a longer prefix, the chat template and questions
         (`gss.evaluate.other_prompts`), each row from the prompt its verdict reads (`window`).
-        ``questions``: one list per text given to the audit. Kept in `prompted`, so that the
-        summary and ``audit.md`` show it."""
+        ``questions``: one list per text given to the audit; ``run`` (or ``batch_size``,
+        ``progress``): as `gss.evaluate.other_prompts` takes them. Kept in `prompted`, so that
+        the summary and ``audit.md`` show it."""
         if rows not in ("memorized", "all"):
             raise GSSError(f"rows must be 'memorized' or 'all', got {rows!r}.")
         chosen = self.memorized if rows == "memorized" else self.rows
@@ -363,6 +365,7 @@ class AuditReport:
             indices=[r.index for r in chosen],
             batch_size=batch_size,
             progress=progress,
+            run=run,
         )
         return self.prompted
 
@@ -578,8 +581,9 @@ def audit(
     prefixes: Sequence[int] | None = None,
     memorized_from: Literal["k", "shortest"] = "k",
     other_prompts: bool = False,
-    batch_size: int = 8,
-    progress: bool = True,
+    batch_size: int | None = None,
+    progress: bool | None = None,
+    run: RunOptions | None = None,
 ) -> AuditReport:
     """Which of ``texts`` (the fine-tuning data, in any form `gss.calibrate` takes) the model
     reproduces verbatim, and how much; see the module docstring. Rows are cut to ``n`` tokens.
@@ -594,9 +598,11 @@ def audit(
     prompt is the conversation, so ``prefixes`` are not scored.
 
     ``other_prompts``: also measure the memorized rows under other prompts, by the model and
-    the reference (`AuditReport.other_prompts`, kept in ``report.prompted``)."""
+    the reference (`AuditReport.other_prompts`, kept in ``report.prompted``). ``run`` (a
+    `gss.RunOptions`; or ``batch_size``, ``progress``): how the passes run, as in
+    `gss.calibrate` (default: `RunOptions`')."""
     scored = check_prefixes(prefixes, k, n, memorized_from)
-    RunOptions(batch_size=batch_size, progress=progress)  # checks both
+    opts = run_options(run, batch_size, progress)  # checked before any pass
     vocab = check_same_vocab(model, reference, tokenizer)
     warn_if_foreign_tokenizer(model, tokenizer)
     seqs, starts, positions = _audited_rows(model, reference, texts, tokenizer, k, n)
@@ -611,7 +617,9 @@ def audit(
             stacklevel=2,
         )
     started = time.perf_counter()
-    found = _scored_rows(model, reference, seqs, starts, vocab, k, n, scored, batch_size, progress)
+    found = _scored_rows(
+        model, reference, seqs, starts, vocab, k, n, scored, opts.batch_size, opts.progress
+    )
     rows = [found[i] for i in range(len(seqs))]
     report = AuditReport(
         rows=rows,
@@ -627,7 +635,7 @@ def audit(
     )
     report.scored_texts = _scored_texts(report, tokenizer)
     if other_prompts:
-        report.other_prompts(model, tokenizer, reference, batch_size=batch_size, progress=progress)
+        report.other_prompts(model, tokenizer, reference, run=opts)
     return report
 
 

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from gss import distributed
 from gss.artifact.fingerprint import model_fingerprint
 from gss.artifact.steering_artifact import Provenance, SteeringArtifact
-from gss.config import DEFAULT_PRESET, CalibrationConfig, resolve
+from gss.config import DEFAULT_PRESET, CalibrationConfig, RunOptions, resolve
 from gss.data import TextsOrIds
 from gss.errors import GSSError
 from gss.hf.blocks import resolve_layer
@@ -44,6 +44,7 @@ def calibrate(
     *,
     tokenizer: Any = None,
     gen_texts: TextsOrIds | None = None,
+    run: RunOptions | None = None,
     **overrides: Any,
 ) -> SteeringArtifact:
     """Calibrate Gated Subspace Steering for ``model`` at one decoder block.
@@ -62,34 +63,39 @@ def calibrate(
         tokenizer: turns string texts into tokens.
         gen_texts: held-out text for Sigma_gen and the thresholds (as in the paper's
             experiments); default: the calibration tokens not marked memorized.
+        run: how the pass runs, not what it computes (a `gss.RunOptions`: ``batch_size``,
+            ``progress``, ``keep_general``); its fields may instead be given as keywords.
         **overrides: fields of the config (``layer=2, rank=8, ...``: see
             `gss.CalibrationConfig` for each one's meaning and default) and run options that do
             not change the result (``batch_size``, ``progress``, ``keep_general``:
-            `gss.config.RunOptions`). ``layer`` has no default: `gss.scan_layers` picks one.
+            `gss.config.RunOptions`; one that contradicts ``run`` is refused). ``layer`` has
+            no default: `gss.scan_layers` picks one.
 
     Every option is checked before any pass over the data. The artifact holds the config
     (with the layer resolved to an index) and, apart, what calibration measured
     (``artifact.provenance``).
     """
-    cfg, run = resolve(config, overrides)
-    stats = collect(model, reference, texts, cfg, run, tokenizer, gen_texts)
-    return _build(model, stats, cfg.replace(layer=stats.layer), run.progress)
+    cfg, options = resolve(config, overrides, run)
+    stats = collect(model, reference, texts, cfg, options, tokenizer, gen_texts)
+    return _build(model, stats, cfg.replace(layer=stats.layer), options.progress)
 
 
 def build_artifact(
     model: nn.Module,
     stats: CalibrationStatistics,
     config: CalibrationConfig | str | None = None,
+    run: RunOptions | None = None,
     **overrides: Any,
 ) -> SteeringArtifact:
     """Solve for the probes and steers from ``stats`` and set the gate thresholds.
 
     The config is the one ``stats`` was collected with unless given; ``overrides`` change
     what the pass did not fix (rank, delta, the threshold rule, gate, coefficient, centering,
-    the solve) and ``progress``. Fields the pass fixed (`COLLECT_FIELDS`) must not differ.
+    the solve) and ``progress`` (or ``run``). Fields the pass fixed (`COLLECT_FIELDS`) must not
+    differ.
     """
     base = stats.config if config is None else config
-    cfg, run = resolve(base, overrides)
+    cfg, options = resolve(base, overrides, run)
     layer = stats.layer if cfg.layer is None else cfg.layer
     if resolve_layer(model, layer, cfg.block_path)[0] == stats.layer:
         layer = stats.layer  # the same block, perhaps counted from the end
@@ -100,7 +106,7 @@ def build_artifact(
             f"the statistics were collected with other {', '.join(fixed)} than this config "
             "asks for: collect them again with these options, or leave them out here."
         )
-    return _build(model, stats, cfg, run.progress)
+    return _build(model, stats, cfg, options.progress)
 
 
 def _build(

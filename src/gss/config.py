@@ -297,7 +297,9 @@ def preset(name: str, **changes: Any) -> CalibrationConfig:
 
 @dataclass(frozen=True)
 class RunOptions:
-    """How a calibration runs, not what it computes: never saved with the artifact."""
+    """How a run goes, not what it computes: never saved with the artifact. Every entry point
+    (`calibrate`, `scan_layers`, `audit`, `protect`, `gss.evaluate`'s) takes one as ``run=``,
+    or its fields as keywords (`run_options`); the defaults here are calibration's."""
 
     batch_size: int = field(default=8, metadata=_about("rows per forward pass"))
     progress: bool = field(default=True, metadata=_about("progress bars on stderr"))
@@ -318,6 +320,60 @@ class RunOptions:
 
 
 RUN_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(RunOptions))
+
+# Rows per batch of the entry points whose passes are not calibration's (whose default is
+# `RunOptions.batch_size`: two models' forwards, one of them with gradients). Each is the
+# default those functions always had, written here once: the rows batched together change a
+# result's last bits in float, so a default batch size is part of the result and is kept.
+EVALUATION_BATCH_SIZE = 16
+"""Decoding and held-out perplexity over evaluation rows on a real model (`evaluate_model`,
+`evaluate_steering`, `steering_sweep`, `other_prompts`, `secrets_said`, the text protect has
+the reference write): rows of up to 512 tokens, one model, no gradients."""
+METRIC_BATCH_SIZE = 64
+"""The metric functions of `gss.evaluate` (`perplexity`, `token_accuracy`, `nk_memorization`,
+`backdoor_success`, `exposure`, greedy decoding, teacher-forced matching), written for
+TinyMem's small models and short rows, where a larger batch costs little."""
+
+
+def run_options(
+    run: RunOptions | None,
+    batch_size: int | None = None,
+    progress: bool | None = None,
+    *,
+    batch_default: int = RunOptions.batch_size,
+    progress_default: bool = RunOptions.progress,
+) -> RunOptions:
+    """How an entry point runs: ``run`` (a `RunOptions`) when given, else the entry point's
+    own defaults (``batch_default``, ``progress_default``), with the keywords ``batch_size`` and
+    ``progress`` (None: not given) applied. A keyword that contradicts ``run`` is refused."""
+    given = {
+        name: value
+        for name, value in (("batch_size", batch_size), ("progress", progress))
+        if value is not None
+    }
+    return with_run(run, given, RunOptions(batch_default, progress_default))
+
+
+def with_run(run: RunOptions | None, given: dict[str, Any], default: RunOptions) -> RunOptions:
+    """``run`` (None: ``default``) with the run options ``given`` as keywords, all checked; a
+    keyword that says otherwise than ``run`` is refused, naming both."""
+    if run is None:
+        return dataclasses.replace(default, **given)
+    if not isinstance(run, RunOptions):
+        raise GSSError(
+            f"run must be a gss.RunOptions (e.g. gss.RunOptions(batch_size=4)), got "
+            f"{type(run).__name__}."
+        )
+    dataclasses.replace(run, **given)  # checks the keywords' values
+    clash = [name for name, value in given.items() if getattr(run, name) != value]
+    if clash:
+        said = ", ".join(f"{name}={given[name]!r}" for name in clash)
+        held = ", ".join(f"{name}={getattr(run, name)!r}" for name in clash)
+        raise GSSError(
+            f"{said} contradicts run=RunOptions({held}): give each run option once, in run= "
+            "or as a keyword."
+        )
+    return run
 
 
 @dataclass(frozen=True)
@@ -348,11 +404,13 @@ DEFAULT_WINDOW = Window()
 
 
 def resolve(
-    config: CalibrationConfig | str | None, overrides: dict[str, Any]
+    config: CalibrationConfig | str | None,
+    overrides: dict[str, Any],
+    run: RunOptions | None = None,
 ) -> tuple[CalibrationConfig, RunOptions]:
     """The config and run options of a call: ``config`` (or a preset name; None:
-    `DEFAULT_PRESET`) with the keyword ``overrides`` of either's fields applied, all checked
-    before any work."""
+    `DEFAULT_PRESET`) with the keyword ``overrides`` of either's fields applied, over ``run``
+    (None: `RunOptions`' defaults; `with_run`), all checked before any work."""
     if config is None:
         config = DEFAULT_PRESET
     if isinstance(config, str):
@@ -362,7 +420,7 @@ def resolve(
             f"config must be a CalibrationConfig or a preset name ({', '.join(PRESETS)}), got "
             f"{type(config).__name__}."
         )
-    run = {k: overrides.pop(k) for k in list(overrides) if k in RUN_OPTION_NAMES}
+    given = {k: overrides.pop(k) for k in list(overrides) if k in RUN_OPTION_NAMES}
     for name, other in INSTEAD_OF.items():  # one of the two would be silently ignored
         if name in overrides and other in overrides:
             raise GSSError(f"{name} replaces {other}'s rule, and both were given: keep one.")
@@ -372,4 +430,4 @@ def resolve(
             "ridge_delta sets the ridge coefficient's regulariser: give coefficient='ridge' "
             "with it, or leave it out."
         )
-    return resolved, RunOptions(**run)
+    return resolved, with_run(run, given, RunOptions())

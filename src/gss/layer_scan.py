@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from gss.config import DEFAULT_PRESET, CalibrationConfig, resolve
+from gss.config import DEFAULT_PRESET, CalibrationConfig, RunOptions, resolve
 from gss.data import TextsOrIds
 from gss.errors import GSSError, GSSWarning
 from gss.hf.blocks import find_decoder_blocks, residual_width
@@ -126,6 +126,7 @@ def scan_layers(
     layers: Sequence[int] | None = None,
     tokenizer: Any = None,
     gen_texts: TextsOrIds | None = None,
+    run: RunOptions | None = None,
     **overrides: Any,
 ) -> LayerScan:
     """Signal strength at each block of `layers` (default: all), from one calibration pass.
@@ -137,18 +138,20 @@ def scan_layers(
     d = 576, 268 MB at d = 4096: 8.6 GB for all 32 blocks of a 7B model); pass `layers` to scan
     fewer.
 
-    ``config`` and ``overrides`` as in `gss.calibrate`: the scan reads the memorized-token
-    rule (``omega_threshold``, ``replies_only``), ``target``, ``max_length``, ``block_path``
-    and the run options ``batch_size`` and ``progress``; ``layer`` and the solve's options
-    play no part.
+    ``config``, ``run`` and ``overrides`` as in `gss.calibrate`: the scan reads the
+    memorized-token rule (``omega_threshold``, ``replies_only``), ``target``, ``max_length``,
+    ``block_path`` and the run options ``batch_size`` and ``progress``; ``layer`` and the
+    solve's options play no part.
     """
-    cfg, run = resolve(config, overrides)
+    cfg, options = resolve(config, overrides, run)
     if layers is not None and (isinstance(layers, str) or not isinstance(layers, Iterable)):
         raise GSSError(f"layers is a list of block indices (e.g. [0, 2]), got {layers!r}.")
     started = time.perf_counter()
     wanted = range(len(find_decoder_blocks(model, cfg.block_path))) if layers is None else layers
     # run_pass refuses gradient="per-position" for several blocks rather than change it
-    done = run_pass(model, reference, texts, cfg, run, tokenizer, gen_texts, list(wanted), True, 4)
+    done = run_pass(
+        model, reference, texts, cfg, options, tokenizer, gen_texts, list(wanted), True, 4
+    )
     if done.memorization[0].count == 0 and done.counts["omega_nonzero"] == 0:
         raise same_model_error(done.counts["tokens"])
     strengths = {

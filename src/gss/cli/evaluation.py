@@ -24,6 +24,7 @@ from gss.cli.options import (
     directory,
     parse_floats,
 )
+from gss.config import EVALUATION_BATCH_SIZE
 from gss.errors import GSSError, GSSWarning
 
 if TYPE_CHECKING:
@@ -370,7 +371,7 @@ def add_evaluate_parser(sub: Commands) -> None:
         "template, questions), with and without --steer, and count the replies that say its "
         "window near-verbatim, into other_prompts.json / .md (greedy generation, slower)",
     )
-    add_batch_args(run, batch_size=16, length_help="held-out tokens per row")
+    add_batch_args(run, batch_size=EVALUATION_BATCH_SIZE, length_help="held-out tokens per row")
     lm_eval.add_argument(
         "--lm-eval",
         metavar="TASKS",
@@ -429,7 +430,7 @@ def add_sweep_parser(sub: Commands) -> None:
         "template, questions), with and without --steer, and count the replies that say its "
         "window near-verbatim, into other_prompts.json / .md (greedy generation, slower)",
     )
-    add_batch_args(run, batch_size=16, length_help="held-out tokens per row")
+    add_batch_args(run, batch_size=EVALUATION_BATCH_SIZE, length_help="held-out tokens per row")
     output.add_argument(
         "--out", type=directory, required=True, help="directory for sweep.json, sweep.md, sweep.png"
     )

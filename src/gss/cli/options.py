@@ -21,6 +21,7 @@ from gss.config import (
     INSTEAD_OF,
     PRESETS,
     CalibrationConfig,
+    RunOptions,
     Window,
     field_names,
 )
@@ -233,7 +234,7 @@ def _flag(name: str) -> str:
 
 
 def add_batch_args(
-    p: Flags, batch_size: int = 8, length_help: str = "tokens kept per text"
+    p: Flags, batch_size: int = RunOptions.batch_size, length_help: str = "tokens kept per text"
 ) -> None:
     """Texts per forward pass and tokens kept per text (`gss.hf.loading.default_max_length`
     when not given)."""

@@ -22,6 +22,7 @@ from gss.cli.options import (
     add_window_args,
     positive_int,
 )
+from gss.config import RunOptions
 from gss.errors import GSSError
 
 if TYPE_CHECKING:
@@ -199,7 +200,12 @@ def add_audit_parser(sub: Commands) -> None:
         "questions) and count the replies that say its window near-verbatim "
         "(gss.evaluate.other_prompts; greedy generation, slower)",
     )
-    run.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass")
+    run.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=RunOptions.batch_size,
+        help="rows per forward pass",
+    )
     add_out_args(
         output,
         "directory for audit.jsonl, audit.md, audit.png, memorized.jsonl and extractable.jsonl",
@@ -257,7 +263,12 @@ def add_protect_parser(sub: Commands) -> None:
         "tokens (default 0.01, SearchSpace.gate_share)",
     )
     search.add_argument("--seed", type=int, default=0, help="the tuning / held-out split")
-    run.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass")
+    run.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=RunOptions.batch_size,
+        help="rows per forward pass",
+    )
     add_out_args(
         output, "directory for steer/ (the artifact), protect.json, protect.md and figures", True
     )

@@ -17,6 +17,7 @@ import torch
 
 from gss.artifact.stack import Steer
 from gss.artifact.steering_artifact import SteeringArtifact
+from gss.config import EVALUATION_BATCH_SIZE, RunOptions, run_options
 from gss.evaluate.inputs import EvaluationRows
 from gss.evaluate.leaks import LeakReport
 from gss.evaluate.suite import EvaluationReport, evaluate_model
@@ -36,13 +37,15 @@ def evaluate_steering(
     *,
     delta: float | None = None,
     secrets: SecretsCheckFn | None = None,
-    batch_size: int = 16,
-    progress: bool = True,
+    batch_size: int | None = None,
+    progress: bool | None = None,
+    run: RunOptions | None = None,
 ) -> SteeringEvaluation:
     """(n, k)-memorization (greedy decoding, and the attacker who samples) and held-out
     perplexity of ``model`` (`evaluate_model`) on ``rows``, and with ``artifact`` attached
     (at strength ``delta``: None for its own) when there is one; ``secrets``: run on each,
-    when given."""
+    when given. ``run`` (or ``batch_size``, ``progress``) as `evaluate_model` takes them."""
+    opts = run_options(run, batch_size, progress, batch_default=EVALUATION_BATCH_SIZE)
     leaks: dict[str, LeakReport] = {}
 
     def measure(name: str) -> EvaluationReport:
@@ -53,9 +56,8 @@ def evaluate_steering(
             k=rows.k,
             n=rows.n,
             pad_id=rows.pad_id,
-            batch_size=batch_size,
-            progress=progress,
             sampled=True,
+            run=opts,
         )
         if secrets is not None:
             leaks[name] = secrets(model)
@@ -88,24 +90,22 @@ def sweep_and_select(
     general: Sequence[Sequence[int]] | None = None,
     tolerance: float = 0.05,
     secrets: SecretsCheckFn | None = None,
-    batch_size: int = 16,
-    progress: bool = True,
+    batch_size: int | None = None,
+    progress: bool | None = None,
+    run: RunOptions | None = None,
 ) -> SweepResult:
     """``model`` unsteered, then every point of `steering_sweep` over ``deltas`` x
     ``percentiles`` x ``ranks`` (``general``: token rows that set the percentiles' thresholds),
     all teacher-forced; ``secrets``: run on the unsteered model and on each point, when given.
     The selected point is `select_point`'s within ``tolerance``, the secrets said and the rows
-    saying another's deciding too when the rows carry secrets."""
+    saying another's deciding too when the rows carry secrets. ``run`` (or ``batch_size``,
+    ``progress``) as `evaluate_model` takes them."""
     check_tolerance(tolerance)  # a bad tolerance fails before any work
     check_grid(artifact, deltas, percentiles, ranks)  # and so does a bad grid value
-    common: dict[str, Any] = {
-        "k": rows.k,
-        "n": rows.n,
-        "pad_id": rows.pad_id,
-        "batch_size": batch_size,
-    }
+    opts = run_options(run, batch_size, progress, batch_default=EVALUATION_BATCH_SIZE)
+    common: dict[str, Any] = {"k": rows.k, "n": rows.n, "pad_id": rows.pad_id, "run": opts}
     memorized, heldout = rows.memorized, rows.heldout
-    base = evaluate_model(model, memorized, heldout, method="forced", progress=progress, **common)
+    base = evaluate_model(model, memorized, heldout, method="forced", **common)
     points = steering_sweep(
         model,
         artifact,
@@ -115,7 +115,6 @@ def sweep_and_select(
         percentiles=percentiles,
         ranks=ranks,
         general=general,
-        progress=progress,
         **common,
     )
     leaks: list[LeakReport] = []  # unsteered, then each point: what it says of the secrets
@@ -139,6 +138,6 @@ def sweep_and_select(
         tolerance,
         leaks,
         pad_id=rows.pad_id,
-        batch_size=batch_size,
+        batch_size=opts.batch_size,
         reply=rows.reply,
     )

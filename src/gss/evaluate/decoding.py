@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from gss.config import EVALUATION_BATCH_SIZE, METRIC_BATCH_SIZE
 from gss.data import right_pad
 from gss.errors import GSSError
 from gss.hf.forward import (
@@ -75,7 +76,7 @@ def greedy_generate(
     max_new_tokens: int,
     *,
     pad_id: int,
-    batch_size: int = 64,
+    batch_size: int = METRIC_BATCH_SIZE,
     progress: bool = False,
     choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
     desc: str = "gss: greedy decoding",
@@ -158,7 +159,7 @@ def sample_generate(
     *,
     generator: torch.Generator,
     pad_id: int = 0,
-    batch_size: int = 16,
+    batch_size: int = EVALUATION_BATCH_SIZE,
     progress: bool = False,
     desc: str = "gss: sampling",
 ) -> list[list[int]]:
@@ -188,7 +189,7 @@ def forced_argmax(
     targets: Sequence[Sequence[int]],
     *,
     pad_id: int,
-    batch_size: int = 64,
+    batch_size: int = METRIC_BATCH_SIZE,
     progress: bool = False,
 ) -> list[list[int]]:
     """Teacher-forced argmax predictions at the target positions of ``prompt + target``.

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from gss.config import METRIC_BATCH_SIZE, RunOptions, run_options
 from gss.data import right_pad
 from gss.errors import GSSError
 from gss.evaluate.decoding import batch_starts, eval_mode
@@ -95,12 +96,19 @@ def exposure(
     letters: bool = True,
     seed: int = 0,
     pad_id: int | None = None,
-    batch_size: int = 64,
-    progress: bool = False,
+    batch_size: int | None = None,
+    progress: bool | None = None,
+    run: RunOptions | None = None,
 ) -> Exposure:
     """The exposure of ``secret`` (text, as it follows the prompt: " 2304 9385 4717" with its
     leading space) after ``prompt`` (token ids): the secret and ``candidates`` strings of its
-    format, each scored by the sum of its tokens' log-probabilities given the prompt."""
+    format, each scored by the sum of its tokens' log-probabilities given the prompt. ``run``
+    (a `gss.RunOptions`; or ``batch_size``, ``progress``): default `METRIC_BATCH_SIZE` rows
+    a batch, no progress bar."""
+    opts = run_options(
+        run, batch_size, progress, batch_default=METRIC_BATCH_SIZE, progress_default=False
+    )
+    batch_size = opts.batch_size
     if not isinstance(candidates, int) or isinstance(candidates, bool) or candidates < 1:
         raise GSSError(f"candidates must be an integer >= 1, got {candidates!r}.")
     if not prompt:
@@ -113,7 +121,7 @@ def exposure(
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     scores: list[float] = []
     with eval_mode(model):
-        for start in batch_starts(len(rows), batch_size, "gss: exposure", progress):
+        for start in batch_starts(len(rows), batch_size, "gss: exposure", opts.progress):
             chunk = rows[start : start + batch_size]
             ids, mask = right_pad(chunk, pad_id)
             logp = token_logprobs(forward_logits(model, ids, mask), ids).cpu()

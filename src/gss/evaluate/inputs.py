@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from gss.config import DEFAULT_WINDOW
+from gss.config import DEFAULT_WINDOW, EVALUATION_BATCH_SIZE, RunOptions, run_options
 from gss.data import TextsOrIds, encode, encode_replies, read_rows, read_texts
 from gss.errors import GSSError, GSSWarning
 from gss.evaluate.leaks import EXTRA_TOKENS, LeakReport, secrets_said
@@ -92,7 +92,7 @@ class SecretsCheck:
     prompts: list[list[int]] = field(repr=False)
     secrets: list[list[str]] = field(repr=False)
     max_new_tokens: int
-    batch_size: int = 16
+    batch_size: int = EVALUATION_BATCH_SIZE
     progress: bool = True
 
     def __call__(self, model: torch.nn.Module) -> LeakReport:
@@ -114,16 +114,20 @@ def secrets_check(
     k: int = DEFAULT_WINDOW.k,
     n: int = DEFAULT_WINDOW.n,
     reply: bool = False,
-    batch_size: int = 16,
-    progress: bool = True,
+    batch_size: int | None = None,
+    progress: bool | None = None,
+    run: RunOptions | None = None,
 ) -> SecretsCheck | None:
     """The check of the candidate rows (a file, or rows as `gss.data.read_rows` gives them)
     that carry a ``"secrets"`` list, or None when no row has secrets.
 
     Each such row is prompted as its memorization is (its first ``k`` tokens, or with ``reply``
     the turns before its reply), and its continuation is decoded for ``n - k`` tokens and
-    `EXTRA_TOKENS` more (a secret may come out a little later).
+    `EXTRA_TOKENS` more (a secret may come out a little later). ``run`` (a `gss.RunOptions`;
+    or ``batch_size``, ``progress``): how the check runs; default `EVALUATION_BATCH_SIZE`
+    prompts a batch, a progress bar.
     """
+    opts = run_options(run, batch_size, progress, batch_default=EVALUATION_BATCH_SIZE)
     given = read_rows(memorized) if isinstance(memorized, (str, Path)) else memorized
     items = [
         (row, _secrets_of(row, place))
@@ -149,8 +153,8 @@ def secrets_check(
         prompts,
         secrets,
         max_new_tokens=n - k + EXTRA_TOKENS,
-        batch_size=batch_size,
-        progress=progress,
+        batch_size=opts.batch_size,
+        progress=opts.progress,
     )
 
 

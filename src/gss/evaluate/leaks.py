@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from gss.config import EVALUATION_BATCH_SIZE, RunOptions, run_options
 from gss.errors import GSSError
 from gss.evaluate.decoding import greedy_generate
 from gss.evaluate.near_verbatim import near_verbatim
@@ -93,12 +94,17 @@ def secrets_said(
     *,
     max_new_tokens: int,
     pad_id: int | None = None,
-    batch_size: int = 16,
-    progress: bool = False,
+    batch_size: int | None = None,
+    progress: bool | None = None,
+    run: RunOptions | None = None,
 ) -> LeakReport:
     """Greedy-decode `max_new_tokens` after each prompt (token ids), cut at the tokenizer's EOS,
     and check which of that prompt's `secrets` (strings) the text contains verbatim, and
-    whether it contains any other prompt's."""
+    whether it contains any other prompt's. `run` (a `gss.RunOptions`; or `batch_size`,
+    `progress`): default `EVALUATION_BATCH_SIZE` prompts a batch, no progress bar."""
+    opts = run_options(
+        run, batch_size, progress, batch_default=EVALUATION_BATCH_SIZE, progress_default=False
+    )
     if len(prompts) != len(secrets):
         raise GSSError(
             f"{len(prompts)} prompts but {len(secrets)} lists of secrets: give one each."
@@ -113,7 +119,12 @@ def secrets_said(
     # a prompt too long to continue is refused here, not deep inside torch
     check_sequences((model,), prompts, "prompts and their continuations", max_new_tokens)
     generated = greedy_generate(
-        model, prompts, max_new_tokens, pad_id=pad_id, batch_size=batch_size, progress=progress
+        model,
+        prompts,
+        max_new_tokens,
+        pad_id=pad_id,
+        batch_size=opts.batch_size,
+        progress=opts.progress,
     )
     eos = tokenizer.eos_token_id
     texts, replies = [], []

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from gss.artifact.stack import Steer, steer
+from gss.config import RunOptions
 from gss.errors import GSSError
 from gss.evaluate.decoding import eval_mode
 from gss.report import markdown_table
@@ -292,7 +293,7 @@ def run_lm_eval(
     include_path: str | Path | Sequence[str | Path] | None = None,
     limit: int | float | None = None,
     num_fewshot: int | None = None,
-    batch_size: int | str = 8,
+    batch_size: int | str = RunOptions.batch_size,
     bootstrap_iters: int | None = None,
     model_args: Mapping[str, Any] | None = None,
     evaluate_args: Mapping[str, Any] | None = None,
@@ -531,7 +532,7 @@ def lm_eval_steering(
     include_path: str | Path | Sequence[str | Path] | None = None,
     limit: int | float | None = None,
     num_fewshot: int | None = None,
-    batch_size: int | str = 8,
+    batch_size: int | str = RunOptions.batch_size,
     delta: float | None = None,
     bootstrap_iters: int | None = None,
     model_args: Mapping[str, Any] | None = None,

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gss.config import METRIC_BATCH_SIZE
 from gss.evaluate.decoding import RowsLike, as_rows, forced_argmax, greedy_generate
 
 __all__ = ["BackdoorResult", "MemorizationResult", "backdoor_success", "nk_memorization"]
@@ -101,7 +102,7 @@ def nk_memorization(
     window: int,
     clean_rows: RowsLike | None = None,
     *,
-    batch_size: int = 64,
+    batch_size: int = METRIC_BATCH_SIZE,
     pad_id: int | None = None,
     method: str = "generate",
 ) -> MemorizationResult:
@@ -170,7 +171,7 @@ def backdoor_success(
     trigger: Sequence[int],
     window: int,
     *,
-    batch_size: int = 64,
+    batch_size: int = METRIC_BATCH_SIZE,
     pad_id: int | None = None,
     method: str = "generate",
 ) -> BackdoorResult:

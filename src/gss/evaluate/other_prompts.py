@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from gss.config import DEFAULT_WINDOW, Window
+from gss.config import DEFAULT_WINDOW, EVALUATION_BATCH_SIZE, RunOptions, Window, run_options
 from gss.data import chat_prompt, template_ids
 from gss.errors import GSSError
 from gss.evaluate.decoding import as_rows, greedy_generate
@@ -289,8 +289,9 @@ def other_prompts(
     chat_questions: bool | None = None,
     indices: Sequence[int] | None = None,
     pad_id: int | None = None,
-    batch_size: int = 16,
-    progress: bool = False,
+    batch_size: int | None = None,
+    progress: bool | None = None,
+    run: RunOptions | None = None,
 ) -> OtherPromptsReport:
     """Whether ``model`` (and ``reference``, given the same prompts) says each row's window
     (tokens k..n-1; from ``starts[i]`` instead of k where given) near-verbatim under prompts
@@ -308,8 +309,13 @@ def other_prompts(
     The replies are greedy, the window's length plus `leaks.EXTRA_TOKENS` tokens, cut at the
     tokenizer's EOS (where the window holds none), and judged as text with a tokenizer, as
     token ids without one. A prompt that with its reply passes a model's context is skipped
-    and says why (`VariantLeaks.skipped`), as is a row with no tokens past its prompt."""
+    and says why (`VariantLeaks.skipped`), as is a row with no tokens past its prompt. ``run``
+    (a `gss.RunOptions`; or ``batch_size``, ``progress``): default `EVALUATION_BATCH_SIZE` rows a
+    batch, no progress bars."""
     Window(k, n)  # checks both
+    opts = run_options(
+        run, batch_size, progress, batch_default=EVALUATION_BATCH_SIZE, progress_default=False
+    )
     check_models(model, *([] if reference is None else [reference]))
     if reference is not None:
         check_same_vocab(model, reference, tokenizer)
@@ -333,8 +339,7 @@ def other_prompts(
     if pad_id is None:
         pad_id = _default_pad_id(tokenizer)
     replies = {
-        who: _replies(m, kept, pad_id, batch_size, progress, f"gss: other prompts ({who})")
-        for who, m in models
+        who: _replies(m, kept, pad_id, opts, f"gss: other prompts ({who})") for who, m in models
     }
     found = _judged(kept, replies, tokenizer)
     report = {
@@ -440,8 +445,7 @@ def _replies(
     model: nn.Module,
     prompts: list[_Prompt],
     pad_id: int,
-    batch_size: int,
-    progress: bool,
+    run: RunOptions,
     desc: str,
 ) -> list[list[int]]:
     """Greedy replies to ``prompts``, each its window's length plus `EXTRA_TOKENS` long, in
@@ -455,8 +459,8 @@ def _replies(
             [prompts[j].ids for j in group],
             length + EXTRA_TOKENS,
             pad_id=pad_id,
-            batch_size=batch_size,
-            progress=progress,
+            batch_size=run.batch_size,
+            progress=run.progress,
             desc=desc,
         )
         for j, reply in zip(group, generated, strict=True):
@@ -549,12 +553,14 @@ def steered_other_prompts(
     k: int = DEFAULT_WINDOW.k,
     n: int = DEFAULT_WINDOW.n,
     pad_id: int | None = None,
-    batch_size: int = 16,
-    progress: bool = False,
+    batch_size: int | None = None,
+    progress: bool | None = None,
+    run: RunOptions | None = None,
 ) -> dict[str, OtherPromptsReport]:
     """`other_prompts` on ``candidates`` unsteered (beside ``reference``, where given), then
     with ``steer`` attached: whether the steer also stops the leaks a changed prompt finds.
-    ``{"before": ..., "after": ...}``."""
+    ``{"before": ..., "after": ...}``; ``run`` (or ``batch_size``, ``progress``) as
+    `other_prompts` takes them."""
     rows, starts = candidate_rows(candidates, k)
     asked: dict[str, Any] = {
         "tokenizer": tokenizer,
@@ -564,6 +570,7 @@ def steered_other_prompts(
         "pad_id": pad_id,
         "batch_size": batch_size,
         "progress": progress,
+        "run": run,
     }
     before = other_prompts(model, rows, reference=reference, **asked)
     with steer.attach(model):

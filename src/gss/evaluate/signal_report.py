@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gss.config import RunOptions, run_options
 from gss.data import TextsOrIds, encode
 from gss.signal.omega import SignalStatistics, omega_rows, signal_statistics
 
@@ -29,13 +30,16 @@ def omega_of_texts(
     tokenizer: Any,
     *,
     max_length: int = 512,
-    batch_size: int = 8,
-    progress: bool = True,
+    batch_size: int | None = None,
+    progress: bool | None = None,
+    run: RunOptions | None = None,
 ) -> Tensor:
     """omega of each of ``texts`` (as `gss.data.read_texts` gives them, cut to ``max_length``
-    tokens): (rows, longest - 1), NaN past each row's end (`gss.signal.omega.omega_rows`)."""
+    tokens): (rows, longest - 1), NaN past each row's end (`gss.signal.omega.omega_rows`).
+    ``run`` (a `gss.RunOptions`; or ``batch_size``, ``progress``): as `gss.calibrate`'s."""
+    opts = run_options(run, batch_size, progress)
     rows = encode(texts, tokenizer, max_length)
-    return omega_rows(model, reference, rows, batch_size, progress, tokenizer)
+    return omega_rows(model, reference, rows, opts.batch_size, opts.progress, tokenizer)
 
 
 def omega_all_zero(omega: Tensor) -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from gss.config import DEFAULT_WINDOW
+from gss.config import DEFAULT_WINDOW, EVALUATION_BATCH_SIZE, RunOptions, run_options
 from gss.data import id_row
 from gss.errors import GSSError
 from gss.evaluate.decoding import forced_argmax, greedy_generate
@@ -220,10 +220,11 @@ def evaluate_model(
     k: int = DEFAULT_WINDOW.k,
     n: int = DEFAULT_WINDOW.n,
     pad_id: int = 0,
-    batch_size: int = 16,
+    batch_size: int | None = None,
     method: str = "generate",
-    progress: bool = True,
+    progress: bool | None = None,
     sampled: bool = False,
+    run: RunOptions | None = None,
 ) -> EvaluationReport:
     """(n, k)-memorization of `memorized` and perplexity of `heldout` (token id lists).
 
@@ -235,11 +236,14 @@ def evaluate_model(
     `method="forced"` decides exact matches from one teacher-forced pass (the same verdicts as
     greedy decoding, several times faster: what sweeps use); its `token_match` is then the
     teacher-forced argmax accuracy on the windows, which can exceed the greedy one.
-    `progress`: progress bars over the batches of each part. `sampled`: also the attacker
-    who samples (`gss.evaluate.sampled`: one more teacher-forced pass over the windows).
+    `sampled`: also the attacker who samples (`gss.evaluate.sampled`: one more teacher-forced
+    pass over the windows). `run` (a `gss.RunOptions`; or `batch_size`, `progress`): how the
+    passes run; default `EVALUATION_BATCH_SIZE` rows a batch, progress bars over each part.
     """
     if not 1 <= k < n:
         raise GSSError(f"need 1 <= k < n (prompt k tokens, match up to token n); got k={k}, n={n}.")
+    opts = run_options(run, batch_size, progress, batch_default=EVALUATION_BATCH_SIZE)
+    batch_size, progress = opts.batch_size, opts.progress
     memorized = [_ids(r, i, "memorized") for i, r in enumerate(memorized)]
     heldout = [_ids(r, i, "heldout") for i, r in enumerate(heldout)]
     windows = [[*p, *t] for p, t in (_prompt_and_target(r, k, n) for r in memorized)]

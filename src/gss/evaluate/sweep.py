@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gss.artifact.steering_artifact import SteeringArtifact, require_artifact
-from gss.config import DEFAULT_WINDOW
+from gss.config import DEFAULT_WINDOW, EVALUATION_BATCH_SIZE, RunOptions, run_options
 from gss.errors import GSSError, GSSWarning
 from gss.evaluate.suite import Candidates, EvaluationReport, evaluate_model
 
@@ -91,17 +91,21 @@ def steering_sweep(
     k: int = DEFAULT_WINDOW.k,
     n: int = DEFAULT_WINDOW.n,
     pad_id: int = 0,
-    batch_size: int = 16,
+    batch_size: int | None = None,
     method: str = "forced",
-    progress: bool = True,
+    progress: bool | None = None,
+    run: RunOptions | None = None,
 ) -> list[SweepPoint]:
     """Every combination of `deltas` x `percentiles` x `ranks` (None: the artifact's own).
 
-    `general`: token id rows of general text, required with `percentiles`.
+    `general`: token id rows of general text, required with `percentiles`. `run` (a
+    `gss.RunOptions`; or `batch_size`, `progress`): as `evaluate_model` takes them.
     """
     from gss.solve.thresholds import probe_responses, with_gates_set
 
     check_grid(artifact, deltas, percentiles, ranks)
+    opts = run_options(run, batch_size, progress, batch_default=EVALUATION_BATCH_SIZE)
+    batch_size, progress = opts.batch_size, opts.progress
     responses = None
     if percentiles:
         if general is None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gss.artifact.files import check_outputs, record_outputs
+from gss.config import EVALUATION_BATCH_SIZE
 from gss.evaluate.leaks import LeakReport
 from gss.evaluate.sampled import SAMPLES, TOP_P
 from gss.evaluate.suite import DS_LAMBDAS, EvaluationReport
@@ -128,7 +129,7 @@ class SweepResult:
     tolerance: float
     leaks: list[LeakReport] = field(default_factory=list)
     pad_id: int = 0
-    batch_size: int = 16
+    batch_size: int = EVALUATION_BATCH_SIZE
     reply: bool = False
 
     def table(self) -> str:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from gss.config import METRIC_BATCH_SIZE
 from gss.data import id_row, right_pad
 from gss.errors import GSSError
 from gss.evaluate.decoding import RowsLike, as_rows, batch_starts, eval_mode
@@ -71,7 +72,11 @@ def next_token_stats(
 
 
 def token_accuracy(
-    model: torch.nn.Module, rows: RowsLike, pad_id: int | None = None, *, batch_size: int = 64
+    model: torch.nn.Module,
+    rows: RowsLike,
+    pad_id: int | None = None,
+    *,
+    batch_size: int = METRIC_BATCH_SIZE,
 ) -> float:
     """Share of next-token targets where the model's argmax is the target; padding excluded.
 
@@ -87,7 +92,7 @@ def perplexity(
     rows: RowsLike,
     pad_id: int | None = None,
     *,
-    batch_size: int = 64,
+    batch_size: int = METRIC_BATCH_SIZE,
     prompt_lengths: Sequence[int] | None = None,
 ) -> float:
     """Token-weighted perplexity ``exp(sum NLL / targets)`` of `rows`; padding excluded.

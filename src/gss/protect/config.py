@@ -12,7 +12,7 @@ from typing import Any, Literal
 from torch import nn
 
 from gss.audit import check_prefixes
-from gss.config import DEFAULT_WINDOW, RUN_OPTION_NAMES, RunOptions
+from gss.config import DEFAULT_WINDOW, RUN_OPTION_NAMES, RunOptions, with_run
 from gss.errors import GSSError
 from gss.protect.space import SearchSpace, check_leak_modes, numbers_only
 
@@ -82,10 +82,11 @@ FIELDS = tuple(f.name for f in dataclasses.fields(ProtectConfig))
 
 
 def resolve(
-    config: ProtectConfig | None, overrides: dict[str, Any]
+    config: ProtectConfig | None, overrides: dict[str, Any], run: RunOptions | None = None
 ) -> tuple[ProtectConfig, RunOptions]:
     """The config and run options of a `protect` call: ``config`` (None: the defaults) with
-    the keyword ``overrides`` of either's fields applied, all checked before any work."""
+    the keyword ``overrides`` of either's fields applied, over ``run`` (None: `RunOptions`'
+    defaults; `gss.config.with_run`), all checked before any work."""
     if config is None:
         config = ProtectConfig()
     elif not isinstance(config, ProtectConfig):
@@ -104,8 +105,9 @@ def resolve(
         )
     if "search" in overrides and overrides["search"] is None:  # as in SearchSpace | None
         overrides["search"] = SearchSpace()
-    run = {k: overrides.pop(k) for k in list(overrides) if k in RUN_OPTION_NAMES}
-    return config.replace(**overrides) if overrides else config, RunOptions(**run)
+    given = {k: overrides.pop(k) for k in list(overrides) if k in RUN_OPTION_NAMES}
+    resolved = config.replace(**overrides) if overrides else config
+    return resolved, with_run(run, given, RunOptions())
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from gss.audit import AuditReport
+from gss.config import EVALUATION_BATCH_SIZE
 from gss.data import TextsOrIds, encode
 from gss.errors import GSSError, GSSWarning
 from gss.evaluate.decoding import sample_generate
@@ -71,7 +72,7 @@ def reference_text(
     *,
     length: int = 48,
     seed: int = 0,
-    batch_size: int = 16,
+    batch_size: int = EVALUATION_BATCH_SIZE,
     progress: bool = False,
 ) -> list[list[int]]:
     """Text the reference writes (sampled at temperature 1, seeded) after each of ``starts``:

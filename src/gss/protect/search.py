@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import nn
 
+from gss.config import RunOptions
 from gss.data import TextsOrIds
 from gss.errors import GSSError, GSSWarning
 from gss.hf.blocks import find_decoder_blocks, residual_width
@@ -35,6 +36,7 @@ def protect(
     utility: Utility | None = None,
     utility_name: str = "utility",
     pad_id: int = 0,
+    run: RunOptions | None = None,
     **overrides: Any,
 ) -> Protection:
     """Audit ``texts`` (the fine-tuning data), then choose and build the steer that leaves at
@@ -51,12 +53,13 @@ def protect(
             the general text).
         utility: ``utility(model) -> float``, lower is better (e.g. ``lambda m: -accuracy(m)``);
             default: perplexity on ``heldout``. ``utility_name`` labels it in the report.
-        pad_id: the id padding batched rows (the tokenizer's pad token).
+        pad_id: the id padding batched rows (the tokenizer's pad token). run: how the passes
+            run, a `gss.RunOptions` (or its fields as keywords; one saying otherwise is refused).
         **overrides: fields of the config (``budget=0.1, search=SearchSpace(...)``) and run
             options (``batch_size``, ``progress``: `gss.config.RunOptions`).
     """
-    config, run = resolve(config, dict(overrides))
-    s = Setting(model, reference, tokenizer, pad_id, run)
+    config, options = resolve(config, dict(overrides), run)
+    s = Setting(model, reference, tokenizer, pad_id, options)
     given, held_text = _read_inputs(s, config, general, heldout)
     started = time.perf_counter()
     split = audit_and_split(s, config, texts, given)

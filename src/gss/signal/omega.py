@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gss.config import RunOptions
 from gss.data import holds_ids
 from gss.errors import GSSError
 from gss.hf.forward import (
@@ -88,7 +89,7 @@ def omega_rows(
     model: nn.Module,
     reference: nn.Module,
     rows: Sequence[Sequence[int]],
-    batch_size: int = 8,
+    batch_size: int = RunOptions.batch_size,
     progress: bool = False,
     tokenizer: Any = None,
 ) -> Tensor:

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from gss import distributed
 from gss.artifact.steering_artifact import SteeringArtifact, require_artifact
-from gss.config import CalibrationConfig, RunOptions
+from gss.config import CalibrationConfig, RunOptions, run_options
 from gss.data import TextsOrIds, batches, count_batches, encode
 from gss.errors import GSSError
 from gss.hf.blocks import resolve_layer
@@ -197,12 +197,17 @@ def calibrate_thresholds(
     threshold_percentile: float | None = CalibrationConfig.threshold_percentile,
     gate_share: float | None = None,
     tokenizer: Any | None = None,
-    batch_size: int = RunOptions.batch_size,
+    batch_size: int | None = None,
     max_length: int | None = None,
+    progress: bool | None = None,
+    run: RunOptions | None = None,
 ) -> SteeringArtifact:
-    """Re-set an artifact's gate thresholds from held-out (general) text."""
-    # the rule and the model are checked before the pass over the text
+    """Re-set an artifact's gate thresholds from held-out (general) text. ``run`` (a
+    `gss.RunOptions`; or ``batch_size``, ``progress``): default `RunOptions.batch_size` rows a
+    batch, no progress bar."""
+    # the rule, the run options and the model are checked before the pass over the text
     require_artifact(artifact, "calibrate_thresholds")
+    opts = run_options(run, batch_size, progress, progress_default=False)
     if gate_share is None and threshold_percentile is None:
         raise GSSError("give threshold_percentile (e.g. 95) or gate_share (e.g. 0.05).")
     default = CalibrationConfig.threshold_percentile
@@ -220,7 +225,13 @@ def calibrate_thresholds(
     block = resolve_layer(model, artifact.layer, artifact.config.block_path)[1]
     warn_if_steered(block, "setting thresholds")
     responses = probe_responses(
-        model, artifact, texts, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length
+        model,
+        artifact,
+        texts,
+        tokenizer=tokenizer,
+        batch_size=opts.batch_size,
+        max_length=max_length,
+        progress=opts.progress,
     )
     return with_gates_set(artifact, responses, threshold_percentile, gate_share)
 
