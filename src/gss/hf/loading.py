@@ -349,9 +349,16 @@ def load_tokenizer(path: Source, revision: str | None = None) -> Any:
             "...): save the model's tokenizer beside it (tokenizer.save_pretrained(path)), "
             "or give the directory that has it."
         )
+    if here and (folder / "tokenizer.json").is_file():
+        # transformers 4.x meets a broken tokenizer.json by falling back to a slow tokenizer
+        # and asking for protobuf or sentencepiece: say what is wrong before it does
+        try:
+            json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise load_failure(source, "the tokenizer", e) from e
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.name, **source.options, **NO_CODE)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, ImportError) as e:
         if base is None:
             raise load_failure(source, "the tokenizer", e) from e
     else:
