@@ -575,6 +575,33 @@ def test_lora_adapter_served_by_vllm_matches_the_merged_model(tmp_path: Path) ->
     assert got["tokens"] == expected
 
 
+def test_artifact_is_refused_on_another_fine_tune(setup: dict[str, Any], tmp_path: Path) -> None:
+    """The artifact of the tiny model, served by vLLM on a copy of it whose block 0 MLP down
+    projection changed (another fine-tune of the same base; its embeddings as they were), is
+    refused at engine start, naming the block: the plugin reads vLLM's block weights as it
+    loads them, before vLLM's CPU build repacks its linear weights out of reach. The artifact
+    on its own model starts (the tests above)."""
+    other = tiny_model(0)  # the model the artifact was calibrated on (save_tiny)
+    down = other.model.layers[0].mlp.down_proj.weight
+    with torch.no_grad():
+        down.add_(torch.randn(down.shape, generator=torch.Generator().manual_seed(1)) * 0.02)
+    other.save_pretrained(tmp_path / "model")
+    artifact = str(setup["root"] / "artifact")
+    with pytest.raises(AssertionError, match="failed") as failed:
+        run_engine(
+            tmp_path,
+            setup["prompts"][:1],
+            [STEER_NAME],
+            plugin=True,
+            tag="other-fine-tune",
+            artifact=artifact,
+        )
+    log = str(failed.value)
+    assert "calibrated for another model than the one vLLM serves" in log
+    assert "decoder block(s) [0]" in log and "mlp.down_proj.weight" in log
+    assert "embeddings differ" not in log
+
+
 def test_prefix_cache_is_not_shared_across_steers(setup: dict[str, Any]) -> None:
     """The prompts first run unsteered (their prefix blocks cached), then mixed: a steered
     request must not reuse the unsteered KV (the plugin salts its prefix-cache key)."""

@@ -80,14 +80,20 @@ def block_weights(model: nn.Module, block_path: str | None = None) -> list[dict[
         for name, weight, adapters in _block_weights(block):
             if weight.device.type == "meta" or is_quantized_weight(weight) or not weight.numel():
                 continue
-            count = min(_WEIGHT_SAMPLE, weight.numel())
-            index = torch.linspace(0, weight.numel() - 1, count).long().to(weight.device)
+            index = weight_sample_index(weight.numel()).to(weight.device)
             plain = weight.detach().reshape(-1)[index]
             values = plain if adapters is None else _plus_adapters(adapters, weight, index, plain)
             if values is not None:
                 entry[name] = [float(v) for v in values.float().cpu().tolist()]
         out.append(entry)
     return out
+
+
+def weight_sample_index(numel: int) -> Tensor:
+    """The flat indices `block_weights` reads from a tensor of ``numel`` entries: evenly spaced,
+    so a reader of the same weights stored otherwise (vLLM's fused projections,
+    `gss.serving.vllm_weights`) finds the same entries."""
+    return torch.linspace(0, numel - 1, min(_WEIGHT_SAMPLE, numel)).long()
 
 
 def _changed_tensors(ours: dict[str, list[float]], theirs: dict[str, list[float]]) -> list[str]:

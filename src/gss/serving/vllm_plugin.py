@@ -25,6 +25,10 @@ How it works (see the notes of issue 40):
   the same way; its dummy runs and CUDA-graph capture clear them (`_patch_v2_runner_class`).
 * A request naming an unknown artifact is refused where vLLM validates its parameters
   (``InputProcessor._validate_params``, in the frontend), before it reaches the engine.
+* An artifact calibrated on another model is refused when the steer is installed: its
+  fingerprint against vLLM's config, embeddings and block weights (`_check_artifact`), the
+  latter sampled as vLLM loads them (``process_weights_after_loading``), before its CPU build
+  repacks them out of reach (`gss.serving.vllm_weights`).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from gss.serving import vllm_op
+from gss.serving import vllm_op, vllm_weights
 from gss.serving.vllm_settings import (
     CONFIG_KEY,
     DEFAULT_ENV,
@@ -108,7 +112,15 @@ _V2_HOOKS = (
     "execute_model",
     "capture_model",
 )
-_PATCHED_MODULES = (*_RUNNER_MODULES, _REQUEST_MODULE, _INPUT_MODULE, _V2_RUNNER_MODULE)
+# where vLLM's model loaders post-process the loaded weights (the CPU build repacks them)
+_LOADER_MODULE = "vllm.model_executor.model_loader.base_loader"
+_PATCHED_MODULES = (
+    *_RUNNER_MODULES,
+    _REQUEST_MODULE,
+    _INPUT_MODULE,
+    _V2_RUNNER_MODULE,
+    _LOADER_MODULE,
+)
 
 
 def _decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
@@ -123,7 +135,11 @@ def _decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
 
 
 def _check_artifact(art: Any, model: nn.Module, hf_config: Any) -> None:
-    """The artifact's model fingerprint against the vLLM model, where it can be read."""
+    """The artifact's model fingerprint against the vLLM model, where it can be read: the
+    config's shapes, the input embeddings and, where vLLM's layers hold them as transformers'
+    tensors (`gss.serving.vllm_weights`), the block weights, so another fine-tune of the same
+    base is refused as `SteeringArtifact.check_model` refuses it; with no block tensor
+    readable, the shapes and embeddings alone."""
     from gss.artifact.fingerprint import (
         config_fingerprint,
         embedding_sample,
@@ -138,12 +154,72 @@ def _check_artifact(art: Any, model: nn.Module, hf_config: Any) -> None:
     vocab = actual["vocab_size"]
     if isinstance(weight, Tensor) and vocab and weight.shape[0] >= vocab:  # not sharded
         actual["embedding_sample"] = embedding_sample(weight[:vocab].detach())
+    blocks = _block_weights(model, hf_config)
+    if any(blocks):
+        actual["block_weights"] = blocks
     diffs = fingerprint_differences(expected, actual) if expected else []
     if diffs:
         raise GSSError(
             "a gss artifact was calibrated for another model than the one vLLM serves: "
             + "; ".join(diffs)
         )
+
+
+def _block_weights(model: nn.Module, hf_config: Any) -> list[dict[str, list[float]]]:
+    """The fingerprint's ``block_weights`` as vLLM's decoder layers hold them (empty where
+    the layers are not found or their architecture is not mapped)."""
+    text = getattr(hf_config, "get_text_config", lambda: hf_config)()
+    try:
+        layers = _decoder_layers(model, int(text.num_hidden_layers))
+    except (RuntimeError, AttributeError, TypeError):
+        return []
+    return vllm_weights.vllm_block_weights(layers, hf_config)
+
+
+_recording = False  # True while a runner that serves artifacts loads its model
+
+
+@contextlib.contextmanager
+def _record_weights_of(runner: Any) -> Any:
+    """While ``runner`` loads its model, sample its block weights as loaded
+    (`_patch_loader_module`), where it serves artifacts."""
+    global _recording
+    _recording = bool(artifact_paths(runner.vllm_config))
+    try:
+        yield
+    finally:
+        _recording = False
+
+
+def _record_block_weights(model: nn.Module, model_config: Any) -> None:
+    """Keep a sample of the just-loaded block weights on vLLM's layers (`vllm_weights.record`)
+    for `_check_artifact`: vLLM's CPU build repacks its linear weights next, leaving them empty."""
+    hf_config = model_config.hf_config
+    text = getattr(hf_config, "get_text_config", lambda: hf_config)()
+    try:
+        layers = _decoder_layers(model, int(text.num_hidden_layers))
+    except (RuntimeError, AttributeError, TypeError):
+        return
+    vllm_weights.record(layers, hf_config)
+
+
+def _patch_loader_module(module: ModuleType) -> None:
+    """Sample the block weights between vLLM's loading them and post-processing them
+    (``process_weights_after_loading``, as its base loader calls it), while a runner that
+    serves artifacts loads its model."""
+    original = module.__dict__.get("process_weights_after_loading")
+    if original is None or getattr(original, "_gss_hook", False):
+        return
+
+    def process_weights_after_loading(
+        model: nn.Module, model_config: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if _recording:
+            _record_block_weights(model, model_config)
+        return original(model, model_config, *args, **kwargs)
+
+    process_weights_after_loading._gss_hook = True  # type: ignore[attr-defined]
+    setattr(module, "process_weights_after_loading", process_weights_after_loading)  # noqa: B010
 
 
 def unsupported_layout(vllm_config: Any) -> str | None:
@@ -358,7 +434,8 @@ def _patch_runner_class(cls: type) -> None:
         load_model = cls.__dict__["load_model"]
 
         def patched_load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = load_model(self, *args, **kwargs)
+            with _record_weights_of(self):
+                result = load_model(self, *args, **kwargs)
             install(self)
             return result
 
@@ -464,6 +541,9 @@ def _patch_input_processor_class(cls: type) -> None:
 
 
 def _patch_module(module: ModuleType) -> None:
+    if module.__name__ == _LOADER_MODULE:
+        _patch_loader_module(module)
+        return
     if module.__name__ == _INPUT_MODULE:
         processor_cls = getattr(module, "InputProcessor", None)
         if isinstance(processor_cls, type):
@@ -508,7 +588,8 @@ def _patch_v2_runner_class(cls: type) -> None:
     original: dict[str, Any] = {name: cls.__dict__.get(name) for name in _V2_HOOKS}
 
     def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original["load_model"](self, *args, **kwargs)
+        with _record_weights_of(self):
+            result = original["load_model"](self, *args, **kwargs)
         install(self)
         return result
 
