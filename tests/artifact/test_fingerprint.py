@@ -69,3 +69,23 @@ def test_an_artifact_saved_before_every_tensor_was_sampled_still_compares(calibr
     older.check_model(model)
     with pytest.raises(GSSError, match="another model"):
         older.check_model(_tuned(model, "self_attn.q_proj.weight", scale=1.0))
+
+
+@pytest.mark.parametrize("default", [torch.float64, torch.float16, torch.bfloat16])
+def test_the_places_sampled_do_not_depend_on_torch_s_default_dtype(default):
+    """Under any default dtype (vLLM loads under the model's) the indices are float32's, as
+    every saved fingerprint's were, and stay inside the tensor, past 2^24 entries too."""
+    from gss.artifact.fingerprint import spaced_index
+
+    sizes = [(196608, 8), (4096, 16), (50257, 256), (2**25 + 4, 8)]
+    expected = [torch.linspace(0, n - 1, k, dtype=torch.float32).long() for n, k in sizes]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        got = [spaced_index(n, k) for n, k in sizes]
+    finally:
+        torch.set_default_dtype(previous)
+    for (n, _), g, e in zip(sizes, got, expected, strict=True):
+        assert g.max() < n
+        assert torch.equal(g[:-1], e[:-1])
+    assert int(expected[-1][-1]) == 2**25 + 4 and int(got[-1][-1]) == 2**25 + 3

@@ -117,6 +117,25 @@ def test_vllm_layers_read_back_the_transformers_sample(arch: str, dtype: torch.d
     vllm_plugin._check_artifact(artifact_of(model), served, model.config)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_vllm_layers_are_read_under_vllm_s_default_dtype(dtype: torch.dtype) -> None:
+    """vLLM loads a model, and so the plugin samples it, under the model's dtype as torch's
+    default: the places sampled are still transformers' (a bfloat16 ``linspace`` rounded them,
+    past the end of the tensor: the engine failed to start, CI of 2026-12-05)."""
+    model = tiny_model("llama")
+    served = vllm_shaped(model, dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        vllm_weights.record(layers_of(served), model.config)
+        got = vllm_weights.vllm_block_weights(layers_of(served), model.config)
+    finally:
+        torch.set_default_dtype(previous)
+    expected = block_weights(model)
+    assert [set(g) for g in got] == [set(e) for e in expected]
+    assert fingerprint_differences({"block_weights": expected}, {"block_weights": got}) == []
+
+
 @pytest.mark.parametrize(
     ("arch", "tensor"),
     [

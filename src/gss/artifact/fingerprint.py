@@ -30,8 +30,8 @@ def embedding_sample(emb: Tensor) -> list[float]:
     """An evenly spaced _SAMPLE x _SAMPLE grid of the input embedding matrix ``emb`` (vocab x
     hidden), in float32 rounded to 6 decimals: what `fingerprint_differences` compares within a
     tolerance. The vLLM plugin reads it from vLLM's copy of the embedding."""
-    rows = torch.linspace(0, emb.shape[0] - 1, _SAMPLE).long().to(emb.device)
-    cols = torch.linspace(0, emb.shape[1] - 1, _SAMPLE).long().to(emb.device)
+    rows = spaced_index(emb.shape[0], _SAMPLE).to(emb.device)
+    cols = spaced_index(emb.shape[1], _SAMPLE).to(emb.device)
     sample = emb[rows][:, cols].float().cpu()
     return [round(v, 6) for v in sample.flatten().tolist()]
 
@@ -43,7 +43,7 @@ def model_fingerprint(model: nn.Module, block_path: str | None = None) -> dict[s
     float16 match, while another model does not.
     """
     emb = input_embedding_values(model).detach()
-    hash_rows = torch.linspace(0, emb.shape[0] - 1, min(256, emb.shape[0])).long().to(emb.device)
+    hash_rows = spaced_index(emb.shape[0], min(256, emb.shape[0])).to(emb.device)
     sampled = emb[hash_rows].to(torch.bfloat16).view(torch.int16).cpu().numpy()
     # numpy's stubs declare the buffer protocol of arrays only for Python >= 3.12
     digest = hashlib.sha256(cast("Buffer", sampled))
@@ -93,7 +93,16 @@ def weight_sample_index(numel: int) -> Tensor:
     """The flat indices `block_weights` reads from a tensor of ``numel`` entries: evenly spaced,
     so a reader of the same weights stored otherwise (vLLM's fused projections,
     `gss.serving.vllm_weights`) finds the same entries."""
-    return torch.linspace(0, numel - 1, min(_WEIGHT_SAMPLE, numel)).long()
+    return spaced_index(numel, min(_WEIGHT_SAMPLE, numel))
+
+
+def spaced_index(size: int, count: int) -> Tensor:
+    """``count`` evenly spaced indices into ``size`` entries, the same wherever they are taken:
+    computed in float32 whatever torch's default dtype (vLLM loads a model under a bfloat16
+    default, where ``linspace`` rounds 196607 up to 196608), as every saved fingerprint was,
+    and kept below ``size`` (float32 rounds past the end above 2^24 entries)."""
+    index = torch.linspace(0, size - 1, count, dtype=torch.float32).long()
+    return index.clamp_(max=max(size - 1, 0))
 
 
 def _changed_tensors(ours: dict[str, list[float]], theirs: dict[str, list[float]]) -> list[str]:
@@ -129,7 +138,7 @@ def blocks_sample(model: nn.Module, block_path: str | None = None) -> list[dict[
             if weight.device.type == "meta" or is_quantized_weight(weight):
                 entry = {"names": [], "bits": []}
                 break
-            index = torch.linspace(0, weight.numel() - 1, _BLOCK_SAMPLE).long().to(weight.device)
+            index = spaced_index(weight.numel(), _BLOCK_SAMPLE).to(weight.device)
             plain = weight.detach().reshape(-1)[index]
             values = plain if adapters is None else _plus_adapters(adapters, weight, index, plain)
             if values is None:
