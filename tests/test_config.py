@@ -220,7 +220,12 @@ class _Artifact:  # stands for a SteeringArtifact where only the run options are
 
 def _call(target: str, *args, **kwargs):
     module, name = target.rsplit(".", 1)
-    return lambda: getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    def call():
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__name__ = target  # the test's id: the same in every process (pytest-xdist's workers)
+    return call
 
 
 # (the module that resolves the run options, the call, its defaults before issue 71)
@@ -264,7 +269,9 @@ ENTRY_POINTS = [
 ]
 
 
-@pytest.mark.parametrize(("where", "call", "default"), ENTRY_POINTS, ids=lambda x: str(x))
+@pytest.mark.parametrize(
+    ("where", "call", "default"), ENTRY_POINTS, ids=lambda x: getattr(x, "__name__", str(x))
+)
 def test_each_entry_point_runs_as_it_did_by_default(monkeypatch, where, call, default):
     """With neither ``run=`` nor a keyword, each entry point resolves the batch size and
     progress it always had (read where it resolves them, before any pass)."""

@@ -152,6 +152,15 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
+class EngineFailed(AssertionError):
+    """A vLLM run that exited non-zero: the message shows the log's tail (vLLM's startup
+    log is long), ``log`` keeps all of it for tests that look for the cause."""
+
+    def __init__(self, tag: str, log: str) -> None:
+        super().__init__(f"vLLM run {tag} failed:\n{log[-12000:]}")
+        self.log = log
+
+
 def run_engine(
     root: Path,
     prompts: list[list[int]],
@@ -200,9 +209,7 @@ def run_engine(
         timeout=900,
     )
     if proc.returncode:
-        raise AssertionError(
-            f"vLLM run {tag} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-        )
+        raise EngineFailed(tag, proc.stdout + proc.stderr)
     return {**json.loads(out_file.read_text()), "log": proc.stdout + proc.stderr}
 
 
@@ -587,7 +594,7 @@ def test_artifact_is_refused_on_another_fine_tune(setup: dict[str, Any], tmp_pat
         down.add_(torch.randn(down.shape, generator=torch.Generator().manual_seed(1)) * 0.02)
     other.save_pretrained(tmp_path / "model")
     artifact = str(setup["root"] / "artifact")
-    with pytest.raises(AssertionError, match="failed") as failed:
+    with pytest.raises(EngineFailed) as failed:
         run_engine(
             tmp_path,
             setup["prompts"][:1],
@@ -596,7 +603,7 @@ def test_artifact_is_refused_on_another_fine_tune(setup: dict[str, Any], tmp_pat
             tag="other-fine-tune",
             artifact=artifact,
         )
-    log = str(failed.value)
+    log = failed.value.log  # the whole log: the message shows only its tail
     assert "calibrated for another model than the one vLLM serves" in log
     assert "decoder block(s) [0]" in log and "mlp.down_proj.weight" in log
     assert "embeddings differ" not in log
