@@ -463,6 +463,12 @@ def _padded_rows_calibrate_as_unpadded(c: Ctx) -> None:
         assert torch.equal(art.thresholds, plain.thresholds)
 
 
+def _np_int(value: int) -> Any:
+    import numpy as np
+
+    return np.int64(value)
+
+
 def _numpy_options(c: Ctx) -> None:
     import numpy as np
 
@@ -1138,6 +1144,60 @@ CASES: list[tuple[str, Callable[[Ctx], Any], Err | Warns | Ok]] = [
         Err(r"no row has a next-token target"),
     ),
     ("save into the working directory", _save_into_cwd, Err(r"is the current directory")),
+    # a fresh catalogue (issue 69): a traceback, or a misdiagnosis, once each
+    (
+        "a lone surrogate among the texts",
+        lambda c: c.calibrate([*LINES[:4], "w1 \ud800 w2"], tokenizer=c.tok),
+        Err(r"sequence 4 holds '\\ud800' at character 3, a lone surrogate"),
+    ),
+    (
+        "a lone surrogate in gen_texts",
+        lambda c: c.calibrate(LINES, tokenizer=c.tok, gen_texts=["w1 \udcff"] * 4),
+        Err(r"a lone surrogate"),
+    ),
+    (
+        "explain a prompt with a lone surrogate",
+        lambda c: gss.explain(c.model, c.art, "w1 \udcff", tokenizer=c.tok),
+        Err(r"explain: the prompt holds '\\udcff'"),
+    ),
+    (
+        "id past int32",
+        lambda c: c.calibrate([[3, 4, 2**31]]),
+        Err(r"holds the token id 2147483648, past any model's vocabulary"),
+    ),
+    (
+        "id past int64",
+        lambda c: c.calibrate([[3, 4, 2**70]]),
+        Err(r"holds the token id 1180591620717411303424, past any"),
+    ),
+    (
+        "audit k and n as NumPy integers",
+        lambda c: gss.audit(c.model, c.ref, c.ids, k=_np_int(4), n=_np_int(8), progress=False),
+        Ok(),
+    ),
+    (
+        "load a fingerprint entry of the wrong type",
+        lambda c: gss.load(
+            _edit_config(c, lambda raw: raw["provenance"]["fingerprint"].update(vocab_size="48"))
+        ),
+        Err(r"fingerprint entry 'vocab_size' is not an int: the artifact is damaged"),
+    ),
+    (
+        "load a fingerprint sample that is text",
+        lambda c: gss.load(
+            _edit_config(
+                c, lambda raw: raw["provenance"]["fingerprint"].update(embedding_sample="x")
+            )
+        ),
+        Err(r"fingerprint entry 'embedding_sample' is not a list of numbers"),
+    ),
+    (
+        "load fingerprint block weights of the wrong shape",
+        lambda c: gss.load(
+            _edit_config(c, lambda raw: raw["provenance"]["fingerprint"].update(block_weights=[1]))
+        ),
+        Err(r"fingerprint entry 'block_weights' is not a list of"),
+    ),
     (
         "a figure into a folder",
         lambda c: gss.report.save_figure(None, c.tmp),

@@ -97,6 +97,27 @@ def root(tmp_path_factory):
         # re-sealed, as a forger would: what is tested is the check of the entries' types
         config["content_sha256"] = content_sha256(config)
         (root / name / "gss_config.json").write_text(json.dumps(config))
+    # a fresh catalogue (issue 69): hostile folders and files
+    (root / "linked_out").mkdir()  # an output's name a link to a place outside --out
+    (root / "linked_out" / "audit.jsonl").symlink_to(root / "foreign" / "planted.jsonl")
+    (root / "surrogate.jsonl").write_text('{"text": "w1 \\ud800 w2 w3"}\n')
+    (root / "huge_id.jsonl").write_text('{"input_ids": [1, 5, 99999999999999999999]}\n')
+    for name, file, text in (
+        ("model_config_list", "config.json", "[1, 2]"),
+        ("tokenizer_config_list", "tokenizer_config.json", "[]"),
+    ):
+        shutil.copytree(root / "model", root / name)
+        (root / name / file).write_text(text)
+    shutil.copytree(root / "model", root / "five_layers")  # config.json: 5 blocks, weights: 2
+    config = json.loads((root / "five_layers" / "config.json").read_text())
+    (root / "five_layers" / "config.json").write_text(
+        json.dumps({**config, "num_hidden_layers": 5})
+    )
+    shutil.copytree(root / "art", root / "sample_text")
+    config = json.loads((root / "sample_text" / "gss_config.json").read_text())
+    config["provenance"]["fingerprint"]["embedding_sample"] = "x"
+    config["content_sha256"] = content_sha256(config)
+    (root / "sample_text" / "gss_config.json").write_text(json.dumps(config))
     return root
 
 
@@ -528,6 +549,55 @@ def _cases():
             "records layer None and rank 2",
         ),
         "config rank not the tensors'": (["show", "{root}/rank_99"], "records layer 1 and rank 99"),
+        # a fresh catalogue (issue 69): each a traceback, a file written outside --out, or a
+        # flag silently dropped, once
+        "an output's name a link in out": (
+            [*audit[:-1], "{root}/linked_out"],
+            "linked_out/audit.jsonl is a link (to {root}/foreign/planted.jsonl): gss writes no "
+            "result through a link",
+        ),
+        "out inside a model's folder": (
+            [*audit[:-1], "{root}/model/audit"],
+            "--out {root}/model/audit is inside {root}/model, which holds a model",
+        ),
+        "explain-out a device, overwrite": (
+            [*generate, "--prompt", "w1", "--explain-out", "/dev/null", "--overwrite"],
+            "/dev/null is not a regular file (a device, pipe or socket)",
+        ),
+        "explain-out empty": (
+            [*generate, "--prompt", "w1", "--explain-out", ""],
+            "--explain-out is empty: give a file (.jsonl), or leave the flag out",
+        ),
+        "prompt with a lone surrogate": (
+            [*generate, "--prompt", "w1 \udcff"],
+            "--prompt 'w1 \\udcff' holds '\\udcff' at character 3, a lone surrogate",
+        ),
+        "data with a lone surrogate": (
+            [*calibrate[:5], "--data", "{root}/surrogate.jsonl", "--layer", "1", *out],
+            "sequence 0 holds '\\ud800' at character 3, a lone surrogate",
+        ),
+        "token id past any vocabulary": (
+            [*calibrate[:5], "--data", "{root}/huge_id.jsonl", "--layer", "1", *out],
+            "huge_id.jsonl:1 holds the token id 99999999999999999999, past any model's",
+        ),
+        "model config.json a list": (
+            ["calibrate", "--model", "{root}/model_config_list", *calibrate[3:], *out],
+            # the tokenizer loads first on transformers 5, the model on 4.x
+            "from {root}/model_config_list (TypeError",
+        ),
+        "tokenizer_config.json a list": (
+            ["calibrate", "--model", "{root}/tokenizer_config_list", *calibrate[3:], *out],
+            # AttributeError on transformers 5, TypeError on 4.x: one line either way
+            "could not load the tokenizer from {root}/tokenizer_config_list (",
+        ),
+        "weights lacking blocks config.json has": (
+            ["calibrate", "--model", "{root}/five_layers", *calibrate[3:], *out],
+            "the weights at {root}/five_layers lack 27 of the model's tensors",
+        ),
+        "steer with a fingerprint entry of the wrong type": (
+            ["generate", "--model", m, "--steer", "{root}/sample_text", "--prompt", "w1"],
+            "fingerprint entry 'embedding_sample' is not a list of numbers",
+        ),
     }
 
 
@@ -575,6 +645,13 @@ BEFORE_ANY_MODEL = [
     "serve port past 65535",
     "serve model missing",
     "serve model config broken",
+    "an output's name a link in out",
+    "out inside a model's folder",
+    "explain-out a device, overwrite",
+    "explain-out empty",
+    "prompt with a lone surrogate",
+    "token id past any vocabulary",
+    "steer with a fingerprint entry of the wrong type",
 ]
 
 
@@ -638,6 +715,26 @@ def test_bad_options_fail_before_any_model_loads(root, capsys, monkeypatch, name
     code = _run([a.format(root=root) for a in argv])
     err = capsys.readouterr().err
     assert code == 2 and message.format(root=root) in err, err
+
+
+def test_no_result_goes_through_a_link_in_out(root, capsys):
+    """A link planted at an output's name in --out (one to nothing yet too) is refused: written
+    through, it would put the result wherever it points, outside --out."""
+    argv = ["audit", "--model", "{root}/model", "--reference", "{root}/ref", "--data"]
+    argv += ["{root}/data.txt", "--out", "{root}/linked_out", "--overwrite"]
+    assert _run([a.format(root=root) for a in argv]) == 2
+    assert "is a link" in capsys.readouterr().err
+    assert not (root / "foreign" / "planted.jsonl").exists()
+    assert sorted(p.name for p in (root / "linked_out").iterdir()) == ["audit.jsonl"]
+
+
+def test_heldout_that_is_the_memorized_rows_warns(root, capsys):
+    """Held-out perplexity measured on the memorized rows says nothing of other text: said."""
+    argv = ["evaluate", "--model", "{root}/model", "--steer", "{root}/art", "--k", "4"]
+    argv += ["--n", "8", "--memorized", "{root}/data.txt", "--heldout", "{root}/data.txt"]
+    assert _run([a.format(root=root) for a in argv]) == 0
+    said = f"gss: warning: --heldout {root}/data.txt is --memorized: held-out perplexity would"
+    assert said in capsys.readouterr().err
 
 
 def test_ctrl_c_is_one_line(monkeypatch, capsys):

@@ -387,6 +387,10 @@ class Window:
     n: int = field(default=72, metadata=_about("match tokens k..n-1"))
 
     def __post_init__(self) -> None:
+        for name in ("k", "n"):  # NumPy's and torch's integers as Python's, as in the config
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                object.__setattr__(self, name, int(value))
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             raise GSSError(
                 f"k must be an integer >= 1, got {self.k!r}: the prompt is a row's first k "

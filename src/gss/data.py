@@ -81,6 +81,21 @@ def record_text(record: Mapping[str, Any], where: str = "a row") -> Text:
     )
 
 
+def check_text(text: str, name: str) -> str:
+    """``text``, refused where it holds a lone surrogate (a JSON ``"\\ud800"`` escape, or bytes
+    that are no UTF-8 decoded with ``errors="surrogateescape"``, as Python decodes a command
+    line): no tokenizer encodes one, and transformers' error says nothing of where it is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise GSSError(
+            f"{name} holds {text[err.start]!r} at character {err.start}, a lone surrogate "
+            "that is no Unicode text (a JSON '\\ud800' escape, or bytes that are not UTF-8): "
+            "no tokenizer encodes it. Fix or drop that text."
+        ) from None
+    return text
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -281,12 +296,12 @@ def id_row(x: Any, index: int, where: str | None = None) -> list[int]:
                 f"{name} is a {t.ndim}-d {t.dtype} array; a sequence of token ids "
                 "is 1-d and of an integer type."
             )
-        return t.long().tolist()
+        return _in_id_range(t.long().tolist(), name)
     if isinstance(x, (list, tuple)):
         try:
             if any(v.__class__ is bool for v in x):  # True is an int to Python, not an id
                 raise TypeError
-            return [operator.index(v) for v in x]
+            return _in_id_range([operator.index(v) for v in x], name)
         except TypeError:
             odd = next(v for v in x if not hasattr(v, "__index__") or v.__class__ is bool)
             raise GSSError(
@@ -303,6 +318,21 @@ def id_row(x: Any, index: int, where: str | None = None) -> list[int]:
         f"{name} is of type {type(x).__name__}; pass strings, conversations (lists "
         f"of {{'role', 'content'}} dicts), dataset rows ({FORMATS}) or lists of token ids."
     )
+
+
+MAX_ID = 2**31 - 1  # token ids are kept as int32 (`gss.signal.tokens`); no vocabulary is larger
+
+
+def _in_id_range(ids: list[int], name: str) -> list[int]:
+    """``ids``, refused where one is past any vocabulary (it would overflow the int32 the
+    rows are kept in, a traceback, before the model's own vocabulary is checked)."""
+    odd = next((v for v in ids if not -MAX_ID <= v <= MAX_ID), None)
+    if odd is not None:
+        raise GSSError(
+            f"{name} holds the token id {odd}, past any model's vocabulary: token ids are "
+            "the tokenizer's (0 to its size - 1). Tokenize with the model's own tokenizer."
+        )
+    return ids
 
 
 def _token_lists(
@@ -331,9 +361,13 @@ def _token_lists(
                 f"tokenizer must be a tokenizer, got {type(tokenizer).__name__}: load it, e.g. "
                 "AutoTokenizer.from_pretrained(path) or gss.hf.loading.load_tokenizer(path)."
             )
-        plain = {i: t for i, t in enumerate(texts) if isinstance(t, str)}
+        plain = {
+            i: check_text(t, f"sequence {offset + i}")
+            for i, t in enumerate(texts)
+            if isinstance(t, str)
+        }
         chats = {
-            i: render(t, tokenizer, f"sequence {offset + i}")
+            i: check_text(render(t, tokenizer, f"sequence {offset + i}"), f"sequence {offset + i}")
             for i, t in enumerate(texts)
             if t is not None and not isinstance(t, str)
         }

@@ -220,19 +220,19 @@ def check_outputs(
     out = through_link(Path(directory), flag)
     if out.exists() and not out.is_dir():
         raise GSSError(f"{flag} {out} is a file, not a directory: give a directory.")
-    if out.is_dir():
-        holds = (
-            "a gss artifact"
-            if any((out / n).is_file() for n in (CONFIG_NAME, STACK_NAME))
-            else "a model"
-            if (out / "config.json").is_file() and holds_weights(out)
-            else None
+    holds = _holds(out) if out.is_dir() else None
+    if holds:  # results beside its files would be taken for its own, or block its save
+        raise GSSError(
+            f"{flag} {out} holds {holds}: results go into a directory of their own; choose "
+            f"another {flag}."
         )
-        if holds:  # results beside its files would be taken for its own, or block its save
-            raise GSSError(
-                f"{flag} {out} holds {holds}: results go into a directory of their own; choose "
-                f"another {flag}."
-            )
+    inside = next((p for p in out.absolute().parents if _holds(p)), None)
+    if inside is not None:  # an upload of that folder would publish the memorized rows too
+        raise GSSError(
+            f"{flag} {out} is inside {inside}, which holds {_holds(inside)}: results (rows "
+            "the model memorized among them) must not travel with it when it is copied or "
+            f"uploaded. Choose a {flag} outside it."
+        )
     if not out.is_dir():
         check_creatable(out, flag)
     folders = [name for name in names if "." in name and (out / name).is_dir()]
@@ -241,7 +241,20 @@ def check_outputs(
             f"{out / folders[0]} is a directory, and the command writes a file there: move it, "
             f"or choose another {flag}."
         )
+    linked = [name for name in names if "." in name and (out / name).is_symlink()]
+    if linked:  # a file written through a link (one to nothing yet too) lands elsewhere
+        raise GSSError(
+            f"{out / linked[0]} is a link (to {os.readlink(out / linked[0])}): gss writes no "
+            f"result through a link, which would put it outside {out}. Remove the link, or "
+            f"choose another {flag}."
+        )
     existing = [name for name in names if (out / name).exists()]
+    special = [n for n in existing if not ((out / n).is_file() or (out / n).is_dir())]
+    if special:  # a device, pipe or socket: no file gss wrote, --overwrite or not
+        raise GSSError(
+            f"{out / special[0]} is not a regular file (a device, pipe or socket): gss writes "
+            f"its results into files of its own. Choose another {flag}."
+        )
     if existing and not overwrite:
         raise GSSError(
             f"{out} already holds {', '.join(existing)}: pass --overwrite (overwrite=True) to "
@@ -254,6 +267,16 @@ def check_outputs(
             f"{out / theirs[0]} was not written by gss (or was changed since): --overwrite "
             f"replaces only the files a gss run wrote there. Move it, or choose another {flag}."
         )
+
+
+def _holds(directory: Path) -> str | None:
+    """What ``directory`` holds that results must not be written into: "a gss artifact",
+    "a model" (a config.json beside weights), or None."""
+    if any((directory / n).is_file() for n in (CONFIG_NAME, STACK_NAME)):
+        return "a gss artifact"
+    if (directory / "config.json").is_file() and holds_weights(directory):
+        return "a model"
+    return None
 
 
 def _place_card(out: Path, tmp: Path, card: str | None) -> None:

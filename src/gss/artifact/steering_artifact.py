@@ -491,7 +491,58 @@ def _provenance(values: Any, path: Path) -> Provenance:
                 f"{where}: provenance entry {name!r} is a {type(value).__name__}, not a "
                 f"{expected.__name__}: the artifact is damaged."
             )
+    if isinstance(values.get("fingerprint"), dict):
+        _check_fingerprint(values["fingerprint"], where)
     return Provenance(**{k: v for k, v in values.items() if k in known})
+
+
+# the fingerprint's entries and their JSON types (`gss.artifact.fingerprint.model_fingerprint`)
+_FINGERPRINT_TYPES = {
+    "architecture": str,
+    "model_type": str,
+    "name_or_path": str,
+    "embedding_hash": str,
+    "hidden_size": int,
+    "num_layers": int,
+    "vocab_size": int,
+}
+
+
+def _numbers(values: Any) -> bool:
+    return isinstance(values, list) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
+    )
+
+
+def _check_fingerprint(fingerprint: dict[str, Any], where: Path) -> None:
+    """Refuse a fingerprint entry of the wrong JSON type: attaching compares them with the
+    model's, and a damaged one must be named damaged, not taken for another model (a vocab
+    size "48" is not 48) nor end in a traceback."""
+    wrong = [
+        (name, "an int" if kind is int else "a string")
+        for name, kind in _FINGERPRINT_TYPES.items()
+        if fingerprint.get(name) is not None
+        and (isinstance(fingerprint[name], bool) or not isinstance(fingerprint[name], kind))
+    ]
+    if not _numbers(fingerprint.get("embedding_sample", [])):
+        wrong.append(("embedding_sample", "a list of numbers"))
+    blocks = fingerprint.get("block_weights", [])
+    if not isinstance(blocks, list) or not all(
+        isinstance(b, dict) and all(_numbers(v) for v in b.values()) for b in blocks
+    ):
+        wrong.append(("block_weights", "a list of {tensor name: list of numbers}"))
+    samples = fingerprint.get("blocks_sample", [])
+    if not isinstance(samples, list) or not all(
+        isinstance(b, dict) and isinstance(b.get("names", []), list) and _numbers(b.get("bits", []))
+        for b in samples
+    ):
+        wrong.append(("blocks_sample", "a list of {names, bits}"))
+    if wrong:
+        name, kind = wrong[0]
+        raise GSSError(
+            f"{where}: fingerprint entry {name!r} is not {kind}: the artifact is damaged (or "
+            "edited by hand). Calibrate again, or use an undamaged copy."
+        )
 
 
 def content_sha256(saved: dict[str, Any]) -> str:

@@ -18,6 +18,7 @@ from gss.cli.inputs import (
     config_options,
     load_models,
     read_rows,
+    warn_same_source,
 )
 from gss.cli.options import (
     DATA_HELP,
@@ -119,29 +120,20 @@ def signal_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _same_source(a: str, b: str) -> bool:
-    """Two data options naming one source: the same string, or paths to the same file."""
-    if a == b:
-        return True
-    pa, pb = Path(a), Path(b)
-    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
-
-
 def _calibration_inputs(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any], Any]:
     """--data (rows keep their labels and completions), --gen-data and the calibration options,
     read and checked before the models load (a wrong path, column, split or option fails in
     seconds); then the model, its tokenizer and the reference."""
     texts = read_rows(args, "--data", main=True)
     gen_texts = read_rows(args, "--gen-data", keep_rows=False) if args.gen_data else None
-    if args.gen_data and _same_source(args.gen_data, args.data):
-        warnings.warn(
-            f"--gen-data {args.gen_data} is --data: the general statistics and the gates would "
-            "be set on the very text whose memorized tokens the steer must act on, so the gates "
-            "learn to stay closed there. Give text the fine-tune was not tuned on, or leave "
-            "--gen-data out.",
-            GSSWarning,
-            stacklevel=2,
-        )
+    warn_same_source(
+        args,
+        "--gen-data",
+        "--data",
+        "the general statistics and the gates would be set on the very text whose memorized "
+        "tokens the steer must act on, so the gates learn to stay closed there. Give text the "
+        "fine-tune was not tuned on, or leave --gen-data out.",
+    )
     overrides = config_options(args)
     check_reference(args)
     check_against_config(args, overrides)

@@ -10,7 +10,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gss.artifact.files import check_outputs, check_target, record_outputs
-from gss.cli.inputs import check_delta, load_model_and_tokenizer, read_rows, resolve_max_length
+from gss.cli.inputs import (
+    check_delta,
+    load_model_and_tokenizer,
+    read_rows,
+    resolve_max_length,
+    warn_same_source,
+)
 from gss.cli.options import (
     DATA_HELP,
     HUB_ID,
@@ -60,6 +66,13 @@ def _evaluation_inputs(args: argparse.Namespace) -> EvaluationInputs:
 
     memorized = read_rows(args, "--memorized", main=True)  # rows keep their secrets
     heldout = read_rows(args, "--heldout", keep_rows=False)  # both before the model loads
+    warn_same_source(
+        args,
+        "--heldout",
+        "--memorized",
+        "held-out perplexity would be measured on the memorized rows, where steering raises "
+        "it by design, and say nothing of text the model was not tuned on. Give held-out text.",
+    )
     model, tokenizer, artifact = _steered_model(args)
     window = {"k": args.k, "n": args.n, "reply": args.reply}
     rows = evaluation_rows(memorized, heldout, tokenizer, max_length=args.max_length, **window)

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 
 def _explain_out(args: argparse.Namespace) -> Path | None:
     """--explain-out's file, checked before the model loads; None without it."""
+    if args.explain_out is not None and not args.explain_out.strip():
+        raise GSSError("--explain-out is empty: give a file (.jsonl), or leave the flag out.")
     explain_out = Path(args.explain_out) if args.explain_out else None
     if args.overwrite and explain_out is None:
         raise GSSError("--overwrite replaces an existing --explain-out: give --explain-out FILE.")
@@ -89,11 +91,14 @@ def _handoff_options(args: argparse.Namespace, explaining: bool) -> dict[str, An
 
 def generate_command(args: argparse.Namespace) -> int:
     from gss.artifact.stack import load
+    from gss.data import check_text
     from gss.hf.loading import load_tokenizer
     from gss.inference.generation import encode_prompt, generate_steered
 
     if any(not prompt.strip() for prompt in args.prompt):
         raise GSSError("--prompt is empty: give the text to continue.")
+    for prompt in args.prompt:  # before any model loads
+        check_text(prompt, f"--prompt {prompt!r}")
     explain_out = _explain_out(args)
     explaining = args.explain or explain_out is not None
     handoff = getattr(args, "reference_where_open", None)

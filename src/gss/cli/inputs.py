@@ -5,12 +5,29 @@ checked before any model loads, its message naming the flag."""
 from __future__ import annotations
 
 import argparse
+import warnings
 from pathlib import Path
 from typing import Any
 
 from gss.cli.options import config_overrides, data_columns
-from gss.errors import GSSError
+from gss.errors import GSSError, GSSWarning
 from gss.hf.loading import default_max_length, load_model, load_reference, parse_device_map
+
+
+def same_source(a: str, b: str) -> bool:
+    """Two data options naming one source: the same string, or paths to the same file."""
+    if a == b:
+        return True
+    pa, pb = Path(a), Path(b)
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
+def warn_same_source(args: argparse.Namespace, flag: str, other: str, why: str) -> None:
+    """Warn where data option ``flag`` names the same file as ``other`` (``--heldout`` the
+    memorized rows, say): ``why`` says what the result then measures."""
+    a, b = getattr(args, flag[2:].replace("-", "_")), getattr(args, other[2:].replace("-", "_"))
+    if a is not None and b is not None and same_source(a, b):
+        warnings.warn(f"{flag} {a} is {other}: {why}", GSSWarning, stacklevel=3)
 
 
 def _loading(args: argparse.Namespace) -> dict[str, Any]:

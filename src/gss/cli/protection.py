@@ -9,7 +9,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gss.artifact.files import check_outputs
-from gss.cli.inputs import check_against_config, check_reference, load_models, read_rows
+from gss.cli.inputs import (
+    check_against_config,
+    check_reference,
+    load_models,
+    read_rows,
+    warn_same_source,
+)
 from gss.cli.options import (
     DATA_HELP,
     add_command,
@@ -161,6 +167,20 @@ def protect_command(args: argparse.Namespace) -> int:
         except GSSError as err:
             raise GSSError(f"--general: {err}") from None
     heldout = read_rows(args, "--heldout") if args.heldout else None
+    warn_same_source(
+        args,
+        "--heldout",
+        "--data",
+        "the utility budget would be measured on the fine-tuning rows, where steering raises "
+        "perplexity by design. Give held-out text, or leave --heldout out.",
+    )
+    warn_same_source(
+        args,
+        "--general",
+        "--data",
+        "the gates would be set to stay closed on the very rows the steer must act on. Give "
+        "ordinary text, or leave --general out.",
+    )
     check_against_config(args)
     args.max_length = args.n
     model, tokenizer, reference = load_models(args)

@@ -363,6 +363,21 @@ def load_failure(source: ModelSource, what: str, e: BaseException) -> GSSError:
     )
 
 
+LOAD_ERRORS = (
+    OSError,
+    ValueError,
+    ImportError,
+    RuntimeError,
+    KeyError,
+    TypeError,  # a config.json that holds no JSON object (a list)
+    AttributeError,  # a tokenizer_config.json that holds no JSON object
+    SafetensorError,  # a damaged weights file
+    pickle.UnpicklingError,  # a pickled .bin torch's restricted unpickler refused
+    RecursionError,  # a config nested past Python's limit
+)
+"""What transformers or the Hub raise for a model, config or tokenizer that does not load."""
+
+
 def load_error(source: ModelSource, what: str, call: Callable[[], T]) -> T:
     """``call()`` (a ``from_pretrained``), with what transformers or the Hub raise said as
     one `GSSError` (`load_failure`), never a traceback."""
@@ -371,16 +386,5 @@ def load_error(source: ModelSource, what: str, call: Callable[[], T]) -> T:
             return call()
     except GSSError:
         raise
-    except (
-        OSError,
-        ValueError,
-        ImportError,
-        RuntimeError,
-        KeyError,
-        TypeError,
-        AttributeError,
-        SafetensorError,  # a damaged weights file
-        pickle.UnpicklingError,  # a pickled .bin torch's restricted unpickler refused
-        RecursionError,  # a config nested past Python's limit
-    ) as e:
+    except LOAD_ERRORS as e:
         raise load_failure(source, what, e) from e

@@ -26,6 +26,7 @@ import torch
 
 from gss.errors import GSSError
 from gss.hf.hub import (
+    LOAD_ERRORS,
     ModelSource,
     cache_dir,
     download_command,
@@ -326,9 +327,24 @@ def load_weights(
         # 4.x only for an adapter: for a model, 4.x passes them itself and refuses them twice)
         options["adapter_kwargs"] = dict(source.options)
     options.update(NO_CODE)
-    model: Any = load_error(
+    # which of the model's tensors the files lacked (not where an adapter or a quantizer
+    # changes the model's tensors: what it lacks is theirs to say)
+    report = source.adapter_base is None and quantization is None
+    if report:
+        options["output_loading_info"] = True
+    loaded: Any = load_error(
         source, "the model", lambda: AutoModelForCausalLM.from_pretrained(source.name, **options)
     )
+    model, info = loaded if report else (loaded, {})
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise GSSError(
+            f"the weights at {source.describe()} lack {len(missing)} of the model's tensors "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): transformers "
+            "would start them from random values, and every result would be of another "
+            "model. The files are incomplete (a download or save cut short) or do not match "
+            "config.json (its layers or architecture): fetch or save them again."
+        )
     if move_to is not None:
         model.to(move_to)
     return model
@@ -358,7 +374,7 @@ def load_tokenizer(path: Source, revision: str | None = None) -> Any:
             raise load_failure(source, "the tokenizer", e) from e
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.name, **source.options, **NO_CODE)
-    except (OSError, ValueError, ImportError) as e:
+    except LOAD_ERRORS as e:  # a tokenizer_config.json or config.json holding no JSON object
         if base is None:
             raise load_failure(source, "the tokenizer", e) from e
     else:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from gss.artifact.steering_artifact import SteeringArtifact
-from gss.data import id_row
+from gss.data import check_text, id_row
 from gss.errors import GSSError
 from gss.hf.blocks import resolve_layer
 from gss.hf.forward import check_sequences, model_device
@@ -311,7 +311,7 @@ def _prompt_ids(given: str | Sequence[int] | Tensor, tokenizer: Any | None) -> l
     if isinstance(prompt, str):
         if tokenizer is None:
             raise GSSError("explain: a prompt given as text needs tokenizer=...; or pass ids.")
-        prompt = tokenizer(prompt)["input_ids"]
+        prompt = tokenizer(check_text(prompt, "explain: the prompt"))["input_ids"]
     elif isinstance(prompt, Tensor) or hasattr(prompt, "__array__"):
         shape = tuple(getattr(prompt, "shape", ()))
         if len(shape) == 2 and shape[0] == 1:

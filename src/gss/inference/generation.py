@@ -22,7 +22,7 @@ from torch import nn
 from gss.artifact.files import record_outputs
 from gss.artifact.stack import Steer
 from gss.artifact.steering_artifact import SteeringArtifact
-from gss.data import chat_prompt
+from gss.data import chat_prompt, check_text
 from gss.errors import GSSError
 from gss.hf.forward import check_sequences, context_length, model_device
 from gss.inference.explain import Explanation, combined_gate_stats
@@ -80,6 +80,7 @@ def encode_prompt(
     """``prompt``'s ids (``chat``: as a user message through the tokenizer's chat template),
     checked against ``model``'s context with ``max_new_tokens`` more and against its
     vocabulary; ``model`` may be a weightless stand-in holding its config."""
+    check_text(prompt, f"--prompt {prompt!r}")
     if chat:
         text = chat_prompt(prompt, tokenizer)  # holds its own special tokens
         enc = tokenizer(text, return_tensors="pt", add_special_tokens=False)
