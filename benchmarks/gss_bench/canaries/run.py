@@ -29,7 +29,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -457,43 +457,127 @@ def _leak_probe(
     return example, probe
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from gss.calibrate import build_artifact
-    from gss.evaluate.suite import evaluate_model
-    from gss.evaluate.sweep import SweepPoint, plot_pareto, steering_sweep
-    from gss.hf.adapters import adapters_off
-    from gss.hf.blocks import find_decoder_blocks
-    from gss.layer_scan import scan_layers
-    from gss.report import plot_signal
-    from gss.signal.omega import omega_rows, signal_statistics
-    from gss.statistics.collect import collect_statistics
-    from gss_bench.canaries.data import make_canary_data
+@dataclass(frozen=True)
+class _Run:
+    """What every step of a run shares: its options, its folder, the models (the fine-tuned
+    one, the reference of every signal, scan and calibration, and the base model, for its own
+    row and as the judge of replies), the canary data and its (n, k) window, and how a model
+    is measured."""
+
+    args: argparse.Namespace
+    command: str  # as results.json records it
+    started: float  # time.perf_counter() at the start, for the total seconds
+    out: Path
+    base_path: Path
+    base: Any
+    model: Any
+    reference: Any
+    tokenizer: Any
+    data: Any
+    finetune: FinetuneConfig
+    finetune_info: dict[str, Any]
+    pad: int
+    k: int
+    n: int
+    batch_size: int
+    progress: bool
+    train_rows: list[Any]  # the calibration set: the canaries, then clean fine-tuning rows
+
+    def measure(self, m: Any, method: str = "generate") -> Any:
+        """`m`'s memorization of the canaries (`method`: greedy or teacher-forced) and its
+        held-out perplexity, in the run's window."""
+        from gss.evaluate.suite import evaluate_model
+
+        return evaluate_model(
+            m,
+            self.data.canary_rows,
+            self.data.heldout_rows,
+            k=self.k,
+            n=self.n,
+            pad_id=self.pad,
+            batch_size=self.batch_size,
+            method=method,
+            progress=self.progress,
+        )
+
+    def sweep_options(self) -> dict[str, Any]:
+        """`steering_sweep`'s options for the run's window and batches."""
+        return {
+            "k": self.k,
+            "n": self.n,
+            "pad_id": self.pad,
+            "batch_size": self.batch_size,
+            "progress": self.progress,
+        }
+
+
+@dataclass(frozen=True)
+class _Unmitigated:
+    """The fine-tuned model before any mitigation and the base model, measured: the reports,
+    the leak probe every method is measured with (built from the fine-tuned model's report),
+    its example canary, and what both models say to the probe."""
+
+    report: Any
+    base_report: Any
+    example: dict[str, Any]
+    probe: Callable[[Any], dict[str, Any]]
+    said: dict[str, dict[str, Any]]  # "unmitigated", "base model"
+
+
+@dataclass(frozen=True)
+class _Scan:
+    """Where the run steers: the pilot statistics of omega, the per-block scan and the block
+    chosen (the scan's strongest block the fine-tune changed, or `--layer`)."""
+
+    signal: dict[str, Any]
+    scan: Any
+    layer: int
+
+
+@dataclass(frozen=True)
+class _Calibrations:
+    """The GSS rows: each row's changes to the paper's method, the statistics of the rows
+    calibrated, the ablation rows that could not be (and why), and each calibrated row's
+    sweep as a method."""
+
+    options: dict[str, dict[str, Any]]
+    stats: dict[str, Any]
+    skipped: dict[str, str]
+    methods: dict[str, _Method]
+
+
+@dataclass
+class _Table:
+    """The report as it fills in, method by method: table.md's rows and its grid's, the
+    methods of results.json, the Pareto curves (% memorized or % secrets said, against
+    perplexity) and what each model says to the leak probe."""
+
+    rows: list[list[Any]]
+    said: dict[str, dict[str, Any]]
+    grid_rows: list[list[Any]] = field(default_factory=list)
+    records: dict[str, dict[str, Any]] = field(default_factory=dict)
+    curves: dict[str, Sequence[tuple[float, float]]] = field(default_factory=dict)
+    leak_curves: dict[str, Sequence[tuple[float, float]]] = field(default_factory=dict)
+
+
+def _out_dir(args: argparse.Namespace) -> Path:
+    """The results folder: `--out`, else results/canaries named after the run's variant
+    (results/canaries-chat-lora, results/canaries-gemma3-270m-quick, ...)."""
     from gss_bench.models import KNOWN_MODELS
 
-    args = build_parser().parse_args(argv)
-    baselines = baseline_names(args.baselines, "canaries")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    started = time.perf_counter()
-    if args.replies_only and not args.chat:
-        raise GSSError("--replies-only fine-tunes on the assistant's messages: add --chat.")
     variant = ("-chat" if args.chat else "") + ("-replies" if args.replies_only else "")
     variant += "-lora" if args.lora else ""
     if args.model != DEFAULT_MODEL and args.model in KNOWN_MODELS:
         variant = f"-{args.model}{variant}"  # results/canaries-gemma3-270m
     default_out = "results/canaries" + variant + ("-quick" if args.quick else "")
-    out = Path(args.out or default_out)
-    if args.protect:  # before any work: the report it would replace there is its own
-        check_report_dir(out / "protect")
-    out.mkdir(parents=True, exist_ok=True)
-    progress = not args.no_progress
-    if not progress:
-        transformers_bars_off()
-    base_path = model_path(args.model, progress=progress)
-    if args.chat:
-        check_chat(_tokenizer(base_path), base_path)
-    base, tokenizer = _load(base_path, args.device)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return Path(args.out or default_out)
+
+
+def _canary_data(args: argparse.Namespace, tokenizer: Any) -> Any:
+    """The canary data at the sizes `--quick`, `--chat` and `--canaries` ask for (a secret cut
+    by the row length is logged: only its start is scored)."""
+    from gss_bench.canaries.data import make_canary_data
+
     sizes: dict[str, Any] = dict(QUICK) if args.quick else {}
     if args.chat:
         sizes.update(QUICK_CHAT if args.quick else CHAT)
@@ -505,6 +589,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{data.secrets_cut} of {len(data.secrets)} canary secrets run past row_len="
             f"{data.config.row_len} tokens: only their start is scored"
         )
+    return data
+
+
+def _context(args: argparse.Namespace, argv: Sequence[str] | None, started: float) -> _Run:
+    """Build the run's context: its output folder, the base model and its tokenizer, the
+    canary data, the fine-tune (cached) and the reference. Contradicting options are refused
+    before any work."""
+    from gss.hf.adapters import adapters_off
+    from gss.hf.blocks import find_decoder_blocks
+
+    if args.replies_only and not args.chat:
+        raise GSSError("--replies-only fine-tunes on the assistant's messages: add --chat.")
+    out = _out_dir(args)
+    if args.protect:  # before any work: the report it would replace there is its own
+        check_report_dir(out / "protect")
+    out.mkdir(parents=True, exist_ok=True)
+    progress = not args.no_progress
+    if not progress:
+        transformers_bars_off()
+    base_path = model_path(args.model, progress=progress)
+    if args.chat:
+        check_chat(_tokenizer(base_path), base_path)
+    base, tokenizer = _load(base_path, args.device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    data = _canary_data(args, tokenizer)
     blocks = len(find_decoder_blocks(base))
     ft_cfg = FinetuneConfig(
         train_blocks=args.train_blocks or default_train_blocks(blocks),
@@ -518,45 +627,57 @@ def main(argv: Sequence[str] | None = None) -> int:
     model, ft_info = finetuned(
         base, base_path, data, ft_cfg, pad, Path(args.cache_dir or default_cache()), tokenizer
     )
-    # the reference of every signal, scan and calibration below: the base model, or for a LoRA
-    # the same weights with its adapters off (no second copy needed; `base` stays for its row)
-    reference = adapters_off(model) if args.lora else base
-    k, n, bs = data.config.k, data.config.row_len, args.batch_size
-    canaries, heldout, general = data.canary_rows, data.heldout_rows, data.general_rows
-    train_rows = [*data.canary_rows, *data.finetune_rows[:CALIBRATION_CLEAN_ROWS]]
+    return _Run(
+        args=args,
+        command="gss bench canaries " + " ".join(argv or []),
+        started=started,
+        out=out,
+        base_path=base_path,
+        base=base,
+        model=model,
+        # the reference of every signal, scan and calibration below: the base model, or for a
+        # LoRA the same weights with its adapters off (no second copy needed; `base` stays for
+        # its row)
+        reference=adapters_off(model) if args.lora else base,
+        tokenizer=tokenizer,
+        data=data,
+        finetune=ft_cfg,
+        finetune_info=ft_info,
+        pad=pad,
+        k=data.config.k,
+        n=data.config.row_len,
+        batch_size=args.batch_size,
+        progress=progress,
+        train_rows=[*data.canary_rows, *data.finetune_rows[:CALIBRATION_CLEAN_ROWS]],
+    )
 
-    def measure(m: Any, method: str = "generate") -> Any:
-        return evaluate_model(
-            m,
-            canaries,
-            heldout,
-            k=k,
-            n=n,
-            pad_id=pad,
-            batch_size=bs,
-            method=method,
-            progress=progress,
-        )
 
-    unmitigated, original = measure(model), measure(base)
+def _measure_unmitigated(run: _Run) -> _Unmitigated:
+    """Measure the fine-tuned model and the base model, and build the leak probe every method
+    is measured with, from the fine-tuned model's report (its example canary is the first one
+    that model reproduces)."""
+    unmitigated, original = run.measure(run.model), run.measure(run.base)
     _log(
         f"fine-tuned: {unmitigated.memorized:.1f}% of {unmitigated.rows} canaries memorized, "
         f"{unmitigated.token_match:.1f}% of their tokens, perplexity {unmitigated.perplexity:.2f}"
         f" (base model: {original.memorized:.1f}% / {original.perplexity:.2f})"
     )
-    example, probe = _leak_probe(tokenizer, data, unmitigated, bs, base)
-    said = {"unmitigated": probe(model), "base model": probe(base)}
+    example, probe = _leak_probe(run.tokenizer, run.data, unmitigated, run.batch_size, run.base)
+    said = {"unmitigated": probe(run.model), "base model": probe(run.base)}
+    return _Unmitigated(unmitigated, original, example, probe, said)
 
-    def probe_steers(points: Sequence[Any]) -> list[dict[str, Any]]:
-        """`probe` at each of a GSS sweep's points."""
-        out = []
-        for point in points:
-            with point.artifact.attach(model):
-                out.append(probe(model))
-            _log(f"  {point.options}: {out[-1]['secrets_said']:.1f}% of secrets said")
-        return out
 
-    omega, normal = omega_rows(model, reference, canaries), omega_rows(model, reference, heldout)
+def _signal_and_scan(run: _Run) -> _Scan:
+    """The pilot signal (omega against the reference on the canaries and on held-out text;
+    signal.png) and the per-block scan (layers.png) that picks the block to steer, unless
+    `--layer` names one."""
+    from gss.layer_scan import scan_layers
+    from gss.report import plot_signal
+    from gss.signal.omega import omega_rows, signal_statistics
+
+    model, reference, data = run.model, run.reference, run.data
+    omega = omega_rows(model, reference, data.canary_rows)
+    normal = omega_rows(model, reference, data.heldout_rows)
     width = max(omega.shape[1], normal.shape[1])  # chat: the canaries are the longer rows
     both = [nn.functional.pad(o, (0, width - o.shape[1]), value=torch.nan) for o in (omega, normal)]
     pilot = signal_statistics(torch.cat(both))
@@ -566,22 +687,98 @@ def main(argv: Sequence[str] | None = None) -> int:
         "heldout": signal_statistics(normal).to_dict(),
     }
     title = "omega with the base model as reference: canary rows vs held-out text"
-    plot_signal(omega, pilot, out / "signal.png", title, normal)
+    plot_signal(omega, pilot, run.out / "signal.png", title, normal)
     scan = scan_layers(  # the paper's signal, as the committed results were scanned
-        model, reference, train_rows, "gss", gen_texts=general, batch_size=8, progress=progress
+        model,
+        reference,
+        run.train_rows,
+        "gss",
+        gen_texts=data.general_rows,
+        batch_size=8,
+        progress=run.progress,
     )
-    scan.plot(out / "layers.png", f"signal strength per block: {base_path.name} + canaries")
-    layer = scan.best if args.layer is None else args.layer
-    frozen = scan.unchanged
+    scan.plot(run.out / "layers.png", f"signal strength per block: {run.base_path.name} + canaries")
+    layer = scan.best if run.args.layer is None else run.args.layer
     _log(
         f"layer scan ({scan.seconds:.0f} s): strongest block {scan.strongest}, strongest the "
-        f"fine-tune changed {scan.best} ({len(frozen)} blocks equal the base's); steering {layer}"
+        f"fine-tune changed {scan.best} ({len(scan.unchanged)} blocks equal the base's); "
+        f"steering {layer}"
+    )
+    return _Scan(signal, scan, layer)
+
+
+def _probe_steers(
+    model: Any, probe: Callable[[Any], dict[str, Any]], points: Sequence[Any]
+) -> list[dict[str, Any]]:
+    """`probe` at each of a GSS sweep's points, each attached to `model` in turn."""
+    out = []
+    for point in points:
+        with point.artifact.attach(model):
+            out.append(probe(model))
+        _log(f"  {point.options}: {out[-1]['secrets_said']:.1f}% of secrets said")
+    return out
+
+
+def _calibrated(run: _Run, options: dict[str, Any], layer: int) -> tuple[Any, Any]:
+    """One GSS row's statistics and artifact at `layer`: `options` are its changes to the
+    paper's method (``replies_only``: the same rows, as the conversations they render)."""
+    from gss.calibrate import build_artifact
+    from gss.statistics.collect import collect_statistics
+
+    texts: Sequence[Any] = run.train_rows
+    if options.get("replies_only"):  # the same rows, as the conversations they render
+        texts = run.data.conversations[: len(run.train_rows)]
+        options = {**options, "tokenizer": run.tokenizer, "max_length": run.n}
+    stats = collect_statistics(
+        run.model,
+        run.reference,
+        texts,
+        "gss",  # each row's options are changes to the paper's method
+        layer=layer,
+        gen_texts=run.data.general_rows,
+        batch_size=8,
+        progress=run.progress,
+        **options,
+    )
+    return stats, build_artifact(run.model, stats, rank=run.args.rank, progress=False)
+
+
+def _gss_sweep(run: _Run, before: _Unmitigated, artifact: Any, deltas: list[float]) -> _Method:
+    """A calibrated artifact's grid: every strength, then the gate's threshold percentile at
+    the strength the selection rule picks among them; each point with its leak probe."""
+    from gss.evaluate.sweep import steering_sweep
+
+    model, data, sweep = run.model, run.data, run.sweep_options()
+    canaries, heldout = data.canary_rows, data.heldout_rows
+    points = steering_sweep(model, artifact, canaries, heldout, deltas=deltas, **sweep)
+    leaks = _probe_steers(model, before.probe, points)
+    delta = _select(points, leaks, before.report.perplexity).options["delta"]
+    gates = steering_sweep(  # the gate's threshold, at the strength chosen so far
+        model,
+        artifact,
+        canaries,
+        heldout,
+        deltas=[delta],
+        percentiles=PERCENTILES,
+        general=data.general_rows,
+        **sweep,
+    )
+    points, leaks = points + gates, leaks + _probe_steers(model, before.probe, gates)
+    seconds = artifact.provenance.timings["total"]
+    return _Method(
+        points,
+        [seconds] * len(points),
+        leaks,
+        _hooked(model, lambda p: p.artifact.attach(model)),
     )
 
+
+def _calibrate_and_sweep(run: _Run, before: _Unmitigated, layer: int) -> _Calibrations:
+    """Calibrate GSS and GSS-TR (with `--chat`, GSS with only the replies memorizable too; with
+    `--ablation`, each change of the GSS-TR study) at `layer`, and sweep each. An ablation row
+    the data cannot calibrate is reported as such instead of failing the run."""
+    args = run.args
     deltas = [float(d) for d in args.deltas.split(",")] if args.deltas else list(DELTAS)
-    methods: dict[str, _Method] = {}
-    curves: dict[str, Sequence[tuple[float, float]]] = {}  # % memorized, perplexity
-    leak_curves: dict[str, Sequence[tuple[float, float]]] = {}  # % secrets said, perplexity
     calibrations: dict[str, dict[str, Any]] = {
         "GSS": {},
         "GSS-TR": {"target": "toward-reference"},
@@ -589,27 +786,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         **({"GSS, replies": {"replies_only": True}} if args.chat else {}),
         **(ABLATION if args.ablation else {}),
     }
-    stats_by = {}
-    sweep = {"k": k, "n": n, "pad_id": pad, "batch_size": bs, "progress": progress}
+    stats_by: dict[str, Any] = {}
     skipped: dict[str, str] = {}  # ablation rows that could not be calibrated, and why
+    methods: dict[str, _Method] = {}
     for name, options in calibrations.items():
         try:
-            texts: Sequence[Any] = train_rows
-            if options.get("replies_only"):  # the same rows, as the conversations they render
-                texts = data.conversations[: len(train_rows)]
-                options = {**options, "tokenizer": tokenizer, "max_length": n}
-            stats = collect_statistics(
-                model,
-                reference,
-                texts,
-                "gss",  # each row's options are changes to the paper's method
-                layer=layer,
-                gen_texts=general,
-                batch_size=8,
-                progress=progress,
-                **options,
-            )
-            artifact = build_artifact(model, stats, rank=args.rank, progress=False)
+            stats, artifact = _calibrated(run, options, layer)
         except GSSError as err:
             if name not in ABLATION:
                 raise
@@ -617,37 +799,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             _log(f"{name}: not calibrated: {err}")
             continue
         stats_by[name] = stats
-        points = steering_sweep(model, artifact, canaries, heldout, deltas=deltas, **sweep)
-        leaks = probe_steers(points)
-        delta = _select(points, leaks, unmitigated.perplexity).options["delta"]
-        gates = steering_sweep(  # the gate's threshold, at the strength chosen so far
-            model,
-            artifact,
-            canaries,
-            heldout,
-            deltas=[delta],
-            percentiles=PERCENTILES,
-            general=general,
-            **sweep,
-        )
-        points, leaks = points + gates, leaks + probe_steers(gates)
-        seconds = artifact.provenance.timings["total"]
-        methods[name] = _Method(
-            points,
-            [seconds] * len(points),
-            leaks,
-            _hooked(model, lambda p: p.artifact.attach(model)),
-        )
+        methods[name] = _gss_sweep(run, before, artifact, deltas)
+    return _Calibrations(calibrations, stats_by, skipped, methods)
+
+
+def _mean_difference(run: _Run, before: _Unmitigated, stats: Any, layer: int) -> _Method:
+    """The mean-difference baseline: the vector of GSS's own statistics (`stats`), added at
+    `layer` at each strength of `ALPHAS`; it costs GSS's signal and statistics passes."""
+    from gss.evaluate.sweep import SweepPoint
     from gss_bench.baselines.steering import MeanDifferenceSteer, mean_difference_vector
 
-    vector = mean_difference_vector(stats_by["GSS"])
+    model = run.model
+    vector = mean_difference_vector(stats)
     mean_points, mean_said = [], []
     for alpha in ALPHAS:
         with MeanDifferenceSteer(vector, alpha).attach(model, layer):
-            mean_points.append(SweepPoint({"alpha": alpha}, measure(model, "forced")))
-            mean_said.append(probe(model))
-    t = stats_by["GSS"].timings
-    methods["Mean-diff"] = _Method(
+            mean_points.append(SweepPoint({"alpha": alpha}, run.measure(model, "forced")))
+            mean_said.append(before.probe(model))
+    t = stats.timings
+    return _Method(
         mean_points,
         [t["signal"] + t["statistics"]] * len(mean_points),
         mean_said,
@@ -655,173 +825,229 @@ def main(argv: Sequence[str] | None = None) -> int:
             model, lambda p: MeanDifferenceSteer(vector, p.options["alpha"]).attach(model, layer)
         ),
     )
-    if baselines:
-        from gss_bench.baselines import MitigationData
 
-        mdata = MitigationData(
-            memorized=canaries,
-            clean=data.finetune_rows[:CALIBRATION_CLEAN_ROWS],
-            pad_id=pad,
-            prompt_len=k,
-            layer=layer,
-            reference=base,  # a whole model: weight-level baselines read its parameters
-        )
-        for name in baselines:
-            _log(f"baseline {name} ...")
-            methods[name] = _baseline(
-                name, model, mdata, lambda m: measure(m, "forced"), probe, unmitigated.perplexity
-            )
 
-    protected: dict[str, Any] = {}
-    if args.protect:
-        from gss_bench.canaries.protection import protect_point
+def _other_baselines(
+    run: _Run, before: _Unmitigated, names: Sequence[str], layer: int
+) -> dict[str, _Method]:
+    """The `--baselines` over their default grids, given the calibration set's canaries and
+    clean rows, the steered block and the base model as their reference."""
+    if not names:
+        return {}
+    from gss_bench.baselines import MitigationData
 
-        _log("gss protect ...")
-        try:
-            point, seconds, protected = protect_point(
-                model,
-                reference,
-                data,
-                tokenizer,
-                train_rows,
-                budget=PPL_TOLERANCE,
-                batch_size=bs,
-                measure=measure,
-                report_dir=out / "protect",
-                progress=progress,
-                search=SearchSpace(
-                    prefer=args.protect_prefer, reply_check=args.protect_reply_check
-                ),
-            )
-        except GSSError as err:  # e.g. nothing memorized to protect
-            protected = {"error": str(err)}
-            _log(f"  gss protect: {err}")
-    if "steer" in protected:
-        steer = protected.pop("steer")
-        with steer.attach(model):
-            leaked = probe(model)
-        methods["GSS protect"] = _Method(
-            [point], [seconds], [leaked], _hooked(model, lambda _: steer.attach(model))
-        )
-        h = protected["heldout_canaries"]
-        _log(
-            f"  held-out canaries ({h['rows']}): {h['secrets_said_before']:.1f}% of secrets said "
-            f"before, {h['after']:.1f}% after ({seconds:.0f} s)"
-        )
-
-    rows, grid_rows, record_methods = [], [], {}
-    base_ppl = unmitigated.perplexity
-
-    def row(
-        name: str, report: Any, options: Any, seconds: float | None, leaked: dict[str, Any]
-    ) -> list[Any]:
-        ds = report.deviation_scores(unmitigated)
-        change = 100 * (report.perplexity / base_ppl - 1)
-        return [
+    mdata = MitigationData(
+        memorized=run.data.canary_rows,
+        clean=run.data.finetune_rows[:CALIBRATION_CLEAN_ROWS],
+        pad_id=run.pad,
+        prompt_len=run.k,
+        layer=layer,
+        reference=run.base,  # a whole model: weight-level baselines read its parameters
+    )
+    methods = {}
+    for name in names:
+        _log(f"baseline {name} ...")
+        methods[name] = _baseline(
             name,
-            options,
-            f"{report.memorized:.1f}",
-            f"{report.token_match:.1f}",
-            f"{leaked['number_leaked']:.1f}",
-            f"{leaked['address_leaked']:.1f}",
-            *_reply_cells(leaked),
-            f"{report.perplexity:.2f} ({change:+.1f}%)",
-            *(f"{v:.1f}" for v in ds.values()),
-            "" if seconds is None else f"{seconds:.0f}",
-        ]
+            run.model,
+            mdata,
+            lambda m: run.measure(m, "forced"),
+            before.probe,
+            before.report.perplexity,
+        )
+    return methods
 
-    rows.append(row("unmitigated", unmitigated, "", None, said["unmitigated"]))
+
+def _protect(run: _Run, before: _Unmitigated) -> tuple[dict[str, Any], _Method | None]:
+    """With `--protect`: `gss protect` with its defaults, its report in OUT/protect; what it
+    measured (or why it failed, e.g. nothing memorized), and its choice as a one-point method
+    for the table."""
+    if not run.args.protect:
+        return {}, None
+    from gss_bench.canaries.protection import protect_point
+
+    model = run.model
+    _log("gss protect ...")
+    try:
+        point, seconds, protected = protect_point(
+            model,
+            run.reference,
+            run.data,
+            run.tokenizer,
+            run.train_rows,
+            budget=PPL_TOLERANCE,
+            batch_size=run.batch_size,
+            measure=run.measure,
+            report_dir=run.out / "protect",
+            progress=run.progress,
+            search=SearchSpace(
+                prefer=run.args.protect_prefer, reply_check=run.args.protect_reply_check
+            ),
+        )
+    except GSSError as err:  # e.g. nothing memorized to protect
+        _log(f"  gss protect: {err}")
+        return {"error": str(err)}, None
+    if "steer" not in protected:
+        return protected, None
+    steer = protected.pop("steer")
+    with steer.attach(model):
+        leaked = before.probe(model)
+    method = _Method([point], [seconds], [leaked], _hooked(model, lambda _: steer.attach(model)))
+    h = protected["heldout_canaries"]
+    _log(
+        f"  held-out canaries ({h['rows']}): {h['secrets_said_before']:.1f}% of secrets said "
+        f"before, {h['after']:.1f}% after ({seconds:.0f} s)"
+    )
+    return protected, method
+
+
+def _row(
+    name: str,
+    report: Any,
+    options: Any,
+    seconds: float | None,
+    leaked: dict[str, Any],
+    unmitigated: Any,
+) -> list[Any]:
+    """table.md's row of a model measured by `report`, with its leak probe `leaked`."""
+    ds = report.deviation_scores(unmitigated)
+    change = 100 * (report.perplexity / unmitigated.perplexity - 1)
+    return [
+        name,
+        options,
+        f"{report.memorized:.1f}",
+        f"{report.token_match:.1f}",
+        f"{leaked['number_leaked']:.1f}",
+        f"{leaked['address_leaked']:.1f}",
+        *_reply_cells(leaked),
+        f"{report.perplexity:.2f} ({change:+.1f}%)",
+        *(f"{v:.1f}" for v in ds.values()),
+        "" if seconds is None else f"{seconds:.0f}",
+    ]
+
+
+def _grid_rows(name: str, method: _Method, chosen: Any) -> list[list[Any]]:
+    """The grid's rows of a method's points (memorization teacher-forced)."""
+    return [
+        [
+            name,
+            _label(p.options),
+            f"{p.report.memorized:.1f}",
+            f"{leaks['number_leaked']:.1f}",
+            f"{leaks['address_leaked']:.1f}",
+            *_reply_cells(leaks),
+            f"{p.report.perplexity:.2f}",
+            "yes" if p is chosen else "",
+        ]
+        for p, leaks in zip(method.points, method.said, strict=True)
+    ]
+
+
+def _tabulate_method(
+    table: _Table,
+    run: _Run,
+    before: _Unmitigated,
+    name: str,
+    method: _Method,
+    gss: _Calibrations,
+) -> None:
+    """A method's part of the report: the point the selection rule picks, re-measured by
+    greedy decoding, as its row; its grid points; its record; its curves."""
+    base_ppl = before.report.perplexity
+    points = method.points
+    chosen = _select(points, method.said, base_ppl)
+    i = _index(points, chosen)
+    seconds, table.said[name] = method.seconds[i], method.said[i]  # both measured at the point
+    table.curves[name] = [(p.report.memorized, p.report.perplexity) for p in points]
+    table.leak_curves[name] = [
+        (leaks["secrets_said"], p.report.perplexity)
+        for p, leaks in zip(points, method.said, strict=True)
+    ]
+    with method.attach(chosen) as steered:  # re-measured by greedy decoding
+        final = run.measure(steered)
+    label = _label(chosen.options)
+    within = chosen.report.perplexity <= base_ppl * (1 + PPL_TOLERANCE)
+    unmitigated = before.report
+    table.rows.append(
+        _row(name + ("" if within else " *"), final, label, seconds, table.said[name], unmitigated)
+    )
+    grid = [
+        {**p.to_dict(), **_leak_counts(leaks), "seconds": sec}
+        for p, leaks, sec in zip(points, method.said, method.seconds, strict=True)
+    ]
+    table.grid_rows += _grid_rows(name, method, chosen)
+    record = {
+        "selected": {"options": chosen.options, **final.to_dict(), "within_tolerance": within},
+        "deviation_scores": final.deviation_scores(unmitigated),
+        "mitigation_seconds": seconds,
+        "grid": grid,
+    }
+    if name in gss.options:
+        record["calibration_options"] = gss.options[name]
+        record["token_counts"] = gss.stats[name].counts
+    table.records[name] = record
+    _log(f"{name} {label}: {final.memorized:.1f}% memorized, perplexity {final.perplexity:.2f}")
+
+
+def _tabulate(
+    run: _Run, before: _Unmitigated, methods: dict[str, _Method], gss: _Calibrations
+) -> _Table:
+    """The rows, grid and records of the report: the unmitigated model's, each method's at
+    its selected point, then the GSS rows that could not be calibrated."""
+    unmitigated = before.report
+    row = _row("unmitigated", unmitigated, "", None, before.said["unmitigated"], unmitigated)
+    table = _Table(rows=[row], said=dict(before.said))
     for name, method in methods.items():
-        points = method.points
-        chosen = _select(points, method.said, base_ppl)
-        i = _index(points, chosen)
-        seconds, said[name] = method.seconds[i], method.said[i]  # both measured at the point
-        curves[name] = [(p.report.memorized, p.report.perplexity) for p in points]
-        leak_curves[name] = [
-            (leaks["secrets_said"], p.report.perplexity)
-            for p, leaks in zip(points, method.said, strict=True)
-        ]
-        with method.attach(chosen) as steered:  # re-measured by greedy decoding
-            final = measure(steered)
-        label = _label(chosen.options)
-        within = chosen.report.perplexity <= base_ppl * (1 + PPL_TOLERANCE)
-        rows.append(row(name + ("" if within else " *"), final, label, seconds, said[name]))
-        grid = [
-            {**p.to_dict(), **_leak_counts(leaks), "seconds": sec}
-            for p, leaks, sec in zip(points, method.said, method.seconds, strict=True)
-        ]
-        grid_rows += [
-            [
-                name,
-                _label(p.options),
-                f"{p.report.memorized:.1f}",
-                f"{leaks['number_leaked']:.1f}",
-                f"{leaks['address_leaked']:.1f}",
-                *_reply_cells(leaks),
-                f"{p.report.perplexity:.2f}",
-                "yes" if p is chosen else "",
-            ]
-            for p, leaks in zip(points, method.said, strict=True)
-        ]
-        record_methods[name] = {
-            "selected": {"options": chosen.options, **final.to_dict(), "within_tolerance": within},
-            "deviation_scores": final.deviation_scores(unmitigated),
-            "mitigation_seconds": seconds,
-            "grid": grid,
-        }
-        if name in calibrations:
-            record_methods[name]["calibration_options"] = calibrations[name]
-            record_methods[name]["token_counts"] = stats_by[name].counts
-        _log(f"{name} {label}: {final.memorized:.1f}% memorized, perplexity {final.perplexity:.2f}")
-    for name, reason in skipped.items():
-        rows.append([name, "not calibrated", *[""] * (len(HEADER) - 2)])
-        record_methods[name] = {"calibration_options": calibrations[name], "error": reason}
-    table = markdown_table(HEADER, rows)
-    plot_pareto(
-        curves,
-        (unmitigated.memorized, unmitigated.perplexity),
-        out / "pareto.png",
-        f"{base_path.name}: canary memorization vs perplexity",
-    )
-    plot_pareto(
-        leak_curves,
-        (said["unmitigated"]["secrets_said"], base_ppl),
-        out / "leaks.png",
-        f"{base_path.name}: canary secrets said vs perplexity",
-        ylabel="% of account numbers and addresses said",
-    )
-    total = time.perf_counter() - started
-    write_json(
-        out / "results.json",
-        {
-            "command": "gss bench canaries " + " ".join(argv or []),
-            "gss_version": __version__,
-            "machine": machine_info(device=args.device),
-            "model": str(base_path),
-            "data": data.describe(),
-            "finetune": {**ft_cfg.to_dict(), **ft_info},
-            "selection_rule": {
-                "perplexity_tolerance_relative": PPL_TOLERANCE,
-                "order": ["memorized", "secrets_said", "others_leaked", "perplexity"],
-            },
-            "unmitigated": unmitigated.to_dict(),
-            "base_model": original.to_dict(),
-            "signal": signal,
-            "layer_scan": scan.to_dict(),
-            "layer": layer,
-            "reference": "gss.adapters_off(model)" if args.lora else "the base model",
-            "methods": record_methods,
-            **({"protect": protected} if protected else {}),
-            # per model: % of canaries whose account number / address it says verbatim, and
-            # its reply to the example canary
-            "disclosure": {"example": example, "models": said},
-            "total_seconds": total,
+        _tabulate_method(table, run, before, name, method, gss)
+    for name, reason in gss.skipped.items():
+        table.rows.append([name, "not calibrated", *[""] * (len(HEADER) - 2)])
+        table.records[name] = {"calibration_options": gss.options[name], "error": reason}
+    return table
+
+
+def _results(
+    run: _Run,
+    before: _Unmitigated,
+    scan: _Scan,
+    table: _Table,
+    protected: dict[str, Any],
+    total: float,
+) -> dict[str, Any]:
+    """results.json: the run's setup, the unmitigated and base models, the signal and the scan,
+    every method's record, gss protect's (with `--protect`) and what each model says."""
+    return {
+        "command": run.command,
+        "gss_version": __version__,
+        "machine": machine_info(device=run.args.device),
+        "model": str(run.base_path),
+        "data": run.data.describe(),
+        "finetune": {**run.finetune.to_dict(), **run.finetune_info},
+        "selection_rule": {
+            "perplexity_tolerance_relative": PPL_TOLERANCE,
+            "order": ["memorized", "secrets_said", "others_leaked", "perplexity"],
         },
-    )
-    (out / "table.md").write_text(
-        table
-        + f"\n\n({n},{k})-memorization of {unmitigated.rows} canaries (greedy); perplexity on "
-        f"{unmitigated.heldout_tokens} held-out tokens; selected: within +"
+        "unmitigated": before.report.to_dict(),
+        "base_model": before.base_report.to_dict(),
+        "signal": scan.signal,
+        "layer_scan": scan.scan.to_dict(),
+        "layer": scan.layer,
+        "reference": "gss.adapters_off(model)" if run.args.lora else "the base model",
+        "methods": table.records,
+        **({"protect": protected} if protected else {}),
+        # per model: % of canaries whose account number / address it says verbatim, and
+        # its reply to the example canary
+        "disclosure": {"example": before.example, "models": table.said},
+        "total_seconds": total,
+    }
+
+
+def _table_text(run: _Run, before: _Unmitigated, layer: int, table: _Table, rows: str) -> str:
+    """table.md: the table (`rows`), what its columns mean, what each model says to the
+    example canary's prompt, and every grid point."""
+    args, example, unmitigated = run.args, before.example, before.report
+    return (
+        rows + f"\n\n({run.n},{run.k})-memorization of {unmitigated.rows} canaries (greedy); "
+        f"perplexity on {unmitigated.heldout_tokens} held-out tokens; selected: within +"
         f"{100 * PPL_TOLERANCE:.0f}% perplexity (* = no point was), the lowest memorization, "
         "then the fewest secrets said, then the fewest canaries saying another's secret, then "
         f"the lowest perplexity; steering block {layer}"
@@ -841,12 +1067,59 @@ def main(argv: Sequence[str] | None = None) -> int:
         + f".\n\nWhat each model says to canary {example['canary']}'s prompt, which ends "
         f"`{_quoted(example['prompt_end'])}` (greedy; the secret: "
         f"`{_quoted(example['secret'])}`):\n\n"
-        + "\n".join(f"- {who}: `{_quoted(d['reply'])}`" for who, d in said.items())
+        + "\n".join(f"- {who}: `{_quoted(d['reply'])}`" for who, d in table.said.items())
         + "\n\nEvery grid point (memorization teacher-forced):\n\n"
-        + markdown_table(GRID_HEADER, grid_rows)
+        + markdown_table(GRID_HEADER, table.grid_rows)
         + "\n"
     )
-    print(table)
+
+
+def _write(
+    run: _Run, before: _Unmitigated, scan: _Scan, table: _Table, protected: dict[str, Any]
+) -> None:
+    """Write the report: the Pareto figures (memorization and secrets said against
+    perplexity), results.json and table.md; print the table and what was written."""
+    from gss.evaluate.sweep import plot_pareto
+
+    rows = markdown_table(HEADER, table.rows)
+    unmitigated, name = before.report, run.base_path.name
+    plot_pareto(
+        table.curves,
+        (unmitigated.memorized, unmitigated.perplexity),
+        run.out / "pareto.png",
+        f"{name}: canary memorization vs perplexity",
+    )
+    plot_pareto(
+        table.leak_curves,
+        (table.said["unmitigated"]["secrets_said"], unmitigated.perplexity),
+        run.out / "leaks.png",
+        f"{name}: canary secrets said vs perplexity",
+        ylabel="% of account numbers and addresses said",
+    )
+    total = time.perf_counter() - run.started
+    write_json(run.out / "results.json", _results(run, before, scan, table, protected, total))
+    (run.out / "table.md").write_text(_table_text(run, before, scan.layer, table, rows))
+    print(rows)
     figures = "pareto.png, leaks.png, layers.png, signal.png"
-    print(f"wrote {out}: results.json, table.md, {figures}; {total:.0f} s")
+    print(f"wrote {run.out}: results.json, table.md, {figures}; {total:.0f} s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`gss bench canaries`: the steps of the module's docstring, in order."""
+    args = build_parser().parse_args(argv)
+    baselines = baseline_names(args.baselines, "canaries")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run = _context(args, argv, started=time.perf_counter())
+    before = _measure_unmitigated(run)
+    scan = _signal_and_scan(run)
+    gss = _calibrate_and_sweep(run, before, scan.layer)
+    methods = dict(gss.methods)
+    methods["Mean-diff"] = _mean_difference(run, before, gss.stats["GSS"], scan.layer)
+    methods.update(_other_baselines(run, before, baselines, scan.layer))
+    protected, protect_method = _protect(run, before)
+    if protect_method is not None:
+        methods["GSS protect"] = protect_method
+    table = _tabulate(run, before, methods, gss)
+    _write(run, before, scan, table, protected)
     return 0
