@@ -326,8 +326,8 @@ MAX_ID = 2**31 - 1  # token ids are kept as int32 (`gss.signal.tokens`); no voca
 def _in_id_range(ids: list[int], name: str) -> list[int]:
     """``ids``, refused where one is past any vocabulary (it would overflow the int32 the
     rows are kept in, a traceback, before the model's own vocabulary is checked)."""
-    odd = next((v for v in ids if not -MAX_ID <= v <= MAX_ID), None)
-    if odd is not None:
+    if ids and (min(ids) < -MAX_ID or max(ids) > MAX_ID):  # in C: every row passes here
+        odd = next(v for v in ids if not -MAX_ID <= v <= MAX_ID)
         raise GSSError(
             f"{name} holds the token id {odd}, past any model's vocabulary: token ids are "
             "the tokenizer's (0 to its size - 1). Tokenize with the model's own tokenizer."
