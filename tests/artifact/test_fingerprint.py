@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gss
-from gss import GSSError
+from gss import GSSError, GSSWarning
 
 from ..helpers import random_ids, tiny_model
 
@@ -57,8 +57,10 @@ def test_the_same_weights_in_half_precision_are_accepted(calibrated, dtype):
 
 
 def test_an_artifact_saved_before_every_tensor_was_sampled_still_compares(calibrated):
-    """An older artifact's fingerprint has the first two tensors of each block only."""
+    """An older artifact's fingerprint has the first two tensors of each block only: it still
+    refuses what those show, and says that it cannot see the rest (an MLP-only fine-tune)."""
     import dataclasses
+    import warnings
 
     model, art = calibrated
     old = dict(art.provenance.fingerprint)
@@ -66,9 +68,13 @@ def test_an_artifact_saved_before_every_tensor_was_sampled_still_compares(calibr
     older = dataclasses.replace(
         art, provenance=dataclasses.replace(art.provenance, fingerprint=old)
     )
-    older.check_model(model)
-    with pytest.raises(GSSError, match="another model"):
+    with pytest.warns(GSSWarning, match="no entries of its blocks' weights"):
+        older.check_model(model)
+    with pytest.raises(GSSError, match="another model"), pytest.warns(GSSWarning):
         older.check_model(_tuned(model, "self_attn.q_proj.weight", scale=1.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        art.check_model(model)  # a full fingerprint: no warning
 
 
 @pytest.mark.parametrize("default", [torch.float64, torch.float16, torch.bfloat16])

@@ -266,7 +266,17 @@ class SteeringArtifact(hub.HubMixin):
                 f"embeddings and decoder blocks), got {type(model).__name__}."
             )
         actual = model_fingerprint(model, self.config.block_path)
-        diffs = fingerprint_differences(self.provenance.fingerprint, actual)
+        expected = self.provenance.fingerprint
+        if not expected.get("block_weights") and actual.get("block_weights"):
+            warnings.warn(
+                "this steering artifact's fingerprint holds no entries of its blocks' weights "
+                "(saved before gss fingerprinted every weight, or edited by hand): attaching "
+                "checks the model's shape and embeddings only, so another fine-tune of the same "
+                "base would not be refused. Calibrate again on this model for a full fingerprint.",
+                GSSWarning,
+                stacklevel=3,
+            )
+        diffs = fingerprint_differences(expected, actual)
         if diffs:
             message = (
                 "this steering artifact was calibrated for another model: "
