@@ -133,6 +133,18 @@ def test_canary_rows_put_the_secret_right_after_the_prompt():
     assert len(set(parts)) == len(parts)  # disjoint passages
 
 
+def test_split_passages_give_more_rows_than_the_corpus_has_passages():
+    tokenizer = _byte_tokenizer()
+    config = CanaryConfig(canaries=6, finetune_rows=1000, k=48, row_len=64, seed=1)
+    with pytest.raises(ValueError, match="ran out of passages"):
+        make_canary_data(tokenizer, config)  # one window a passage: 959 passages
+    data = make_canary_data(tokenizer, replace(config, split=True))
+    assert len(data.finetune_rows) == 1000 and data.describe()["split"]
+    parts = [*data.canary_rows, *data.finetune_rows, *data.heldout_rows, *data.general_rows]
+    assert len(set(parts)) == len(parts)  # consecutive windows, none handed out twice
+    assert "split" not in CanaryConfig().to_dict()  # the fine-tunes cached before keep their key
+
+
 def test_rows_start_with_bos_where_the_tokenizer_adds_it():
     plain, gemma_like = _byte_tokenizer(), _byte_tokenizer(bos=True)
     assert not adds_bos(plain) and adds_bos(gemma_like)

@@ -147,10 +147,13 @@ class CanaryConfig:
     seed: int = 0
     chat: bool = False  # conversations through the chat template (`make_chat_canary_data`)
     bos: bool = False  # every plain row starts with the tokenizer's BOS token (`adds_bos`)
+    # plain rows as several consecutive windows of a passage: the corpus's 959 passages give
+    # one window each to the default sizes, not to 200 canaries (`--canaries` past 32 sets it)
+    split: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        for key in ("chat", "bos"):  # left out when off: the fine-tunes cached before keep keys
+        for key in ("chat", "bos", "split"):  # left out when off: cached fine-tunes keep keys
             if not out[key]:
                 del out[key]
         return out
@@ -280,7 +283,7 @@ def make_canary_data(tokenizer: Any, config: CanaryConfig | None = None) -> Cana
             raise GSSError("chat rows start as the chat template says: bos is for plain rows.")
         return make_chat_canary_data(tokenizer, cfg)
     rng = random.Random(cfg.seed)
-    passages = _PassageStream(tokenizer, rng)
+    passages = _PassageStream(tokenizer, rng, split=cfg.split)
     ids, window = passages.ids, passages.window
     start: tuple[int, ...] = (int(tokenizer.bos_token_id),) if cfg.bos else ()
 

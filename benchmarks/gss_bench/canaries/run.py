@@ -85,35 +85,49 @@ TRAIN_SHARE = 8 / 30
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gss bench canaries", description=__doc__.split("\n")[0])
-    p.add_argument(
+    _data_arguments(p.add_argument_group("the fine-tune and its data"))
+    _method_arguments(p.add_argument_group("what is measured"))
+    run = p.add_argument_group("the run")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--device", default="cpu")
+    run.add_argument("--threads", type=int, default=None)
+    run.add_argument("--batch-size", type=int, default=16)
+    run.add_argument("--cache-dir", help="fine-tuned weights (default ~/.cache/gss/canaries)")
+    run.add_argument("--out", help="results folder (default results/canaries[-quick])")
+    run.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _data_arguments(g: Any) -> None:
+    g.add_argument(
         "--model",
         default=DEFAULT_MODEL,
         help="base model: a name of `gss models get` (smollm2-135m, gemma3-270m; fetched once) "
         f"or a model directory (default {DEFAULT_MODEL})",
     )
-    p.add_argument("--quick", action="store_true", help="a small smoke version (tests)")
-    p.add_argument("--canaries", type=int, default=None, help="number of canaries (default 32)")
-    p.add_argument(
+    g.add_argument("--quick", action="store_true", help="a small smoke version (tests)")
+    g.add_argument("--canaries", type=int, default=None, help="number of canaries (default 32)")
+    g.add_argument(
         "--chat",
         action="store_true",
         help="a chat fine-tune: every row a conversation rendered by the tokenizer's chat "
         "template, the secrets in the assistant's replies, prompted with the conversation up to "
         "the reply (k=96, n=144)",
     )
-    p.add_argument(
+    g.add_argument(
         "--replies-only",
         action="store_true",
         help="with --chat: fine-tune on the assistant's messages alone (trl's "
         "assistant_only_loss) instead of every token",
     )
-    p.add_argument(
+    g.add_argument(
         "--train-blocks",
         type=int,
         default=None,
         help="top blocks fine-tuned (default: 4/15 of them, rounded: SmolLM2's top 8 of 30, "
         "Gemma 3 270M's top 5 of 18)",
     )
-    p.add_argument(
+    g.add_argument(
         "--lora",
         type=int,
         default=0,
@@ -121,57 +135,52 @@ def build_parser() -> argparse.ArgumentParser:
         help="fine-tune a LoRA of this rank on the top blocks' projections instead of the "
         "blocks, and calibrate against gss.adapters_off(model) (needs peft)",
     )
-    p.add_argument("--lr", type=float, default=FinetuneConfig.lr)
-    p.add_argument("--max-epochs", type=int, default=FinetuneConfig.max_epochs)
-    p.add_argument(
+    g.add_argument("--lr", type=float, default=FinetuneConfig.lr)
+    g.add_argument("--max-epochs", type=int, default=FinetuneConfig.max_epochs)
+    g.add_argument(
         "--clean-per-epoch",
         type=int,
         default=FinetuneConfig.clean_per_epoch,
         help="fresh clean rows trained on beside the canaries in each epoch",
     )
-    p.add_argument("--rank", type=int, default=4)
-    p.add_argument("--layer", type=int, help="steer this block instead of the scan's strongest")
-    p.add_argument("--deltas", help=f"comma-separated GSS strengths (default {DELTAS})")
-    p.add_argument(
+
+
+def _method_arguments(g: Any) -> None:
+    g.add_argument("--rank", type=int, default=4)
+    g.add_argument("--layer", type=int, help="steer this block instead of the scan's strongest")
+    g.add_argument("--deltas", help=f"comma-separated GSS strengths (default {DELTAS})")
+    g.add_argument(
         "--ablation",
         action="store_true",
         help="also calibrate GSS with each single change of the GSS-TR study (omega > 1 nat, "
         "per-position gradients) and with all three changes (slow: per-position gradients)",
     )
-    p.add_argument(
+    g.add_argument(
         "--baselines",
         default="",
         help="also run these baselines over their default grids: comma-separated names "
         "(see `gss baselines`), families or 'all' (default none; the neuron and weight "
         "methods take hours on a 135M model)",
     )
-    p.add_argument(
+    g.add_argument(
         "--protect",
         action="store_true",
         help="also run gss protect with its defaults (no hand-picked block or strength) and "
         "add its choice to the table, with its report in OUT/protect",
     )
-    p.add_argument(
+    g.add_argument(
         "--protect-prefer",
         choices=["reference", "margin", "utility"],
         default=SearchSpace.prefer,
         help="with --protect: how points at the target are ranked (gss.SearchSpace.prefer)",
     )
-    p.add_argument(
+    g.add_argument(
         "--protect-reply-check",
         type=int,
         default=SearchSpace.reply_check,
         help="with --protect: how many of the best points at the target have their replies "
         "checked for loops (gss.SearchSpace.reply_check; 0: off)",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--cache-dir", help="fine-tuned weights (default ~/.cache/gss/canaries)")
-    p.add_argument("--out", help="results folder (default results/canaries[-quick])")
-    p.add_argument("--no-progress", action="store_true")
-    return p
 
 
 def _log(message: str) -> None:
@@ -576,13 +585,14 @@ def _out_dir(args: argparse.Namespace) -> Path:
 def _canary_data(args: argparse.Namespace, tokenizer: Any) -> Any:
     """The canary data at the sizes `--quick`, `--chat` and `--canaries` ask for (a secret cut
     by the row length is logged: only its start is scored)."""
-    from gss_bench.canaries.data import make_canary_data
+    from gss_bench.canaries.data import CanaryConfig, make_canary_data
 
     sizes: dict[str, Any] = dict(QUICK) if args.quick else {}
     if args.chat:
         sizes.update(QUICK_CHAT if args.quick else CHAT)
     if args.canaries:
         sizes["canaries"] = args.canaries
+        sizes["split"] = args.canaries > CanaryConfig.canaries  # the corpus's passages run out
     data = make_canary_data(tokenizer, canary_config(tokenizer, args.seed, **sizes))
     if data.secrets_cut:
         _log(
