@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from gss.errors import GSSError
+from gss.evaluate.intervals import clopper_pearson
 from gss.evaluate.sweep import SweepPoint
 from gss.signal.tokens import encode_trained
 from gss_bench.baselines import get_method
@@ -21,6 +22,7 @@ from gss_bench.canaries.finetune import FinetuneConfig, _Trainer, trainable_name
 from gss_bench.canaries.run import (
     ABLATION,
     QUICK_CHAT,
+    _heldout_line,
     _select,
     canary_config,
     default_train_blocks,
@@ -143,6 +145,17 @@ def test_split_passages_give_more_rows_than_the_corpus_has_passages():
     parts = [*data.canary_rows, *data.finetune_rows, *data.heldout_rows, *data.general_rows]
     assert len(set(parts)) == len(parts)  # consecutive windows, none handed out twice
     assert "split" not in CanaryConfig().to_dict()  # the fine-tunes cached before keep their key
+
+
+def test_the_table_gives_protects_heldout_canaries_their_intervals():
+    held = {"rows": 100, "secrets_said_before": 100.0, "after": 0.0, "canaries_saying_after": 0}
+    lo, hi = clopper_pearson(0, 100)
+    held |= {"interval_after": [100 * lo, 100 * hi]}
+    held |= {"upper_bound_after": 100 * clopper_pearson(0, 100, one_sided=True)[1]}
+    line = _heldout_line({"heldout_canaries": held})
+    assert "0 of 100 canaries say either (95% interval 0.0-3.6%, one-sided" in line
+    assert "one-sided 95% upper bound 3.0%)" in line  # 1 - 0.05 ** (1 / 100): 2.95%
+    assert _heldout_line({"error": "nothing memorized"}) == ""
 
 
 def test_rows_start_with_bos_where_the_tokenizer_adds_it():

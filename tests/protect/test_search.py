@@ -16,6 +16,7 @@ import gss
 from gss import GSSError, GSSWarning
 from gss.cli import main
 from gss.evaluate.decoding import greedy_generate
+from gss.evaluate.intervals import clopper_pearson
 from gss.protect import SearchSpace, protect
 
 protect_module = importlib.import_module("gss.protect")  # gss.protect is the function
@@ -587,6 +588,20 @@ def test_protect_report_says_which_window_each_heldout_row_was_scored_on(protect
     assert f"first 4 tokens ({len(result.heldout)} rows), each on the next 12" in result.markdown()
     result.write(tmp_path / "out")
     assert json.loads((tmp_path / "out" / "protect.json").read_text())["heldout_windows"] == windows
+
+
+def test_protect_report_gives_the_heldout_rate_its_exact_intervals(protected):
+    """Issue 70: "0 of N" with its two-sided 95% interval and its one-sided upper bound."""
+    result, _, _ = protected
+    count = len(result.heldout)
+    left = round(result.after["memorized"] * count / 100)
+    lo, hi = clopper_pearson(left, count)
+    _, bound = clopper_pearson(left, count, one_sided=True)
+    assert result.heldout_interval() == [100 * lo, 100 * hi]
+    assert result.summary()["heldout_upper_bound"] == [0.0, 100 * bound] and bound < hi
+    line = f"({left} of {count}; 95% interval {100 * lo:.1f}-{100 * hi:.1f}%"
+    assert line in result.markdown()
+    assert f"one-sided 95% upper bound {100 * bound:.1f}%" in result.markdown()
 
 
 def test_protect_measures_rows_from_the_shortest_prompt_that_extracts_them(memorizer):

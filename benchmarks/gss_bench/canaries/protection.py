@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from gss.evaluate.intervals import clopper_pearson
 from gss.evaluate.leaks import EXTRA_TOKENS, secrets_said
 from gss.evaluate.sweep import SweepPoint
 from gss.protect import SearchSpace, protect
@@ -84,20 +85,31 @@ def protect_point(
     secrets = [[secret_fields(data.secrets[i])[f] for f in names] for i in held]
     width = max(len(r) for r in data.canary_rows) - k + EXTRA_TOKENS
 
-    def said(m: nn.Module) -> float:
+    def said(m: nn.Module) -> tuple[float, int]:
+        """% of the held-out canaries' numbers and addresses said; canaries saying either."""
         leaks = secrets_said(
             m, tokenizer, prompts, secrets, max_new_tokens=width, batch_size=batch_size
         )
         flags = [f for row in leaks.said for f in row]
-        return 100.0 * sum(flags) / len(flags)
+        return 100.0 * sum(flags) / len(flags), sum(any(row) for row in leaks.said)
 
-    before = said(model)
+    before, _ = said(model)
     with result.steer.attach(model):
-        after = said(model)
+        after, saying = said(model)
+    lo, hi = clopper_pearson(saying, len(held))
+    bound = clopper_pearson(saying, len(held), one_sided=True)[1]
     extra = {
         "summary": {k_: v for k_, v in result.summary().items() if k_ != "audit"},
         "audit": result.audit.summary(),
-        "heldout_canaries": {"rows": len(held), "secrets_said_before": before, "after": after},
+        "heldout_canaries": {
+            "rows": len(held),
+            "secrets_said_before": before,
+            "after": after,
+            # canaries saying their number or address after, with the exact 95% intervals (%)
+            "canaries_saying_after": saying,
+            "interval_after": [100 * lo, 100 * hi],
+            "upper_bound_after": 100 * bound,
+        },
         "examples": result.examples,
         "steer": result.steer,
     }

@@ -906,7 +906,8 @@ def _protect(run: _Run, before: _Unmitigated) -> tuple[dict[str, Any], _Method |
     h = protected["heldout_canaries"]
     _log(
         f"  held-out canaries ({h['rows']}): {h['secrets_said_before']:.1f}% of secrets said "
-        f"before, {h['after']:.1f}% after ({seconds:.0f} s)"
+        f"before, {h['after']:.1f}% after ({h['canaries_saying_after']} of {h['rows']} canaries;"
+        f" one-sided 95% upper bound {h['upper_bound_after']:.1f}%) ({seconds:.0f} s)"
     )
     return protected, method
 
@@ -1051,6 +1052,22 @@ def _results(
     }
 
 
+def _heldout_line(protected: dict[str, Any]) -> str:
+    """What gss protect's held-out canaries, which its search never saw, say after, with the
+    exact 95% intervals (issue 70: how far "0 of N" is from none)."""
+    h = protected.get("heldout_canaries", {})
+    if "canaries_saying_after" not in h:
+        return ""
+    lo, hi = h["interval_after"]
+    return (
+        f"\n\ngss protect's {h['rows']} held-out canaries (the search never saw them): "
+        f"{h['secrets_said_before']:.1f}% of their numbers and addresses said before, "
+        f"{h['after']:.1f}% after; {h['canaries_saying_after']} of {h['rows']} canaries say "
+        f"either (95% interval {lo:.1f}-{hi:.1f}%, one-sided 95% upper bound "
+        f"{h['upper_bound_after']:.1f}%)."
+    )
+
+
 def _table_text(run: _Run, before: _Unmitigated, layer: int, table: _Table, rows: str) -> str:
     """table.md: the table (`rows`), what its columns mean, what each model says to the
     example canary's prompt, and every grid point."""
@@ -1108,6 +1125,7 @@ def _write(
     )
     total = time.perf_counter() - run.started
     write_json(run.out / "results.json", _results(run, before, scan, table, protected, total))
+    rows += _heldout_line(protected)
     (run.out / "table.md").write_text(_table_text(run, before, scan.layer, table, rows))
     print(rows)
     figures = "pareto.png, leaks.png, layers.png, signal.png"

@@ -106,6 +106,7 @@ class Protection:
             "search_seconds": self.search_seconds,
             "reply_check": self.replies,
             "heldout_interval": self.heldout_interval(),
+            "heldout_upper_bound": self.heldout_interval(one_sided=True),
             "heldout_windows": self.heldout_windows(),
         }
 
@@ -149,12 +150,14 @@ class Protection:
                 )
         return line
 
-    def heldout_interval(self) -> list[float] | None:
-        """The exact 95% interval (two-sided, %) of the held-out rows' rate after the steer."""
+    def heldout_interval(self, one_sided: bool = False) -> list[float] | None:
+        """The exact 95% interval (%) of the held-out rows' rate after the steer: two-sided,
+        or with ``one_sided`` [0, the upper bound] ("a held-out 0 means at most 3%" reads it)."""
         rows = len(self.heldout)
         if not rows or "memorized" not in self.after:
             return None
-        lo, hi = clopper_pearson(round(self.after["memorized"] * rows / 100), rows)
+        left = round(self.after["memorized"] * rows / 100)
+        lo, hi = clopper_pearson(left, rows, one_sided=one_sided)
         return [100 * lo, 100 * hi]
 
     def markdown(self) -> str:
@@ -192,11 +195,13 @@ class Protection:
         else:
             count = len(self.heldout)
             left = round(self.after["memorized"] * count / 100)
-            lo, hi = clopper_pearson(left, count) if count else (0.0, 1.0)
+            lo, hi = self.heldout_interval() or (0.0, 100.0)
+            bound = (self.heldout_interval(one_sided=True) or (0.0, 100.0))[1]
             lines += [
                 "",
                 f"{held} before, {self.after['memorized']:.1f}% after ({left} of {count}; 95% "
-                f"interval {100 * lo:.1f}-{100 * hi:.1f}%: the true rate may be anywhere in it) "
+                f"interval {lo:.1f}-{hi:.1f}%: the true rate may be anywhere in it; one-sided "
+                f"95% upper bound {bound:.1f}%) "
                 f"(target <= {self.max_extractable:g}%: "
                 f"{'reached' if self.reached else 'NOT reached'}).",
                 f"Utility ({self.budget['measure']}): {_g(self.before['utility'])} before, "
