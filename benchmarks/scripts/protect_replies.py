@@ -19,12 +19,11 @@ from typing import Any
 
 import torch
 
-from gss.evaluate.suite import evaluate_model
 from gss.hf.adapters import adapters_off
 from gss.protect import SearchSpace
 from gss.report import machine_info, write_json
 from gss_bench.canaries.finetune import FinetuneConfig
-from gss_bench.canaries.protection import protect_point
+from gss_bench.canaries.protection import canary_measure, protect_point
 from gss_bench.canaries.run import (
     CALIBRATION_CLEAN_ROWS,
     PPL_TOLERANCE,
@@ -54,21 +53,10 @@ def main() -> None:
     cfg = FinetuneConfig(seed=0, **options)
     model, _ = finetuned(base, base_path, data, cfg, pad, default_cache(), tokenizer)
     reference = adapters_off(model) if args.setting == "lora" else base
-    k, n, bs = data.config.k, data.config.row_len, 16
+    bs = 16
     train_rows = [*data.canary_rows, *data.finetune_rows[:CALIBRATION_CLEAN_ROWS]]
 
-    def measure(m: Any, method: str = "generate") -> Any:
-        return evaluate_model(
-            m,
-            data.canary_rows,
-            data.heldout_rows,
-            k=k,
-            n=n,
-            pad_id=pad,
-            batch_size=bs,
-            method=method,
-            progress=False,
-        )
+    measure = canary_measure(data, pad, bs)
 
     point, seconds, extra = protect_point(
         model,

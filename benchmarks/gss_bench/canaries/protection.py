@@ -43,6 +43,28 @@ def protect_arguments(
     }
 
 
+def canary_measure(data: Any, pad_id: int, batch_size: int = 16) -> Any:
+    """``measure(model, method)``: `evaluate_model` on the canaries' (n, k) windows and the
+    held-out rows' perplexity, as the benchmark measures every method (`protect_point` takes
+    it)."""
+    from gss.evaluate.suite import evaluate_model
+
+    def measure(m: nn.Module, method: str = "generate") -> Any:
+        return evaluate_model(
+            m,
+            data.canary_rows,
+            data.heldout_rows,
+            k=data.config.k,
+            n=data.config.row_len,
+            pad_id=pad_id,
+            batch_size=batch_size,
+            method=method,
+            progress=False,
+        )
+
+    return measure
+
+
 def protect_point(
     model: nn.Module,
     reference: nn.Module,

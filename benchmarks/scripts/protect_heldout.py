@@ -1,0 +1,99 @@
+"""gss protect alone on the plain canary fine-tune of N canaries: enough held-out canaries that
+"none says its secret" means something (issue 70: at 0 of about 100, a one-sided 95% upper
+bound of 3%), with the exact intervals.
+
+A developer's measurement script (not part of ``gss bench``): ``gss bench canaries --canaries
+N --protect`` runs the same protect (`protect_point`, the bench's rows, budget and window) after
+its grids and baselines, which at 200 canaries take an hour on 2 cores (MemFree's grid alone 19
+minutes a point). It fine-tunes as the bench does, or reads the bench's cached fine-tune:
+
+    .venv/bin/python benchmarks/scripts/protect_heldout.py --canaries 200 --out results/canaries-200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from gss.report import machine_info, write_json
+from gss_bench.canaries.data import CanaryConfig, make_canary_data
+from gss_bench.canaries.finetune import FinetuneConfig
+from gss_bench.canaries.protection import canary_measure, protect_point
+from gss_bench.canaries.run import (
+    CALIBRATION_CLEAN_ROWS,
+    DEFAULT_MODEL,
+    PPL_TOLERANCE,
+    _load,
+    canary_config,
+    default_cache,
+    finetuned,
+    model_path,
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--canaries", type=int, default=200)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    started = time.perf_counter()
+    base_path = model_path(DEFAULT_MODEL)
+    base, tokenizer = _load(base_path, "cpu")
+    split = args.canaries > CanaryConfig.canaries  # as `gss bench canaries --canaries N`
+    config = canary_config(tokenizer, 0, canaries=args.canaries, split=split)
+    data = make_canary_data(tokenizer, config)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    cfg = FinetuneConfig(seed=0)
+    model, info = finetuned(base, base_path, data, cfg, pad, default_cache(), tokenizer)
+    bs = 16
+    train_rows = [*data.canary_rows, *data.finetune_rows[:CALIBRATION_CLEAN_ROWS]]
+
+    measure = canary_measure(data, pad, bs)
+
+    unmitigated = measure(model, "forced")
+    point, seconds, extra = protect_point(
+        model,
+        base,
+        data,
+        tokenizer,
+        train_rows,
+        budget=PPL_TOLERANCE,
+        batch_size=bs,
+        measure=measure,
+        report_dir=args.out / "protect",
+        progress=False,
+    )
+    extra.pop("steer")
+    row = {
+        "data": data.describe(),
+        "finetune": {**cfg.to_dict(), **info},
+        "unmitigated": {"memorized": unmitigated.memorized, "perplexity": unmitigated.perplexity},
+        "protected": {"memorized": point.report.memorized, "perplexity": point.report.perplexity},
+        "protect_seconds": seconds,
+        "chosen": extra["summary"]["chosen"],
+        "heldout_rows": extra["summary"]["heldout_rows"],
+        "heldout_interval": extra["summary"]["heldout_interval"],
+        "heldout_upper_bound": extra["summary"]["heldout_upper_bound"],
+        "heldout_canaries": extra["heldout_canaries"],
+        "quality": extra["summary"]["after"].get("quality"),
+        "total_seconds": time.perf_counter() - started,
+    }
+    write_json(
+        args.out / "results.json",
+        {
+            "command": "benchmarks/scripts/protect_heldout.py "
+            f"--canaries {args.canaries} --out {args.out}",
+            "machine": machine_info(),
+            **row,
+        },
+    )
+    print(json.dumps(row, indent=1, default=float))
+
+
+if __name__ == "__main__":
+    main()
