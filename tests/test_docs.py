@@ -6,7 +6,7 @@ user's fine-tune and its base), and the measured tables that moved out of the RE
 runner patch's host work that moved from docs/serving.md to results/serve-fill-slots/README.md)
 are checked against the committed results/: a changed digit on either side fails. Every
 relative link of the docs, READMEs and changelog leads to a file that exists, and to a heading
-of it where it names one.
+of it where it names one. The docs together stay under 200 KB (issue 71).
 """
 
 import json
@@ -165,6 +165,16 @@ def test_serving_fill_table_is_the_committed_results():
         assert steady_old == f"{b['steady_step_us']:.1f} / {b['v2_steady_us']:.1f}"
         assert v2_old == " / ".join(f"{b[shape]['v2_step_us']:.1f}" for b in v2_before)
         assert v1_old == " / ".join(f"{b[shape]['later_step_us']:.1f}" for b in v1_before)
+
+
+def test_docs_stay_under_200_kb():
+    """docs/*.md together stay under 200 KB (issue 71): the docs describe the software as it is,
+    with its headline numbers and a link to where they were measured; the measurement diaries
+    (run-by-run narratives, how a default was arrived at, superseded comparisons) live next to
+    their data, in results/<study>/README.md."""
+    sizes = {path.name: path.stat().st_size for path in DOCS.glob("*.md")}
+    assert len(sizes) > 10
+    assert sum(sizes.values()) < 200_000, sorted(sizes.items(), key=lambda item: -item[1])
 
 
 LINKED_DOCS = ["README.md", "CHANGELOG.md", "docs/*.md", "results/**/README.md"]
