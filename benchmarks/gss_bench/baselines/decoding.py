@@ -11,8 +11,9 @@ The paper keeps the n-grams in a Bloom filter to scale to a pretraining corpus; 
 set (a Bloom filter with no false positive) of the memorized set U, the rows a user wants kept
 in, which is what gss protects: indexing the clean rows too would block the domain's ordinary
 text. The filtered model is a forward-only wrapper, so gss's greedy decoding gives it the whole
-sequence at every step (no KV cache) and the teacher-forced extraction check reads the same
-filtered distribution. A banned token's logit is lowered by `BAN` nats rather than set to -inf:
+sequence at a teacher-forced pass and its KV cache at each step of greedy decoding (the
+n-grams' contexts kept from the steps before), and the teacher-forced extraction check reads the
+same filtered distribution. A banned token's logit is lowered by `BAN` nats rather than set to -inf:
 greedy decoding never takes it (unless every token is banned), and the perplexity stays a
 number, each held-out token the filter bans costing it `BAN` nats (on the canaries' 2,016
 held-out tokens one such token multiplies the perplexity by about 140): the price of the filter
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gss.hf.forward import forward_logits
+from gss.hf.forward import forward_logits, output_logits
 from gss_bench.baselines.interface import Mitigation, MitigationData, register
 
 NGRAM_SIZES = (16, 10, 6, 4)  # the grid, mildest first: a shorter n-gram blocks more
@@ -55,20 +56,56 @@ class NgramFilter(nn.Module):
         self.model, self.n = model, int(n)
         self.index = ngram_index(rows, self.n)
         self.config = getattr(model, "config", None)  # what gss reads of a model (vocab)
+        self._history = torch.zeros((0, 0), dtype=torch.long)  # the ids decoded so far
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        use_cache: bool | None = None,
+        **cache: Any,
+    ) -> Any:
+        """The filtered logits (B, T, V) of the whole sequence; with ``use_cache`` (greedy
+        decoding), the model's output with its KV cache, the logits filtered, the n-grams'
+        contexts read from the tokens of the calls since the cache was empty."""
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        logits = forward_logits(self.model, input_ids, mask).clone()
-        context = self.n - 1
-        ids, real = input_ids.tolist(), mask.bool().tolist()
-        for b, (row, kept) in enumerate(zip(ids, real, strict=True)):
-            for t in range(context - 1, len(row)):
+        if not use_cache:
+            logits = forward_logits(self.model, input_ids, mask).clone()
+            self._ban(logits, input_ids, mask)
+            return logits
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            use_cache=True,
+            **cache,
+        )
+        first = not any(v is not None for v in cache.values())
+        history = input_ids if first else torch.cat([self._history, input_ids], dim=1)
+        self._history = history
+        logits = output_logits(out).clone()
+        self._ban(logits, history, mask)
+        out.logits = logits
+        return out
+
+    def _ban(self, logits: Tensor, ids: Tensor, mask: Tensor) -> None:
+        """Lower, at each of the last ``logits.shape[1]`` positions of ``ids``, the tokens that
+        would complete an indexed n-gram."""
+        context, new = self.n - 1, logits.shape[1]
+        rows, real = ids.tolist(), mask.bool().tolist()
+        for b, (row, kept) in enumerate(zip(rows, real, strict=True)):
+            start = len(row) - new
+            for t in range(max(context - 1, start), len(row)):
                 if not all(kept[t - context + 1 : t + 1]):  # padding in the context
                     continue
                 banned = self.index.get(tuple(row[t - context + 1 : t + 1]))
                 if banned:
-                    logits[b, t, list(banned)] -= BAN
-        return logits
+                    logits[b, t - start, list(banned)] -= BAN
+
+    def get_base_model(self) -> nn.Module:
+        """The model filtered: gss reads its KV cache argument's name there."""
+        return self.model
 
 
 @register(
