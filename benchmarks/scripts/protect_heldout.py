@@ -39,6 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--canaries", type=int, default=200)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--progress", action="store_true", help="protect's progress bars")
     args = parser.parse_args()
     torch.set_num_threads(2)
     started = time.perf_counter()
@@ -66,7 +67,7 @@ def main() -> None:
         batch_size=bs,
         measure=measure,
         report_dir=args.out / "protect",
-        progress=False,
+        progress=args.progress,
     )
     extra.pop("steer")
     row = {
