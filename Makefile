@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml benchmarks/pyproject.toml
 
 setup: $(STAMP)
 
+# The suite in TEST_WORKERS processes (pytest-xdist; each test runs torch on one thread).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q -n $(TEST_WORKERS)
 
 # The library's own tests, without the benchmark harness and the baselines (tests/bench,
 # tests/baselines) and the tests marked slow or heavy: the loop to run while editing gss.
@@ -32,7 +34,7 @@ test-min:
 	$(MIN_VENV)/bin/python -m pip install -q --upgrade pip
 	$(MIN_VENV)/bin/python -c "import torch" 2>/dev/null || $(MIN_VENV)/bin/python -m pip install -q "torch==2.13.0"
 	$(MIN_VENV)/bin/python -m pip install -q -e ".[dev]" -e ./benchmarks -c .ci/min-versions.txt
-	$(MIN_VENV)/bin/python -m pytest -q
+	$(MIN_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS)
 
 # The committed TinyMem tables were trained where torch's CPU kernels use AVX2. A CPU with
 # AVX-512 rounds float sums in another order and trains other weights from the same seed;

@@ -86,6 +86,7 @@ def test_greedy_decoding_with_the_cache_says_what_the_whole_sequence_says(memori
         def forward(self, input_ids, attention_mask=None):
             return self.filtered(input_ids, attention_mask)
 
-    uncached = Uncached()
+    uncached = Uncached().train(filtered.training)  # eval_mode restores it onto the model
     assert accepts(filtered, "use_cache") and not accepts(uncached, "use_cache")
     assert cached == greedy_generate(uncached, prompts, width, pad_id=data.pad_id)
+    assert not model.training  # the shared model left in the mode it was in

@@ -57,6 +57,7 @@ class NgramFilter(nn.Module):
         self.index = ngram_index(rows, self.n)
         self.config = getattr(model, "config", None)  # what gss reads of a model (vocab)
         self._history = torch.zeros((0, 0), dtype=torch.long)  # the ids decoded so far
+        self.train(model.training)  # the model's mode: eval_mode puts the wrapper's back on it
 
     def forward(
         self,
