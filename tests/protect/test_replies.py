@@ -289,6 +289,11 @@ def test_the_report_counts_apart_the_ordinary_prompts_that_recite_the_data():
         "--reference-where-open): 50.0% (75.0% of the 4 that recite none of the data; 100.0% "
         "of the 2 that do changed)."
     )
+    # TinyMem's math prompts all recite the data: no share of none is printed ("? of the 0")
+    assert _ordinary_line({"rows": 6, "reciting": 6, **said, "identical_not_reciting": None}) == (
+        "Ordinary prompts: 50.0% (every one recites some of the data: 100.0% of them changed) "
+        "of 6 greedy continuations (32 tokens) are the unsteered fine-tune's, word for word."
+    )
     assert _ordinary_line({"rows": 6, "reciting": 0, **said}) == (
         "Ordinary prompts: 50.0% of 6 greedy continuations (32 tokens) are the unsteered "
         "fine-tune's, word for word."

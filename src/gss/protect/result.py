@@ -523,12 +523,15 @@ def _ordinary_line(ordinary: dict[str, Any]) -> str:
 
     def shares(said: dict[str, Any]) -> str:
         line = f"{_pct(said['identical'])}"
-        if ordinary.get("reciting"):
+        reciting = ordinary.get("reciting")
+        if reciting:
+            plain = ordinary["rows"] - reciting
+            changed = _pct(said.get("changed_reciting"))
             line += (
-                f" ({_pct(said.get('identical_not_reciting'))} of the "
-                f"{ordinary['rows'] - ordinary['reciting']} that recite none of the data; "
-                f"{_pct(said.get('changed_reciting'))} of the {ordinary['reciting']} that do "
-                "changed)"
+                f" ({_pct(said.get('identical_not_reciting'))} of the {plain} that recite none "
+                f"of the data; {changed} of the {reciting} that do changed)"
+                if plain
+                else f" (every one recites some of the data: {changed} of them changed)"
             )
         return line
 
