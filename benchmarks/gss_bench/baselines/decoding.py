@@ -10,11 +10,10 @@ reaches for: exact by construction on verbatim extraction, cheap, nothing to cal
 The paper keeps the n-grams in a Bloom filter to scale to a pretraining corpus; here an exact
 set (a Bloom filter with no false positive) of the memorized set U, the rows a user wants kept
 in, which is what gss protects: indexing the clean rows too would block the domain's ordinary
-text. The filtered model is a forward-only wrapper, so gss's greedy decoding gives it the whole
-sequence at a teacher-forced pass and its KV cache at each step of greedy decoding (the
-n-grams' contexts kept from the steps before), and the teacher-forced extraction check reads the
-same filtered distribution. A banned token's logit is lowered by `BAN` nats rather than set to -inf:
-greedy decoding never takes it (unless every token is banned), and the perplexity stays a
+text. The filtered model is a wrapper: a teacher-forced pass reads the whole sequence, greedy
+decoding the model's KV cache (the n-grams' contexts kept from the steps before), and both read
+the same filtered distribution. A banned token's logit is lowered by `BAN` nats rather than set
+to -inf: greedy decoding never takes it (unless every token is banned), and the perplexity stays a
 number, each held-out token the filter bans costing it `BAN` nats (on the canaries' 2,016
 held-out tokens one such token multiplies the perplexity by about 140): the price of the filter
 on text that repeats the data, where -inf would leave it undefined.
