@@ -82,10 +82,9 @@ class NgramFilter(nn.Module):
             **cache,
         )
         first = not any(v is not None for v in cache.values())
-        history = input_ids if first else torch.cat([self._history, input_ids], dim=1)
-        self._history = history
+        self._history = input_ids if first else torch.cat([self._history, input_ids], dim=1)
         logits = output_logits(out).clone()
-        self._ban(logits, history, mask)
+        self._ban(logits, self._history, mask)
         out.logits = logits
         return out
 
@@ -93,7 +92,8 @@ class NgramFilter(nn.Module):
         """Lower, at each of the last ``logits.shape[1]`` positions of ``ids``, the tokens that
         would complete an indexed n-gram."""
         context, new = self.n - 1, logits.shape[1]
-        rows, real = ids.tolist(), mask.bool().tolist()
+        tail = min(ids.shape[1], new + context - 1)  # the new positions and their contexts
+        rows, real = ids[:, -tail:].tolist(), mask[:, -tail:].bool().tolist()
         for b, (row, kept) in enumerate(zip(rows, real, strict=True)):
             start = len(row) - new
             for t in range(max(context - 1, start), len(row)):
