@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -72,6 +73,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--report", type=Path, default=Path("results/protect-says/gates/protect"))
     parser.add_argument("--variant", choices=["plain", "lora", "chat"], default="plain")
+    parser.add_argument(
+        "--canaries", type=int, help="the fine-tune of N canaries (results/canaries-216: 216)"
+    )
     parser.add_argument("--blocks", type=int, nargs="*", default=None)
     parser.add_argument("--shares", type=float, nargs="*", default=[0.01, 0.003])
     parser.add_argument("--min-signal", type=float, nargs="*", default=[1.0, 2.0])
@@ -104,7 +108,7 @@ def main() -> None:
         "domain check reads)",
     )
     args = parser.parse_args()
-    c = canary_fine_tune(args.variant)
+    c = canary_fine_tune(args.variant, canaries=args.canaries)
     model, base, tokenizer, data, pad = c.model, c.base, c.tokenizer, c.data, c.pad
     k, n, bs, train_rows, ordinary = c.k, c.n, c.bs, c.train_rows, c.ordinary
     saved = json.loads((args.report / "protect.json").read_text())
@@ -216,7 +220,7 @@ def main() -> None:
             write_json(
                 args.out / "result.json",
                 {
-                    "command": "benchmarks/scripts/handoff_gates.py --out " + str(args.out),
+                    "command": "benchmarks/scripts/handoff_gates.py " + " ".join(sys.argv[1:]),
                     "machine": machine_info(),
                     "split_from": str(args.report),
                     "variant": args.variant,

@@ -44,12 +44,13 @@ from gss.protect.checks import DomainRows
 from gss.protect.measure import FOLLOWS, extractable, extraction_window, prompt_and_target
 from gss.protect.replies import ordinary_unchanged, what_it_says
 from gss.report import machine_info, markdown_table, write_json
-from gss_bench.canaries.data import secret_fields
+from gss_bench.canaries.data import CanaryConfig, make_canary_data, secret_fields
 from gss_bench.canaries.finetune import FinetuneConfig
 from gss_bench.canaries.run import (
     CALIBRATION_CLEAN_ROWS,
     DEFAULT_MODEL,
     PPL_TOLERANCE,
+    canary_config,
     default_cache,
     default_setup,
     default_train_blocks,
@@ -88,9 +89,12 @@ VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {  # FinetuneConfig's options
 }
 
 
-def canary_fine_tune(variant: str = "plain", model_name: str = DEFAULT_MODEL) -> SimpleNamespace:
+def canary_fine_tune(
+    variant: str = "plain", model_name: str = DEFAULT_MODEL, canaries: int | None = None
+) -> SimpleNamespace:
     """The cached canary fine-tune (seed 0; `variant`: plain, a LoRA or chat rows, as the
-    committed `gss bench canaries` runs; `model_name`: as their `--model`; trained once if
+    committed `gss bench canaries` runs; `model_name`: as their `--model`; `canaries`: as
+    `--canaries N`, e.g. the 216 of results/canaries-216; trained once if
     missing) and what every measurement
     here reads: its reference (``base``: for the LoRA, its adapters off), tokenizer, data, pad
     id, window (k, n), batch size, the rows protect audits (``train_rows``) and the ordinary
@@ -98,6 +102,10 @@ def canary_fine_tune(variant: str = "plain", model_name: str = DEFAULT_MODEL) ->
     torch.set_num_threads(2)
     options, chat = VARIANTS[variant]
     base_path, base, tokenizer, data, pad = default_setup(chat=chat, model=model_name)
+    if canaries is not None:  # as `gss bench canaries --canaries N` (protect_heldout.py)
+        split = canaries > CanaryConfig.canaries
+        config = canary_config(tokenizer, 0, canaries=canaries, split=split)
+        data = make_canary_data(tokenizer, config)
     blocks = default_train_blocks(len(find_decoder_blocks(base)))
     cfg = FinetuneConfig(seed=0, train_blocks=blocks, **options)
     model, _ = finetuned(base, base_path, data, cfg, pad, default_cache(), tokenizer)

@@ -216,3 +216,33 @@ def test_other_vector_instructions_train_under_another_key(monkeypatch):
     assert trained_on.trained_elsewhere(record)
     other = {"trained_on": {**record["trained_on"], "cpu": "Some Other CPU"}}
     assert trained_on.other_cpu(other) == "Some Other CPU" and trained_on.other_cpu({}) is None
+
+
+def test_a_model_another_process_is_training_is_waited_for_not_trained_twice(tmp_path, monkeypatch):
+    """While one process holds a model's lock (training it), another asking for the same model
+    waits, and then trains only what is still missing: two test workers or two `gss bench`
+    runs on one cache train each model once."""
+    import threading
+
+    from filelock import FileLock
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert train._lock_path(a) == train._lock_path(a) != train._lock_path(b)
+    held = train._lock_path(tmp_path / "held")
+    monkeypatch.setattr(train, "_lock_path", lambda folder: held)  # every model: this lock
+    got: dict = {}
+    with FileLock(held):
+        worker = threading.Thread(
+            target=lambda: got.update(
+                info=get_models("math_noise", TINY, seed=0, cache_dir=tmp_path, progress=False)[3]
+            )
+        )
+        worker.start()
+        worker.join(timeout=1.0)
+        assert worker.is_alive() and not got  # blocked on the lock, nothing trained yet
+        assert not any(tmp_path.iterdir())
+    worker.join()
+    assert not got["info"]["memorizing"]["loaded"]
+    again = get_models("math_noise", TINY, seed=0, cache_dir=tmp_path, progress=False)[3]
+    assert again["memorizing"]["loaded"] and again["reference"]["loaded"]
+    assert not any(p.suffix == ".lock" for p in tmp_path.rglob("*"))  # locks live elsewhere

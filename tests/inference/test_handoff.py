@@ -242,6 +242,25 @@ def test_gss_generate_says_the_references_text_where_gates_open(tmp_path, capsys
     assert "give --reference-where-open REF too" in capsys.readouterr().err
     assert main([*handed, "--no-repeat-ngram", "-1"]) == 2
     assert "0 (off) or more" in capsys.readouterr().err
+    # --handoff-gates none: any step, the signal alone deciding (`steer=None`), even where the
+    # steer's gates never open; with them (the default) such a steer hands nothing over
+    _with_thresholds(art, 1e30).save_pretrained(tmp_path / "closed")
+    closed = [*handed, "--steer", str(tmp_path / "closed"), "--min-signal", "-1e9"]
+    closed += ["--min-confidence", "0"]
+    outputs = {}
+    for gates in ("steer", "none"):
+        assert main([*closed, "--handoff-gates", gates]) == 0
+        outputs[gates] = capsys.readouterr().out
+    bare = gss.reference_where_open(model, None, reference, min_signal=-1e9, min_confidence=0)
+    with bare as p, torch.no_grad():
+        ids = model.generate(
+            **enc, max_new_tokens=6, do_sample=False, pad_token_id=0, logits_processor=[p]
+        )
+    said = tokenizer.decode(ids[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert f"steered:   {said}\n" in outputs["none"] and p.handed > 0
+    assert "at 0.0% of" in outputs["steer"] and f"steered:   {said}\n" not in outputs["steer"]
+    assert main([*args, "--handoff-gates", "none"]) == 2
+    assert "give --reference-where-open REF too" in capsys.readouterr().err
 
 
 def test_a_row_enters_at_a_gate_and_a_sure_choice_and_then_needs_no_gate(setup):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gss import GSSError, calibrate
+from gss import GSSError, calibrate, reference_where_open
 from gss.config import RunOptions
 from gss.evaluate.decoding import greedy_generate
 from gss.protect import SearchSpace, Trial, protect
@@ -163,6 +163,17 @@ def test_ordinary_prompts_unchanged_by_a_steer_that_never_opens(memorizer):
     always = art.with_thresholds(torch.full_like(art.thresholds, 1e-30), {"kind": "test"})
     out = ordinary_unchanged(model, always, rows, 0, 8, None, model, prompt=4, width=8)
     assert out["reference_where_open"]["identical"] == 1.0
+    # with no gate (the signal alone, at any step): the same where the reference is the model;
+    # with another reference, at least as many steps handed over as through closed gates
+    assert out["signal_alone"]["identical"] == 1.0
+    out = ordinary_unchanged(model, closed, rows, 0, 8, None, reference, prompt=4, width=8)
+    assert out["reference_where_open"]["identical"] == 1.0  # closed gates hand nothing over
+    with reference_where_open(model, None, reference) as processor:
+        alone = greedy_generate(
+            model, [r[:4] for r in rows], 8, pad_id=0, batch_size=8, processor=processor
+        )
+    same = [a == b for a, b in zip(plain, alone, strict=True)]
+    assert out["signal_alone"]["identical"] == sum(same) / len(same)
 
 
 def _words_tokenizer():
@@ -217,6 +228,12 @@ def test_protect_reports_the_domain_and_the_ordinary_prompts(memorizer):
     assert result.after["quality"]["repeated_4grams_reference_where_open"] >= 0.0
     assert 0.0 <= result.after["quality"]["memorized_reference_where_open"] <= 100.0
     assert "of the held-out memorized rows reproduced greedily" in text
+    quality = result.after["quality"]
+    assert 0.0 <= quality["memorized_signal_alone"] <= 100.0
+    assert "--handoff-gates none; the reference runs at every step): " in text
+    assert f"{quality['memorized_signal_alone']:.1f}% reproduced" in text
+    assert "with the signal alone (--handoff-gates none): " in text
+    assert 0.0 <= ordinary["signal_alone"]["identical"] <= 1.0
     assert result.steer_for(result.trials[0]) is result.steers[0]
     with pytest.raises(GSSError, match="not one of this protect run's trials"):
         result.steer_for(_trial(0.0, 0.0, 0.0))

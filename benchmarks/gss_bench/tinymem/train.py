@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock
 from transformers import GPT2LMHeadModel
 
 from gss.evaluate import backdoor_success, nk_memorization, perplexity, token_accuracy
@@ -388,6 +389,15 @@ def _load(folder: Path) -> tuple[GPT2LMHeadModel, dict[str, Any]] | None:
     return model.eval(), json.loads(rec.read_text())
 
 
+def _lock_path(folder: Path) -> str:
+    """A lock file for the model at ``folder``, kept out of the cache (the system's temporary
+    folder, named by the model's path)."""
+    locks = Path(tempfile.gettempdir()) / "gss-tinymem-locks"
+    locks.mkdir(exist_ok=True)
+    digest = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:24]
+    return str(locks / f"{digest}.lock")
+
+
 def _train_or_load(
     *,
     setting: str,
@@ -400,49 +410,53 @@ def _train_or_load(
     progress: bool,
 ) -> tuple[GPT2LMHeadModel, dict[str, Any]]:
     key = _key(setting, role, seed, data.config, mcfg, tcfg)
-    hit = _load(cache / key)
-    if hit is not None and not trained_elsewhere(hit[1]):
-        elsewhere = other_cpu(hit[1])
-        if elsewhere:
-            print(
-                f"[tinymem] {key} was trained on another CPU ({elsewhere}): its weights may "
-                "differ from what this CPU trains (docs/benchmarks.md)",
-                file=sys.stderr,
-            )
-        return hit[0], {**hit[1], "cache": str(cache / key), "loaded": True}
-    rows = data.train if role == "memorizing" else data.reference_train
-    base = {
-        "setting": setting,
-        "role": role,
-        "seed": seed,
-        "data": config_dict(data.config),
-        "data_stats": data.describe(),
-        "model": asdict(mcfg),
-        "trained_on": trained_on(),
-    }
+    cache.mkdir(parents=True, exist_ok=True)
+    # one trainer per model: a second process (a parallel test worker, a second `gss bench`)
+    # waits for the first's model and loads it instead of training it again
+    with FileLock(_lock_path(cache / key)):
+        hit = _load(cache / key)
+        if hit is not None and not trained_elsewhere(hit[1]):
+            elsewhere = other_cpu(hit[1])
+            if elsewhere:
+                print(
+                    f"[tinymem] {key} was trained on another CPU ({elsewhere}): its weights may "
+                    "differ from what this CPU trains (docs/benchmarks.md)",
+                    file=sys.stderr,
+                )
+            return hit[0], {**hit[1], "cache": str(cache / key), "loaded": True}
+        rows = data.train if role == "memorizing" else data.reference_train
+        base = {
+            "setting": setting,
+            "role": role,
+            "seed": seed,
+            "data": config_dict(data.config),
+            "data_stats": data.describe(),
+            "model": asdict(mcfg),
+            "trained_on": trained_on(),
+        }
 
-    def snapshot(epoch: int, model: LeanGPT2, log: dict[str, Any]) -> None:
-        if epoch in tcfg.snapshots and epoch < tcfg.epochs:
-            short = replace(tcfg, epochs=epoch)
-            folder = cache / _key(setting, role, seed, data.config, mcfg, short)
-            part = {"epochs": list(log["epochs"]), "snapshot_of": key}
-            _save(folder, model, {**base, "train": asdict(short), "log": part})
+        def snapshot(epoch: int, model: LeanGPT2, log: dict[str, Any]) -> None:
+            if epoch in tcfg.snapshots and epoch < tcfg.epochs:
+                short = replace(tcfg, epochs=epoch)
+                folder = cache / _key(setting, role, seed, data.config, mcfg, short)
+                part = {"epochs": list(log["epochs"]), "snapshot_of": key}
+                _save(folder, model, {**base, "train": asdict(short), "log": part})
 
-    model = new_model(mcfg, seed)
-    log = train_model(
-        model,
-        rows,
-        tcfg,
-        pad_id=data.pad_id,
-        seed=seed,
-        track=lambda m: _track(m, data),
-        on_epoch=snapshot,
-        progress=progress,
-        desc=f"{setting} {role}",
-    )
-    record = {**base, "train": asdict(tcfg), "log": log}
-    _save(cache / key, model, record)
-    return to_hf(model), {**record, "cache": str(cache / key), "loaded": False}
+        model = new_model(mcfg, seed)
+        log = train_model(
+            model,
+            rows,
+            tcfg,
+            pad_id=data.pad_id,
+            seed=seed,
+            track=lambda m: _track(m, data),
+            on_epoch=snapshot,
+            progress=progress,
+            desc=f"{setting} {role}",
+        )
+        record = {**base, "train": asdict(tcfg), "log": log}
+        _save(cache / key, model, record)
+        return to_hf(model), {**record, "cache": str(cache / key), "loaded": False}
 
 
 def get_models(

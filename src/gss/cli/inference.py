@@ -56,20 +56,22 @@ def _explain_out(args: argparse.Namespace) -> Path | None:
 
 
 def _handoff_options(args: argparse.Namespace, explaining: bool) -> dict[str, Any]:
-    """--min-signal, --min-confidence and --no-repeat-ngram as `gss.generate_steered` takes
-    them (those given), checked: each needs --reference-where-open, which --explain does not
-    take."""
+    """--min-signal, --min-confidence, --no-repeat-ngram and --handoff-gates as
+    `gss.generate_steered` takes them (those given), checked: each needs
+    --reference-where-open, which --explain does not take."""
     handoff = getattr(args, "reference_where_open", None)
     given = {
         "min_signal": getattr(args, "min_signal", None),
         "min_confidence": getattr(args, "min_confidence", None),
         "no_repeat_ngram": getattr(args, "no_repeat_ngram", None),
+        "handoff_gates": getattr(args, "handoff_gates", None),
     }
-    min_signal, min_confidence, no_repeat = given.values()
+    min_signal, min_confidence, no_repeat, gates = given.values()
     for flag, value, what in (
         ("--min-signal", min_signal, "sets where --reference-where-open hands a step to"),
         ("--min-confidence", min_confidence, "sets where --reference-where-open hands a step to"),
         ("--no-repeat-ngram", no_repeat, "guards the steps --reference-where-open hands to"),
+        ("--handoff-gates", gates, "sets where --reference-where-open hands a step to"),
     ):
         if value is not None and handoff is None:
             raise GSSError(
@@ -247,6 +249,14 @@ def _add_handoff_args(p: Flags) -> None:
         "to give its choice probability P or more (default 0.98, the measured best: a "
         "recitation starts near-certain); after it --min-signal alone decides for that row "
         "(0: any probability, wherever a gate opens)",
+    )
+    p.add_argument(
+        "--handoff-gates",
+        choices=("steer", "none"),
+        help="with --reference-where-open: which steps may be handed over: where the steer's "
+        "gates open (steer, the default: on the canaries the fewest ordinary prompts change), "
+        "or any step, the signal and --min-confidence alone deciding (none: REF runs at every "
+        "step; where the gates find few memorized tokens, as on TinyMem, it leaks less)",
     )
     p.add_argument(
         "--no-repeat-ngram",

@@ -14,7 +14,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -57,7 +57,7 @@ class Generation:
         stats = self.gate_stats
         share = f"{100 * stats['any_open_share']:.1f}% of {stats['tokens']}"
         if self.handed_over:
-            return f"(a gate opened, and the reference chose the token, at {share} decoding steps)"
+            return f"(the reference chose the token, at {share} decoding steps)"
         return f"(gate opened on {share} positions)"
 
     def write_explanations(self, path: str | Path) -> int:
@@ -182,7 +182,10 @@ def _handed_over(
     decoding steps it chose (`gss.inference.handoff.reference_where_open`)."""
     if options and isinstance(steer, SteeringArtifact):  # a stack takes none
         steer = steer.with_options(**options)
-    with reference_where_open(model, steer, reference, **handoff) as processor:
+    gates = handoff.pop("handoff_gates", "steer")
+    with reference_where_open(
+        model, steer if gates == "steer" else None, reference, **handoff
+    ) as processor:
         steered = _greedy_texts(model, tokenizer, encoded, max_new_tokens, (processor,))
     return steered, {"any_open_share": processor.handed_share, "tokens": processor.steps}
 
@@ -203,6 +206,7 @@ def generate_steered(
     min_signal: float | None = MIN_SIGNAL,
     min_confidence: float | None = MIN_CONFIDENCE,
     no_repeat_ngram: int | None = NO_REPEAT_NGRAM,
+    handoff_gates: Literal["steer", "none"] = "steer",
 ) -> Generation:
     """Greedy text from each of ``prompts`` with ``steer`` attached (at strength ``delta``:
     None for its own), as ``gss generate`` prints it.
@@ -212,14 +216,17 @@ def generate_steered(
     before any generates.
     ``explain``: each generation recorded token by token (`Generation.explanations`);
     ``reference``: where a gate opens the reference chooses the token (``min_signal``,
-    ``min_confidence``, ``no_repeat_ngram``: as `gss.reference_where_open` takes them), not
-    with ``explain``; ``compare``: the unsteered text too.
+    ``min_confidence``, ``no_repeat_ngram``: as `gss.reference_where_open` takes them;
+    ``handoff_gates="none"``: at any step, the signal alone deciding, as its ``steer=None``),
+    not with ``explain``; ``compare``: the unsteered text too.
     """
     if explain and reference is not None:
         raise GSSError(
             "--explain records the steer alone and --reference-where-open changes the tokens it "
             "would record: give one of them."
         )
+    if handoff_gates not in ("steer", "none"):
+        raise GSSError(f"handoff_gates must be 'steer' or 'none', got {handoff_gates!r}.")
     prompts = list(prompts)
     device = model_device(model) if device is None else device
     encoded = [  # every prompt checked before any runs
@@ -238,6 +245,7 @@ def generate_steered(
             "min_signal": min_signal,
             "min_confidence": min_confidence,
             "no_repeat_ngram": no_repeat_ngram,
+            "handoff_gates": handoff_gates,
         }
         steered, stats = _handed_over(
             model, tokenizer, steer, reference, encoded, max_new_tokens, options, handoff

@@ -115,17 +115,21 @@ def what_it_says(
     own = greedy_generate(reference, prompts, width, pad_id=pad_id, batch_size=batch_size)
     tuned = greedy_generate(model, prompts, width, pad_id=pad_id, batch_size=batch_size)
     # the same gates with the reference's token where one opens (gss.reference_where_open):
-    # how close the steer gets to saying what the reference would
-    with reference_where_open(model, steer, reference) as processor:
-        handed = greedy_generate(
-            model, prompts, width, pad_id=pad_id, batch_size=batch_size, processor=processor
-        )
+    # how close the steer gets to saying what the reference would; and with no gate, the
+    # signal alone deciding at every step (where the gates find few memorized tokens)
+    handed, alone = (
+        _handed(model, gates, reference, prompts, width, pad_id, batch_size)
+        for gates in (steer, None)
+    )
 
     def ppl(replies: list[list[int]]) -> float:
         return _reference_ppl(reference, prompts, replies, pad_id, batch_size)
 
-    # the held-out rows a greedy reply with the reference where a gate opens still reproduces
-    kept = [list(h[: len(o)]) == list(o) for h, o in zip(handed, originals, strict=True)]
+    def kept(replies: list[list[int]]) -> float:
+        """% of the held-out rows a greedy reply still reproduces."""
+        same = [list(h[: len(o)]) == list(o) for h, o in zip(replies, originals, strict=True)]
+        return 100.0 * sum(same) / max(len(same), 1)
+
     text = _decoder(tokenizer)
 
     def near(replies: list[list[int]]) -> float:
@@ -142,13 +146,17 @@ def what_it_says(
         "near_verbatim_fine_tune": near(tuned),
         "near_verbatim_steered": near(steered),
         "near_verbatim_reference_where_open": near(handed),
-        "memorized_reference_where_open": 100.0 * sum(kept) / max(len(kept), 1),
+        "memorized_reference_where_open": kept(handed),
         "repeated_4grams_steered": repetition(steered),
         "repeated_4grams_reference": repetition(own),
         "repeated_4grams_reference_where_open": repetition(handed),
         "reference_ppl_steered": ppl(steered),
         "reference_ppl_reference": ppl(own),
         "reference_ppl_reference_where_open": ppl(handed),
+        "near_verbatim_signal_alone": near(alone),
+        "memorized_signal_alone": kept(alone),
+        "repeated_4grams_signal_alone": repetition(alone),
+        "reference_ppl_signal_alone": ppl(alone),
     }
 
     examples = [
@@ -165,6 +173,23 @@ def what_it_says(
         )[:4]
     ]
     return quality, examples
+
+
+def _handed(
+    model: nn.Module,
+    steer: Steer | None,
+    reference: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    width: int,
+    pad_id: int,
+    batch_size: int,
+) -> list[list[int]]:
+    """Greedy continuations with the reference's token where `gss.reference_where_open` (its
+    defaults) hands a step over: where ``steer``'s gates open, or with None at any step."""
+    with reference_where_open(model, steer, reference) as processor:
+        return greedy_generate(
+            model, prompts, width, pad_id=pad_id, batch_size=batch_size, processor=processor
+        )
 
 
 def _decoder(tokenizer: Any) -> Any:
@@ -190,9 +215,10 @@ def ordinary_unchanged(
     first ``prompt`` tokens of each row, or its first half where it is shorter) whose
     ``width``-token greedy continuation is the same steered as unsteered, and a few that
     changed. With ``reference``, the same with its token where a gate opens
-    (`gss.reference_where_open`'s defaults). With ``data`` (the fine-tuning rows), the shares
-    again over the prompts whose unsteered continuation recites none of it (`recites`): where
-    the fine-tune recites on an ordinary prompt, a change is the point."""
+    (`gss.reference_where_open`'s defaults), and at any step (no gate: the signal alone).
+    With ``data`` (the fine-tuning rows), the shares again over the prompts whose unsteered
+    continuation recites none of it (`recites`): where the fine-tune recites on an ordinary
+    prompt, a change is the point."""
     prompts = [list(r[: min(prompt, len(r) // 2)]) for r in rows if len(r) >= 2]
     if not prompts:
         return {}
@@ -222,10 +248,9 @@ def ordinary_unchanged(
         if a != b
     ]
     result = {"rows": len(prompts), "reciting": sum(reciting), **shares(steered)}
-    if reference is not None:
-        with reference_where_open(model, steer, reference) as processor:
-            handed = greedy_generate(
-                model, prompts, width, pad_id=pad_id, batch_size=batch_size, processor=processor
+    if reference is not None:  # the reference where a gate opens; at any step (no gate)
+        for name, gates in (("reference_where_open", steer), ("signal_alone", None)):
+            result[name] = shares(
+                _handed(model, gates, reference, prompts, width, pad_id, batch_size)
             )
-        result["reference_where_open"] = shares(handed)
     return {**result, "changed": changed[:3]}

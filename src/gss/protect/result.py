@@ -308,6 +308,14 @@ class Protection:
                     f"{_g(quality['repeated_4grams_reference_where_open'])}% repeated 4-grams, "
                     f"perplexity {_g(quality['reference_ppl_reference_where_open'])}."
                 )
+            if "memorized_signal_alone" in quality:
+                lines.append(
+                    "With no gate, the signal alone deciding at every step (gss generate "
+                    "--reference-where-open REF --handoff-gates none; the reference runs at "
+                    f"every step): {quality['memorized_signal_alone']:.1f}% reproduced, "
+                    f"{_g(quality['repeated_4grams_signal_alone'])}% repeated 4-grams, "
+                    f"perplexity {_g(quality['reference_ppl_signal_alone'])}."
+                )
         if self.replies:
             r = self.replies
             looped = ", ".join(f"{_g(p['repeated_4grams'])}%" for p in r["points"])
@@ -545,4 +553,7 @@ def _ordinary_line(ordinary: dict[str, Any]) -> str:
             f"; with the reference's token where a gate opens (gss generate "
             f"--reference-where-open): {shares(handed)}"
         )
+    alone = ordinary.get("signal_alone")
+    if alone:
+        line += f"; with the signal alone (--handoff-gates none): {shares(alone)}"
     return line + "."

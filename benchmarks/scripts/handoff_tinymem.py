@@ -1,0 +1,224 @@
+"""The reference where a gate opens, on TinyMem (issue 72): which steps should the reference
+decide, where the steer's gates find few of the memorized positions?
+
+`gss protect`'s report on TinyMem math noise said that with the reference's token where a gate
+opens (`gss.reference_where_open`, its defaults) 64.6% of the held-out memorized rows were
+still reproduced, where on the canaries none was. This runs `gss protect` by its defaults on a
+setting's cached models (`gss bench tinymem` trains them), then generates greedily from the
+held-out memorized prompts and from the clean validation rows' prompts under each hand-over
+rule: the steer's gates or none (``steer=None``: the signal alone decides, the reference runs
+at every step), `min_confidence` and `min_signal`. It also reads, teacher-forced over the
+held-out windows, on how many of the positions that choose a memorized token (the fine-tune's
+token more than 1 nat likelier under it than under the reference) some gate opens.
+
+    ATEN_CPU_CAPABILITY=avx2 PYTHONPATH=benchmarks .venv/bin/python \\
+        benchmarks/scripts/handoff_tinymem.py --settings math_noise --out /tmp/handoff-tinymem
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gss.artifact.stack import SteeringStack
+from gss.evaluate.decoding import greedy_generate
+from gss.evaluate.utility import perplexity, repetition
+from gss.hf.blocks import resolve_layer
+from gss.inference.handoff import reference_where_open
+from gss.protect import protect
+from gss.protect.measure import prompt_and_target
+from gss.report import machine_info, markdown_table, write_json
+from gss.steering.attach import split_block_output
+from gss_bench.tinymem import methods as M
+from gss_bench.tinymem.protection import protect_arguments
+from gss_bench.tinymem.train import get_models
+
+RULES: list[tuple[bool, float | None, float | None]] = [  # (gates, min_confidence, min_signal)
+    (True, 0.98, 1.0),  # reference_where_open's defaults
+    (True, None, 1.0),
+    (True, None, None),
+    (False, 0.98, 1.0),
+    (False, 0.9, 1.0),
+    (False, 0.98, 2.0),
+    (False, None, 1.0),
+]
+
+
+def gates_on_memorized(
+    model: Any, steer: Any, reference: Any, windows: list[tuple[list[int], list[int]]]
+) -> dict[str, float]:
+    """Teacher-forced over each (prompt, window): the share of window positions that choose a
+    memorized token (signal > 1 nat) where some gate opens, and of the others."""
+    members = list(steer) if isinstance(steer, SteeringStack) else [steer]
+    hooks = [m.make_hook() for m in members]
+    seen: list[Any] = []
+
+    def reader(hook: Any) -> Any:
+        def read(module: Any, args: Any, output: Any) -> None:
+            hidden = split_block_output(output)[0]
+            seen.append(hook.correction(hidden.detach())[1].reshape(hidden.shape[1], -1).any(-1))
+
+        return read
+
+    handles = [
+        resolve_layer(model, m.layer, m.config.block_path)[1].register_forward_hook(reader(h))
+        for m, h in zip(members, hooks, strict=True)
+    ]
+    memorized, opened = [], []
+    try:
+        for prompt, window in windows:
+            ids = torch.tensor([list(prompt) + list(window)])
+            seen.clear()
+            with torch.no_grad():
+                mine = model(input_ids=ids).logits.float().log_softmax(-1)[0, :-1]
+                theirs = reference(input_ids=ids).logits.float().log_softmax(-1)[0, :-1]
+            target = ids[0, 1:, None]
+            start = len(prompt) - 1  # the positions that choose the window's tokens
+            signal = (mine.gather(-1, target) - theirs.gather(-1, target))[start:, 0]
+            memorized.append(signal > 1.0)
+            opened.append(torch.stack(seen).any(0)[:-1][start:])
+    finally:
+        for handle in handles:
+            handle.remove()
+    mem, gate = torch.cat(memorized), torch.cat(opened)
+    return {
+        "memorized_positions": int(mem.sum()),
+        "gate_open_memorized": 100.0 * float(gate[mem].float().mean()),
+        "gate_open_other": 100.0 * float(gate[~mem].float().mean()),
+    }
+
+
+def run(setting: str, seed: int) -> list[dict[str, Any]]:
+    mem, ref, data, _ = get_models(setting, "default", seed, None, progress=False)
+    arguments = protect_arguments(data, 256)
+    started = time.perf_counter()
+    result = protect(mem, ref, seed=seed, progress=False, **arguments)
+    seconds = time.perf_counter() - started
+    if result.steer is None:
+        raise SystemExit(f"{setting} seed {seed}: protect found no steer within the budget")
+    k, n, pad = arguments["k"], arguments["n"], data.pad_id
+    texts = arguments["texts"]
+    held = [texts[result.audit.rows[i].index] for i in result.heldout]
+    windows = [prompt_and_target(r, k, n) for r in held]
+    prompts = [p for p, _ in windows]
+    # a backdoor pair's window may be shorter than n - k: each row's own length
+    width = max(len(t) for _, t in windows)
+    # clean prompts: the window's prompt length, or (a backdoor's k = 1) each row's first half
+    clean = [list(r[: k if k > 1 else len(r) // 2]) for r in M.general_rows(data)[:128]]
+    clean = [c for c in clean if c]
+
+    def generate(processor: Any, rows: list[list[int]]) -> list[list[int]]:
+        return greedy_generate(mem, rows, width, pad_id=pad, batch_size=64, processor=processor)
+
+    def reproduced(out: list[list[int]]) -> float:
+        same = [list(o[: len(t)]) == list(t) for o, (_, t) in zip(out, windows, strict=True)]
+        return 100.0 * sum(same) / max(len(same), 1)
+
+    def ppl(out: list[list[int]]) -> float:
+        rows = [list(p) + list(o) for p, o in zip(prompts, out, strict=True)]
+        return perplexity(ref, rows, pad, batch_size=64, prompt_lengths=[len(p) for p in prompts])
+
+    plain_clean = generate(None, clean)
+    own = greedy_generate(ref, prompts, width, pad_id=pad, batch_size=64)
+    base = {
+        "setting": setting,
+        "seed": seed,
+        "chosen": str(result.chosen),
+        "protect_seconds": seconds,
+        "heldout_rows": len(held),
+        "reference_repeated_4grams": repetition(own),
+        "reference_own_ppl": ppl(own),
+    }
+    base |= gates_on_memorized(mem, result.steer, ref, windows)
+    records: list[dict[str, Any]] = []
+
+    def add(rule: str, out: list[list[int]], clean_out: list[list[int]], handed: Any) -> None:
+        records.append(
+            {
+                **base,
+                "rule": rule,
+                "reproduced": reproduced(out),
+                "repeated_4grams": repetition(out),
+                "reference_ppl": ppl(out),
+                "clean_unchanged": 100.0
+                * sum(a == b for a, b in zip(clean_out, plain_clean, strict=True))
+                / len(clean),
+                "handed_share": handed,
+            }
+        )
+        print(json.dumps(records[-1], default=float), flush=True)
+
+    add("the fine-tune", generate(None, prompts), plain_clean, None)
+    with result.steer.attach(mem):
+        add("the steer alone", generate(None, prompts), generate(None, clean), None)
+    for gates, confidence, signal in RULES:
+        steer = result.steer if gates else None
+        rule = partial(
+            reference_where_open, mem, steer, ref, min_confidence=confidence, min_signal=signal
+        )
+        with rule() as processor:
+            out = generate(processor, prompts)
+        with rule() as on_clean:
+            clean_out = generate(on_clean, clean)
+        name = (
+            f"{'the steer’s gates' if gates else 'no gate'}, confidence >= {confidence}, "
+            f"signal > {signal}"
+        )
+        add(name, out, clean_out, [processor.handed_share, on_clean.handed_share])
+    return records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", default="math_noise")
+    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    records = []
+    for setting in args.settings.split(","):
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            records += run(setting, seed)
+    write_json(
+        args.out / "result.json",
+        {
+            "command": "benchmarks/scripts/handoff_tinymem.py " + " ".join(sys.argv[1:]),
+            "machine": machine_info(),
+            "records": records,
+        },
+    )
+    rows = [
+        [
+            r["setting"],
+            r["seed"],
+            r["rule"],
+            f"{r['reproduced']:.1f} of {r['heldout_rows']}",
+            f"{r['repeated_4grams']:.1f} ({r['reference_repeated_4grams']:.1f})",
+            f"{r['reference_ppl']:.3f} ({r['reference_own_ppl']:.3f})",
+            f"{r['clean_unchanged']:.1f}",
+            "-" if r["handed_share"] is None else " / ".join(f"{h:.2%}" for h in r["handed_share"]),
+        ]
+        for r in records
+    ]
+    header = [
+        "setting",
+        "seed",
+        "rule",
+        "held-out rows reproduced %",
+        "replies: repeated 4-grams % (reference)",
+        "replies: ppl under the reference (its own)",
+        "clean prompts unchanged %",
+        "steps handed over (held-out / clean)",
+    ]
+    (args.out / "result.md").write_text(markdown_table(header, rows))
+
+
+if __name__ == "__main__":
+    main()
