@@ -171,21 +171,19 @@ def _explained(
 def _handed_over(
     model: nn.Module,
     tokenizer: Any,
-    steer: Steer,
+    steer: Steer | None,
     reference: nn.Module,
     encoded: Sequence[Any],
     max_new_tokens: int,
     options: dict[str, Any],
     handoff: dict[str, Any],
 ) -> tuple[list[str], dict[str, Any]]:
-    """The texts with ``reference`` choosing the token where a gate opens, and the share of
+    """The texts with ``reference`` choosing the token where a gate opens (``steer=None``: at
+    any step), and the share of
     decoding steps it chose (`gss.inference.handoff.reference_where_open`)."""
     if options and isinstance(steer, SteeringArtifact):  # a stack takes none
         steer = steer.with_options(**options)
-    gates = handoff.pop("handoff_gates", "steer")
-    with reference_where_open(
-        model, steer if gates == "steer" else None, reference, **handoff
-    ) as processor:
+    with reference_where_open(model, steer, reference, **handoff) as processor:
         steered = _greedy_texts(model, tokenizer, encoded, max_new_tokens, (processor,))
     return steered, {"any_open_share": processor.handed_share, "tokens": processor.steps}
 
@@ -245,10 +243,10 @@ def generate_steered(
             "min_signal": min_signal,
             "min_confidence": min_confidence,
             "no_repeat_ngram": no_repeat_ngram,
-            "handoff_gates": handoff_gates,
         }
+        gates = steer if handoff_gates == "steer" else None  # None: at any step
         steered, stats = _handed_over(
-            model, tokenizer, steer, reference, encoded, max_new_tokens, options, handoff
+            model, tokenizer, gates, reference, encoded, max_new_tokens, options, handoff
         )
     else:
         with steer.attach(model, track_gates=True, **options) as handle:
