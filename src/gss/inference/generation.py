@@ -179,8 +179,8 @@ def _handed_over(
     handoff: dict[str, Any],
 ) -> tuple[list[str], dict[str, Any]]:
     """The texts with ``reference`` choosing the token where a gate opens (``steer=None``: at
-    any step), and the share of
-    decoding steps it chose (`gss.inference.handoff.reference_where_open`)."""
+    any step), and the share of decoding steps it chose
+    (`gss.inference.handoff.reference_where_open`)."""
     if options and isinstance(steer, SteeringArtifact):  # a stack takes none
         steer = steer.with_options(**options)
     with reference_where_open(model, steer, reference, **handoff) as processor:
