@@ -65,6 +65,16 @@ def test_perplexity_is_token_weighted_not_batch_averaged(gpt2_factory):
     assert got == pytest.approx(expected, rel=1e-5)
 
 
+def test_perplexity_past_a_float_is_infinite_not_an_error(gpt2_factory):
+    """A model that gives the text no chance (MemFree at n = 4 bans the held-out text's
+    4-grams: a mean NLL past 709 nats) has an infinite perplexity, not an OverflowError."""
+    model = gpt2_factory()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e6)  # logits ~1e6 apart: most targets ~1e6 nats away
+    got = perplexity(model, _rows(), PAD)
+    assert got == math.inf
+
+
 def test_model_mode_is_restored(gpt2_factory):
     model = gpt2_factory().train()
     token_accuracy(model, _rows(), PAD)

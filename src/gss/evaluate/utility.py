@@ -102,7 +102,10 @@ def perplexity(
     (a row with no token past its prompt adds nothing).
     """
     n, _, nll = next_token_stats(model, rows, pad_id, batch_size, starts=prompt_lengths)
-    return math.exp(nll / n)
+    try:
+        return math.exp(nll / n)
+    except OverflowError:  # a mean NLL past ~709 nats (a filter that bans the text): no float
+        return math.inf
 
 
 def repetition(rows: Sequence[Sequence[int]], n: int = 4) -> float:
