@@ -43,7 +43,9 @@ from gss.evaluate.decoding import greedy_generate
 from gss.evaluate.utility import perplexity
 from gss.inference.handoff import NO_REPEAT_NGRAM
 from gss.protect.config import ProtectConfig, Setting
-from gss.protect.general import general_text
+from gss.protect.general import GeneralText, general_text
+from gss.protect.handover import handover_rule
+from gss.protect.split import Split
 from gss.protect.stages import gated as gated_on
 from gss.report import machine_info, markdown_table, write_json
 
@@ -66,6 +68,30 @@ def fit_sources(
     s = Setting(model, base, tokenizer, 0, RunOptions(batch_size=16, progress=False))
     given = [list(r) for r in data.general_rows]
     return general_text(s, ProtectConfig(k=n - 1, n=n), report, held, given).fit
+
+
+def step8(args: Any, c: Any, report: Any, split: dict, steer: Steer, saved: dict) -> None:
+    """`gss.protect`'s step 8 (`protect.handover.handover_rule`) on a committed run."""
+    held = split["heldout"]
+    sources = fit_sources(c.model, c.base, report, held, c.data, c.tokenizer, c.n)
+    s = Setting(c.model, c.base, c.tokenizer, c.pad, RunOptions(batch_size=c.bs, progress=False))
+    config = ProtectConfig(k=c.k, n=c.n, max_extractable=saved["max_extractable"])
+    started = time.perf_counter()
+    chosen = handover_rule(
+        s, config, Split(report, split["tuning"], held), GeneralText(sources, {}), steer
+    )
+    write_json(
+        args.out / "result.json",
+        {
+            "command": "benchmarks/scripts/handoff_gates.py " + " ".join(sys.argv[1:]),
+            "machine": machine_info(),
+            "split_from": str(args.report),
+            "variant": args.variant,
+            "handover": chosen,
+            "seconds": time.perf_counter() - started,
+        },
+    )
+    print(json.dumps(chosen), flush=True)
 
 
 def main() -> None:
@@ -107,6 +133,12 @@ def main() -> None:
         "sources plus the data's clean rows (the audit's unflagged rows, the half protect's "
         "domain check reads)",
     )
+    parser.add_argument(
+        "--step8",
+        action="store_true",
+        help="only protect's step 8 on the committed steer and split: each hand-over rule on "
+        "the tuning rows and the ordinary prompts of the thresholds' half, and the rule chosen",
+    )
     args = parser.parse_args()
     c = canary_fine_tune(args.variant, canaries=args.canaries)
     model, base, tokenizer, data, pad = c.model, c.base, c.tokenizer, c.data, c.pad
@@ -118,6 +150,9 @@ def main() -> None:
     chosen = SimpleNamespace(audit=report, heldout=split["heldout"])
     tune_rows = [report.ids[i] for i in split["tuning"]]
     protected = load(args.report / "steer")
+    if args.step8:
+        step8(args, c, report, split, protected, saved)
+        return
     blocks = args.blocks or [saved["chosen"]["blocks"][0]]
     gates: dict[str, Steer | None] = {}
     if not args.without_steer:

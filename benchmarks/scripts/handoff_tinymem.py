@@ -95,7 +95,9 @@ def gates_on_memorized(
     }
 
 
-def run(setting: str, seed: int) -> list[dict[str, Any]]:
+def run(
+    setting: str, seed: int, rules: list[tuple[bool, float | None, float | None]]
+) -> list[dict[str, Any]]:
     mem, ref, data, _ = get_models(setting, "default", seed, None, progress=False)
     arguments = protect_arguments(data, 256)
     started = time.perf_counter()
@@ -132,6 +134,10 @@ def run(setting: str, seed: int) -> list[dict[str, Any]]:
         "seed": seed,
         "chosen": str(result.chosen),
         "protect_seconds": seconds,
+        "protect_steps_seconds": result.seconds,
+        "report_seconds": result.report_seconds,
+        # protect's step 8: each hand-over rule on the tuning rows, and the one it chose
+        "handover": result.handover,
         "heldout_rows": len(held),
         "reference_repeated_4grams": repetition(own),
         "reference_own_ppl": ppl(own),
@@ -158,7 +164,7 @@ def run(setting: str, seed: int) -> list[dict[str, Any]]:
     add("the fine-tune", generate(None, prompts), plain_clean, None)
     with result.steer.attach(mem):
         add("the steer alone", generate(None, prompts), generate(None, clean), None)
-    for gates, confidence, signal in RULES:
+    for gates, confidence, signal in rules:
         steer = result.steer if gates else None
         rule = partial(
             reference_where_open, mem, steer, ref, min_confidence=confidence, min_signal=signal
@@ -180,12 +186,20 @@ def main() -> None:
     parser.add_argument("--settings", default="math_noise")
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--rules",
+        choices=["all", "defaults"],
+        default="all",
+        help="defaults: only the two rules protect's step 8 chooses between (its defaults' "
+        "confidence and signal, with the steer's gates and with none)",
+    )
     args = parser.parse_args()
+    rules = RULES if args.rules == "all" else [r for r in RULES if r[1:] == (0.98, 1.0)]
     torch.set_num_threads(2)
     records = []
     for setting in args.settings.split(","):
         for seed in [int(s) for s in args.seeds.split(",")]:
-            records += run(setting, seed)
+            records += run(setting, seed, rules)
     write_json(
         args.out / "result.json",
         {
@@ -217,7 +231,21 @@ def main() -> None:
         "clean prompts unchanged %",
         "steps handed over (held-out / clean)",
     ]
-    (args.out / "result.md").write_text(markdown_table(header, rows))
+    chose = []
+    for r in {(r["setting"], r["seed"]): r for r in records}.values():
+        h = r["handover"]
+        if h:
+            said = "; ".join(
+                f"{rule}: {m['reproduced']:.1f}% of {h['tuning_rows']} tuning rows reproduced, "
+                f"{100 * m['unchanged']:.1f}% of {h['ordinary_prompts']} ordinary prompts unchanged"
+                for rule, m in h["rules"].items()
+            )
+            chose.append(
+                f"- {r['setting']} seed {r['seed']}: step 8 chose **{h['gates']}** ({said})"
+            )
+    (args.out / "result.md").write_text(
+        markdown_table(header, rows) + "\n" + "\n".join(chose) + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -259,6 +259,19 @@ def test_gss_generate_says_the_references_text_where_gates_open(tmp_path, capsys
     said = tokenizer.decode(ids[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     assert f"steered:   {said}\n" in outputs["none"] and p.handed > 0
     assert "at 0.0% of" in outputs["steer"] and f"steered:   {said}\n" not in outputs["steer"]
+    assert "at any step)" in outputs["none"] and "where a gate opened)" in outputs["steer"]
+    # no flag: the rule gss protect chose for this steer (its record), else the gates
+    assert main(closed) == 0 and capsys.readouterr().out == outputs["steer"]
+    record = {"protect": {"handoff": {"gates": "none"}}}
+    chosen = _with_thresholds(art, 1e30)
+    chosen = dataclasses.replace(
+        chosen, provenance=dataclasses.replace(chosen.provenance, extra=record)
+    )
+    chosen.save_pretrained(tmp_path / "chosen")
+    recorded = [*closed, "--steer", str(tmp_path / "chosen")]
+    assert main(recorded) == 0 and capsys.readouterr().out == outputs["none"]
+    assert main([*recorded, "--handoff-gates", "steer"]) == 0
+    assert capsys.readouterr().out == outputs["steer"]  # a flag given wins
     assert main([*args, "--handoff-gates", "none"]) == 2
     assert "give --reference-where-open REF too" in capsys.readouterr().err
 

@@ -8,14 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+import gss
 from gss import GSSError, calibrate, reference_where_open
 from gss.config import RunOptions
 from gss.evaluate.decoding import greedy_generate
 from gss.protect import SearchSpace, Trial, protect
 from gss.protect.checks import DOMAIN, DomainRows
 from gss.protect.config import ProtectConfig, Setting
+from gss.inference.handoff import recommended_gates
 from gss.protect.general import DATA, ORDINARY, GeneralText
-from gss.protect.measure import FOLLOWS, Judge
+from gss.protect.handover import choose
+from gss.protect.measure import FOLLOWS, Judge, prompt_and_target
 from gss.protect.ordinary import ordinary_english
 from gss.protect.replies import ordinary_unchanged
 from gss.protect.stages import gated
@@ -234,6 +237,21 @@ def test_protect_reports_the_domain_and_the_ordinary_prompts(memorizer):
     assert f"{quality['memorized_signal_alone']:.1f}% reproduced" in text
     assert "with the signal alone (--handoff-gates none): " in text
     assert 0.0 <= ordinary["signal_alone"]["identical"] <= 1.0
+    # step 8: both hand-over rules measured on the tuning rows; the choice is `choose`'s and
+    # travels with the steer, where gss generate reads it
+    handover = result.handover
+    assert set(handover["rules"]) == {"steer", "none"}
+    assert handover["gates"] == choose(handover["rules"], 0.95, result.max_extractable)
+    assert handover["tuning_rows"] == len(result.tuning) and handover["ordinary_prompts"] > 0
+    assert recommended_gates(result.steer) == handover["gates"]
+    prompts = [prompt_and_target(result.audit.candidate(i), 4, 16) for i in result.tuning]
+    with gss.reference_where_open(model, None, reference) as processor:  # the "none" rule
+        said = greedy_generate(model, [p for p, _ in prompts], 12, pad_id=0, processor=processor)
+    kept = [list(r[: len(t)]) == list(t) for r, (_, t) in zip(said, prompts, strict=True)]
+    assert handover["rules"]["none"]["reproduced"] == pytest.approx(100 * sum(kept) / len(kept))
+    assert f"chose **{handover['gates']}**" in text
+    assert "hand-over generations" in result.report_seconds
+    assert result.seconds["handover"] > 0 and "The report by part" in text
     assert result.steer_for(result.trials[0]) is result.steers[0]
     with pytest.raises(GSSError, match="not one of this protect run's trials"):
         result.steer_for(_trial(0.0, 0.0, 0.0))
@@ -259,6 +277,7 @@ def test_a_search_option_calibrates_every_point_with_it(memorizer, option, value
         max_blocks=1,
         steps=2,
         reply_check=0,
+        handoff_unchanged=None,  # step 8 left out: no rule measured, none recorded
         **{option: value},
     )
     result = protect(
@@ -273,6 +292,7 @@ def test_a_search_option_calibrates_every_point_with_it(memorizer, option, value
     )
     assert result.steer is not None and getattr(result.steer.config, option) == value
     assert all(getattr(s.config, option) == value for s in result.steers if s is not None)
+    assert result.handover == {} and "handoff" not in result.steer.provenance.extra["protect"]
     if option == "centering":
         assert all(bool(s.offset.abs().sum() > 0) for s in result.steers if s is not None)
 
@@ -357,3 +377,28 @@ def test_the_data_is_dropped_from_the_gates_sources_where_no_point_reaches_the_g
     assert calls == [["reference-generated", DATA]]
     search.explore(object(), "block", "gss-tr")  # type: ignore[arg-type]
     assert calls[1:] == [["reference-generated", DATA], ["reference-generated"]]
+
+
+@pytest.mark.parametrize(
+    ("rules", "chosen"),
+    [  # measured (results/protect-says/handoff-signal-alone): (reproduced %, unchanged share)
+        ({"steer": (64.6, 0.992), "none": (11.0, 0.914)}, "none"),  # math noise: 65.4 vs 19.6
+        ({"steer": (1.5, 0.977), "none": (0.0, 0.320)}, "steer"),  # language noise: 3.8 vs 68
+        ({"steer": (0.0, 0.992), "none": (0.0, 0.859)}, "steer"),  # math backdoor: both goals
+        ({"steer": (0.0, 1.0), "none": (0.0, 0.936)}, "steer"),  # 216 canaries
+        ({"steer": (0.0, 0.992), "none": (0.0, 0.992)}, "steer"),  # a tie: the gates
+        ({"steer": (5.0, 0.99), "none": (0.0, 0.96)}, "none"),  # only one meets both
+        ({"steer": (5.0, None), "none": (5.0, 0.9)}, "steer"),  # nothing to read: unchanged
+    ],
+)
+def test_the_hand_over_rule_keeps_ordinary_prompts_first_then_leaks_least(rules, chosen):
+    table = {r: {"reproduced": kept, "unchanged": same} for r, (kept, same) in rules.items()}
+    assert choose(table, 0.95) == chosen
+
+
+def test_the_hand_over_rule_can_be_left_unmeasured_and_is_checked():
+    with pytest.raises(GSSError, match="handoff_unchanged must be a share"):
+        SearchSpace(handoff_unchanged=1.5).check()
+    with pytest.raises(GSSError, match="handoff_unchanged must be a share"):
+        SearchSpace(handoff_unchanged=True).check()  # type: ignore[arg-type]
+    SearchSpace(handoff_unchanged=None).check()

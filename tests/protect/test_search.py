@@ -213,7 +213,16 @@ def test_protect_writes_the_steer_and_the_report(protected, memorizer, tmp_path)
     report = (tmp_path / "out" / "protect.md").read_text()
     assert "never seen by the search" in report
     # where the time went: the run's steps, the search's stages and its kinds of work
-    assert set(data["seconds"]) == {"audit", "general_text", "search", "report", "total"}
+    steps = {"audit", "general_text", "search", "handover", "report", "total"}
+    assert set(data["seconds"]) == steps
+    parts = data["report_seconds"]  # the report's own parts, its hand-over generations apart
+    assert {"before", "after", "what it says", "hand-over generations"} <= set(parts)
+    assert parts["hand-over generations"] <= parts["what it says"] + parts["ordinary prompts"]
+    assert (
+        sum(v for k, v in parts.items() if k != "hand-over generations")
+        <= data["seconds"]["report"] + 1e-6
+    )
+    assert data["handover"]["gates"] == record["handoff"]["gates"]
     stages, work = data["search_seconds"]["stages"], data["search_seconds"]["work"]
     assert {"candidate blocks", "block stage"} <= set(stages)
     assert {"calibration", "gate thresholds", "extraction (tuning rows)", "utility"} <= set(work)

@@ -45,6 +45,7 @@ BEFORE_SPACE = SearchSpace(
     ordinary_english=0,
     gate_share=0.05,
     delta_ceiling=100.0,
+    handoff_unchanged=None,  # no step 8 before issue 72
 )
 QUICK_SPACE: dict[str, Any] = {"max_blocks": 1, "ranks": (4,), "gates": ("hard",), "steps": 3}
 
@@ -161,7 +162,14 @@ def run(repeats: int | None, progress: bool, quick: bool) -> dict[str, Any]:
     }
 
 
-_CHANGED = ("prefer", "reply_check", "ordinary_english", "gate_share", "delta_ceiling")
+_CHANGED = (
+    "prefer",
+    "reply_check",
+    "ordinary_english",
+    "gate_share",
+    "delta_ceiling",
+    "handoff_unchanged",
+)
 
 
 def table(result: dict[str, Any]) -> str:
@@ -175,7 +183,7 @@ def table(result: dict[str, Any]) -> str:
                 f"{result['seconds'][arm]['median']:.0f}",
                 *(
                     f"{steps.get(k, 0.0):.0f}"
-                    for k in ("audit", "general_text", "search", "report")
+                    for k in ("audit", "general_text", "search", "handover", "report")
                 ),
                 _parts(split.get("stages", {})),
                 _parts(split.get("work", {})),
@@ -183,7 +191,8 @@ def table(result: dict[str, Any]) -> str:
                 record["chosen"] or "-",
             ]
         )
-    head = ["arm", "wall s", "audit s", "general text s", "search s", "report s"]
+    head = ["arm", "wall s", "audit s", "general text s", "search s", "hand-over rule s"]
+    head += ["report s"]
     head += ["search by stage (s)", "search by kind of work (s)", "points", "chosen"]
     ratio = result["ratio"]
     return (

@@ -254,9 +254,10 @@ def _add_handoff_args(p: Flags) -> None:
         "--handoff-gates",
         choices=("steer", "none"),
         help="with --reference-where-open: which steps may be handed over: where the steer's "
-        "gates open (steer, the default: on the canaries the fewest ordinary prompts change), "
-        "or any step, the signal and --min-confidence alone deciding (none: REF runs at every "
-        "step; where the gates find few memorized tokens, as on TinyMem, it leaks less)",
+        "gates open (steer: on the canaries the fewest ordinary prompts change), or any step, "
+        "the signal and --min-confidence alone deciding (none: REF runs at every step; where "
+        "the gates find few memorized tokens, as on TinyMem math noise, it leaks less). "
+        "Default: the rule gss protect chose for this steer on its tuning rows, else steer",
     )
     p.add_argument(
         "--no-repeat-ngram",

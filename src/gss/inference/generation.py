@@ -28,9 +28,11 @@ from gss.hf.forward import check_sequences, context_length, model_device
 from gss.inference.explain import Explanation, combined_gate_stats
 from gss.inference.explain import explain as record_generation
 from gss.inference.handoff import (
+    HANDOFF_GATES,
     MIN_CONFIDENCE,
     MIN_SIGNAL,
     NO_REPEAT_NGRAM,
+    recommended_gates,
     reference_where_open,
 )
 
@@ -43,7 +45,8 @@ class Generation:
     unsteered one); ``gate_stats``: ``any_open_share`` and ``tokens``, the share of positions
     where a gate opened (with a reference: of decoding steps the reference chose) and their
     count; ``explanations``: per prompt, with ``explain``; ``handed_over``: a reference chose
-    the tokens where a gate opened."""
+    the tokens where a gate opened; ``handoff_gates``: where it could (``"steer"``: at the
+    steer's gates; ``"none"``: at any step)."""
 
     prompts: list[str]
     steered: list[str]
@@ -51,13 +54,17 @@ class Generation:
     unsteered: list[str] | None = None
     explanations: list[Explanation] = field(default_factory=list)
     handed_over: bool = False
+    handoff_gates: str | None = None
 
     def summary(self) -> str:
         """The line ``gss generate`` ends with: where the gates opened."""
         stats = self.gate_stats
         share = f"{100 * stats['any_open_share']:.1f}% of {stats['tokens']}"
         if self.handed_over:
-            return f"(the reference chose the token, at {share} decoding steps)"
+            where = {"steer": "where a gate opened", "none": "at any step"}
+            rule = where.get(self.handoff_gates or "")
+            tail = f", {rule}" if rule else ""
+            return f"(the reference chose the token, at {share} decoding steps{tail})"
         return f"(gate opened on {share} positions)"
 
     def write_explanations(self, path: str | Path) -> int:
@@ -204,7 +211,7 @@ def generate_steered(
     min_signal: float | None = MIN_SIGNAL,
     min_confidence: float | None = MIN_CONFIDENCE,
     no_repeat_ngram: int | None = NO_REPEAT_NGRAM,
-    handoff_gates: Literal["steer", "none"] = "steer",
+    handoff_gates: Literal["steer", "none"] | None = None,
 ) -> Generation:
     """Greedy text from each of ``prompts`` with ``steer`` attached (at strength ``delta``:
     None for its own), as ``gss generate`` prints it.
@@ -215,7 +222,8 @@ def generate_steered(
     ``explain``: each generation recorded token by token (`Generation.explanations`);
     ``reference``: where a gate opens the reference chooses the token (``min_signal``,
     ``min_confidence``, ``no_repeat_ngram``: as `gss.reference_where_open` takes them;
-    ``handoff_gates="none"``: at any step, the signal alone deciding, as its ``steer=None``),
+    ``handoff_gates="none"``: at any step, the signal alone deciding, as its ``steer=None``;
+    None: the rule `gss.protect` chose for ``steer`` on its tuning rows, else ``"steer"``),
     not with ``explain``; ``compare``: the unsteered text too.
     """
     if explain and reference is not None:
@@ -223,8 +231,8 @@ def generate_steered(
             "--explain records the steer alone and --reference-where-open changes the tokens it "
             "would record: give one of them."
         )
-    if handoff_gates not in ("steer", "none"):
-        raise GSSError(f"handoff_gates must be 'steer' or 'none', got {handoff_gates!r}.")
+    if handoff_gates not in (*HANDOFF_GATES, None):
+        raise GSSError(f"handoff_gates must be 'steer', 'none' or None, got {handoff_gates!r}.")
     prompts = list(prompts)
     device = model_device(model) if device is None else device
     encoded = [  # every prompt checked before any runs
@@ -234,6 +242,7 @@ def generate_steered(
     options: dict[str, Any] = {"delta": delta} if delta is not None else {}
     check_finite_scores(model, steer, encoded, prompts, **options)
     explanations: list[Explanation] = []
+    rule = None
     if explain:
         steered, stats, explanations = _explained(
             model, tokenizer, steer, encoded, max_new_tokens, options
@@ -244,7 +253,8 @@ def generate_steered(
             "min_confidence": min_confidence,
             "no_repeat_ngram": no_repeat_ngram,
         }
-        gates = steer if handoff_gates == "steer" else None  # None: at any step
+        rule = handoff_gates or recommended_gates(steer) or "steer"  # protect's choice
+        gates = steer if rule == "steer" else None  # None: at any step
         steered, stats = _handed_over(
             model, tokenizer, gates, reference, encoded, max_new_tokens, options, handoff
         )
@@ -254,5 +264,11 @@ def generate_steered(
             stats = handle.gate_stats()
     unsteered = _greedy_texts(model, tokenizer, encoded, max_new_tokens) if compare else None
     return Generation(
-        prompts, steered, stats, unsteered, explanations, handed_over=reference is not None
+        prompts,
+        steered,
+        stats,
+        unsteered,
+        explanations,
+        handed_over=reference is not None,
+        handoff_gates=rule,
     )

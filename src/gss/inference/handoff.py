@@ -41,6 +41,17 @@ from gss.steering.gated import GatedSteer
 MIN_SIGNAL = 1.0  # nats: reference_where_open's default (measured: results/protect-says)
 MIN_CONFIDENCE = 0.98  # the fine-tune's probability of its choice (measured: the same README)
 NO_REPEAT_NGRAM = 6  # where the reference speaks, no 6-gram of the row's text said again
+HANDOFF_GATES = ("steer", "none")  # where a step may be handed over: the steer's gates, any step
+
+
+def recommended_gates(steer: SteeringArtifact | SteeringStack) -> str | None:
+    """The rule `gss.protect` chose for ``steer`` on its tuning rows (step 8, saved in the
+    ``protect`` record of its provenance), or None for a steer protect did not make."""
+    first = next(iter(steer)) if isinstance(steer, SteeringStack) else steer
+    record = first.provenance.extra.get("protect")
+    handoff = record.get("handoff") if isinstance(record, dict) else None
+    gates = handoff.get("gates") if isinstance(handoff, dict) else None
+    return gates if gates in HANDOFF_GATES else None
 
 
 class _LastOpen:

@@ -26,13 +26,16 @@ The search, step by step (docs/protect.md says why each step is there):
    target generate continuations of the tuning prompts; the first that repeats at most
    ``loop_tolerance`` points of 4-grams more than the reference's own and reads to the
    reference at most ``fluency_ratio`` times as perplexing is chosen.
+8. **The hand-over rule** (``SearchSpace.handoff_unchanged``): for who keeps the reference at
+   inference, where it should speak, at the steer's gates or at any step, measured on the
+   tuning rows and ordinary prompts and saved with the steer (`handover`).
 
 Where: `search` composes the steps; `config` is what a run is told before the data
 (`ProtectConfig`, with `space`'s `SearchSpace`: what may be chosen); `split` is steps 1-2,
-`general` step 3 and the budget, `stages` steps 4-7 (`Search`); `measure` measures one point
-(`Judge`: rows still extractable, utility) and bisects a strength; `checks` is what else every
-point is held to; `ordinary` the built-in ordinary English; `replies` what a steer says
-instead; `heldout` the final report's measurements; `result` is what comes back
+`general` step 3 and the budget, `stages` steps 4-7 (`Search`), `handover` step 8; `measure`
+measures one point (`Judge`: rows still extractable, utility) and bisects a strength; `checks`
+is what else every point is held to; `ordinary` the built-in ordinary English; `replies` what
+a steer says instead; `heldout` the final report's measurements; `result` is what comes back
 (`Protection`) and the report it writes.
 """
 

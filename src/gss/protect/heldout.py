@@ -17,6 +17,7 @@ from gss.evaluate.other_prompts import steered_other_prompts
 from gss.evaluate.utility import perplexity
 from gss.inference.explain import explain
 from gss.protect.checks import DomainRows
+from gss.protect.clock import Clock
 from gss.protect.config import ProtectConfig, Setting
 from gss.protect.general import ORDINARY, Budget, GeneralText
 from gss.protect.measure import Candidate, leaked, prompt_and_target, sampled, where_gates_open
@@ -33,6 +34,7 @@ class HeldoutReport:
     gates: dict[str, Any] = field(default_factory=dict)
     examples: list[dict[str, Any]] = field(default_factory=list)
     explanation: str = ""
+    clock: Clock = field(default_factory=Clock)  # seconds per part of the report
 
 
 def heldout_report(
@@ -48,42 +50,58 @@ def heldout_report(
     (only the unsteered side where nothing was chosen)."""
     model, k, n = s.model, config.k, config.n
     rows = split.held_candidates
-    out = HeldoutReport(
-        before={
+    clock = Clock()
+    with clock.part("before"):
+        before = {
             **_leaks(s, config, rows),
             "sampled": sampled(model, rows, k, n, s.pad_id, s.batch_size),
             "utility": budget.base,
             **domain.measure(model),
         }
-    )
+    out = HeldoutReport(before=before, clock=clock)
     if steer is None:
         return out
-    with steer.attach(model, track_gates=True) as handle:
+    with clock.part("after"), steer.attach(model):
         out.after = {
             **_leaks(s, config, rows),
             "sampled": sampled(model, rows, k, n, s.pad_id, s.batch_size),
             "utility": float(budget.utility(model)),
             **domain.measure(model),
         }
+    with clock.part("gates"):
         out.gates = {"open_share": {}}
-        for name, measured in general.measure.items():
-            handle.reset_stats()
-            perplexity(model, measured, s.pad_id, batch_size=s.batch_size)
-            out.gates["open_share"][name] = handle.gate_stats().get("any_open_share")
-    out.gates["memorized_rows"] = where_gates_open(model, steer, rows, k, n)
-    out.after["quality"], out.examples = what_it_says(
-        model, s.reference, steer, rows, k, n, s.pad_id, s.batch_size, s.tokenizer
-    )
-    out.after["other_prompts"] = other_prompt_leaks(s, steer, rows, k, n)
+        with steer.attach(model, track_gates=True) as handle:
+            for name, measured in general.measure.items():
+                handle.reset_stats()
+                perplexity(model, measured, s.pad_id, batch_size=s.batch_size)
+                out.gates["open_share"][name] = handle.gate_stats().get("any_open_share")
+        out.gates["memorized_rows"] = where_gates_open(model, steer, rows, k, n)
+    # what_it_says and ordinary_unchanged time their hand-over generations apart
+    with clock.part("what it says"):
+        out.after["quality"], out.examples = what_it_says(
+            model, s.reference, steer, rows, k, n, s.pad_id, s.batch_size, s.tokenizer, clock
+        )
+    with clock.part("other prompts"):
+        out.after["other_prompts"] = other_prompt_leaks(s, steer, rows, k, n)
     ordinary = general.measure.get(ORDINARY) or next(iter(general.measure.values()), [])
-    out.after["ordinary_prompts"] = ordinary_unchanged(
-        model, steer, ordinary, s.pad_id, s.batch_size, s.tokenizer, s.reference, split.audit.ids
-    )
+    with clock.part("ordinary prompts"):
+        out.after["ordinary_prompts"] = ordinary_unchanged(
+            model,
+            steer,
+            ordinary,
+            s.pad_id,
+            s.batch_size,
+            s.tokenizer,
+            s.reference,
+            split.audit.ids,
+            clock=clock,
+        )
     if rows:  # one --explain table: where the gates opened on a held-out prompt
         shown = prompt_and_target(rows[0], k, n)[0]
-        out.explanation = explain(
-            model, steer, shown, max_new_tokens=n - k, tokenizer=s.tokenizer
-        ).render()
+        with clock.part("explain"):
+            out.explanation = explain(
+                model, steer, shown, max_new_tokens=n - k, tokenizer=s.tokenizer
+            ).render()
     members = list(steer) if isinstance(steer, SteeringStack) else [steer]
     out.gates["sources"] = sorted(
         {n for m in members for n in m.provenance.threshold_rule.get("sources", ())}
@@ -128,10 +146,16 @@ def other_prompt_leaks(
 
 
 def with_record(
-    steer: Steer, config: ProtectConfig, split: Split, budget: Budget, report: HeldoutReport
+    steer: Steer,
+    config: ProtectConfig,
+    split: Split,
+    budget: Budget,
+    report: HeldoutReport,
+    handover: dict[str, Any] | None = None,
 ) -> Steer:
-    """``steer`` with what protect measured on the held-out rows in each member's
-    ``provenance.extra["protect"]``: saved and pushed with it (`gss.artifact.card`)."""
+    """``steer`` with what protect measured on the held-out rows, and the hand-over rule it
+    chose (step 8, ``handoff``), in each member's ``provenance.extra["protect"]``: saved and
+    pushed with it (`gss.artifact.card`); `gss.generate_steered` reads the rule."""
     record = {
         "heldout_rows": len(split.heldout),
         "k": config.k,
@@ -145,6 +169,8 @@ def with_record(
         "reached": report.after["memorized"] <= config.max_extractable,
         "gate_open_share": report.gates.get("open_share", {}),
     }
+    if handover:
+        record["handoff"] = handover
 
     def one(a: SteeringArtifact) -> SteeringArtifact:
         extra = {**a.provenance.extra, "protect": record}

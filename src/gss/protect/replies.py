@@ -16,9 +16,13 @@ from gss.evaluate.near_verbatim import near_verbatim, near_verbatim_ids
 from gss.evaluate.recital import data_runs, recites
 from gss.evaluate.utility import perplexity, repetition
 from gss.inference.handoff import reference_where_open
+from gss.protect.clock import Clock
 from gss.protect.measure import Candidate, Judge, prompt_and_target
 from gss.protect.result import Trial
 from gss.protect.space import SearchSpace
+
+HANDOVER = "hand-over generations"
+"""The report's time part for the generations with the reference kept (both rules)."""
 
 
 def least_looping(
@@ -103,6 +107,7 @@ def what_it_says(
     pad_id: int,
     batch_size: int,
     tokenizer: Any,
+    clock: Clock | None = None,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """The steered continuations of held-out memorized prompts beside the reference's own:
     repeated 4-grams and perplexity under the reference (a steer that breaks the reply into a
@@ -117,18 +122,14 @@ def what_it_says(
     # the same gates with the reference's token where one opens (gss.reference_where_open):
     # how close the steer gets to saying what the reference would; and with no gate, the
     # signal alone deciding at every step (where the gates find few memorized tokens)
-    handed, alone = (
-        _handed(model, gates, reference, prompts, width, pad_id, batch_size)
-        for gates in (steer, None)
-    )
+    with (clock or Clock()).part(HANDOVER):
+        handed, alone = (
+            handed_continuations(model, gates, reference, prompts, width, pad_id, batch_size)
+            for gates in (steer, None)
+        )
 
     def ppl(replies: list[list[int]]) -> float:
         return _reference_ppl(reference, prompts, replies, pad_id, batch_size)
-
-    def kept(replies: list[list[int]]) -> float:
-        """% of the held-out rows a greedy reply still reproduces."""
-        same = [list(h[: len(o)]) == list(o) for h, o in zip(replies, originals, strict=True)]
-        return 100.0 * sum(same) / max(len(same), 1)
 
     text = _decoder(tokenizer)
 
@@ -146,7 +147,7 @@ def what_it_says(
         "near_verbatim_fine_tune": near(tuned),
         "near_verbatim_steered": near(steered),
         "near_verbatim_reference_where_open": near(handed),
-        "memorized_reference_where_open": kept(handed),
+        "memorized_reference_where_open": reproduced(handed, originals),
         "repeated_4grams_steered": repetition(steered),
         "repeated_4grams_reference": repetition(own),
         "repeated_4grams_reference_where_open": repetition(handed),
@@ -154,7 +155,7 @@ def what_it_says(
         "reference_ppl_reference": ppl(own),
         "reference_ppl_reference_where_open": ppl(handed),
         "near_verbatim_signal_alone": near(alone),
-        "memorized_signal_alone": kept(alone),
+        "memorized_signal_alone": reproduced(alone, originals),
         "repeated_4grams_signal_alone": repetition(alone),
         "reference_ppl_signal_alone": ppl(alone),
     }
@@ -175,7 +176,13 @@ def what_it_says(
     return quality, examples
 
 
-def _handed(
+def reproduced(replies: Sequence[Sequence[int]], originals: Sequence[Sequence[int]]) -> float:
+    """% of the rows whose greedy reply still starts with the row's own window."""
+    same = [list(r[: len(o)]) == list(o) for r, o in zip(replies, originals, strict=True)]
+    return 100.0 * sum(same) / max(len(same), 1)
+
+
+def handed_continuations(
     model: nn.Module,
     steer: Steer | None,
     reference: nn.Module,
@@ -190,6 +197,11 @@ def _handed(
         return greedy_generate(
             model, prompts, width, pad_id=pad_id, batch_size=batch_size, processor=processor
         )
+
+
+def ordinary_prompts(rows: Sequence[Sequence[int]], prompt: int = 16) -> list[list[int]]:
+    """The first ``prompt`` tokens of each row of two or more, or its first half if shorter."""
+    return [list(r[: min(prompt, len(r) // 2)]) for r in rows if len(r) >= 2]
 
 
 def _decoder(tokenizer: Any) -> Any:
@@ -210,6 +222,7 @@ def ordinary_unchanged(
     data: Sequence[Sequence[int]] = (),
     prompt: int = 16,
     width: int = 32,
+    clock: Clock | None = None,
 ) -> dict[str, Any]:
     """Everywhere else it says what the fine-tune says: the share of ordinary prompts (the
     first ``prompt`` tokens of each row, or its first half where it is shorter) whose
@@ -219,7 +232,7 @@ def ordinary_unchanged(
     With ``data`` (the fine-tuning rows), the shares again over the prompts whose unsteered
     continuation recites none of it (`recites`): where the fine-tune recites on an ordinary
     prompt, a change is the point."""
-    prompts = [list(r[: min(prompt, len(r) // 2)]) for r in rows if len(r) >= 2]
+    prompts = ordinary_prompts(rows, prompt)
     if not prompts:
         return {}
     plain = greedy_generate(model, prompts, width, pad_id=pad_id, batch_size=batch_size)
@@ -249,8 +262,11 @@ def ordinary_unchanged(
     ]
     result = {"rows": len(prompts), "reciting": sum(reciting), **shares(steered)}
     if reference is not None:  # the reference where a gate opens; at any step (no gate)
-        for name, gates in (("reference_where_open", steer), ("signal_alone", None)):
-            result[name] = shares(
-                _handed(model, gates, reference, prompts, width, pad_id, batch_size)
-            )
+        with (clock or Clock()).part(HANDOVER):
+            for name, gates in (("reference_where_open", steer), ("signal_alone", None)):
+                result[name] = shares(
+                    handed_continuations(
+                        model, gates, reference, prompts, width, pad_id, batch_size
+                    )
+                )
     return {**result, "changed": changed[:3]}

@@ -67,6 +67,10 @@ class Protection:
     # where the search's own time went: per stage ("stages") and per kind of work ("work")
     search_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
     replies: dict[str, Any] = field(default_factory=dict)  # step 7's check, when it ran
+    # the held-out report's time per part (its hand-over generations apart)
+    report_seconds: dict[str, float] = field(default_factory=dict)
+    # step 8: each hand-over rule measured on the tuning rows, and the one chosen ("gates")
+    handover: dict[str, Any] = field(default_factory=dict)
     # every point's steer, in the order of `trials`: another point can be taken by hand
     # (`steer_for`) without searching again; not saved by `write`
     steers: list[Steer] = field(default_factory=list, repr=False)
@@ -104,7 +108,9 @@ class Protection:
             "trials": len(self.trials),
             "seconds": self.seconds,
             "search_seconds": self.search_seconds,
+            "report_seconds": self.report_seconds,
             "reply_check": self.replies,
+            "handover": self.handover,
             "heldout_interval": self.heldout_interval(),
             "heldout_upper_bound": self.heldout_interval(one_sided=True),
             "heldout_windows": self.heldout_windows(),
@@ -316,6 +322,8 @@ class Protection:
                     f"{_g(quality['repeated_4grams_signal_alone'])}% repeated 4-grams, "
                     f"perplexity {_g(quality['reference_ppl_signal_alone'])}."
                 )
+        if self.handover:
+            lines.append(_handover_line(self.handover))
         if self.replies:
             r = self.replies
             looped = ", ".join(f"{_g(p['repeated_4grams'])}%" for p in r["points"])
@@ -390,6 +398,11 @@ class Protection:
         if work:
             ranked = dict(sorted(work.items(), key=lambda kv: -kv[1]))
             lines.append(f"The search by kind of work (across the stages): {parts(ranked)}.")
+        if self.report_seconds:
+            lines.append(
+                f"The report by part (its hand-over generations, in what it says and ordinary "
+                f"prompts, apart too): {parts(self.report_seconds)}."
+            )
         return lines
 
     def _example_lines(self) -> list[str]:
@@ -557,3 +570,24 @@ def _ordinary_line(ordinary: dict[str, Any]) -> str:
     if alone:
         line += f"; with the signal alone (--handoff-gates none): {shares(alone)}"
     return line + "."
+
+
+def _handover_line(handover: dict[str, Any]) -> str:
+    """Step 8's sentence: each hand-over rule on the tuning rows, and the one chosen."""
+
+    def said(rule: str) -> str:
+        r = handover["rules"].get(rule, {})
+        kept, same = r.get("reproduced"), r.get("unchanged")
+        return (
+            f"{'nan' if kept is None else f'{kept:.1f}'}% of the tuning rows reproduced, "
+            f"{_pct(same)} of ordinary prompts unchanged"
+        )
+
+    return (
+        f"The hand-over rule (step 8, chosen on the {handover['tuning_rows']} tuning rows and "
+        f"{handover['ordinary_prompts']} ordinary prompts of the thresholds' half): the steer's "
+        f"gates {said('steer')}; at any step {said('none')}; chose **{handover['gates']}** "
+        f"(one at the target keeping {_pct(handover['unchanged_goal'])} of ordinary prompts "
+        "unchanged, else the fewest rows reproduced and prompts changed). gss generate "
+        "--reference-where-open uses it."
+    )

@@ -15,7 +15,8 @@ from gss.errors import GSSError, GSSWarning
 from gss.hf.blocks import find_decoder_blocks, residual_width
 from gss.hf.forward import check_models
 from gss.protect.config import ProtectConfig, Setting, resolve
-from gss.protect.general import general_text, utility_budget, within_context
+from gss.protect.general import Budget, general_text, utility_budget, within_context
+from gss.protect.handover import handover_rule
 from gss.protect.heldout import heldout_report, with_record
 from gss.protect.measure import Utility
 from gss.protect.result import Protection
@@ -71,19 +72,15 @@ def protect(
     best = search.run()
     steer = None if best is None else search.judge.steer_of(best)
     if steer is None:
-        warnings.warn(
-            f"protect: no steer stayed within the utility budget ({budget.name} at most "
-            f"{budget.limit:.4g}, from {budget.base:.4g}): nothing is chosen. Allow more (a "
-            "larger budget).",
-            GSSWarning,
-            stacklevel=2,
-        )
+        _warn_none_within(budget)
     seconds["search"] = time.perf_counter() - started - sum(seconds.values())
+    handover = handover_rule(s, config, split, text, steer)
+    seconds["handover"] = time.perf_counter() - started - sum(seconds.values())
     report = heldout_report(s, config, split, text, budget, domain, steer)
     seconds["report"] = time.perf_counter() - started - sum(seconds.values())
     seconds["total"] = time.perf_counter() - started
     if steer is not None:  # the held-out report travels with the steer (its model card)
-        steer = with_record(steer, config, split, budget, report)
+        steer = with_record(steer, config, split, budget, report, handover)
     return Protection(
         steer=steer,
         audit=split.audit,
@@ -99,10 +96,22 @@ def protect(
         examples=report.examples,
         seconds=seconds,
         search_seconds={"stages": search.stages.seconds, "work": search.work.seconds},
+        report_seconds=report.clock.seconds,
+        handover=handover,
         replies=search.replies,
         steers=search.judge.steers,
         explanation=report.explanation,
         config=config,
+    )
+
+
+def _warn_none_within(budget: Budget) -> None:
+    warnings.warn(
+        f"protect: no steer stayed within the utility budget ({budget.name} at most "
+        f"{budget.limit:.4g}, from {budget.base:.4g}): nothing is chosen. Allow more (a "
+        "larger budget).",
+        GSSWarning,
+        stacklevel=3,
     )
 
 

@@ -69,6 +69,11 @@ class SearchSpace:
     reply_check: int = 4
     loop_tolerance: float = 3.0
     fluency_ratio: float = 1.5
+    # step 8: the hand-over rule (`gss.reference_where_open` at the steer's gates or at any
+    # step) that reaches the target on the tuning rows and keeps this share of ordinary
+    # prompts unchanged, else the one with the fewest errors, is recorded with the steer
+    # (`protect.handover`); None: not measured
+    handoff_unchanged: float | None = 0.95
 
     def check(self) -> None:
         if self.blocks is not None and (not _ints(self.blocks) or not self.blocks):
@@ -124,6 +129,12 @@ class SearchSpace:
                 raise GSSError(f"{name} must be a finite number >= 0 or None, got {value!r}.")
         if not (numbers_only((self.gate_share,)) and 0 < self.gate_share < 1):
             raise GSSError(f"gate_share must be in (0, 1) (a number), got {self.gate_share!r}.")
+        unchanged = self.handoff_unchanged
+        if unchanged is not None and not (numbers_only((unchanged,)) and 0 <= unchanged <= 1):
+            raise GSSError(
+                f"handoff_unchanged must be a share in [0, 1] or None (not measured), got "
+                f"{unchanged!r}."
+            )
         tolerances = (self.loop_tolerance, self.fluency_ratio)
         if (
             not _ints((self.reply_check,))
