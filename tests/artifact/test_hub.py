@@ -421,6 +421,7 @@ def test_the_card_names_a_hub_model_and_what_was_measured(made):
         "target": 0.0,
         "reached": True,
         "gate_open_share": {"general (given)": 0.102, "reference-generated": 0.12},
+        "handoff": {"gates": "none", "rules": {}},
     }
     provenance = dataclasses.replace(art.provenance, extra={"protect": protect})
     stack = gss.SteeringStack((dataclasses.replace(art, provenance=provenance), at_block(art, 0)))
@@ -433,6 +434,7 @@ def test_the_card_names_a_hub_model_and_what_was_measured(made):
         "held out of setting the thresholds, the gates opened on 10.2% of general (given), 12.0%"
         in text
     )
+    assert "`gss generate --reference-where-open REF`), it speaks at any step" in text
     # Sigma_gen's tokens are those it was computed from (held-out general text, when given)
     facts = {**art.provenance.soundness, "general_tokens": 900}
     provenance = dataclasses.replace(art.provenance, soundness=facts)

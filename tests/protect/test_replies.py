@@ -12,10 +12,10 @@ import gss
 from gss import GSSError, calibrate, reference_where_open
 from gss.config import RunOptions
 from gss.evaluate.decoding import greedy_generate
+from gss.inference.handoff import recommended_gates
 from gss.protect import SearchSpace, Trial, protect
 from gss.protect.checks import DOMAIN, DomainRows
 from gss.protect.config import ProtectConfig, Setting
-from gss.inference.handoff import recommended_gates
 from gss.protect.general import DATA, ORDINARY, GeneralText
 from gss.protect.handover import choose
 from gss.protect.measure import FOLLOWS, Judge, prompt_and_target

@@ -298,6 +298,19 @@ def _protect_lines(record: dict[str, Any]) -> list[str]:
         f"limit {_number(budget.get('limit'))}.",
         "",
         *_held_out_shares(record.get("gate_open_share")),
+        *_handoff_lines(record.get("handoff")),
+    ]
+
+
+def _handoff_lines(handoff: Any) -> list[str]:
+    """The hand-over rule protect chose (its step 8), which `gss generate` uses."""
+    if not isinstance(handoff, dict) or handoff.get("gates") not in ("steer", "none"):
+        return []
+    where = "where the steer's gates open" if handoff["gates"] == "steer" else "at any step"
+    return [
+        "With the reference kept at inference (`gss generate --reference-where-open REF`), it "
+        f"speaks {where}: the rule `gss protect` chose on its tuning rows.",
+        "",
     ]
 
 
