@@ -586,7 +586,7 @@ def _handover_line(handover: dict[str, Any]) -> str:
     return (
         f"The hand-over rule (step 8, chosen on the {handover['tuning_rows']} tuning rows and "
         f"{handover['ordinary_prompts']} ordinary prompts of the thresholds' half): the steer's "
-        f"gates {said('steer')}; at any step {said('none')}; chose **{handover['gates']}** "
+        f"gates: {said('steer')}; at any step: {said('none')}; chose **{handover['gates']}** "
         f"(one at the target keeping {_pct(handover['unchanged_goal'])} of ordinary prompts "
         "unchanged, else the fewest rows reproduced and prompts changed). gss generate "
         "--reference-where-open uses it."
