@@ -80,6 +80,13 @@ def step8(args: Any, c: Any, report: Any, split: dict, steer: Steer, saved: dict
     chosen = handover_rule(
         s, config, Split(report, split["tuning"], held), GeneralText(sources, {}), steer
     )
+    seconds = time.perf_counter() - started
+    write_result(args, {"handover": chosen, "seconds": seconds})
+    print(json.dumps(chosen), flush=True)
+
+
+def write_result(args: Any, measured: dict[str, Any]) -> None:
+    """result.json: the command, the machine, the split's source and what was measured."""
     write_json(
         args.out / "result.json",
         {
@@ -87,11 +94,9 @@ def step8(args: Any, c: Any, report: Any, split: dict, steer: Steer, saved: dict
             "machine": machine_info(),
             "split_from": str(args.report),
             "variant": args.variant,
-            "handover": chosen,
-            "seconds": time.perf_counter() - started,
+            **measured,
         },
     )
-    print(json.dumps(chosen), flush=True)
 
 
 def main() -> None:
@@ -252,16 +257,7 @@ def main() -> None:
                     f"{m['seconds']:.0f}",
                 ]
             )
-            write_json(
-                args.out / "result.json",
-                {
-                    "command": "benchmarks/scripts/handoff_gates.py " + " ".join(sys.argv[1:]),
-                    "machine": machine_info(),
-                    "split_from": str(args.report),
-                    "variant": args.variant,
-                    "rows": rows,
-                },
-            )
+            write_result(args, {"rows": rows})
             header = [
                 "gate",
                 "signal cut (nats)",
