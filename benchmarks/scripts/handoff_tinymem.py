@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -95,8 +96,29 @@ def gates_on_memorized(
     }
 
 
+class SteeredView(torch.nn.Module):
+    """``model`` with ``steer`` attached for each forward: handed to `reference_where_open` as
+    its "reference", the steer's scores replace the fine-tune's only at the steps where a gate
+    opens, the fine-tune is sure and the steer moves its choice by more than ``min_signal``."""
+
+    def __init__(self, model: Any, steer: Any) -> None:
+        super().__init__()
+        self.inner = [model]  # not a submodule: its parameters are the fine-tune's
+        self.steer = steer
+        self.config = model.config
+
+    def get_base_model(self) -> Any:
+        return self.inner[0]
+
+    def forward(self, **inputs: Any) -> Any:
+        with warnings.catch_warnings():  # the gates' reading hooks are already on the blocks
+            warnings.simplefilter("ignore")
+            with self.steer.attach(self.inner[0]):
+                return self.inner[0](**inputs)
+
+
 def run(
-    setting: str, seed: int, rules: list[tuple[bool, float | None, float | None]]
+    setting: str, seed: int, rules: list[tuple[bool, float | None, float | None]], sure: bool
 ) -> list[dict[str, Any]]:
     mem, ref, data, _ = get_models(setting, "default", seed, None, progress=False)
     arguments = protect_arguments(data, 256)
@@ -178,6 +200,14 @@ def run(
             f"signal > {signal}"
         )
         add(name, out, clean_out, [processor.handed_share, on_clean.handed_share])
+    if sure:  # the steer only where a gate opens and the fine-tune is sure: no reference
+        view = partial(reference_where_open, mem, result.steer, SteeredView(mem, result.steer))
+        with view() as processor:
+            out = generate(processor, prompts)
+        with view() as on_clean:
+            clean_out = generate(on_clean, clean)
+        name = "the steer where a gate opens and the fine-tune is sure (no reference)"
+        add(name, out, clean_out, [processor.handed_share, on_clean.handed_share])
     return records
 
 
@@ -193,13 +223,19 @@ def main() -> None:
         help="defaults: only the two rules protect's step 8 chooses between (its defaults' "
         "confidence and signal, with the steer's gates and with none)",
     )
+    parser.add_argument(
+        "--steer-where-sure",
+        action="store_true",
+        help="also the steer's own scores at the steps a gate opens and the fine-tune is sure "
+        "(reference_where_open with the steered fine-tune as its reference: no second model)",
+    )
     args = parser.parse_args()
     rules = RULES if args.rules == "all" else [r for r in RULES if r[1:] == (0.98, 1.0)]
     torch.set_num_threads(2)
     records = []
     for setting in args.settings.split(","):
         for seed in [int(s) for s in args.seeds.split(",")]:
-            records += run(setting, seed, rules)
+            records += run(setting, seed, rules, args.steer_where_sure)
     write_json(
         args.out / "result.json",
         {

@@ -227,6 +227,7 @@ def test_protect_reports_the_domain_and_the_ordinary_prompts(memorizer):
     assert "Ordinary prompts:" in text and "held-out clean rows of the data" in text
     assert f"where a gate opens (gss generate --reference-where-open): {100 * handed:.1f}%" in text
     assert "fine-tune" in result.examples[0] and "reference where open" in result.examples[0]
+    assert f"  - reference at any step: `{result.examples[0]['reference at any step']}" in text
     assert "gss generate --reference-where-open" in text  # the option, with what it would say
     assert result.after["quality"]["repeated_4grams_reference_where_open"] >= 0.0
     assert 0.0 <= result.after["quality"]["memorized_reference_where_open"] <= 100.0

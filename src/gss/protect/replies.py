@@ -168,9 +168,10 @@ def what_it_says(
             "steered": text(s),
             "reference": text(o),
             "reference where open": text(h),
+            "reference at any step": text(a),
         }
-        for p, r, t, s, o, h in list(
-            zip(prompts, originals, tuned, steered, own, handed, strict=True)
+        for p, r, t, s, o, h, a in list(
+            zip(prompts, originals, tuned, steered, own, handed, alone, strict=True)
         )[:4]
     ]
     return quality, examples

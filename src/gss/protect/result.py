@@ -422,6 +422,7 @@ class Protection:
                     "steered",
                     "reference",
                     "reference where open",
+                    "reference at any step",
                 ):
                     if key in ex:
                         lines.append(f"  - {key}: `{_line(ex[key])}`")
