@@ -64,11 +64,13 @@ def test_explain_records_the_same_tokens_and_writes_a_row_per_token(steered, tmp
     assert {r["prompt"] for r in rows} == set(PROMPTS)
 
 
-def test_a_prompt_past_the_context_and_explain_with_a_reference_are_refused(steered):
+def test_a_prompt_past_the_context_and_bad_hand_over_options_are_refused(steered):
     model, art, tokenizer = steered
     with pytest.raises(GSSError, match="pass the model's context"):
         encode_prompt("w1 w2", tokenizer, model, max_new_tokens=10_000)
     with pytest.raises(GSSError, match="--explain records the steer alone"):
         generate_steered(model, tokenizer, art, PROMPTS, explain=True, reference=model)
+    with pytest.raises(GSSError, match="handoff_gates must be 'steer', 'none' or None"):
+        generate_steered(model, tokenizer, art, PROMPTS, reference=model, handoff_gates="both")
     enc = encode_prompt("w1 w2", tokenizer, model, max_new_tokens=4)
     assert torch.equal(enc["input_ids"], tokenizer("w1 w2", return_tensors="pt")["input_ids"])
