@@ -23,6 +23,8 @@ Centering = Literal["covariance", "full", "none"]
 Target = Literal["loglik", "toward-reference"]
 Gradient = Literal["summed", "per-position"]
 SolveMethod = Literal["auto", "full", "truncated"]
+# where `gss.reference_where_open` may hand a step over: the steer's gates, or any step
+HandoffGates = Literal["steer", "none"]
 
 GATES: tuple[str, ...] = get_args(Gate)
 COEFFICIENTS: tuple[str, ...] = get_args(Coefficient)
@@ -30,6 +32,7 @@ CENTERINGS: tuple[str, ...] = get_args(Centering)
 TARGETS: tuple[str, ...] = get_args(Target)
 GRADIENTS: tuple[str, ...] = get_args(Gradient)
 SOLVE_METHODS: tuple[str, ...] = get_args(SolveMethod)
+HANDOFF_GATES: tuple[str, ...] = get_args(HandoffGates)
 
 # General tokens' probe responses kept (a uniform sample) to set the thresholds: the 95th
 # percentile of 65,536 samples has a standard error of 0.09 percentile points, and the

@@ -19,6 +19,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gss.config import HANDOFF_GATES
+
 if TYPE_CHECKING:
     from gss.artifact.stack import Steer
     from gss.artifact.steering_artifact import SteeringArtifact
@@ -304,7 +306,7 @@ def _protect_lines(record: dict[str, Any]) -> list[str]:
 
 def _handoff_lines(handoff: Any) -> list[str]:
     """The hand-over rule protect chose (its step 8), which `gss generate` uses."""
-    if not isinstance(handoff, dict) or handoff.get("gates") not in ("steer", "none"):
+    if not isinstance(handoff, dict) or handoff.get("gates") not in HANDOFF_GATES:
         return []
     where = "where the steer's gates open" if handoff["gates"] == "steer" else "at any step"
     return [

@@ -14,7 +14,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,13 +22,13 @@ from torch import nn
 from gss.artifact.files import record_outputs
 from gss.artifact.stack import Steer
 from gss.artifact.steering_artifact import SteeringArtifact
+from gss.config import HANDOFF_GATES, HandoffGates
 from gss.data import chat_prompt, check_text
 from gss.errors import GSSError
 from gss.hf.forward import check_sequences, context_length, model_device
 from gss.inference.explain import Explanation, combined_gate_stats
 from gss.inference.explain import explain as record_generation
 from gss.inference.handoff import (
-    HANDOFF_GATES,
     MIN_CONFIDENCE,
     MIN_SIGNAL,
     NO_REPEAT_NGRAM,
@@ -211,7 +211,7 @@ def generate_steered(
     min_signal: float | None = MIN_SIGNAL,
     min_confidence: float | None = MIN_CONFIDENCE,
     no_repeat_ngram: int | None = NO_REPEAT_NGRAM,
-    handoff_gates: Literal["steer", "none"] | None = None,
+    handoff_gates: HandoffGates | None = None,
 ) -> Generation:
     """Greedy text from each of ``prompts`` with ``steer`` attached (at strength ``delta``:
     None for its own), as ``gss generate`` prints it.

@@ -32,6 +32,7 @@ from transformers import NoRepeatNGramLogitsProcessor, PreTrainedModel
 
 from gss.artifact.stack import SteeringStack
 from gss.artifact.steering_artifact import SteeringArtifact
+from gss.config import HANDOFF_GATES
 from gss.errors import GSSError
 from gss.hf.blocks import resolve_layer
 from gss.hf.forward import cache_argument, check_loaded, output_logits, returned_cache
@@ -41,7 +42,6 @@ from gss.steering.gated import GatedSteer
 MIN_SIGNAL = 1.0  # nats: reference_where_open's default (measured: results/protect-says)
 MIN_CONFIDENCE = 0.98  # the fine-tune's probability of its choice (measured: the same README)
 NO_REPEAT_NGRAM = 6  # where the reference speaks, no 6-gram of the row's text said again
-HANDOFF_GATES = ("steer", "none")  # where a step may be handed over: the steer's gates, any step
 
 
 def recommended_gates(steer: SteeringArtifact | SteeringStack) -> str | None:

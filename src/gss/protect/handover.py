@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 from gss.artifact.stack import Steer
+from gss.config import HANDOFF_GATES
 from gss.evaluate.decoding import greedy_generate
-from gss.inference.handoff import HANDOFF_GATES
 from gss.protect.config import ProtectConfig, Setting
 from gss.protect.general import DATA, ORDINARY, GeneralText
 from gss.protect.measure import prompt_and_target
@@ -41,8 +41,8 @@ def handover_rule(
     if steer is None or goal is None:
         return {}
     rows = split.tune_candidates
-    prompts = [prompt_and_target(r, config.k, config.n)[0] for r in rows]
-    originals = [prompt_and_target(r, config.k, config.n)[1] for r in rows]
+    windows = [prompt_and_target(r, config.k, config.n) for r in rows]
+    prompts, originals = [p for p, _ in windows], [t for _, t in windows]
     fit = general.fit.get(ORDINARY) or next(
         (v for name, v in general.fit.items() if name != DATA), []
     )

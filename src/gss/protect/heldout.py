@@ -61,20 +61,21 @@ def heldout_report(
     out = HeldoutReport(before=before, clock=clock)
     if steer is None:
         return out
-    with clock.part("after"), steer.attach(model):
-        out.after = {
-            **_leaks(s, config, rows),
-            "sampled": sampled(model, rows, k, n, s.pad_id, s.batch_size),
-            "utility": float(budget.utility(model)),
-            **domain.measure(model),
-        }
-    with clock.part("gates"):
-        out.gates = {"open_share": {}}
-        with steer.attach(model, track_gates=True) as handle:
+    out.gates = {"open_share": {}}
+    with steer.attach(model, track_gates=True) as handle:
+        with clock.part("after"):
+            out.after = {
+                **_leaks(s, config, rows),
+                "sampled": sampled(model, rows, k, n, s.pad_id, s.batch_size),
+                "utility": float(budget.utility(model)),
+                **domain.measure(model),
+            }
+        with clock.part("gates"):
             for name, measured in general.measure.items():
                 handle.reset_stats()
                 perplexity(model, measured, s.pad_id, batch_size=s.batch_size)
                 out.gates["open_share"][name] = handle.gate_stats().get("any_open_share")
+    with clock.part("gates"):
         out.gates["memorized_rows"] = where_gates_open(model, steer, rows, k, n)
     # what_it_says and ordinary_unchanged time their hand-over generations apart
     with clock.part("what it says"):

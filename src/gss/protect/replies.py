@@ -112,8 +112,8 @@ def what_it_says(
     """The steered continuations of held-out memorized prompts beside the reference's own:
     repeated 4-grams and perplexity under the reference (a steer that breaks the reply into a
     loop is not the same as one that answers like the base model)."""
-    prompts = [prompt_and_target(r, k, n)[0] for r in rows]
-    originals = [prompt_and_target(r, k, n)[1] for r in rows]
+    windows = [prompt_and_target(r, k, n) for r in rows]
+    prompts, originals = [p for p, _ in windows], [t for _, t in windows]
     width = n - k
     with steer.attach(model):
         steered = greedy_generate(model, prompts, width, pad_id=pad_id, batch_size=batch_size)
