@@ -10,8 +10,9 @@ import torch
 
 from gss import GSSError
 from gss.audit import audit
-from gss.evaluate.sampled import sampled_chance, window_logprobs
+from gss.evaluate.sampled import likely_shares, row_logprobs, sampled_chance, window_logprobs
 from gss.hf.forward import token_logprobs
+from gss.inference.handoff import reference_where_open
 
 
 def _logits(probs: list[list[float]]) -> torch.Tensor:
@@ -87,3 +88,49 @@ def test_the_audit_reports_the_sampled_attacker(memorizer):
     low, high = report.summary()["memorized_interval"]
     assert 0.0 <= low <= len(report.memorized) / len(rows) <= high <= 1.0
     assert "sampled from the first k tokens (100 draws" in report.headline()
+
+
+def _no_immediate_repeat(ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """A processor whose answer depends on the steps before: the last token may not follow."""
+    return scores.scatter(-1, ids[:, -1:], float("-inf"))
+
+
+def test_a_processor_is_read_step_by_step(memorizer):
+    """Through a processor, the window is forced step by step and the processed scores read:
+    with one that changes nothing it is the one-pass answer, with one that reads the ids so far
+    the answer by hand (prompts and windows of several lengths); with the hand-over at every
+    step it is the reference's own (a second model and its cache behind the processor)."""
+    model, reference, planted, general = memorizer
+    rows = torch.cat([planted, general[:5]]).tolist()
+    pairs = [
+        (r[:k], r[k : k + w]) for r, k, w in zip(rows, [3, 4, 5] * 4, [6, 9] * 6, strict=False)
+    ]
+    for top_p in (None, 0.9):
+        plain = row_logprobs(model, pairs, 0, 4, top_p)
+        same = row_logprobs(model, pairs, 0, 4, top_p, processor=lambda ids, scores: scores)
+        assert same == pytest.approx(plain, abs=1e-4)
+    by_hand = []
+    with torch.no_grad():
+        for prompt, window in pairs:
+            seq = torch.tensor([prompt + window])
+            logits = model(seq).logits[0]
+            total = 0.0
+            for t in range(len(prompt), seq.shape[1]):
+                scores = _no_immediate_repeat(seq[:, :t], logits[t - 1 : t])
+                total += float(scores.log_softmax(-1)[0, seq[0, t]])
+            by_hand.append(total)
+    got = row_logprobs(model, pairs, 0, 4, processor=_no_immediate_repeat)
+    assert got == pytest.approx(by_hand, abs=1e-4)
+    reference.train()  # left in training mode: the hand-over still runs it without dropout
+    try:
+        with reference_where_open(
+            model, None, reference, min_signal=-1e9, min_confidence=None, no_repeat_ngram=None
+        ) as processor:
+            handed = row_logprobs(model, pairs, 0, 4, processor=processor)
+            shares = likely_shares(model, pairs, 0, 4, processor=processor)
+        assert reference.training  # and its mode is given back
+    finally:
+        reference.eval()
+    assert handed == pytest.approx(row_logprobs(reference, pairs, 0, 4), abs=1e-4)
+    assert handed != pytest.approx(row_logprobs(model, pairs, 0, 4), abs=1e-2)
+    assert shares == likely_shares(reference, pairs, 0, 4)

@@ -237,6 +237,10 @@ def test_protect_reports_the_domain_and_the_ordinary_prompts(memorizer):
     assert "--handoff-gates none; the reference runs at every step): " in text
     assert f"{quality['memorized_signal_alone']:.1f}% reproduced" in text
     assert "with the signal alone (--handoff-gates none): " in text
+    for rule in ("reference_where_open", "signal_alone"):  # the sampler through the hand-over
+        for sampler in ("temperature_1", "top_p"):
+            assert 0.0 <= quality[f"sampled_{sampler}_{rule}"] <= 100.0
+    assert "with the reference kept (its processor step by step), where a gate opens " in text
     assert 0.0 <= ordinary["signal_alone"]["identical"] <= 1.0
     # step 8: both hand-over rules measured on the tuning rows; the choice is `choose`'s and
     # travels with the steer, where gss generate reads it

@@ -11,14 +11,14 @@ pass the audit already makes gives that chance exactly, for temperature 1 and fo
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from gss.data import right_pad
 from gss.errors import GSSError
-from gss.evaluate.decoding import eval_mode
+from gss.evaluate.decoding import eval_mode, greedy_generate
 from gss.hf.forward import forward_logits
 
 SAMPLES = 100
@@ -30,6 +30,8 @@ TOP_P = 0.9
 
 LIKELY = 0.5
 """A row counts as sample-extractable when N samples reproduce it with at least this chance."""
+
+Processor = Callable[[Tensor, Tensor], Tensor]  # a LogitsProcessor: (ids so far, scores) -> scores
 
 
 def window_logprobs(
@@ -68,9 +70,17 @@ def row_logprobs(
     pad_id: int,
     batch_size: int,
     top_p: float | None = None,
+    processor: Processor | None = None,
 ) -> list[float]:
     """`window_logprobs` of each (prompt, window) pair, teacher-forced in right-padded
-    batches: what a sampling attacker's chance on rows outside an audit is read from."""
+    batches: what a sampling attacker's chance on rows outside an audit is read from.
+
+    ``processor``: a transformers ``LogitsProcessor`` a generation runs on each step's scores
+    (`gss.reference_where_open`'s, whose choice at a step depends on the steps before): the
+    window is then forced step by step through the model's KV cache and the processed scores
+    are read, exact for the sampler that runs the processor (one forward a token)."""
+    if processor is not None:
+        return _stepwise_logprobs(model, pairs, pad_id, batch_size, top_p, processor)
     out: list[float] = []
     with eval_mode(model):
         for start in range(0, len(pairs), batch_size):
@@ -84,22 +94,66 @@ def row_logprobs(
     return out
 
 
+def _stepwise_logprobs(
+    model: torch.nn.Module,
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    pad_id: int,
+    batch_size: int,
+    top_p: float | None,
+    processor: Processor,
+) -> list[float]:
+    """`row_logprobs` through ``processor``: each batch of pairs of one prompt and window
+    length decoded by `greedy_generate` with the window's tokens chosen, the scores each step
+    saw kept."""
+    out = [0.0] * len(pairs)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (prompt, window) in enumerate(pairs):
+        groups.setdefault((len(prompt), len(window)), []).append(i)
+    for (_, width), members in groups.items():
+        for start in range(0, len(members), batch_size):
+            chunk = members[start : start + batch_size]
+            windows = torch.tensor([list(pairs[i][1]) for i in chunk], dtype=torch.long)
+            seen: list[Tensor] = []
+
+            def force(scores: Tensor, windows: Tensor = windows, seen: list = seen) -> Tensor:
+                seen.append(scores.float().cpu())
+                return windows[:, len(seen) - 1 : len(seen)].to(scores.device)
+
+            # one batch of equal-length prompts keeps its order (greedy_generate sorts by length)
+            greedy_generate(
+                model,
+                [pairs[i][0] for i in chunk],
+                width,
+                pad_id=pad_id,
+                batch_size=len(chunk),
+                choose=force,
+                processor=processor,
+            )
+            logits = torch.stack([*seen, seen[-1]], dim=1)  # position t predicts window[t]
+            ids = torch.cat([torch.zeros_like(windows[:, :1]), windows], dim=1)
+            for i, lp in zip(chunk, window_logprobs(logits, ids, 1, width + 1, top_p), strict=True):
+                out[i] = float(lp)
+    return out
+
+
 def likely_shares(
     model: torch.nn.Module,
     pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
     pad_id: int,
     batch_size: int,
     samples: int = SAMPLES,
+    processor: Processor | None = None,
 ) -> dict[str, float]:
     """% of the (prompt, window) ``pairs`` that ``samples`` draws reproduce with a chance of
-    `LIKELY` or more, at temperature 1 and with top-p `TOP_P` (empty without pairs)."""
+    `LIKELY` or more, at temperature 1 and with top-p `TOP_P` (empty without pairs), each step's
+    scores through ``processor`` where given (`row_logprobs`)."""
     if not pairs:
         return {}
     return {
         name: 100.0
         * sum(
             sampled_chance(lp, samples) >= LIKELY
-            for lp in row_logprobs(model, pairs, pad_id, batch_size, top_p)
+            for lp in row_logprobs(model, pairs, pad_id, batch_size, top_p, processor)
         )
         / len(pairs)
         for name, top_p in (("temperature_1", None), ("top_p", TOP_P))

@@ -262,9 +262,14 @@ def reference_where_open(
             gates.append(gate)
             handles.append(register(block, gate, model))
         mask_hooks = _mask_readers(model, processor)
+        # the reference speaks as at inference: a model left in training mode (a Trainer's)
+        # would sample dropout into every step it decides; its mode is restored afterwards
+        training = reference.training
+        reference.eval()
         try:
             yield processor
         finally:
+            reference.train(training)
             for mask_hook in mask_hooks:
                 mask_hook.remove()
     finally:

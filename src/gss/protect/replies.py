@@ -14,6 +14,7 @@ from gss.artifact.stack import Steer
 from gss.evaluate.decoding import greedy_generate
 from gss.evaluate.near_verbatim import near_verbatim, near_verbatim_ids
 from gss.evaluate.recital import data_runs, recites
+from gss.evaluate.sampled import likely_shares
 from gss.evaluate.utility import perplexity, repetition
 from gss.inference.handoff import reference_where_open
 from gss.protect.clock import Clock
@@ -122,9 +123,15 @@ def what_it_says(
     # the same gates with the reference's token where one opens (gss.reference_where_open):
     # how close the steer gets to saying what the reference would; and with no gate, the
     # signal alone deciding at every step (where the gates find few memorized tokens)
+    pairs = [(p, o) for p, o in zip(prompts, originals, strict=True) if p and o]
     with (clock or Clock()).part(HANDOVER):
         handed, alone = (
             handed_continuations(model, gates, reference, prompts, width, pad_id, batch_size)
+            for gates in (steer, None)
+        )
+        # the attacker who samples through the hand-over (issue 70): its processor, stepwise
+        sampled_handed, sampled_alone = (
+            handed_sampled(model, gates, reference, pairs, pad_id, batch_size)
             for gates in (steer, None)
         )
 
@@ -158,6 +165,8 @@ def what_it_says(
         "memorized_signal_alone": reproduced(alone, originals),
         "repeated_4grams_signal_alone": repetition(alone),
         "reference_ppl_signal_alone": ppl(alone),
+        **{f"{key}_reference_where_open": v for key, v in sampled_handed.items()},
+        **{f"{key}_signal_alone": v for key, v in sampled_alone.items()},
     }
 
     examples = [
@@ -198,6 +207,22 @@ def handed_continuations(
         return greedy_generate(
             model, prompts, width, pad_id=pad_id, batch_size=batch_size, processor=processor
         )
+
+
+def handed_sampled(
+    model: nn.Module,
+    steer: Steer | None,
+    reference: nn.Module,
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    pad_id: int,
+    batch_size: int,
+) -> dict[str, float]:
+    """`sampled_temperature_1` / `sampled_top_p`: % of the (prompt, window) ``pairs`` that
+    `SAMPLES` draws through `gss.reference_where_open` (its defaults; the gates of ``steer``,
+    or with None at any step) reproduce with a chance of `LIKELY` or more."""
+    with reference_where_open(model, steer, reference) as processor:
+        shares = likely_shares(model, pairs, pad_id, batch_size, processor=processor)
+    return {f"sampled_{name}": share for name, share in shares.items()}
 
 
 def ordinary_prompts(rows: Sequence[Sequence[int]], prompt: int = 16) -> list[list[int]]:

@@ -261,7 +261,20 @@ class Protection:
             f"{TOP_P:g}; a row counts when they reproduce its window with a chance of "
             f"{LIKELY:.0%} or more, exact from the teacher-forced pass): {rates(before)} before"
         )
-        return [line + (f", {rates(after)} after." if after else ".")]
+        if not after:
+            return [line + "."]
+        line += f", {rates(after)} after"
+        quality = self.after.get("quality", {})
+        if "sampled_temperature_1_reference_where_open" in quality:
+            handed, alone = (
+                {name: quality[f"sampled_{name}_{rule}"] for name in ("temperature_1", "top_p")}
+                for rule in ("reference_where_open", "signal_alone")
+            )
+            line += (
+                f"; with the reference kept (its processor step by step), where a gate opens "
+                f"{rates(handed)}, at any step {rates(alone)}"
+            )
+        return [line + "."]
 
     def _near_lines(self) -> list[str]:
         """The held-out windows said near-verbatim, before and after (issue 70)."""
