@@ -112,6 +112,43 @@ def test_baselines_join_the_table_with_their_grids(tmp_path, cache):
         main([*args[:-5], "--baselines", "magic"])
 
 
+def test_leak_modes_measure_protect_and_the_peers_on_the_tables_rows(tmp_path, cache):
+    """``--leak-modes``: the unmitigated model, the reference, protect (and its hand-over where
+    step 8 chose a rule) and each baseline's chosen point (a wrapper, MemFree, and a hook method
+    attached again) on the rows the table counts; greedy exact is the table's own count row by
+    row, every exact row is near-verbatim too, and the reference leaks nothing beyond itself."""
+    from gss_bench.tinymem import leak_modes as LM
+
+    out = tmp_path / "out"
+    args = ["--quick", "--methods", "GSS protect", "--baselines", "memfree,alphasteer"]
+    args += ["--leak-modes", "--out", str(out), "--cache-dir", str(cache), "--no-progress"]
+    assert main(args) == 0
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    measured = run["leak_modes"]
+    names = set(measured["methods"])
+    assert {"Unmitigated", "Reference", "GSS protect", "memfree", "alphasteer"} <= names
+    table_share = {
+        "Unmitigated": run["unmitigated"]["memorized"],
+        "Reference": run["reference"]["memorized"],
+        **{n: m["selected"]["eval"]["memorized"] for n, m in run["methods"].items()},
+    }
+    for name, method in measured["methods"].items():
+        counts = method["summary"]["all"]
+        assert counts[LM.GREEDY]["rows"] == measured["rows"] == run["unmitigated"]["rows"]
+        if name in table_share:
+            share = 100.0 * counts[LM.GREEDY]["leaked"] / counts[LM.GREEDY]["rows"]
+            assert share == pytest.approx(table_share[name], abs=1e-6), name
+        rows = method["per_row"]
+        assert all(n >= g for g, n in zip(rows[LM.GREEDY], rows[LM.NEAR], strict=True))
+        assert counts[LM.ANY]["leaked"] >= max(counts[m]["leaked"] for m in LM.MODES)
+    reference = measured["methods"]["Reference"]["summary"]["all"]
+    assert all(entry["beyond_reference"] == 0 for entry in reference.values())
+    held = measured["heldout_rows"]
+    assert held == run["methods"]["GSS protect"]["heldout_rows"]["rows"]  # those counted
+    text = (out / "leak_modes.md").read_text()
+    assert "| GSS protect (" in text and "rows gss protect held out" in text
+
+
 def test_jobs_run_pairs_in_processes_in_order(tmp_path, cache):
     out = tmp_path / "out"
     args = ["--quick", "--settings", "math_noise,math_backdoor", "--methods", "GSS"]

@@ -296,6 +296,7 @@ def baseline_sweep(
     mdata: MitigationData,
     batch_size: int = 256,
     base: Evaluation | None = None,
+    made: dict[int, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Every point of the baseline's default grid, evaluated like the GSS sweeps.
 
@@ -305,9 +306,10 @@ def baseline_sweep(
     re-training; hook methods are re-attached (their fit is cached). With `base`, a point is
     skipped when a milder one along the method's `stronger` hyperparameters already broke the
     utility tolerance (:meth:`~gss_bench.baselines.Method.dominated`): the rule could not pick it.
+    ``made``: filled with each point's Mitigation by its index, for the caller to read after.
     """
     method = get_method(name)
-    made: dict[int, Any] = {}
+    made = {} if made is None else made
 
     def skip(index: float, points: list[dict[str, Any]]) -> bool:
         if base is None:  # never: `skip` is only passed on with a base

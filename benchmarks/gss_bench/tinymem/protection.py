@@ -25,6 +25,10 @@ from gss_bench.protect_report import write_report
 from gss_bench.tinymem import methods as M
 from gss_bench.tinymem.data import TinyMemData
 
+# `gss protect` with its defaults: no hand-picked block, strength, rank, gate or variant; the
+# table's utility rule is its budget. Its name in the tables.
+PROTECT = "GSS protect"
+
 
 def protect_inputs(data: TinyMemData) -> tuple[list[Any], int, int]:
     """The rows `protect` audits, and its (k, n): the table's own window."""
@@ -83,12 +87,16 @@ def protect_row(
     progress: bool = False,
     report_dir: Path | None = None,
     search: SearchSpace | None = None,
+    keep: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run `gss.protect` with its defaults and evaluate what it chose like the other methods."""
+    """Run `gss.protect` with its defaults and evaluate what it chose like the other methods.
+    ``keep``: given, its ``"steer"`` is set to the steer chosen (None where none was)."""
     started = time.perf_counter()
     arguments = protect_arguments(data, batch_size)
     result = protect(mem, ref, seed=seed, search=search, progress=progress, **arguments)
     seconds = time.perf_counter() - started
+    if keep is not None:
+        keep["steer"] = result.steer
     if result.steer is None:
         ev = base
     else:

@@ -25,10 +25,11 @@ from gss.report import cpu_capability, cpu_info, machine_info, markdown_table, w
 from gss_bench import baseline_names, transformers_bars_off
 from gss_bench.baselines import get_method
 from gss_bench.protect_report import check_report_dir
+from gss_bench.tinymem import leak_modes as LM
 from gss_bench.tinymem import methods as M
 from gss_bench.tinymem.data import SETTINGS
 from gss_bench.tinymem.paper import PAPER
-from gss_bench.tinymem.protection import protect_row, share_on
+from gss_bench.tinymem.protection import PROTECT, protect_row, share_on
 from gss_bench.tinymem.train import default_cache_dir, get_models, get_preset
 from gss_bench.trained_on import (
     KEY_CPU_CAPABILITY,
@@ -51,9 +52,6 @@ METHOD_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "GSS-TR": ("tr", "gss", {}),
     "GSS-TR ungated": ("tr", "gss", {"gate": "none"}),
 }
-# `gss protect` with its defaults: no hand-picked block, strength, rank, gate or variant
-# (gss_bench.tinymem.protection); the table's utility rule is its budget.
-PROTECT = "GSS protect"
 METHODS = (*METHOD_SPECS, PROTECT)
 DEFAULT_LAYER = 1
 DEFAULT_RANK = 4
@@ -146,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=SearchSpace.reply_check,
         help=f"{PROTECT}: how many of the best points at the target have their replies checked "
         "for loops (gss.SearchSpace.reply_check; 0: off)",
+    )
+    p.add_argument(
+        "--leak-modes",
+        action="store_true",
+        help=f"also measure {PROTECT}, its hand-over and each baseline's chosen point the ways "
+        "an attacker finds leaks (near-verbatim, sampled, longer and shorter prefixes: "
+        "gss_bench.tinymem.leak_modes); writes leak_modes.md",
     )
     p.add_argument("--batch-size", type=int, default=256, help="evaluation batch size")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -359,6 +364,8 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
             "mitigation_seconds": mitigation_time[name],
         }
         _log_choice(name, chosen)
+    protected_steer: dict[str, Any] = {}  # protect's steer, for the leak modes
+    chosen_made: dict[str, Any] = {}  # each baseline's chosen Mitigation, the same
     if PROTECT in args.methods:
         report_dir = out / f"protect_{setting}_seed{seed}"
         protected = protect_row(
@@ -374,6 +381,7 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
                 gates=tuple(args.protect_gates.split(",")),
                 reply_check=args.protect_reply_check,
             ),
+            keep=protected_steer,
         )
         methods[PROTECT] = protected
         if "heldout_rows" in protected:  # the other methods on the rows protect held out
@@ -398,8 +406,10 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
                 continue
             _log(f"  baseline {name} ...")
             swept = time.perf_counter()
-            points = M.baseline_sweep(mem, data, name, mdata, args.batch_size, base)
+            made: dict[int, Any] = {}
+            points = M.baseline_sweep(mem, data, name, mdata, args.batch_size, base, made)
             chosen = M.select(points, base, data)
+            chosen_made[name] = (made[int(chosen["strength"])], mdata)
             grid = get_method(name).grid
             evaluated = {int(p["strength"]) for p in points}
             methods[name] = {
@@ -447,6 +457,12 @@ def run_one(setting: str, seed: int, args: argparse.Namespace, out: Path) -> dic
         "seconds": {"models": trained, "total": time.perf_counter() - started},
         "threads": torch.get_num_threads(),
     }
+    if args.leak_modes:
+        heldout = methods.get(PROTECT, {}).get("protect", {}).get("heldout_index")
+        setups = LM.setups(mem, ref, record, protected_steer.get("steer"), chosen_made)
+        record["leak_modes"] = LM.measure(
+            setups, data, args.batch_size, heldout if data.noised else None
+        )
     for name in args.ablation:
         record.setdefault("ablations", {})[name] = run_ablation(
             name, mem, ref, data, base, texts, gen, args, setting, seed
@@ -952,6 +968,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         + _trained_on_line(records)
         + "\n"
     )
+    if leaks := LM.tables(records):
+        (out / "leak_modes.md").write_text(LM.HEADER + leaks + "\n")
     for record in fresh_runs:
         BaselineCheckpoint.clear(out, record)
     print(md)
