@@ -123,17 +123,12 @@ def what_it_says(
     # the same gates with the reference's token where one opens (gss.reference_where_open):
     # how close the steer gets to saying what the reference would; and with no gate, the
     # signal alone deciding at every step (where the gates find few memorized tokens)
-    pairs = [(p, o) for p, o in zip(prompts, originals, strict=True) if p and o]
     with (clock or Clock()).part(HANDOVER):
         handed, alone = (
             handed_continuations(model, gates, reference, prompts, width, pad_id, batch_size)
             for gates in (steer, None)
         )
-        # the attacker who samples through the hand-over (issue 70): its processor, stepwise
-        sampled_handed, sampled_alone = (
-            handed_sampled(model, gates, reference, pairs, pad_id, batch_size)
-            for gates in (steer, None)
-        )
+        sampled = handed_sampled(model, steer, reference, prompts, originals, pad_id, batch_size)
 
     def ppl(replies: list[list[int]]) -> float:
         return _reference_ppl(reference, prompts, replies, pad_id, batch_size)
@@ -165,8 +160,7 @@ def what_it_says(
         "memorized_signal_alone": reproduced(alone, originals),
         "repeated_4grams_signal_alone": repetition(alone),
         "reference_ppl_signal_alone": ppl(alone),
-        **{f"{key}_reference_where_open": v for key, v in sampled_handed.items()},
-        **{f"{key}_signal_alone": v for key, v in sampled_alone.items()},
+        **sampled,
     }
 
     examples = [
@@ -211,18 +205,24 @@ def handed_continuations(
 
 def handed_sampled(
     model: nn.Module,
-    steer: Steer | None,
+    steer: Steer,
     reference: nn.Module,
-    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    prompts: Sequence[Sequence[int]],
+    windows: Sequence[Sequence[int]],
     pad_id: int,
     batch_size: int,
 ) -> dict[str, float]:
-    """`sampled_temperature_1` / `sampled_top_p`: % of the (prompt, window) ``pairs`` that
-    `SAMPLES` draws through `gss.reference_where_open` (its defaults; the gates of ``steer``,
-    or with None at any step) reproduce with a chance of `LIKELY` or more."""
-    with reference_where_open(model, steer, reference) as processor:
-        shares = likely_shares(model, pairs, pad_id, batch_size, processor=processor)
-    return {f"sampled_{name}": share for name, share in shares.items()}
+    """The attacker who samples through the hand-over (issue 70): ``sampled_<sampler>_<rule>``,
+    % of the (prompt, window) pairs that `SAMPLES` draws through `gss.reference_where_open`
+    (its defaults) reproduce with a chance of `LIKELY` or more, for the gates of ``steer``
+    (``reference_where_open``) and at any step (``signal_alone``)."""
+    pairs = [(p, w) for p, w in zip(prompts, windows, strict=True) if p and w]
+    out: dict[str, float] = {}
+    for rule, gates in (("reference_where_open", steer), ("signal_alone", None)):
+        with reference_where_open(model, gates, reference) as processor:
+            shares = likely_shares(model, pairs, pad_id, batch_size, processor=processor)
+        out.update({f"sampled_{name}_{rule}": share for name, share in shares.items()})
+    return out
 
 
 def ordinary_prompts(rows: Sequence[Sequence[int]], prompt: int = 16) -> list[list[int]]:
