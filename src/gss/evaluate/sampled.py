@@ -80,7 +80,7 @@ def row_logprobs(
     window is then forced step by step through the model's KV cache and the processed scores
     are read, exact for the sampler that runs the processor (one forward a token)."""
     if processor is not None:
-        return _stepwise_logprobs(model, pairs, pad_id, batch_size, top_p, processor)
+        return _stepwise_logprobs(model, pairs, pad_id, batch_size, (top_p,), processor)[0]
     out: list[float] = []
     with eval_mode(model):
         for start in range(0, len(pairs), batch_size):
@@ -99,27 +99,36 @@ def _stepwise_logprobs(
     pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
     pad_id: int,
     batch_size: int,
-    top_p: float | None,
+    top_ps: Sequence[float | None],
     processor: Processor,
-) -> list[float]:
-    """`row_logprobs` through ``processor``: each batch of pairs of one prompt and window
-    length decoded by `greedy_generate` with the window's tokens chosen, the scores each step
-    saw kept."""
-    out = [0.0] * len(pairs)
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, (prompt, window) in enumerate(pairs):
-        groups.setdefault((len(prompt), len(window)), []).append(i)
-    for (_, width), members in groups.items():
+) -> list[list[float]]:
+    """`row_logprobs` through ``processor``, for each of ``top_ps`` from one pass: batches of
+    pairs whose windows have one length decoded by `greedy_generate` with the window's tokens
+    chosen, each step's log-probability of its token added up as the step is scored."""
+    out = [[0.0] * len(pairs) for _ in top_ps]
+    groups: dict[int, list[int]] = {}
+    for i, (_, window) in enumerate(pairs):
+        groups.setdefault(len(window), []).append(i)
+    for width, members in groups.items():
         for start in range(0, len(members), batch_size):
             chunk = members[start : start + batch_size]
+            # one batch, rows in greedy_generate's order (by prompt length, stable)
+            chunk = sorted(chunk, key=lambda i: len(pairs[i][0]))
             windows = torch.tensor([list(pairs[i][1]) for i in chunk], dtype=torch.long)
-            seen: list[Tensor] = []
+            totals = torch.zeros(len(top_ps), len(chunk), dtype=torch.float64)
+            step = [0]
 
-            def force(scores: Tensor, windows: Tensor = windows, seen: list = seen) -> Tensor:
-                seen.append(scores.float().cpu())
-                return windows[:, len(seen) - 1 : len(seen)].to(scores.device)
+            def force(
+                scores: Tensor, windows: Tensor = windows, totals: Tensor = totals, step=step
+            ) -> Tensor:
+                chosen = windows[:, step[0] : step[0] + 1].to(scores.device)
+                ids = torch.cat([torch.zeros_like(chosen), chosen], dim=1)
+                logits = scores.float().unsqueeze(1).expand(-1, 2, -1)  # position 0 predicts
+                for at, top_p in enumerate(top_ps):
+                    totals[at] += window_logprobs(logits, ids, 1, 2, top_p).double().cpu()
+                step[0] += 1
+                return chosen
 
-            # one batch of equal-length prompts keeps its order (greedy_generate sorts by length)
             greedy_generate(
                 model,
                 [pairs[i][0] for i in chunk],
@@ -129,10 +138,9 @@ def _stepwise_logprobs(
                 choose=force,
                 processor=processor,
             )
-            logits = torch.stack([*seen, seen[-1]], dim=1)  # position t predicts window[t]
-            ids = torch.cat([torch.zeros_like(windows[:, :1]), windows], dim=1)
-            for i, lp in zip(chunk, window_logprobs(logits, ids, 1, width + 1, top_p), strict=True):
-                out[i] = float(lp)
+            for at in range(len(top_ps)):
+                for i, lp in zip(chunk, totals[at].tolist(), strict=True):
+                    out[at][i] = float(lp)
     return out
 
 
@@ -149,14 +157,16 @@ def likely_shares(
     scores through ``processor`` where given (`row_logprobs`)."""
     if not pairs:
         return {}
-    return {
-        name: 100.0
-        * sum(
-            sampled_chance(lp, samples) >= LIKELY
-            for lp in row_logprobs(model, pairs, pad_id, batch_size, top_p, processor)
+    samplers = {"temperature_1": None, "top_p": TOP_P}
+    if processor is None:
+        logprobs = [row_logprobs(model, pairs, pad_id, batch_size, p) for p in samplers.values()]
+    else:  # one stepwise pass for both samplers
+        logprobs = _stepwise_logprobs(
+            model, pairs, pad_id, batch_size, list(samplers.values()), processor
         )
-        / len(pairs)
-        for name, top_p in (("temperature_1", None), ("top_p", TOP_P))
+    return {
+        name: 100.0 * sum(sampled_chance(lp, samples) >= LIKELY for lp in lps) / len(pairs)
+        for name, lps in zip(samplers, logprobs, strict=True)
     }
 
 
