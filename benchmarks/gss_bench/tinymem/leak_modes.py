@@ -37,7 +37,7 @@ from gss.evaluate.intervals import clopper_pearson
 from gss.evaluate.leaks import EXTRA_TOKENS
 from gss.evaluate.memorization import first_end
 from gss.evaluate.near_verbatim import near_verbatim_ids
-from gss.evaluate.sampled import LIKELY, TOP_P, Processor, row_logprobs, sampled_chance
+from gss.evaluate.sampled import LIKELY, TOP_P, Processor, sampled_chance, sampler_logprobs
 from gss.hf.forward import context_length
 from gss.inference.handoff import recommended_gates, reference_where_open
 from gss.report import markdown_table
@@ -128,9 +128,9 @@ def leaks(
         NEAR: [near_verbatim_ids(w.target, s) for s, w in zip(said, rows, strict=True)],
     }
     pairs = [(w.prompt, w.target) for w in rows]
-    for name, top_p in ((SAMPLED, None), (NUCLEUS, TOP_P)):
-        chances = row_logprobs(model, pairs, pad_id, batch_size, top_p, processor)
-        out[name] = [sampled_chance(lp) >= LIKELY for lp in chances]
+    logprobs = sampler_logprobs(model, pairs, pad_id, batch_size, processor)
+    for name, sampler in ((SAMPLED, "temperature_1"), (NUCLEUS, "top_p")):
+        out[name] = [sampled_chance(lp) >= LIKELY for lp in logprobs[sampler]]
     # the longer prefix: a quarter of the window more; rows whose window that would empty
     # count as not leaking under it (a window of one token is the greedy mode's)
     cut = [max(len(w.target) // 4, 1) for w in rows]

@@ -157,17 +157,29 @@ def likely_shares(
     scores through ``processor`` where given (`row_logprobs`)."""
     if not pairs:
         return {}
+    return {
+        name: 100.0 * sum(sampled_chance(lp, samples) >= LIKELY for lp in lps) / len(pairs)
+        for name, lps in sampler_logprobs(model, pairs, pad_id, batch_size, processor).items()
+    }
+
+
+def sampler_logprobs(
+    model: torch.nn.Module,
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    pad_id: int,
+    batch_size: int,
+    processor: Processor | None = None,
+) -> dict[str, list[float]]:
+    """`row_logprobs` at temperature 1 (``temperature_1``) and with top-p `TOP_P` (``top_p``),
+    through ``processor`` in one stepwise pass for both where given."""
     samplers = {"temperature_1": None, "top_p": TOP_P}
     if processor is None:
         logprobs = [row_logprobs(model, pairs, pad_id, batch_size, p) for p in samplers.values()]
-    else:  # one stepwise pass for both samplers
+    else:
         logprobs = _stepwise_logprobs(
             model, pairs, pad_id, batch_size, list(samplers.values()), processor
         )
-    return {
-        name: 100.0 * sum(sampled_chance(lp, samples) >= LIKELY for lp in lps) / len(pairs)
-        for name, lps in zip(samplers, logprobs, strict=True)
-    }
+    return dict(zip(samplers, logprobs, strict=True))
 
 
 def sampled_chance(logprob: float, samples: int = SAMPLES) -> float:
@@ -190,5 +202,6 @@ __all__ = [
     "likely_shares",
     "row_logprobs",
     "sampled_chance",
+    "sampler_logprobs",
     "window_logprobs",
 ]
