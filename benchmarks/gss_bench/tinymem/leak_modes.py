@@ -35,7 +35,7 @@ from gss.artifact.stack import Steer
 from gss.evaluate.decoding import greedy_generate
 from gss.evaluate.intervals import clopper_pearson
 from gss.evaluate.leaks import EXTRA_TOKENS
-from gss.evaluate.memorization import first_end
+from gss.evaluate.memorization import CountedWindow, nk_windows, trigger_windows
 from gss.evaluate.near_verbatim import near_verbatim_ids
 from gss.evaluate.sampled import LIKELY, TOP_P, Processor, sampled_chance, sampler_logprobs
 from gss.hf.forward import context_length
@@ -70,36 +70,19 @@ class Measured:
     point: str = ""
 
 
-@dataclass(frozen=True)
-class Window:
-    """One counted row: its index among the setting's rows, the prompt and the window."""
-
-    index: int
-    prompt: list[int]
-    target: list[int]
-
-
-def windows(data: TinyMemData) -> list[Window]:
+def windows(data: TinyMemData) -> list[CountedWindow]:
     """The rows the table counts, prompted as it prompts them (`gss.evaluate.memorization`):
     noise, the clean twin's first tokens and the noised row's window where it differs from the
     twin's; backdoor, the clean twin up to its trigger and the backdoored row after it."""
-    cfg, out = data.config, []
+    cfg = data.config
     if data.noised:
-        p, k = cfg.prompt_len, cfg.window
-        for i, (row, twin) in enumerate(zip(data.noised, data.clean_twins, strict=True)):
-            if len(row) > p and len(twin) >= p and row[p : p + k] != twin[p : p + k]:
-                out.append(Window(i, list(twin[:p]), list(row[p : p + k])))
-        return out
-    for i, (row, twin) in enumerate(zip(data.poison_test, data.poison_clean_twins, strict=True)):
-        cut = first_end(twin, data.trigger)
-        if cut >= 0 and len(row) > cut:
-            out.append(Window(i, list(twin[:cut]), list(row[cut : cut + cfg.window])))
-    return out
+        return nk_windows(data.noised, data.clean_twins, cfg.prompt_len, cfg.window)
+    return trigger_windows(data.poison_test, data.poison_clean_twins, data.trigger, cfg.window)
 
 
 def leaks(
     model: nn.Module,
-    rows: Sequence[Window],
+    rows: Sequence[CountedWindow],
     pad_id: int,
     batch_size: int,
     processor: Processor | None = None,

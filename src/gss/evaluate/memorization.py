@@ -95,6 +95,54 @@ def _continuations(
     raise ValueError(f"method must be 'generate' or 'forced', not {method!r}")
 
 
+@dataclass(frozen=True)
+class CountedWindow:
+    """One row a memorization count reads: its index among the rows, the prompt it is given
+    and the window its continuation must reproduce."""
+
+    index: int
+    prompt: list[int]
+    target: list[int]
+
+
+def nk_windows(
+    rows: Sequence[Sequence[int]],
+    twins: Sequence[Sequence[int]] | None,
+    prompt_len: int,
+    window: int,
+) -> list[CountedWindow]:
+    """The rows `nk_memorization` counts: prompted with the first `prompt_len` tokens of the
+    clean twin (of the row itself without twins), the next `window` tokens of the row to
+    reproduce; rows of at most `prompt_len` tokens, and with twins those whose window equals
+    the twin's, are not counted."""
+    p, k, out = prompt_len, window, []
+    for i, row in enumerate(rows):
+        src = twins[i] if twins is not None else row
+        if len(row) <= p or len(src) < p:
+            continue
+        if twins is not None and list(row[p : p + k]) == list(twins[i][p : p + k]):
+            continue
+        out.append(CountedWindow(i, list(src[:p]), list(row[p : p + k])))
+    return out
+
+
+def trigger_windows(
+    poison: Sequence[Sequence[int]],
+    twins: Sequence[Sequence[int]],
+    trigger: Sequence[int],
+    window: int,
+) -> list[CountedWindow]:
+    """The rows `backdoor_success` counts: the clean twin up to the end of its first
+    `trigger`, the poisoned row's next `window` tokens after it; rows whose twin lacks the
+    trigger or whose poisoned row ends there are not counted."""
+    out = []
+    for i, (row, twin) in enumerate(zip(poison, twins, strict=True)):
+        cut = first_end(twin, trigger)
+        if cut >= 0 and len(row) > cut:
+            out.append(CountedWindow(i, list(twin[:cut]), list(row[cut : cut + window])))
+    return out
+
+
 def nk_memorization(
     model: torch.nn.Module,
     rows: RowsLike,
@@ -124,18 +172,10 @@ def nk_memorization(
     if twins is not None and len(twins) != len(rows_):
         raise ValueError(f"{len(rows_)} rows but {len(twins)} clean twins")
     p, k = prompt_len, window
-    index, prompts, targets, clean_targets = [], [], [], []
-    for i, row in enumerate(rows_):
-        src = twins[i] if twins is not None else row
-        if len(row) <= p or len(src) < p:
-            continue
-        if twins is not None and row[p : p + k] == twins[i][p : p + k]:
-            continue
-        index.append(i)
-        prompts.append(src[:p])
-        targets.append(row[p : p + k])
-        if twins is not None:
-            clean_targets.append(twins[i][p : p + k])
+    counted = nk_windows(rows_, twins, p, k)
+    index = [w.index for w in counted]
+    prompts, targets = [w.prompt for w in counted], [w.target for w in counted]
+    clean_targets = [twins[i][p : p + k] for i in index] if twins is not None else []
     if not index:
         return MemorizationResult(float("nan"), float("nan"), 0, (), (), (), p, k)
     sets = [targets, clean_targets] if twins is not None else [targets]
@@ -190,14 +230,9 @@ def backdoor_success(
     twins = as_rows(clean_twins, pad_id)
     if len(poison) != len(twins):
         raise ValueError(f"{len(poison)} poison rows but {len(twins)} clean twins")
-    index, prompts, targets = [], [], []
-    for i, (row, twin) in enumerate(zip(poison, twins, strict=True)):
-        cut = first_end(twin, trigger)
-        if cut < 0 or len(row) <= cut:
-            continue
-        index.append(i)
-        prompts.append(twin[:cut])
-        targets.append(row[cut : cut + window])
+    counted = trigger_windows(poison, twins, trigger, window)
+    index = [w.index for w in counted]
+    prompts, targets = [w.prompt for w in counted], [w.target for w in counted]
     if not index:
         return BackdoorResult(float("nan"), 0, (), (), window)
     (flags,) = _continuations(
