@@ -1,6 +1,6 @@
-"""gss protect alone on the plain canary fine-tune of N canaries: enough held-out canaries that
-"none says its secret" means something (issue 70: at 0 of about 100, a one-sided 95% upper
-bound of 3%), with the exact intervals.
+"""gss protect alone on the canary fine-tune of N canaries (plain, ``--lora R`` or ``--chat``):
+enough held-out canaries that "none says its secret" means something (issue 70: at 0 of about
+100, a one-sided 95% upper bound of 3%), with the exact intervals.
 
 A developer's measurement script (not part of ``gss bench``): ``gss bench canaries --canaries
 N --protect`` runs the same protect (`protect_point`, the bench's rows, budget and window) after
@@ -8,6 +8,11 @@ its grids and baselines, which at 200 canaries take an hour on 2 cores (MemFree'
 minutes a point). It fine-tunes as the bench does, or reads the bench's cached fine-tune:
 
     .venv/bin/python benchmarks/scripts/protect_heldout.py --canaries 200 --out results/canaries-200
+    .venv/bin/python benchmarks/scripts/protect_heldout.py --canaries 216 --lora 16 --lr 1e-3 \
+        --out /tmp/c216-lora
+
+As with ``gss bench canaries --lora``, a LoRA's reference is the same model with its adapters
+off (`gss.adapters_off`); ``--chat`` renders every row as a conversation (the bench's sizes).
 """
 
 from __future__ import annotations
@@ -19,16 +24,20 @@ from pathlib import Path
 
 import torch
 
+from gss.hf.adapters import adapters_off
 from gss.report import machine_info, write_json
 from gss_bench.canaries.data import CanaryConfig, make_canary_data
 from gss_bench.canaries.finetune import FinetuneConfig
 from gss_bench.canaries.protection import canary_measure, protect_point
 from gss_bench.canaries.run import (
     CALIBRATION_CLEAN_ROWS,
+    CHAT,
     DEFAULT_MODEL,
     PPL_TOLERANCE,
     _load,
+    _tokenizer,
     canary_config,
+    check_chat,
     default_cache,
     finetuned,
     model_path,
@@ -40,17 +49,24 @@ def main() -> None:
     parser.add_argument("--canaries", type=int, default=200)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--progress", action="store_true", help="protect's progress bars")
+    parser.add_argument("--lora", type=int, default=0, help="a rank-R LoRA fine-tune (0: plain)")
+    parser.add_argument("--lr", type=float, default=FinetuneConfig.lr)
+    parser.add_argument("--chat", action="store_true", help="every row a conversation")
     args = parser.parse_args()
     torch.set_num_threads(2)
     started = time.perf_counter()
     base_path = model_path(DEFAULT_MODEL)
+    if args.chat:
+        check_chat(_tokenizer(base_path), base_path)
     base, tokenizer = _load(base_path, "cpu")
     split = args.canaries > CanaryConfig.canaries  # as `gss bench canaries --canaries N`
-    config = canary_config(tokenizer, 0, canaries=args.canaries, split=split)
+    sizes = dict(CHAT) if args.chat else {}
+    config = canary_config(tokenizer, 0, canaries=args.canaries, split=split, **sizes)
     data = make_canary_data(tokenizer, config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    cfg = FinetuneConfig(seed=0)
+    cfg = FinetuneConfig(seed=0, lr=args.lr, lora_rank=args.lora)
     model, info = finetuned(base, base_path, data, cfg, pad, default_cache(), tokenizer)
+    reference = adapters_off(model) if args.lora else base
     bs = 16
     train_rows = [*data.canary_rows, *data.finetune_rows[:CALIBRATION_CLEAN_ROWS]]
 
@@ -59,7 +75,7 @@ def main() -> None:
     unmitigated = measure(model, "forced")
     point, seconds, extra = protect_point(
         model,
-        base,
+        reference,
         data,
         tokenizer,
         train_rows,
@@ -88,7 +104,9 @@ def main() -> None:
         args.out / "results.json",
         {
             "command": "benchmarks/scripts/protect_heldout.py "
-            f"--canaries {args.canaries} --out {args.out}",
+            f"--canaries {args.canaries} --out {args.out}"
+            + (f" --lora {args.lora} --lr {args.lr:g}" if args.lora else "")
+            + (" --chat" if args.chat else ""),
             "machine": machine_info(),
             **row,
         },
