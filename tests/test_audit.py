@@ -311,3 +311,38 @@ def test_audit_command_scores_shorter_prompts(memorizer, tmp_path, capsys):
     assert "| 0-3 / 4-11 |" in printed
     memorized = read_texts(tmp_path / "out" / "memorized.jsonl", keep_rows=True)
     assert [row["input_ids"] for row in memorized] == rows
+
+
+def test_clean_rows_leave_out_every_mode_of_memorization():
+    """protect's domain rows (`clean_ids`) are the rows no measured mode finds memorized: a row
+    the greedy audit missed but the sampler reproduces, or most of whose window is predicted
+    near-verbatim, is not clean (a TinyMem backdoor's two such rows refused every steer)."""
+    from math import log
+
+    from gss.audit import AuditReport, AuditRow
+
+    sure, unlikely = log(0.9), log(1e-6)  # one sample's chance of the whole window
+
+    def row(index: int, **fields) -> AuditRow:
+        base = dict(tokens=12, extractable=False, matched=0.1, longest_run=1, omega_mean=0.0)
+        base.update(omega_max=0.0, omega_burst=0, reference_extractable=False)
+        base.update(sampled_logprob=unlikely, nucleus_logprob=unlikely)
+        base.update(reference_sampled_logprob=unlikely)
+        base.update(fields)
+        return AuditRow(index=index, **base)
+
+    rows = [
+        row(0),  # clean
+        row(1, extractable=True),  # memorized greedily
+        row(2, sampled_logprob=sure),  # the sampler says it
+        row(3, nucleus_logprob=sure),  # top-p says it
+        row(4, matched=0.85),  # near-verbatim, teacher-forced
+        row(5, extractable=True, reference_extractable=True),  # any model completes it
+        row(6, sampled_logprob=sure, reference_sampled_logprob=sure),  # the reference too
+        row(7, extracted_from=(4,)),  # a shorter prompt extracts it
+    ]
+    ids = [[i] * 12 for i in range(len(rows))]
+    report = AuditReport(rows=rows, k=4, n=12, seconds=0.0, ids=ids, prefixes=(4, 8))
+    assert [r.index for r in rows if report.shows_memorization(r)] == [1, 2, 3, 4, 7]
+    assert report.clean_ids == [ids[0], ids[5], ids[6]]
+    assert [r.index for r in report.memorized] == [1]  # what protect tunes on is unchanged

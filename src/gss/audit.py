@@ -40,6 +40,7 @@ from gss.config import DEFAULT_WINDOW, RunOptions, Window, run_options
 from gss.data import TextsOrIds, batches, count_batches, encode_every, predictable
 from gss.errors import GSSError, GSSWarning
 from gss.evaluate.intervals import clopper_pearson
+from gss.evaluate.near_verbatim import SHARE as NEAR_VERBATIM_SHARE
 from gss.evaluate.other_prompts import OtherPromptsReport
 from gss.evaluate.other_prompts import other_prompts as under_other_prompts
 from gss.evaluate.sampled import LIKELY, SAMPLES, TOP_P, sampled_chance, window_logprobs
@@ -271,11 +272,30 @@ class AuditReport:
         """The extractable rows the reference does not extract (`is_memorized`)."""
         return [r for r in self.rows if self.is_memorized(r)]
 
+    def shows_memorization(self, row: AuditRow) -> bool:
+        """Whether any mode the audit measured finds ``row`` memorized and the reference does
+        not: extractable (`is_memorized`, or from a shorter scored prompt), sampled (either
+        sampler reproduces its window with a chance of `sampled.LIKELY` or more), or predicted
+        near-verbatim (`near_verbatim.SHARE` of its window right, teacher-forced). A row the
+        reference extracts from its first k tokens is text any model completes: none."""
+        if self.is_memorized(row) or row.leaks_from is not None:
+            return True
+        if row.reference_extractable:
+            return False
+        reference_samples = row.reference_sampled_logprob is not None and (
+            sampled_chance(row.reference_sampled_logprob, SAMPLES) >= LIKELY
+        )
+        sampled = row.sample_extractable() or row.sample_extractable(nucleus=True)
+        return (sampled and not reference_samples) or row.matched >= NEAR_VERBATIM_SHARE
+
     @property
     def clean_ids(self) -> list[list[int]]:
-        """The token ids of the rows not memorized, in input order: the data's clean rows
-        (what the fine-tune is for, which protect's domain check and gates read)."""
-        flagged = {r.index for r in self.memorized}
+        """The token ids of the rows no mode finds memorized (`shows_memorization`), in input
+        order: the data's clean rows (what the fine-tune is for, which protect's domain check
+        and gates read). A row memorized in a mode the audit does not flag by stays out: on a
+        TinyMem backdoor, the two rows the greedy audit missed were sampled leaks, and a
+        domain check on them refused every steer that removed the backdoor."""
+        flagged = {r.index for r in self.rows if self.shows_memorization(r)}
         return [list(ids) for i, ids in enumerate(self.ids) if i not in flagged]
 
     def memorized_per_prefix(self) -> dict[int, int]:
