@@ -19,6 +19,7 @@ from .helpers import general_rows, tiny_model, train, word_tokenizer
 from .test_docs import RESULTS, ROOT, cells, section, table_rows
 
 README = ROOT / "README.md"
+HEADLINE = "tinymem-amd-epyc"  # the results folder of the README's TinyMem table
 
 
 def test_readme_example_runs(tmp_path, monkeypatch, capsys):
@@ -46,8 +47,8 @@ def test_readme_example_runs(tmp_path, monkeypatch, capsys):
 
 
 def _summary() -> dict[str, list[str]]:
-    """results/tinymem/summary.md's table (what `gss bench tinymem` writes), by method."""
-    rows = table_rows((RESULTS / "tinymem" / "summary.md").read_text())
+    """The headline's summary table (what `gss bench tinymem` writes), by method."""
+    rows = table_rows((RESULTS / HEADLINE / "summary.md").read_text())
     return {cells(row)[0]: cells(row)[1:] for row in rows}
 
 
@@ -58,7 +59,7 @@ def _without_time(cell: str) -> str:
 
 
 def test_readme_headline_table_is_the_committed_summary():
-    """Each row of the README's headline table is a row of results/tinymem/summary.md with
+    """Each row of the README's headline table is a row of the headline's summary.md with
     the times left out: the method is the name before any " (", every cell is the summary's."""
     summary = _summary()
     rows = table_rows(section(README, "## Headline result: TinyMem"))
@@ -66,7 +67,7 @@ def test_readme_headline_table_is_the_committed_summary():
     names = [cells(row)[0].split(" (", 1)[0] for row in rows]
     assert {"Unmitigated", "GSS", "GSS-TR"} <= set(names), names
     for row, name in zip(rows, names, strict=True):
-        assert name in summary, f"{name!r} is no method of results/tinymem/summary.md"
+        assert name in summary, f"{name!r} is no method of results/{HEADLINE}/summary.md"
         assert cells(row)[1:] == [_without_time(c) for c in summary[name]], name
 
 
@@ -96,7 +97,7 @@ def test_readme_prose_quotes_the_committed_results():
 
 def test_readme_protect_numbers_are_the_committed_results():
     text = " ".join(README.read_text().split())
-    runs = json.loads((RESULTS / "tinymem" / "results.json").read_text())["runs"]
+    runs = json.loads((RESULTS / HEADLINE / "results.json").read_text())["runs"]
 
     def by_seed(setting: str) -> list[dict]:
         found = sorted((r for r in runs if r["setting"] == setting), key=lambda r: r["seed"])
@@ -118,7 +119,7 @@ def test_readme_protect_numbers_are_the_committed_results():
 
     assert f"math noise keeps {listed(held('math_noise', 'GSS protect'))} (seeds 0, 1, 2)" in text
     assert f"against {listed(held('math_noise', 'GSS-TR'))} for GSS-TR" in text
-    assert held("lang_noise", "GSS protect") == [0.0] * 3  # "language noise 0.0% on every seed"
+    assert f"and language noise {listed(held('lang_noise', 'GSS protect'))}." in text
     for setting in ("math_backdoor", "lang_backdoor"):  # "protect leaves 0.0% on every seed"
         assert counted(setting, "GSS protect") == [0.0] * 3
     assert f"(GSS-TR: {listed(counted('math_backdoor', 'GSS-TR'))} on the math backdoor)" in text

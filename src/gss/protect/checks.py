@@ -20,7 +20,8 @@ from gss.protect.measure import FOLLOWS, Check, prompt_and_target
 from gss.protect.split import Split
 
 DOMAIN = "domain perplexity"
-"""The check on the data's clean rows (the audit flagged none of them)."""
+"""The check on the data's clean rows (no mode of the audit finds them memorized:
+`AuditReport.clean_ids`)."""
 
 
 @dataclass(frozen=True)
