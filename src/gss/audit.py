@@ -106,6 +106,12 @@ class AuditRow:
         chance = self.sampled_chance(samples, nucleus)
         return chance is not None and chance >= LIKELY
 
+    def reference_sample_extractable(self, samples: int = SAMPLES) -> bool:
+        """The reference's ``samples`` samples (temperature 1) reproduce the window with a
+        chance of `sampled.LIKELY` or more."""
+        logprob = self.reference_sampled_logprob
+        return logprob is not None and sampled_chance(logprob, samples) >= LIKELY
+
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> AuditRow:
         """A row of ``audit.jsonl`` (an older audit's too: the fields it lacks take their
@@ -282,11 +288,10 @@ class AuditReport:
             return True
         if row.reference_extractable:
             return False
-        reference_samples = row.reference_sampled_logprob is not None and (
-            sampled_chance(row.reference_sampled_logprob, SAMPLES) >= LIKELY
-        )
         sampled = row.sample_extractable() or row.sample_extractable(nucleus=True)
-        return (sampled and not reference_samples) or row.matched >= NEAR_VERBATIM_SHARE
+        return (sampled and not row.reference_sample_extractable()) or (
+            row.matched >= NEAR_VERBATIM_SHARE
+        )
 
     @property
     def clean_ids(self) -> list[list[int]]:
@@ -322,12 +327,7 @@ class AuditReport:
         if not rows:
             return None
         model = [r for r in rows if r.sample_extractable(samples)]
-        reference = [r for r in rows if r.reference_sampled_logprob is not None]
-        by_reference = {
-            r.index
-            for r in reference
-            if sampled_chance(cast(float, r.reference_sampled_logprob), samples) >= LIKELY
-        }
+        by_reference = {r.index for r in rows if r.reference_sample_extractable(samples)}
         memorized = [r for r in model if r.index not in by_reference]
         return {
             "samples": samples,
