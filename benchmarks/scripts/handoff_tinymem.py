@@ -13,6 +13,9 @@ token more than 1 nat likelier under it than under the reference) some gate open
 
     ATEN_CPU_CAPABILITY=avx2 PYTHONPATH=benchmarks .venv/bin/python \\
         benchmarks/scripts/handoff_tinymem.py --settings math_noise --out /tmp/handoff-tinymem
+
+``--reports results/tinymem-amd-epyc`` reads the committed reports' steers and splits instead
+of running protect (seconds, not minutes, a setting).
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ import time
 import warnings
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from gss import load
 from gss.artifact.stack import SteeringStack
 from gss.evaluate.decoding import greedy_generate
 from gss.evaluate.utility import perplexity, repetition
@@ -41,7 +46,8 @@ from gss_bench.tinymem import methods as M
 from gss_bench.tinymem.protection import protect_arguments
 from gss_bench.tinymem.train import get_models
 
-RULES: list[tuple[bool, float | None, float | None]] = [  # (gates, min_confidence, min_signal)
+Rule = tuple[bool, float | None, float | None]  # (gates, min_confidence, min_signal)
+RULES: list[Rule] = [
     (True, 0.98, 1.0),  # reference_where_open's defaults
     (True, None, 1.0),
     (True, None, None),
@@ -117,19 +123,39 @@ class SteeredView(torch.nn.Module):
                 return self.inner[0](**inputs)
 
 
+def from_report(report: Path) -> SimpleNamespace:
+    """A committed protect report's steer and held-out rows (indices into the rows protect
+    got; every TinyMem row is checkable, so the audit's row i is row i), as `run` reads them
+    from a fresh `protect`."""
+    record = json.loads((report / "protect.json").read_text())
+    if record["audit"]["checkable"] != record["audit"]["rows"]:
+        raise SystemExit(f"{report}: some rows were not checkable; rerun protect instead")
+    return SimpleNamespace(
+        steer=load(report / "steer"),
+        heldout=record["split"]["heldout"],
+        chosen=record["chosen"],
+        seconds=record["seconds"],
+        report_seconds=record["report_seconds"],
+        handover=record["handover"],
+    )
+
+
 def run(
-    setting: str, seed: int, rules: list[tuple[bool, float | None, float | None]], sure: bool
+    setting: str, seed: int, rules: list[Rule], sure: bool, reports: Path | None = None
 ) -> list[dict[str, Any]]:
     mem, ref, data, _ = get_models(setting, "default", seed, None, progress=False)
     arguments = protect_arguments(data, 256)
     started = time.perf_counter()
-    result = protect(mem, ref, seed=seed, progress=False, **arguments)
+    if reports is not None:  # the committed report's steer and split: no protect run
+        result: Any = from_report(reports / f"protect_{setting}_seed{seed}")
+    else:
+        result = protect(mem, ref, seed=seed, progress=False, **arguments)
     seconds = time.perf_counter() - started
     if result.steer is None:
         raise SystemExit(f"{setting} seed {seed}: protect found no steer within the budget")
     k, n, pad = arguments["k"], arguments["n"], data.pad_id
     texts = arguments["texts"]
-    held = [texts[result.audit.rows[i].index] for i in result.heldout]
+    held = [texts[i if reports is not None else result.audit.rows[i].index] for i in result.heldout]
     windows = [prompt_and_target(r, k, n) for r in held]
     prompts = [p for p, _ in windows]
     # a backdoor pair's window may be shorter than n - k: each row's own length
@@ -155,7 +181,7 @@ def run(
         "setting": setting,
         "seed": seed,
         "chosen": str(result.chosen),
-        "protect_seconds": seconds,
+        "protect_seconds": seconds if reports is None else None,  # None: read from a report
         "protect_steps_seconds": result.seconds,
         "report_seconds": result.report_seconds,
         # protect's step 8: each hand-over rule on the tuning rows, and the one it chose
@@ -224,6 +250,13 @@ def main() -> None:
         "confidence and signal, with the steer's gates and with none)",
     )
     parser.add_argument(
+        "--reports",
+        type=Path,
+        help="read each setting's steer and split from DIR/protect_<setting>_seed<seed> (a "
+        "committed `gss bench tinymem` result, e.g. results/tinymem-amd-epyc) instead of "
+        "running protect",
+    )
+    parser.add_argument(
         "--steer-where-sure",
         action="store_true",
         help="also the steer's own scores at the steps a gate opens and the fine-tune is sure "
@@ -235,7 +268,7 @@ def main() -> None:
     records = []
     for setting in args.settings.split(","):
         for seed in [int(s) for s in args.seeds.split(",")]:
-            records += run(setting, seed, rules, args.steer_where_sure)
+            records += run(setting, seed, rules, args.steer_where_sure, args.reports)
     write_json(
         args.out / "result.json",
         {
