@@ -50,6 +50,21 @@ def test_a_fine_tune_of_any_one_tensor_is_refused(calibrated, name):
         art.check_model(_tuned(model, name))
 
 
+@pytest.mark.parametrize("name", ["lm_head.weight", "model.norm.weight"])
+def test_a_fine_tune_of_the_head_or_the_final_norm_is_refused(calibrated, name):
+    """Weights outside the blocks count too: a fine-tune of the output head alone, or of the
+    final norm, is another model; the same weights in bfloat16 are not."""
+    model, art = calibrated
+    assert model.lm_head.weight is not model.model.embed_tokens.weight  # untied: its own
+    other = copy.deepcopy(model)
+    weight = dict(other.named_parameters())[name]
+    with torch.no_grad():
+        weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)) * 0.05)
+    with pytest.raises(GSSError, match=r"weights outside the decoder blocks \(" + name):
+        art.check_model(other)
+    art.check_model(copy.deepcopy(model).to(torch.bfloat16))  # no error
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_same_weights_in_half_precision_are_accepted(calibrated, dtype):
     model, art = calibrated

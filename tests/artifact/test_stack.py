@@ -113,9 +113,15 @@ def test_stack_refuses_what_it_cannot_do(stacked, tmp_path):
     stack.with_member(1, delta=5.0).save_pretrained(tmp_path / "s", overwrite=True)
     assert gss.load(tmp_path / "s").artifacts[1].config.delta == 5.0
     manifest = json.loads((tmp_path / "s" / "gss_stack.json").read_text())
+    sealed = manifest["members"][0]["tensors_sha256"]
     manifest["members"][0]["tensors_sha256"] = "0" * 64
     (tmp_path / "s" / "gss_stack.json").write_text(json.dumps(manifest))
     with pytest.raises(GSSError, match="SHA-256 differs"):
+        gss.load(tmp_path / "s")
+    manifest["members"][0]["tensors_sha256"] = sealed
+    manifest["members"] = manifest["members"][:1]  # a member taken off the list, not the disk
+    (tmp_path / "s" / "gss_stack.json").write_text(json.dumps(manifest))
+    with pytest.raises(GSSError, match=r"holds steer-1, which gss_stack\.json does not list"):
         gss.load(tmp_path / "s")
     (tmp_path / "s" / "gss_stack.json").write_text("{")
     with pytest.raises(GSSError, match="not valid JSON"):

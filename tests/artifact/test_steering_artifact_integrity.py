@@ -63,6 +63,18 @@ def test_a_config_that_lies_is_refused(tmp_path, steered, edit, message):
         gss.load(_saved(tmp_path, art, edit))
 
 
+def test_an_artifact_of_an_older_format_loads_and_says_nothing_seals_it(tmp_path, steered):
+    """Format 2 had no checksum of its config: such a file (or a format-3 one relabelled 2 to
+    skip the check, its delta edited) loads as before, and warns that an edit goes unseen."""
+    _, art = steered
+
+    def relabelled(raw):
+        _as_format_2(raw)["config"]["delta"] = 50.0
+
+    with pytest.warns(GSSWarning, match="format 2, whose config no checksum covers"):
+        assert gss.load(_saved(tmp_path, art, relabelled)).config.delta == 50.0
+
+
 def test_a_stack_refuses_one_steer_twice(tmp_path, steered):
     _, art = steered
     with pytest.raises(GSSError, match=r"holds two steers of block 1 \(or one twice\)"):
@@ -127,6 +139,36 @@ def test_overwrite_replaces_only_what_gss_wrote(tmp_path, memorizer):
     (ours / "audit.md").write_text("edited since\n")
     with pytest.raises(GSSError, match=r"was not written by gss \(or was changed since\)"):
         report.write(ours, overwrite=True)
+
+
+def test_no_record_or_card_goes_through_a_link(tmp_path, memorizer, steered):
+    """gss's record of what it wrote (``.gss-written.json``) as a link or a folder is refused
+    before any work, and rewritten by a rename, never through a link; a save over an artifact
+    whose README.md is a link is refused (it would copy the linked file in)."""
+    from gss.artifact.files import WRITTEN, record_outputs
+
+    model, reference, planted, _ = memorizer
+    report = gss.audit(model, reference, planted.tolist(), k=4, n=16, progress=False)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("my notes\n")
+    linked, folder, raced = tmp_path / "linked", tmp_path / "folder" / WRITTEN, tmp_path / "raced"
+    for d in (linked, folder, raced):
+        d.mkdir(parents=True)
+    (linked / WRITTEN).symlink_to(victim)
+    with pytest.raises(GSSError, match=r"gss-written.json is a link"):
+        report.write(linked)
+    with pytest.raises(GSSError, match=r"gss-written.json is not a regular file"):
+        report.write(folder.parent)
+    (raced / "audit.md").write_text("written\n")
+    (raced / WRITTEN).symlink_to(victim)  # planted after the check: replaced, not followed
+    record_outputs(raced, ["audit.md"])
+    assert victim.read_text() == "my notes\n" and not (raced / WRITTEN).is_symlink()
+    _, art = steered
+    art.save_pretrained(tmp_path / "a")
+    (tmp_path / "a" / "README.md").unlink()
+    (tmp_path / "a" / "README.md").symlink_to(victim)
+    with pytest.raises(GSSError, match=r"README.md is a link"):
+        art.save_pretrained(tmp_path / "a", overwrite=True)
 
 
 def test_protect_writes_no_steer_through_a_link(tmp_path):

@@ -97,6 +97,12 @@ def check_target(directory: str | Path, overwrite: bool) -> Path:
         check_creatable(out)
         return out
     present = {p.name for p in out.iterdir()}
+    if (out / CARD_NAME).is_symlink():  # kept across saves: a link would copy its target in
+        raise GSSError(
+            f"{out / CARD_NAME} is a link (to {os.readlink(out / CARD_NAME)}): a save keeps a "
+            "README it did not write, and would copy the linked file into the artifact. "
+            "Remove the link, or choose another directory."
+        )
     ours = set(ARTIFACT_FILES)
     if STACK_NAME in present:
         ours = {STACK_NAME} | {p.name for p in out.glob("steer-*") if _is_artifact(p)}
@@ -189,6 +195,8 @@ WRITTEN = ".gss-written.json"
 
 
 def _written(out: Path) -> dict[str, str]:
+    if (out / WRITTEN).is_symlink():  # not gss's record (`check_outputs` refuses it)
+        return {}
     try:
         known = json.loads((out / WRITTEN).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -204,7 +212,12 @@ def record_outputs(directory: str | Path, names: Iterable[str]) -> None:
     for name in names:
         if (out / name).is_file():
             known[name] = sha256_of(out / name)
-    (out / WRITTEN).write_text(json.dumps(known, indent=1, sort_keys=True), encoding="utf-8")
+    # a new file renamed over the record: a link there is replaced, never written through
+    fd, tmp = tempfile.mkstemp(prefix=f"{WRITTEN}.", dir=out)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(json.dumps(known, indent=1, sort_keys=True))
+    os.chmod(tmp, 0o666 & ~_umask())
+    os.replace(tmp, out / WRITTEN)
 
 
 def check_outputs(
@@ -247,6 +260,13 @@ def check_outputs(
             f"{out / linked[0]} is a link (to {os.readlink(out / linked[0])}): gss writes no "
             f"result through a link, which would put it outside {out}. Remove the link, or "
             f"choose another {flag}."
+        )
+    record = out / WRITTEN  # gss's own record of what it wrote there, rewritten after the work
+    if record.is_symlink() or (record.exists() and not record.is_file()):
+        raise GSSError(
+            f"{record} is {'a link' if record.is_symlink() else 'not a regular file'}: it is "
+            f"where gss records the files it writes into {out}. Remove it, or choose another "
+            f"{flag}."
         )
     existing = [name for name in names if (out / name).exists()]
     special = [n for n in existing if not ((out / n).is_file() or (out / n).is_dir())]

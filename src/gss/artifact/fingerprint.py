@@ -1,5 +1,6 @@
 """Which model an artifact was calibrated for: its fingerprint (shape, a sample of the input
-embedding, a few entries of every weight tensor of every block) and what differs between two
+embedding, a few entries of every weight tensor of every block and of every other weight: the
+final norm, an untied output head, position embeddings) and what differs between two
 fingerprints.
 
 Attaching a steer compares the model's fingerprint with the one saved in the artifact and
@@ -59,6 +60,7 @@ def model_fingerprint(model: nn.Module, block_path: str | None = None) -> dict[s
         "embedding_hash": digest.hexdigest()[:16],
         "blocks_sample": blocks_sample(model, block_path),
         "block_weights": block_weights(model, block_path),
+        "head_weights": head_weights(model, block_path),
     }
 
 
@@ -86,6 +88,27 @@ def block_weights(model: nn.Module, block_path: str | None = None) -> list[dict[
             if values is not None:
                 entry[name] = [float(v) for v in values.float().cpu().tolist()]
         out.append(entry)
+    return out
+
+
+def head_weights(model: nn.Module, block_path: str | None = None) -> dict[str, list[float]]:
+    """A few entries of every weight outside the decoder blocks and the input embedding (the
+    final norm, an output head not tied to the embedding, position embeddings), by name as the
+    plain model names them (a PEFT wrapper's prefix and ``base_layer`` left out): a fine-tune
+    that changed only the head reads as the model it is. Tensors not in memory, quantized or
+    of an adapter (``lora_*``) are left out, as in `block_weights`."""
+    inside = {id(p) for block in find_decoder_blocks(model, block_path) for p in block.parameters()}
+    get_emb = getattr(model, "get_input_embeddings", None)
+    emb = getattr(get_emb(), "weight", None) if callable(get_emb) else None
+    out: dict[str, list[float]] = {}
+    for name, weight in model.named_parameters():  # a tied head is the embedding: listed once
+        if id(weight) in inside or weight is emb or "lora_" in name or not weight.numel():
+            continue
+        if weight.device.type == "meta" or is_quantized_weight(weight):
+            continue
+        key = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        index = weight_sample_index(weight.numel()).to(weight.device)
+        out[key] = [float(v) for v in weight.detach().reshape(-1)[index].float().cpu().tolist()]
     return out
 
 
@@ -241,6 +264,12 @@ def fingerprint_differences(expected: dict[str, Any], actual: dict[str, Any]) ->
         rel = float((a - b).norm() / a.norm().clamp_min(1e-12))
         if rel > 2e-2:
             diffs.append(f"input embeddings differ (relative difference {rel:.3f} on a sample)")
+    head = _changed_tensors(expected.get("head_weights") or {}, actual.get("head_weights") or {})
+    if head:  # compared where both sampled them (an artifact saved before, vLLM: not)
+        diffs.append(
+            f"the weights outside the decoder blocks ({', '.join(head[:3])}) differ from the "
+            "model the artifact was calibrated on, beyond float16/bfloat16 rounding"
+        )
     if expected.get("block_weights") and actual.get("block_weights"):
         per_block = [
             (i, _changed_tensors(ours, theirs))

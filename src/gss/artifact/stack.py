@@ -199,6 +199,14 @@ class SteeringStack(hub.HubMixin):
                     "SHA-256 differs): save the stack again, or copy all of one save."
                 )
             artifacts.append(artifact)
+        on_disk = {p.name for p in path.iterdir() if MEMBER.fullmatch(p.name)}
+        unlisted = sorted(on_disk - listed)
+        if unlisted:  # a member taken off the manifest would silently steer one block less
+            raise GSSError(
+                f"{path} holds {', '.join(unlisted)}, which {STACK_NAME} does not list: the "
+                "stack is damaged (or its manifest edited). Save the stack again, or copy all "
+                "of one save."
+            )
         return cls(tuple(artifacts))
 
 

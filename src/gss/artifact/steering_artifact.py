@@ -384,6 +384,14 @@ class SteeringArtifact(hub.HubMixin):
                 f"({raw.get('gss_version')})."
             )
         t = _tensors_file(path, raw, version, config)
+        if version < FORMAT_VERSION:  # an old save, or a new one relabelled to skip the check
+            warnings.warn(
+                f"{path} is an artifact of format {version}, whose config no checksum covers: "
+                "an edit of its layer, delta or target would not be detected. Save it again "
+                f"(gss.load(...).save_pretrained) for format {FORMAT_VERSION}, which is sealed.",
+                GSSWarning,
+                stacklevel=2,
+            )
         return cls(
             probe=t["probe"],
             steer=t["steer"],
