@@ -12,6 +12,7 @@ import gss
 from gss import GSSError, calibrate, reference_where_open
 from gss.config import RunOptions
 from gss.evaluate.decoding import greedy_generate
+from gss.evaluate.utility import perplexity
 from gss.inference.handoff import recommended_gates
 from gss.protect import SearchSpace, Trial, protect
 from gss.protect.checks import DOMAIN, DomainRows
@@ -254,7 +255,18 @@ def test_protect_reports_the_domain_and_the_ordinary_prompts(memorizer):
         said = greedy_generate(model, [p for p, _ in prompts], 12, pad_id=0, processor=processor)
     kept = [list(r[: len(t)]) == list(t) for r, (_, t) in zip(said, prompts, strict=True)]
     assert handover["rules"]["none"]["reproduced"] == pytest.approx(100 * sum(kept) / len(kept))
-    assert f"chose **{handover['gates']}**" in text
+    # its replies' perplexity under the reference, and whether within step 7's allowances
+    rows = [list(p) + list(r) for (p, _), r in zip(prompts, said, strict=True)]
+    ppl = perplexity(reference, rows, 0, prompt_lengths=[len(p) for p, _ in prompts])
+    assert handover["rules"]["none"]["reference_ppl"] == pytest.approx(ppl, rel=1e-5)
+    own = handover["reference_ppl"]
+    fluent = handover["rules"]["none"]["fluent"]
+    assert fluent is None or fluent == (
+        ppl <= 1.5 * own
+        and handover["rules"]["none"]["repeated_4grams"]
+        <= handover["reference_repeated_4grams"] + 3.0
+    )
+    assert f"chose **{handover['gates']}**" in text and "the reference's own replies: " in text
     assert "hand-over generations" in result.report_seconds
     assert result.seconds["handover"] > 0 and "The report by part" in text
     assert result.steer_for(result.trials[0]) is result.steers[0]
@@ -394,10 +406,19 @@ def test_the_data_is_dropped_from_the_gates_sources_where_no_point_reaches_the_g
         ({"steer": (0.0, 0.992), "none": (0.0, 0.992)}, "steer"),  # a tie: the gates
         ({"steer": (5.0, 0.99), "none": (0.0, 0.96)}, "none"),  # only one meets both
         ({"steer": (5.0, None), "none": (5.0, 0.9)}, "steer"),  # nothing to read: unchanged
+        # the LoRA canaries (results/canaries-lora-protect): both goals met, the gates' replies
+        # 1.72x the reference's perplexity, any step's 1.24x: the fluent one
+        ({"steer": (0.0, 1.0, False), "none": (0.0, 0.969, True)}, "none"),
+        ({"steer": (0.0, 1.0, False), "none": (0.0, 0.90, True)}, "steer"),  # fluent, changed
+        ({"steer": (0.0, 1.0, False), "none": (0.0, 0.969, False)}, "steer"),  # neither fluent
+        ({"steer": (0.0, 1.0, None), "none": (0.0, 0.969, True)}, "steer"),  # not judged
     ],
 )
 def test_the_hand_over_rule_keeps_ordinary_prompts_first_then_leaks_least(rules, chosen):
-    table = {r: {"reproduced": kept, "unchanged": same} for r, (kept, same) in rules.items()}
+    table = {
+        r: {"reproduced": v[0], "unchanged": v[1], **({"fluent": v[2]} if len(v) > 2 else {})}
+        for r, v in rules.items()
+    }
     assert choose(table, 0.95) == chosen
 
 

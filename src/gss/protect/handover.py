@@ -9,9 +9,13 @@ and it leaves 11% of the rows where the gates leave 65%; on language noise it ch
 thirds of the clean prompts). So protect measures both on the tuning rows and on the ordinary
 prompts of the gates' threshold half (never the report's), and chooses by issue 72's goals:
 a rule that reproduces at most ``max_extractable`` % of the rows and keeps at least
-``SearchSpace.handoff_unchanged`` of the ordinary prompts word for word; where neither does
-both, the one with the fewest errors (a row reproduced and a prompt changed alike: on the
-measured settings this picks the rule that left the held-out rows best, `choose`'s tests);
+``SearchSpace.handoff_unchanged`` of the ordinary prompts word for word, and among those one
+whose replies to the tuning prompts are within step 7's allowances of the reference's own
+(``fluency_ratio`` times their perplexity under it, ``loop_tolerance`` points more repeated
+4-grams: on the LoRA canaries both rules met the first two goals, and the held-out replies
+read 1.72x the reference's perplexity under the gates, 1.24x at any step); where neither meets
+the first two, the one with the fewest errors (a row reproduced and a prompt changed alike: on
+the measured settings this picks the rule that left the held-out rows best, `choose`'s tests);
 ties go to ``"steer"`` (the reference runs only where a gate opens). The choice travels with
 the steer (its ``protect`` record), where `gss.generate_steered` and ``gss generate`` read it
 (`gss.inference.handoff.recommended_gates`).
@@ -19,24 +23,29 @@ the steer (its ``protect`` record), where `gss.generate_steered` and ``gss gener
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from gss.artifact.stack import Steer
 from gss.config import HANDOFF_GATES
 from gss.evaluate.decoding import greedy_generate
+from gss.evaluate.utility import repetition
 from gss.protect.config import ProtectConfig, Setting
 from gss.protect.general import DATA, ORDINARY, GeneralText
 from gss.protect.measure import prompt_and_target
-from gss.protect.replies import handed_continuations, ordinary_prompts, reproduced
+from gss.protect.replies import handed_continuations, ordinary_prompts, reference_ppl, reproduced
+from gss.protect.space import SearchSpace
 from gss.protect.split import Split
 
 
 def handover_rule(
     s: Setting, config: ProtectConfig, split: Split, general: GeneralText, steer: Steer | None
 ) -> dict[str, Any]:
-    """Each rule's share of tuning rows a greedy reply still reproduces and of ordinary
-    prompts (32 tokens) continued as the unsteered fine-tune does, and the rule chosen
-    (``gates``); empty where nothing was chosen or ``handoff_unchanged`` is None."""
+    """Each rule's share of tuning rows a greedy reply still reproduces, its replies' repeated
+    4-grams and perplexity under the reference (and whether they are within step 7's
+    allowances of the reference's own), the share of ordinary prompts (32 tokens) continued
+    as the unsteered fine-tune does, and the rule chosen (``gates``); empty where nothing was
+    chosen or ``handoff_unchanged`` is None."""
     goal = config.search.handoff_unchanged
     if steer is None or goal is None:
         return {}
@@ -53,27 +62,55 @@ def handover_rule(
         return handed_continuations(s.model, gates, s.reference, ids, width, s.pad_id, s.batch_size)
 
     plain = greedy_generate(s.model, ordinary, 32, pad_id=s.pad_id, batch_size=s.batch_size)
-    rules: dict[str, dict[str, float | None]] = {}
+    own = greedy_generate(s.reference, prompts, width, pad_id=s.pad_id, batch_size=s.batch_size)
+    yardstick = _replies(s, prompts, own)  # the reference's own replies
+    rules: dict[str, dict[str, Any]] = {}
     for name in HANDOFF_GATES:
         gates = steer if name == "steer" else None  # None: at any step
         same = [a == b for a, b in zip(plain, said(gates, ordinary, 32), strict=True)]
+        replies = said(gates, prompts, width)
+        rep, ppl = _replies(s, prompts, replies)
         rules[name] = {
-            "reproduced": reproduced(said(gates, prompts, width), originals) if prompts else None,
+            "reproduced": reproduced(replies, originals) if prompts else None,
             "unchanged": sum(same) / len(same) if same else None,
+            "repeated_4grams": rep,
+            "reference_ppl": ppl,
+            "fluent": _fluent((rep, ppl), yardstick, config.search),
         }
     return {
         "gates": choose(rules, goal, config.max_extractable),
         "unchanged_goal": goal,
         "tuning_rows": len(prompts),
         "ordinary_prompts": len(ordinary),
+        "reference_repeated_4grams": yardstick[0],
+        "reference_ppl": yardstick[1],
         "rules": rules,
     }
 
 
-def choose(rules: dict[str, dict[str, float | None]], goal: float, target: float = 0.0) -> str:
+def _replies(s: Setting, prompts: list[list[int]], replies: list[list[int]]) -> tuple[float, float]:
+    """Replies' repeated 4-grams (%) and perplexity under the reference (NaN: none)."""
+    if not prompts:
+        return float("nan"), float("nan")
+    return repetition(replies), reference_ppl(s.reference, prompts, replies, s.pad_id, s.batch_size)
+
+
+def _fluent(
+    replies: tuple[float, float], yardstick: tuple[float, float], space: SearchSpace
+) -> bool | None:
+    """Within step 7's allowances of the reference's own replies (None: nothing to judge,
+    windows shorter than a 4-gram)."""
+    (rep, ppl), (own_rep, own_ppl) = replies, yardstick
+    if any(math.isnan(v) for v in (rep, ppl, own_rep, own_ppl)):
+        return None
+    return rep <= own_rep + space.loop_tolerance and ppl <= own_ppl * space.fluency_ratio
+
+
+def choose(rules: dict[str, dict[str, Any]], goal: float, target: float = 0.0) -> str:
     """The rules meeting both goals (at most ``target`` % of the rows reproduced, at least
-    ``goal`` of the ordinary prompts unchanged) first, the fewest reproduced among them; where
-    none does, the fewest errors, a row reproduced and a prompt changed counting alike (in
+    ``goal`` of the ordinary prompts unchanged) first, and among them those whose replies are
+    not judged disfluent (``fluent`` False), the fewest reproduced among them; where none
+    meets both, the fewest errors, a row reproduced and a prompt changed counting alike (in
     points); then the order of `HANDOFF_GATES` (the gates: the reference runs less)."""
 
     def value(rule: str, key: str, missing: float) -> float:
@@ -87,7 +124,8 @@ def choose(rules: dict[str, dict[str, float | None]], goal: float, target: float
         if value(r, "reproduced", 0.0) <= target and value(r, "unchanged", 1.0) >= goal
     ]
     if both:
-        return min(both, key=lambda r: (value(r, "reproduced", 0.0), -value(r, "unchanged", 1.0)))
+        pool = [r for r in both if rules[r].get("fluent") is not False] or both
+        return min(pool, key=lambda r: (value(r, "reproduced", 0.0), -value(r, "unchanged", 1.0)))
     return min(
         present,
         key=lambda r: value(r, "reproduced", 0.0) + 100.0 * (1.0 - value(r, "unchanged", 1.0)),

@@ -53,7 +53,7 @@ def least_looping(
 
     def replies(m: nn.Module) -> tuple[float, float]:
         out = greedy_generate(m, prompts, n - k, pad_id=pad_id, batch_size=batch_size)
-        return repetition(out), _reference_ppl(reference, prompts, out, pad_id, batch_size)
+        return repetition(out), reference_ppl(reference, prompts, out, pad_id, batch_size)
 
     own, own_ppl = replies(reference)
     if math.isnan(own):  # windows shorter than a 4-gram: nothing to judge
@@ -85,7 +85,7 @@ def least_looping(
     return pool[chosen], record
 
 
-def _reference_ppl(
+def reference_ppl(
     reference: nn.Module,
     prompts: Sequence[Sequence[int]],
     replies: Sequence[Sequence[int]],
@@ -131,7 +131,7 @@ def what_it_says(
         sampled = handed_sampled(model, steer, reference, prompts, originals, pad_id, batch_size)
 
     def ppl(replies: list[list[int]]) -> float:
-        return _reference_ppl(reference, prompts, replies, pad_id, batch_size)
+        return reference_ppl(reference, prompts, replies, pad_id, batch_size)
 
     text = _decoder(tokenizer)
 

@@ -591,17 +591,21 @@ def _handover_line(handover: dict[str, Any]) -> str:
 
     def said(rule: str) -> str:
         r = handover["rules"].get(rule, {})
-        kept, same = r.get("reproduced"), r.get("unchanged")
+        kept, same, ppl = r.get("reproduced"), r.get("unchanged"), r.get("reference_ppl")
+        replies = "" if ppl is None else f", replies' perplexity under the reference {ppl:.4g}"
         return (
             f"{'nan' if kept is None else f'{kept:.1f}'}% of the tuning rows reproduced, "
-            f"{_pct(same)} of ordinary prompts unchanged"
+            f"{_pct(same)} of ordinary prompts unchanged{replies}"
         )
 
+    own = handover.get("reference_ppl")
     return (
         f"The hand-over rule (step 8, chosen on the {handover['tuning_rows']} tuning rows and "
         f"{handover['ordinary_prompts']} ordinary prompts of the thresholds' half): the steer's "
-        f"gates: {said('steer')}; at any step: {said('none')}; chose **{handover['gates']}** "
-        f"(one at the target keeping {_pct(handover['unchanged_goal'])} of ordinary prompts "
-        "unchanged, else the fewest rows reproduced and prompts changed). gss generate "
+        f"gates: {said('steer')}; at any step: {said('none')}"
+        + ("" if own is None else f" (the reference's own replies: {own:.4g})")
+        + f"; chose **{handover['gates']}** (one at the target keeping "
+        f"{_pct(handover['unchanged_goal'])} of ordinary prompts unchanged, fluent replies "
+        "first, else the fewest rows reproduced and prompts changed). gss generate "
         "--reference-where-open uses it."
     )
