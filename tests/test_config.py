@@ -84,6 +84,7 @@ def test_resolve_splits_config_from_run_options_and_checks_first():
         ({"delta": float("nan")}, "delta must be a finite number"),
         ({"jitter": -1.0}, "jitter must be >= 0"),
         ({"max_length": 1}, "max_length must be an integer >= 2"),
+        ({"max_length": 10**20}, "max_length must be at most 2147483647 tokens"),
         ({"max_threshold_samples": 0}, "max_threshold_samples must be an integer >= 1"),
         ({"replies_only": "yes"}, "replies_only must be True or False"),
         ({"block_path": 3}, "block_path must be a dotted path"),

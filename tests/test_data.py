@@ -94,6 +94,12 @@ def test_a_jsonl_file_in_each_format(tmp_path, chat_tokenizer):
     path.write_text("[1, 2]\n")
     with pytest.raises(GSSError, match=r"data\.jsonl:1 is not a JSON object"):
         read_texts(path)
+    path.write_text(json.dumps({"text": "w1", "messages": CHAT}) + "\n")  # which one? refused
+    with pytest.raises(GSSError, match=r"data\.jsonl:1 has both 'text' and 'messages'"):
+        read_texts(path)
+    path.write_text('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")  # past the recursion
+    with pytest.raises(GSSError, match=r"data\.jsonl:1 is not valid JSON \(nested too deeply"):
+        read_texts(path)
     path.write_text(json.dumps({"prompt": "w1"}) + "\n")  # half a pair: the missing half named
     with pytest.raises(GSSError, match=r"data\.jsonl:1 has 'prompt' but no 'completion'"):
         read_texts(path)

@@ -219,6 +219,7 @@ def _integer(name: str, value: Any, low: int | None, fix: str) -> None:
 
 # options that replace another's rule: given together, one would be silently ignored
 INSTEAD_OF = {"gate_share": "threshold_percentile", "memorized_quantile": "omega_threshold"}
+MAX_LENGTH = 2**31 - 1  # tokens: more than any context, and what a tokenizer's integers hold
 MAX_DELTA = 1e12  # the strongest delta a steer takes (gss protect's search goes to 1e6)
 
 
@@ -263,6 +264,11 @@ def check_config(c: CalibrationConfig) -> None:
         raise GSSError(f"jitter must be >= 0, got {c.jitter}: e.g. 1e-6.")
     if c.max_length is not None:
         _integer("max_length", c.max_length, 2, "or leave it None (the model's context)")
+        if c.max_length > MAX_LENGTH:  # a tokenizer's integers overflow past 2^31
+            raise GSSError(
+                f"max_length must be at most {MAX_LENGTH} tokens, got {c.max_length}: leave it "
+                "None for the model's context."
+            )
     _integer("max_threshold_samples", c.max_threshold_samples, 1, "e.g. 65536")
     _integer("seed", c.seed, 0, "any non-negative integer")
     if c.seed >= 2**63:

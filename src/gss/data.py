@@ -53,6 +53,13 @@ def is_conversation(x: Any) -> TypeGuard[Conversation]:
 def record_text(record: Mapping[str, Any], where: str = "a row") -> Text:
     """The text of one dataset row in a usual fine-tuning format (`FORMATS`): a string, or a
     conversation for the tokenizer's chat template."""
+    kinds = [k for k in ("text", "messages", "prompt") if record.get(k) is not None]
+    if len(kinds) > 1:  # which one the model was tuned on is not ours to guess
+        raise GSSError(
+            f"{where} has both {kinds[0]!r} and {kinds[1]!r}: a row gives its text one way. "
+            "Keep one key, or name the column to read (--text-column / --messages-column; "
+            "dataset.select_columns)."
+        )
     text = record.get("text")
     if isinstance(text, str):
         return text
@@ -131,6 +138,8 @@ def numbered_rows(path: str | Path) -> list[tuple[str, str | dict[str, Any]]]:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise GSSError(f"{p}:{number} is not valid JSON ({err.msg}).") from None
+            except RecursionError:  # nested past Python's limit: no row of text
+                raise GSSError(f"{p}:{number} is not valid JSON (nested too deeply).") from None
             if not isinstance(record, dict):
                 raise GSSError(f"{p}:{number} is not a JSON object; expected {FORMATS}.")
             rows.append((f"{p}:{number}", record))
