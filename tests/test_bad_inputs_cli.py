@@ -293,6 +293,12 @@ def _cases():
         ),
         "signal out is an artifact": ([*signal, "--out", "{root}/art"], "holds a gss artifact"),
         "signal plot without out": ([*signal, "--plot"], "--plot writes signal.png into --out"),
+        "signal overwrite without out": ([*signal, "--overwrite"], "--overwrite replaces results"),
+        "layers overwrite without out": ([*layers, "--overwrite"], "--overwrite replaces results"),
+        "evaluate overwrite without out": (
+            [*evaluate, "--overwrite"],
+            "--overwrite replaces results in --out: give --out DIR",
+        ),
         "signal batch size abc": ([*signal, "--batch-size", "abc"], "must be a positive integer"),
         "signal data not UTF-8": (
             ["signal", "--model", m, "--reference", r, "--data", "{root}/latin1.txt"],
@@ -568,6 +574,10 @@ def _cases():
             [*generate, "--prompt", "w1", "--explain-out", ""],
             "--explain-out is empty: give a file (.jsonl), or leave the flag out",
         ),
+        "hand-over reference is the model": (
+            [*generate, "--prompt", "w1", "--reference-where-open", m],
+            f"--reference-where-open {m} is --model: the fine-tune's choices are never",
+        ),
         "prompt with a lone surrogate": (
             [*generate, "--prompt", "w1 \udcff"],
             "--prompt 'w1 \\udcff' holds '\\udcff' at character 3, a lone surrogate",
@@ -650,6 +660,10 @@ BEFORE_ANY_MODEL = [
     "explain-out a device, overwrite",
     "explain-out empty",
     "prompt with a lone surrogate",
+    "hand-over reference is the model",
+    "signal overwrite without out",
+    "layers overwrite without out",
+    "evaluate overwrite without out",
     "token id past any vocabulary",
     "steer with a fingerprint entry of the wrong type",
 ]

@@ -75,6 +75,32 @@ def test_an_artifact_of_an_older_format_loads_and_says_nothing_seals_it(tmp_path
         assert gss.load(_saved(tmp_path, art, relabelled)).config.delta == 50.0
 
 
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m["timings"].update(total=None),
+        lambda m: m.update(soundness={**m.get("soundness", {}), "warnings": 5}),
+        lambda m: m["gate_open_share"].update(per_direction="x"),
+    ],
+)
+def test_a_sealed_provenance_of_the_wrong_kind_is_described_as_damaged(tmp_path, steered, edit):
+    """A forger's provenance (sealed again) whose values are of the wrong kind: `describe`
+    (gss show) says the artifact is damaged, not a traceback from the formatting."""
+    from ..helpers import sealed
+
+    _, art = steered
+
+    def forged(raw):
+        edit(raw["provenance"])
+        sealed(raw)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GSSWarning)  # unknown entries, if any
+        loaded = gss.load(_saved(tmp_path, art, forged))
+    with pytest.raises(GSSError, match="provenance holds a value of the wrong kind"):
+        loaded.describe()
+
+
 def test_a_stack_refuses_one_steer_twice(tmp_path, steered):
     _, art = steered
     with pytest.raises(GSSError, match=r"holds two steers of block 1 \(or one twice\)"):

@@ -499,7 +499,7 @@ def test_protect_replays_the_blocks_below_each_steer_to_the_same_result(memorize
     assert replayed.after == computed.after and replayed.gates == computed.gates
 
 
-def test_protect_command(memorizer, tmp_path, capsys):
+def test_protect_command(memorizer, tmp_path, capsys, monkeypatch):
     pytest.importorskip("transformers")
     from ..helpers import WORDS, word_tokenizer
 
@@ -523,6 +523,19 @@ def test_protect_command(memorizer, tmp_path, capsys):
         assert member.provenance.threshold_rule["target"] == 0.2
     assert main(args) == 2  # --out holds a run: refused before the models load
     assert "--overwrite" in capsys.readouterr().err
+    import dataclasses
+
+    import gss.cli.protection as command
+
+    package = importlib.import_module("gss.protect")  # the subpackage, not gss.protect()
+
+    found = package.protect  # a run that finds no steer: its report, and exit 3 (not a bug's 1)
+    monkeypatch.setattr(
+        package, "protect", lambda *a, **k: dataclasses.replace(found(*a, **k), steer=None)
+    )
+    assert main([*args, "--overwrite"]) == command.EXIT_NO_STEER == 3
+    assert "no steer (none within budget)" in capsys.readouterr().out
+    assert not (tmp_path / "out" / "steer").exists()
 
 
 def test_protect_takes_replies_given_their_prompt(memorizer):
@@ -655,3 +668,31 @@ def test_protect_report_says_when_heldout_rows_leak_before_k(memorizer):
     assert line.startswith("Held-out rows scored from their first 8 tokens (3 rows)")
     assert "3 of them are extracted from a shorter prompt too" in line
     assert "--memorized-from shortest" in result.markdown()
+
+
+@pytest.mark.parametrize(
+    ("max_candidates", "expected"),
+    [(6, [0, 1, 2, 3, 5, 7]), (1, [0]), (3, [0, 1, 7]), (2, [0, 7])],
+)
+def test_candidate_blocks_are_the_strongest_and_evenly_spaced_ones(
+    monkeypatch, max_candidates, expected
+):
+    """Step 4 on an 8-block model: half of ``max_candidates`` evenly spaced blocks, the rest
+    (at least one: ``max_candidates=1`` searched nothing) the strongest signal's."""
+    from types import SimpleNamespace
+
+    import gss.layer_scan
+    from gss.protect import stages
+
+    from ..helpers import tiny_model
+
+    strengths = {0: 0.9, 1: 0.8, 2: 0.1, 3: 0.7, 4: 0.2, 5: 0.3, 6: 1.0, 7: 0.05}  # 6: frozen
+    scan = SimpleNamespace(strengths=strengths, unchanged=[6])
+    monkeypatch.setattr(gss.layer_scan, "scan_layers", lambda *a, **k: scan)
+    search = stages.Search.__new__(stages.Search)
+    search.s = SimpleNamespace(model=tiny_model("llama", layers=8), reference=None, batch_size=1)
+    search.space = SearchSpace(max_candidates=max_candidates)
+    search.split = SimpleNamespace(tune_rows=[])
+    search.general = SimpleNamespace(fit_rows=[])
+    search.work = stages.Clock()
+    assert search.candidate_blocks() == expected

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from gss.errors import GSSError
+
 if TYPE_CHECKING:
     from gss.artifact.steering_artifact import SteeringArtifact
 
@@ -108,7 +110,19 @@ def _reply_lines(replies: dict[str, Any] | None) -> list[str]:
 
 
 def describe(artifact: SteeringArtifact) -> str:
-    """Several lines for a person: the model, the steer, the calibration, the gates, the solve."""
+    """Several lines for a person: the model, the steer, the calibration, the gates, the solve.
+    A provenance whose values are of the wrong kind (an artifact edited and sealed again by
+    hand) is said to be damaged, not a traceback from the formatting."""
+    try:
+        return _describe(artifact)
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as err:
+        raise GSSError(
+            f"the artifact's provenance holds a value of the wrong kind ({err}): the artifact "
+            "is damaged (or edited by hand). Calibrate again, or save it from a good copy."
+        ) from None
+
+
+def _describe(artifact: SteeringArtifact) -> str:
     c, m = artifact.config, artifact.provenance
     counts = m.token_counts
     block = f"block {c.layer}" + (f" of {c.block_path}" if c.block_path else "")

@@ -11,10 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gss.artifact.files import check_outputs, check_target, record_outputs
+from gss.artifact.files import check_target, record_outputs
 from gss.cli.inputs import (
     check_against_config,
     check_reference,
+    check_results,
     config_options,
     load_models,
     read_rows,
@@ -81,7 +82,7 @@ def signal_command(args: argparse.Namespace) -> int:
     if args.plot and not args.out:  # before any model loads
         raise GSSError("--plot writes signal.png into --out: give --out DIR.")
     written = ["signal.json", *(["signal.png"] if args.plot else [])]
-    check_outputs(args.out, written, args.overwrite)
+    check_results(args, written)
     if args.out and not args.plot and (Path(args.out) / "signal.png").exists():
         warnings.warn(
             f"{args.out}/signal.png is an earlier run's (this one has no --plot) and stays "
@@ -145,7 +146,7 @@ def layers_command(args: argparse.Namespace) -> int:
     from gss.report import write_json
 
     layers = parse_layers(args.layers)
-    check_outputs(args.out, ["layers.json", "layers.png"], args.overwrite)
+    check_results(args, ["layers.json", "layers.png"])
     texts, gen_texts, overrides, (model, tokenizer, reference) = _calibration_inputs(args)
     scan = scan_layers(
         model,

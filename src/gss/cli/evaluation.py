@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from gss.artifact.files import check_outputs, check_target, record_outputs
 from gss.cli.inputs import (
     check_delta,
+    check_results,
     load_model_and_tokenizer,
     read_rows,
     resolve_max_length,
@@ -127,7 +128,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
                 "steer: give --steer DIR, --memorized and --heldout with it."
             )
         outputs += ["other_prompts.json", "other_prompts.md"]
-    check_outputs(args.out, outputs, args.overwrite)
+    check_results(args, outputs)
     if args.delta is not None and args.steer is None:
         raise GSSError("--delta sets the steer's strength: give --steer DIR with it.")
     tasks = _lm_eval_tasks(args)  # None without --lm-eval; checked before any model loads

@@ -109,6 +109,15 @@ def generate_command(args: argparse.Namespace) -> int:
     check_delta(artifact, args.delta)
     if handoff is not None:
         check_local_paths(args, ("--reference-where-open",))
+        model_dir, ref_dir = Path(args.model), Path(handoff)
+        if handoff == args.model or (
+            model_dir.is_dir() and ref_dir.is_dir() and model_dir.resolve() == ref_dir.resolve()
+        ):  # its choice then always has the reference's probability: no step is handed over
+            raise GSSError(
+                f"--reference-where-open {handoff} is --model: the fine-tune's choices are "
+                "never likelier under it than under itself, so no step would be handed over. "
+                "Pass the model it was tuned from (for a LoRA: adapters-off)."
+            )
     prompts, chat, new_tokens = args.prompt, args.chat, args.max_new_tokens
     stand_in = config_stand_in(args.model)
     if stand_in is not None:  # the prompts checked in seconds, before the weights load

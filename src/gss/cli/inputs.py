@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from gss.artifact.files import check_outputs
 from gss.cli.options import config_overrides, data_columns
 from gss.errors import GSSError, GSSWarning
 from gss.hf.loading import default_max_length, load_model, load_reference, parse_device_map
@@ -224,6 +225,16 @@ def check_delta(artifact: Any, delta: float | None) -> None:
             "(or give one of its steer-<i> directories to steer that block alone)."
         )
     artifact.with_options(delta=delta)
+
+
+def check_results(args: argparse.Namespace, names: list[str]) -> None:
+    """`check_outputs` for the results a command writes into an optional ``--out``, and
+    ``--overwrite`` without ``--out`` refused (it would replace nothing, silently)."""
+    if args.overwrite and not args.out:
+        raise GSSError(
+            "--overwrite replaces results in --out: give --out DIR, or drop --overwrite."
+        )
+    check_outputs(args.out, names, args.overwrite)
 
 
 def check_reference(args: argparse.Namespace) -> None:

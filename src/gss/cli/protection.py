@@ -199,7 +199,12 @@ def protect_command(args: argparse.Namespace) -> int:
     print(result.markdown().split("## The points searched")[0].rstrip())
     where = f"{args.out}/steer" if result.steer is not None else "no steer (none within budget)"
     print(f"wrote {args.out}: protect.json, protect.md, frontier.png, rows.png; {where}")
-    return 0 if result.steer is not None else 1
+    return 0 if result.steer is not None else EXIT_NO_STEER
+
+
+EXIT_NO_STEER = 3
+"""`gss protect`'s exit status when no point was within the budget: its report is written,
+and no steer (1 is a bug's, 2 a refused input's; docs/errors.md)."""
 
 
 def add_audit_parser(sub: Commands) -> None:

@@ -136,9 +136,10 @@ class Search:
             )
         frozen = set(scan.unchanged)  # blocks whose output equals the reference's
         ranked = sorted(set(scan.strengths) - frozen, key=lambda b: -scan.strengths[b])
-        half = space.max_candidates // 2
+        half = space.max_candidates // 2  # evenly spaced; the rest (at least one) by signal
         spaced = [round(i * (count - 1) / half) for i in range(1, half + 1)]
-        return sorted(set(ranked[:half]) | {min(b, count - 1) for b in spaced})
+        chosen = set(ranked[: space.max_candidates - half]) | {min(b, count - 1) for b in spaced}
+        return sorted(chosen or {count - 1})
 
     def block_stage(self, candidates: list[int]) -> None:
         """Step 5: every (variant, candidate block) at the first rank and gate."""
