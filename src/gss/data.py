@@ -53,10 +53,10 @@ def is_conversation(x: Any) -> TypeGuard[Conversation]:
 def record_text(record: Mapping[str, Any], where: str = "a row") -> Text:
     """The text of one dataset row in a usual fine-tuning format (`FORMATS`): a string, or a
     conversation for the tokenizer's chat template."""
-    kinds = [k for k in ("text", "messages", "prompt") if record.get(k) is not None]
-    if len(kinds) > 1:  # which one the model was tuned on is not ours to guess
+    given = [k for k in ("text", "messages", "prompt") if record.get(k) is not None]
+    if len(given) > 1:  # which one the model was tuned on is not ours to guess
         raise GSSError(
-            f"{where} has both {kinds[0]!r} and {kinds[1]!r}: a row gives its text one way. "
+            f"{where} has both {given[0]!r} and {given[1]!r}: a row gives its text one way. "
             "Keep one key, or name the column to read (--text-column / --messages-column; "
             "dataset.select_columns)."
         )
