@@ -500,6 +500,14 @@ def _cases():
             [*protect, "--max-extractable", "0", "--target", "0"],
             "unrecognized arguments: --target 0",
         ),
+        "protect data of one row": (
+            [*protect[:5], "--data", "{root}/one.txt", *protect[7:]],
+            "--data has 1 row: protect tunes on half of the memorized rows",
+        ),
+        "protect rows no longer than k": (
+            [*protect, "--k", "40", "--n", "50"],
+            "tokens, none past --k 40: no row has a window to check",
+        ),
         "protect general of one row": (
             [*protect, "--general", "{root}/one.txt"],
             "the general text has 1 row(s)",
@@ -647,6 +655,8 @@ BEFORE_ANY_MODEL = [
     "protect old goal flag",
     "protect general missing",
     "protect general of one row",
+    "protect data of one row",
+    "protect rows no longer than k",
     "audit reference is the model",
     "reference is the model",
     "sweep save empty",

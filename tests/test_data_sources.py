@@ -516,3 +516,18 @@ def test_your_model_data_example_runs(tmp_path, monkeypatch, capsys):
     exec(compile(block.group(1), "your-model.md", "exec"), {})
     assert (tmp_path / "gss-artifact" / "gss_config.json").is_file()
     assert "of 12 rows extractable" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("error", [ValueError, OSError, RuntimeError])
+def test_a_librarys_long_error_is_said_in_one_line(error):
+    """datasets / Arrow errors can print whole schemas (89 lines for a folder of mixed files):
+    gss says the first line, cut at 300 characters."""
+    from gss.data_sources import _call
+
+    def fails(*_, **__):
+        raise error("could not cast the schema\n" + "column: string\n" * 80)
+
+    with pytest.raises(GSSError) as caught:
+        _call(fails, "folder/")
+    said = str(caught.value)
+    assert "\n" not in said and "could not cast the schema ..." in said, said

@@ -341,7 +341,7 @@ def _call(load: Any, name: str, *args: Any, **kwargs: Any) -> Any:
             raise GSSError(
                 f"{name} has no split {split!r}: its splits are {found.group(1)} (--split)."
             ) from err
-        raise GSSError(f"datasets could not read {name}: {text}") from err
+        raise GSSError(f"datasets could not read {name}: {_brief(text)}") from err
     except OSError as err:
         local = Path(name).expanduser().exists()  # else a Hub id
         if isinstance(err, ConnectionError) and not local:
@@ -354,16 +354,27 @@ def _call(load: Any, name: str, *args: Any, **kwargs: Any) -> Any:
                 f"{name} is neither a local file nor a directory, nor a dataset on the Hub that "
                 f"datasets can load ({err})."
             ) from err
-        raise GSSError(f"datasets could not read {name}: {type(err).__name__}: {err}") from err
+        raise GSSError(
+            f"datasets could not read {name}: {type(err).__name__}: {_brief(str(err))}"
+        ) from err
     except Exception as err:  # datasets and pyarrow raise their own errors on a broken file
         cause = err.__cause__ or err.__context__  # datasets wraps the parser's error
-        why = f"{type(cause).__name__}: {cause}" if cause is not None else ""
+        why = f"{type(cause).__name__}: {_brief(str(cause))}" if cause is not None else ""
         raise GSSError(
-            f"datasets could not read {name}: {type(err).__name__}: {err}"
+            f"datasets could not read {name}: {type(err).__name__}: {_brief(str(err))}"
             + (f" ({why.strip()})" if why.strip() else "")
         ) from err
     finally:
         logger.setLevel(level)
+
+
+def _brief(text: str, limit: int = 300) -> str:
+    """The first line of a library's error, at most ``limit`` characters: an Arrow error
+    prints whole schemas (89 lines for a folder of mixed files), and gss says one line."""
+    lines = text.strip().splitlines() or [""]
+    first = lines[0]
+    cut = len(first) > limit or len(lines) > 1
+    return (first[:limit].rstrip() + " ...") if cut else first
 
 
 @contextlib.contextmanager

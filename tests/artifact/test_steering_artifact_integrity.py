@@ -197,6 +197,18 @@ def test_no_record_or_card_goes_through_a_link(tmp_path, memorizer, steered):
         art.save_pretrained(tmp_path / "a", overwrite=True)
 
 
+def test_no_artifact_is_saved_inside_a_model_or_another_artifact(tmp_path, steered):
+    """A steer saved into a model's folder, or into another artifact, would travel with it
+    when that folder is copied or uploaded: refused, as results are."""
+    model, art = steered
+    model.save_pretrained(tmp_path / "model")
+    art.save_pretrained(tmp_path / "art")
+    for inside in (tmp_path / "model" / "steer", tmp_path / "art" / "sub" / "steer"):
+        with pytest.raises(GSSError, match=r"is inside .*, which holds a (model|gss artifact)"):
+            art.save_pretrained(inside)
+        assert not inside.exists()
+
+
 def test_protect_writes_no_steer_through_a_link(tmp_path):
     """A steer/ that links elsewhere is refused before any work: a save would write through it
     into an artifact outside --out (issue 69)."""
@@ -270,3 +282,6 @@ def test_calibrate_warns_when_gen_data_is_data(tmp_path, capsys):
     ]
     main(args)  # the CLI prints its warnings, one line each
     assert "is --data: the general statistics and the gates" in capsys.readouterr().err
+    (tmp_path / "copy.txt").write_bytes((tmp_path / "data.txt").read_bytes())  # another path
+    main([*args[:-1], str(tmp_path / "copy.txt"), "--overwrite"])
+    assert "copy.txt is --data: the general statistics" in capsys.readouterr().err

@@ -93,6 +93,12 @@ def check_target(directory: str | Path, overwrite: bool) -> Path:
             f"{directory} is the current directory: give the artifact a directory of its own, "
             "e.g. ./artifact."
         )
+    inside = next((p for p in out.absolute().parents if _holds(p)), None)
+    if inside is not None:  # it would travel with that folder when it is copied or uploaded
+        raise GSSError(
+            f"{out} is inside {inside}, which holds {_holds(inside)}: an artifact goes into a "
+            "directory of its own. Choose one outside it."
+        )
     if not out.is_dir():
         check_creatable(out)
         return out

@@ -16,11 +16,16 @@ from gss.hf.loading import default_max_length, load_model, load_reference, parse
 
 
 def same_source(a: str, b: str) -> bool:
-    """Two data options naming one source: the same string, or paths to the same file."""
+    """Two data options naming one source: the same string, paths to the same file, or two
+    files with the same bytes (a copy)."""
     if a == b:
         return True
     pa, pb = Path(a), Path(b)
-    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+    if not (pa.is_file() and pb.is_file()):
+        return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+    if pa.resolve() == pb.resolve():
+        return True
+    return pa.stat().st_size == pb.stat().st_size and pa.read_bytes() == pb.read_bytes()
 
 
 def warn_same_source(args: argparse.Namespace, flag: str, other: str, why: str) -> None:

@@ -139,6 +139,28 @@ def _protect_config(args: argparse.Namespace) -> Any:
     )
 
 
+def _check_rows(args: argparse.Namespace, texts: list[Any]) -> None:
+    """What --data alone tells, refused before the weights load: too few rows to split into
+    tuning and held-out halves, or (plain text) no row longer than --k, so no window."""
+    if len(texts) < 2:
+        raise GSSError(
+            f"--data has {len(texts)} row: protect tunes on half of the memorized rows and "
+            "measures the other half. Give at least 2 (better dozens)."
+        )
+    if args.reply or not all(isinstance(t, str) for t in texts):
+        return  # conversations and pairs: the audit reads their windows
+    from gss.hf.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model, getattr(args, "model_revision", None))
+    longest = max(len(ids) for ids in tokenizer(list(texts))["input_ids"])
+    if longest <= args.k:
+        raise GSSError(
+            f"every row of --data has at most {longest} tokens, none past --k {args.k}: no "
+            f"row has a window to check. Lower --k and --n (e.g. --k {max(1, longest // 2)} "
+            f"--n {longest}), or give longer rows."
+        )
+
+
 def _leak_modes(text: str) -> tuple[str, ...]:
     """--leak-modes: comma-separated names (checked by `ProtectConfig`, before the models)."""
     try:
@@ -182,6 +204,7 @@ def protect_command(args: argparse.Namespace) -> int:
         "ordinary text, or leave --general out.",
     )
     check_against_config(args)
+    _check_rows(args, texts)
     args.max_length = args.n
     model, tokenizer, reference = load_models(args)
     result = protect(
