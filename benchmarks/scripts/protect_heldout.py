@@ -10,9 +10,13 @@ minutes a point). It fine-tunes as the bench does, or reads the bench's cached f
     .venv/bin/python benchmarks/scripts/protect_heldout.py --canaries 200 --out results/canaries-200
     .venv/bin/python benchmarks/scripts/protect_heldout.py --canaries 216 --lora 16 --lr 1e-3 \
         --out /tmp/c216-lora
+    .venv/bin/python benchmarks/scripts/protect_heldout.py --canaries 32 --model gemma3-270m \
+        --out /tmp/c32-gemma
 
 As with ``gss bench canaries --lora``, a LoRA's reference is the same model with its adapters
-off (`gss.adapters_off`); ``--chat`` renders every row as a conversation (the bench's sizes).
+off (`gss.adapters_off`); ``--chat`` renders every row as a conversation (the bench's sizes);
+``--model`` another base model of `gss models get` (its top blocks fine-tuned in the bench's
+share, as ``gss bench canaries --model``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 import torch
 
 from gss.hf.adapters import adapters_off
+from gss.hf.blocks import find_decoder_blocks
 from gss.report import machine_info, write_json
 from gss_bench.canaries.data import CanaryConfig, make_canary_data
 from gss_bench.canaries.finetune import FinetuneConfig
@@ -39,6 +44,7 @@ from gss_bench.canaries.run import (
     canary_config,
     check_chat,
     default_cache,
+    default_train_blocks,
     finetuned,
     model_path,
 )
@@ -52,10 +58,11 @@ def main() -> None:
     parser.add_argument("--lora", type=int, default=0, help="a rank-R LoRA fine-tune (0: plain)")
     parser.add_argument("--lr", type=float, default=FinetuneConfig.lr)
     parser.add_argument("--chat", action="store_true", help="every row a conversation")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="a name of `gss models get`")
     args = parser.parse_args()
     torch.set_num_threads(2)
     started = time.perf_counter()
-    base_path = model_path(DEFAULT_MODEL)
+    base_path = model_path(args.model)
     if args.chat:
         check_chat(_tokenizer(base_path), base_path)
     base, tokenizer = _load(base_path, "cpu")
@@ -64,7 +71,8 @@ def main() -> None:
     config = canary_config(tokenizer, 0, canaries=args.canaries, split=split, **sizes)
     data = make_canary_data(tokenizer, config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    cfg = FinetuneConfig(seed=0, lr=args.lr, lora_rank=args.lora)
+    blocks = default_train_blocks(len(find_decoder_blocks(base)))  # SmolLM2: 8 of 30
+    cfg = FinetuneConfig(train_blocks=blocks, seed=0, lr=args.lr, lora_rank=args.lora)
     model, info = finetuned(base, base_path, data, cfg, pad, default_cache(), tokenizer)
     reference = adapters_off(model) if args.lora else base
     bs = 16
@@ -106,7 +114,8 @@ def main() -> None:
             "command": "benchmarks/scripts/protect_heldout.py "
             f"--canaries {args.canaries} --out {args.out}"
             + (f" --lora {args.lora} --lr {args.lr:g}" if args.lora else "")
-            + (" --chat" if args.chat else ""),
+            + (" --chat" if args.chat else "")
+            + (f" --model {args.model}" if args.model != DEFAULT_MODEL else ""),
             "machine": machine_info(),
             **row,
         },

@@ -353,9 +353,9 @@ def test_block_path_names_the_blocks_for_calibrate_and_layers(workdir, capsys):
     assert main([*calibrate, "--block-path", "model.layers"]) == 0
     saved = json.loads((out / "gss_config.json").read_text())
     assert saved["config"]["block_path"] == "model.layers"
-    for command in (calibrate, ["layers", *common]):
+    for command in ([*calibrate, "--overwrite"], ["layers", *common]):
         capsys.readouterr()
-        assert main([*command, "--block-path", "model.nothing", "--overwrite"]) == 2
+        assert main([*command, "--block-path", "model.nothing"]) == 2
         assert "'model.nothing' does not name" in capsys.readouterr().err
 
 
