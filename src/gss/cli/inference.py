@@ -17,6 +17,7 @@ from gss.cli.inputs import (
     config_stand_in,
     load_model_and_tokenizer,
     load_reference_flag,
+    names_the_model,
 )
 from gss.cli.options import (
     HUB_ID,
@@ -109,10 +110,7 @@ def generate_command(args: argparse.Namespace) -> int:
     check_delta(artifact, args.delta)
     if handoff is not None:
         check_local_paths(args, ("--reference-where-open",))
-        model_dir, ref_dir = Path(args.model), Path(handoff)
-        if handoff == args.model or (
-            model_dir.is_dir() and ref_dir.is_dir() and model_dir.resolve() == ref_dir.resolve()
-        ):  # its choice then always has the reference's probability: no step is handed over
+        if names_the_model(args, handoff):  # no choice is likelier under it than under itself
             raise GSSError(
                 f"--reference-where-open {handoff} is --model: the fine-tune's choices are "
                 "never likelier under it than under itself, so no step would be handed over. "

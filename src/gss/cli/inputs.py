@@ -242,15 +242,20 @@ def check_results(args: argparse.Namespace, names: list[str]) -> None:
     check_outputs(args.out, names, args.overwrite)
 
 
+def names_the_model(args: argparse.Namespace, value: str) -> bool:
+    """Whether a model flag's ``value`` is --model: the same string or the same directory."""
+    model, other = Path(args.model), Path(value)
+    here = model.is_dir() and other.is_dir() and model.resolve() == other.resolve()
+    return value == args.model or here
+
+
 def check_reference(args: argparse.Namespace) -> None:
     """--reference naming --model (omega is 0 everywhere) fails after a whole pass in audit,
     protect, calibrate and layers: said before the models load (`gss signal` notes it)."""
-    model, reference = Path(args.model), Path(args.reference)
-    here = model.is_dir() and reference.is_dir() and model.resolve() == reference.resolve()
     same_revision = getattr(args, "model_revision", None) == getattr(
         args, "reference_revision", None
     )
-    if (args.model == args.reference or here) and same_revision:
+    if names_the_model(args, args.reference) and same_revision:
         raise GSSError(
             f"--reference {args.reference} is --model: a model's own log-probabilities mark no "
             "token memorized. Pass the model the fine-tune started from (for a LoRA: "

@@ -33,7 +33,13 @@ from gss.evaluate.utility import repetition
 from gss.protect.config import ProtectConfig, Setting
 from gss.protect.general import DATA, ORDINARY, GeneralText
 from gss.protect.measure import prompt_and_target
-from gss.protect.replies import handed_continuations, ordinary_prompts, reference_ppl, reproduced
+from gss.protect.replies import (
+    handed_continuations,
+    ordinary_prompts,
+    reference_ppl,
+    reply_overshoot,
+    reproduced,
+)
 from gss.protect.space import SearchSpace
 from gss.protect.split import Split
 
@@ -100,10 +106,9 @@ def _fluent(
 ) -> bool | None:
     """Within step 7's allowances of the reference's own replies (None: nothing to judge,
     windows shorter than a 4-gram)."""
-    (rep, ppl), (own_rep, own_ppl) = replies, yardstick
-    if any(math.isnan(v) for v in (rep, ppl, own_rep, own_ppl)):
+    if any(math.isnan(v) for v in (*replies, *yardstick)):
         return None
-    return rep <= own_rep + space.loop_tolerance and ppl <= own_ppl * space.fluency_ratio
+    return reply_overshoot(replies, yardstick, space) <= 0
 
 
 def choose(rules: dict[str, dict[str, Any]], goal: float, target: float = 0.0) -> str:

@@ -62,11 +62,9 @@ def least_looping(
     for trial in pool:
         with judge.steer_of(trial).attach(model):
             judged.append(replies(model))
-    loops, most = own + space.loop_tolerance, own_ppl * space.fluency_ratio
 
     def overshoot(point: tuple[float, float]) -> float:
-        rep, ppl = point
-        return max((rep - loops) / max(space.loop_tolerance, 1.0), (ppl - most) / most)
+        return reply_overshoot(point, (own, own_ppl), space)
 
     passing = [i for i, p in enumerate(judged) if overshoot(p) <= 0]
     chosen = passing[0] if passing else min(range(len(judged)), key=lambda i: overshoot(judged[i]))
@@ -83,6 +81,17 @@ def least_looping(
         ],
     }
     return pool[chosen], record
+
+
+def reply_overshoot(
+    replies: tuple[float, float], own: tuple[float, float], space: SearchSpace
+) -> float:
+    """How far (repeated 4-grams %, perplexity under the reference) passes step 7's allowances
+    of the reference's own replies ``own``, the larger of the two, each relative to its
+    allowance: at most 0 where both hold."""
+    (rep, ppl), (own_rep, own_ppl) = replies, own
+    loops, most = own_rep + space.loop_tolerance, own_ppl * space.fluency_ratio
+    return max((rep - loops) / max(space.loop_tolerance, 1.0), (ppl - most) / most)
 
 
 def reference_ppl(
