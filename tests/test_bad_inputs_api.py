@@ -704,6 +704,12 @@ CASES: list[tuple[str, Callable[[Ctx], Any], Err | Warns | Ok]] = [
         Err(r"sequence 0 has 130 tokens, more than the 128 positions the model takes"),
     ),
     ("empty gen_texts", lambda c: c.calibrate(gen_texts=[]), Err(r"no sequences given")),
+    ("gen_texts is texts", lambda c: c.calibrate(gen_texts=c.ids), Warns(r"gen_texts is texts")),
+    (
+        "gen_texts equal to texts",
+        lambda c: c.calibrate(c.ids.tolist(), gen_texts=c.ids.tolist()),
+        Warns(r"gen_texts is texts: the general statistics and the gates would be set"),
+    ),
     (
         "gen_texts past the vocabulary",
         lambda c: c.calibrate(gen_texts=[[3, 48]]),
@@ -1159,6 +1165,21 @@ CASES: list[tuple[str, Callable[[Ctx], Any], Err | Warns | Ok]] = [
         "explain a prompt with a lone surrogate",
         lambda c: gss.explain(c.model, c.art, "w1 \udcff", tokenizer=c.tok),
         Err(r"explain: the prompt holds '\\udcff'"),
+    ),
+    (
+        "a row whose text and input_ids disagree",
+        lambda c: c.calibrate(
+            [{"text": t, "input_ids": c.tok(LINES[0])["input_ids"]} for t in LINES[::-1]],
+            tokenizer=c.tok,
+        ),
+        Err(r"sequence 0 has 'text' and 'input_ids' that disagree"),
+    ),
+    (
+        "rows whose input_ids are their text's, cut short",
+        lambda c: c.calibrate(
+            [{"text": t, "input_ids": c.tok(t)["input_ids"][:9]} for t in LINES], tokenizer=c.tok
+        ),
+        Ok(),
     ),
     (
         "id past int32",

@@ -57,6 +57,7 @@ def root(tmp_path_factory):
     (root / "foreign").mkdir()
     (root / "foreign" / "mine.txt").write_text("mine")
     (root / "one.txt").write_text(lines[0] + "\n")
+    (root / "words.txt").write_text("w1\nw2\nw3\n")  # rows of one token each
     (root / "number.jsonl").write_text(json.dumps({"text": 0}) + "\n")
     (root / "protect_out" / "steer").mkdir(parents=True)
     (root / "protect_out" / "steer" / "notes.txt").write_text("mine")
@@ -512,6 +513,14 @@ def _cases():
             [*protect, "--general", "{root}/one.txt"],
             "the general text has 1 row(s)",
         ),
+        "protect general of one-token rows": (
+            [*protect, "--k", "4", "--n", "10", "--general", "{root}/words.txt"],
+            "--general: every row has at most 1 token: nothing to predict",
+        ),
+        "protect heldout of one-token rows": (
+            [*protect, "--k", "4", "--n", "10", "--heldout", "{root}/words.txt"],
+            "--heldout: every row has at most 1 token: nothing to predict",
+        ),
         "protect general missing": (
             [*protect, "--general", "{root}/nope.txt"],
             "--general: data file {root}/nope.txt does not exist",
@@ -655,6 +664,8 @@ BEFORE_ANY_MODEL = [
     "protect old goal flag",
     "protect general missing",
     "protect general of one row",
+    "protect general of one-token rows",
+    "protect heldout of one-token rows",
     "protect data of one row",
     "protect rows no longer than k",
     "audit reference is the model",

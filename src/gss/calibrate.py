@@ -9,6 +9,7 @@ stopped after the block) and records what was measured. `calibrate` is the two i
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from gss.artifact.fingerprint import model_fingerprint
 from gss.artifact.steering_artifact import Provenance, SteeringArtifact
 from gss.config import DEFAULT_PRESET, CalibrationConfig, RunOptions, resolve
 from gss.data import TextsOrIds
-from gss.errors import GSSError
+from gss.errors import GSSError, GSSWarning
 from gss.hf.blocks import resolve_layer
 from gss.solve.condition import condition_direction, with_condition
 from gss.solve.thresholds import ThresholdSample, gate_levels
@@ -76,8 +77,31 @@ def calibrate(
     (``artifact.provenance``).
     """
     cfg, options = resolve(config, overrides, run)
+    if gen_texts is not None and _same_rows(gen_texts, texts):
+        warnings.warn(  # as gss calibrate says where --gen-data is --data
+            "gen_texts is texts: the general statistics and the gates would be set on the very "
+            "text whose memorized tokens the steer must act on, so the gates learn to stay "
+            "closed there. Give text the fine-tune was not tuned on, or leave gen_texts out.",
+            GSSWarning,
+            stacklevel=2,
+        )
     stats = collect(model, reference, texts, cfg, options, tokenizer, gen_texts)
     return _build(model, stats, cfg.replace(layer=stats.layer), options.progress)
+
+
+def _same_rows(a: Any, b: Any) -> bool:
+    """Whether two inputs of `calibrate` are the same rows: the same object, equal tensors, or
+    equal lists (a dataset is compared by identity only)."""
+    if a is b:
+        return True
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        return a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple) and len(a) == len(b):
+        try:
+            return bool(a == b) if type(a) is type(b) else list(a) == list(b)
+        except (RuntimeError, ValueError):  # rows of tensors: no one truth value
+            return False
+    return False
 
 
 def build_artifact(

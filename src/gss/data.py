@@ -352,6 +352,8 @@ def _token_lists(
     texts = [_as_text(x, offset + i) for i, x in enumerate(items)]
     if all(t is None for t in texts):
         seqs = [id_row(x, offset + i) for i, x in enumerate(items)]
+        if tokenizer is not None and callable(tokenizer):
+            _check_ids_are_the_text(items, seqs, tokenizer, offset)
     elif any(t is None for t in texts):
         i = next(i for i, t in enumerate(texts) if t is None)
         kind = type(items[i]).__name__
@@ -396,6 +398,30 @@ def _token_lists(
     if max_length is not None:
         seqs = [s[:max_length] for s in seqs]
     return seqs
+
+
+def _check_ids_are_the_text(
+    items: Sequence[Any], seqs: list[list[int]], tokenizer: Any, offset: int
+) -> None:
+    """Rows holding both ``input_ids`` and a ``text`` are read by their ids (what training
+    saw): refused where the ids are not the tokenizer's of the text, special tokens aside (the
+    whole text, or its start where the ids were cut), since which one the model was tuned on
+    is not ours to guess."""
+    both = [(i, x.get("text")) for i, x in enumerate(items) if isinstance(x, Mapping)]
+    both = [(i, t) for i, t in both if isinstance(t, str)]
+    if not both:
+        return
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    encoded = tokenizer([t for _, t in both], add_special_tokens=False)["input_ids"]
+    for (i, _), ids in zip(both, encoded, strict=True):
+        given = [t for t in seqs[i] if t not in special]
+        if list(ids[: len(given)]) != given:
+            raise GSSError(
+                f"sequence {offset + i} has 'text' and 'input_ids' that disagree (the ids are "
+                "not the tokenizer's of the text): gss reads the ids, which may not be what the "
+                "text says. Keep one of the two (dataset.remove_columns('text'), or tokenize "
+                "the text again with the model's tokenizer)."
+            )
 
 
 def predictable(seqs: list[T]) -> list[T]:

@@ -93,6 +93,17 @@ def test_stack_cache_and_padding_invariants(stacked):
         assert torch.allclose(batch[1], full[0], atol=1e-5)
 
 
+def test_a_stack_of_two_models_steers_is_refused_naming_the_member(stacked):
+    """Else it loads, and fails at attach on whichever model, naming no member."""
+    _, stack = stacked
+    other = tiny_model("llama", seed=5, layers=3)  # another model of the same shape
+    ref = tiny_model("llama", seed=11, layers=3)
+    theirs = gss.calibrate(other, ref, random_ids(16, 14, seed=2), layer=1, rank=2, progress=False)
+    with pytest.raises(GSSError, match=r"member 2 \(block 1\) was calibrated on another model"):
+        SteeringStack((*stack.artifacts, theirs))
+    SteeringStack((stack.artifacts[0], stack.artifacts[1]))  # one model's: accepted
+
+
 def test_stack_refuses_what_it_cannot_do(stacked, tmp_path):
     model, stack = stacked
     with pytest.raises(GSSError, match="takes no options"):
@@ -128,15 +139,21 @@ def test_stack_refuses_what_it_cannot_do(stacked, tmp_path):
         gss.load(tmp_path / "s")
 
 
-def test_a_failing_member_leaves_nothing_attached(stacked):
+def test_a_failing_member_leaves_nothing_attached(stacked, monkeypatch):
     model, stack = stacked
-    other = tiny_model("llama", seed=4, layers=3)
-    foreign = gss.calibrate(other, model, random_ids(8, 12, seed=3), layer=1, progress=False)
-    mixed = SteeringStack((stack.artifacts[0], foreign))  # the second is another model's
+    second = stack.artifacts[1]
+    attach = type(second).attach
+
+    def failing(self, *args, **kwargs):
+        if self is second:
+            raise GSSError("this member cannot attach")
+        return attach(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(second), "attach", failing)
     ids = random_ids(2, 9, seed=9)
     plain = _logits(model, ids)
-    with pytest.raises(GSSError, match="calibrated for another model"):
-        mixed.attach(model)
+    with pytest.raises(GSSError, match="this member cannot attach"):
+        stack.attach(model)
     assert torch.equal(_logits(model, ids), plain)  # the first member came off again
 
 

@@ -27,6 +27,7 @@ from gss._version import __version__
 from gss.artifact import hub
 from gss.artifact.card import model_card
 from gss.artifact.files import sha256_of, write_atomically
+from gss.artifact.fingerprint import fingerprint_differences
 from gss.artifact.steering_artifact import SteeringArtifact
 from gss.errors import GSSError
 from gss.file_names import STACK_NAME, TENSORS_NAME
@@ -57,6 +58,16 @@ class SteeringStack(hub.HubMixin):
                     "would steer that block twice. A stack holds one steer per block."
                 )
             seen.add(a.layer)
+        first = self.artifacts[0]
+        for i, a in enumerate(self.artifacts[1:], start=1):
+            diffs = fingerprint_differences(first.provenance.fingerprint, a.provenance.fingerprint)
+            if diffs:  # would fail only at attach, on whichever model, naming no member
+                raise GSSError(
+                    f"a SteeringStack's members are steers of one model, and member {i} "
+                    f"(block {a.layer}) was calibrated on another model than member 0 (block "
+                    f"{first.layer}): {'; '.join(diffs)} (member 0 read as the artifact, member "
+                    f"{i} as the model). Build the stack from steers calibrated on one model."
+                )
         object.__setattr__(self, "artifacts", tuple(self.artifacts))
 
     @property

@@ -139,19 +139,29 @@ def _protect_config(args: argparse.Namespace) -> Any:
     )
 
 
-def _check_rows(args: argparse.Namespace, texts: list[Any]) -> None:
-    """What --data alone tells, refused before the weights load: too few rows to split into
-    tuning and held-out halves, or (plain text) no row longer than --k, so no window."""
+def _check_rows(args: argparse.Namespace, texts: list[Any], **others: Any) -> None:
+    """What the rows alone tell, refused before the weights load: too few rows of --data to
+    split into tuning and held-out halves, or (plain text) no row longer than --k, so no
+    window; ``others`` (flag: rows, e.g. ``--general``) of plain text with no row of 2 tokens,
+    so nothing to predict (else refused after the weights load, naming no flag)."""
     if len(texts) < 2:
         raise GSSError(
             f"--data has {len(texts)} row: protect tunes on half of the memorized rows and "
             "measures the other half. Give at least 2 (better dozens)."
         )
-    if args.reply or not all(isinstance(t, str) for t in texts):
-        return  # conversations and pairs: the audit reads their windows
     from gss.hf.loading import load_tokenizer
 
     tokenizer = load_tokenizer(args.model, getattr(args, "model_revision", None))
+    for flag, rows in others.items():
+        if rows and all(isinstance(t, str) for t in rows):
+            most = max(len(ids) for ids in tokenizer(list(rows))["input_ids"])
+            if most < 2:
+                raise GSSError(
+                    f"{flag}: every row has at most {most} token: nothing to predict. Give "
+                    "rows of ordinary text (a sentence or more each)."
+                )
+    if args.reply or not all(isinstance(t, str) for t in texts):
+        return  # conversations and pairs: the audit reads their windows
     longest = max(len(ids) for ids in tokenizer(list(texts))["input_ids"])
     if longest <= args.k:
         raise GSSError(
@@ -204,7 +214,7 @@ def protect_command(args: argparse.Namespace) -> int:
         "ordinary text, or leave --general out.",
     )
     check_against_config(args)
-    _check_rows(args, texts)
+    _check_rows(args, texts, **{"--general": general, "--heldout": heldout})
     args.max_length = args.n
     model, tokenizer, reference = load_models(args)
     result = protect(
