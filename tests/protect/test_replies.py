@@ -266,6 +266,10 @@ def test_protect_reports_the_domain_and_the_ordinary_prompts(memorizer):
         and handover["rules"]["none"]["repeated_4grams"]
         <= handover["reference_repeated_4grams"] + 3.0
     )
+    late = [rule["recited_start"] for rule in handover["rules"].values()]
+    assert all(0.0 <= v <= 100.0 for v in late) and "open with the window's first tokens" in text
+    assert 0.0 <= quality["recited_start_reference_where_open"] <= 100.0
+    assert "more than the reference's own (it acts late; the fine-tune: " in text
     assert f"chose **{handover['gates']}**" in text and "the reference's own replies: " in text
     assert "hand-over generations" in result.report_seconds
     assert result.seconds["handover"] > 0 and "The report by part" in text
@@ -412,13 +416,17 @@ def test_the_data_is_dropped_from_the_gates_sources_where_no_point_reaches_the_g
         ({"steer": (0.0, 1.0, False), "none": (0.0, 0.90, True)}, "steer"),  # fluent, changed
         ({"steer": (0.0, 1.0, False), "none": (0.0, 0.969, False)}, "steer"),  # neither fluent
         ({"steer": (0.0, 1.0, None), "none": (0.0, 0.969, True)}, "steer"),  # not judged
+        # both fluent there on the tuning prompts, the gates handing over after the secret's
+        # first digits: the rule that says none of it (results/canaries-lora-protect)
+        ({"steer": (0.0, 1.0, True, 25.0), "none": (0.0, 0.969, True, 0.0)}, "none"),
+        ({"steer": (0.0, 1.0, True, 0.0), "none": (0.0, 0.969, True, 0.0)}, "steer"),
+        ({"steer": (0.0, 1.0, False, 0.0), "none": (0.0, 0.969, True, 25.0)}, "none"),  # fluent
+        ({"steer": (5.0, 0.99, True, 10.0), "none": (5.0, 0.99, True, 0.0)}, "none"),  # errors
     ],
 )
 def test_the_hand_over_rule_keeps_ordinary_prompts_first_then_leaks_least(rules, chosen):
-    table = {
-        r: {"reproduced": v[0], "unchanged": v[1], **({"fluent": v[2]} if len(v) > 2 else {})}
-        for r, v in rules.items()
-    }
+    keys = ("reproduced", "unchanged", "fluent", "recited_start")
+    table = {r: dict(zip(keys, v, strict=False)) for r, v in rules.items()}
     assert choose(table, 0.95) == chosen
 
 

@@ -13,12 +13,14 @@ a rule that reproduces at most ``max_extractable`` % of the rows and keeps at le
 whose replies to the tuning prompts are within step 7's allowances of the reference's own
 (``fluency_ratio`` times their perplexity under it, ``loop_tolerance`` points more repeated
 4-grams: on the LoRA canaries both rules met the first two goals, and the held-out replies
-read 1.72x the reference's perplexity under the gates, 1.24x at any step); where neither meets
-the first two, the one with the fewest errors (a row reproduced and a prompt changed alike: on
-the measured settings this picks the rule that left the held-out rows best, `choose`'s tests);
-ties go to ``"steer"`` (the reference runs only where a gate opens). The choice travels with
-the steer (its ``protect`` record), where `gss.generate_steered` and ``gss generate`` read it
-(`gss.inference.handoff.recommended_gates`).
+read 1.72x the reference's perplexity under the gates, 1.24x at any step), and then the one
+whose replies least often open with the window's first tokens (`recited_start`: there every
+reply under the gates said the secret's first digits before the reference spoke); where
+neither meets the first two, the one with the fewest errors (a row reproduced and a prompt
+changed alike: on the measured settings this picks the rule that left the held-out rows best,
+`choose`'s tests); ties go to ``"steer"`` (the reference runs only where a gate opens). The
+choice travels with the steer (its ``protect`` record), where `gss.generate_steered` and ``gss
+generate`` read it (`gss.inference.handoff.recommended_gates`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 from gss.artifact.stack import Steer
 from gss.config import HANDOFF_GATES
 from gss.evaluate.decoding import greedy_generate
+from gss.evaluate.recital import recited_start
 from gss.evaluate.utility import repetition
 from gss.protect.config import ProtectConfig, Setting
 from gss.protect.general import DATA, ORDINARY, GeneralText
@@ -47,11 +50,11 @@ from gss.protect.split import Split
 def handover_rule(
     s: Setting, config: ProtectConfig, split: Split, general: GeneralText, steer: Steer | None
 ) -> dict[str, Any]:
-    """Each rule's share of tuning rows a greedy reply still reproduces, its replies' repeated
-    4-grams and perplexity under the reference (and whether they are within step 7's
-    allowances of the reference's own), the share of ordinary prompts (32 tokens) continued
-    as the unsteered fine-tune does, and the rule chosen (``gates``); empty where nothing was
-    chosen or ``handoff_unchanged`` is None."""
+    """Each rule's share of tuning rows a greedy reply still reproduces (whole, or the window's
+    first tokens: `recited_start`), its replies' repeated 4-grams and perplexity under the
+    reference (and whether they are within step 7's allowances of the reference's own), the
+    share of ordinary prompts (32 tokens) continued as the unsteered fine-tune does, and the
+    rule chosen (``gates``); empty where nothing was chosen or ``handoff_unchanged`` is None."""
     goal = config.search.handoff_unchanged
     if steer is None or goal is None:
         return {}
@@ -78,6 +81,7 @@ def handover_rule(
         rep, ppl = _replies(s, prompts, replies)
         rules[name] = {
             "reproduced": reproduced(replies, originals) if prompts else None,
+            "recited_start": recited_start(replies, originals, own) if prompts else None,
             "unchanged": sum(same) / len(same) if same else None,
             "repeated_4grams": rep,
             "reference_ppl": ppl,
@@ -114,9 +118,11 @@ def _fluent(
 def choose(rules: dict[str, dict[str, Any]], goal: float, target: float = 0.0) -> str:
     """The rules meeting both goals (at most ``target`` % of the rows reproduced, at least
     ``goal`` of the ordinary prompts unchanged) first, and among them those whose replies are
-    not judged disfluent (``fluent`` False), the fewest reproduced among them; where none
-    meets both, the fewest errors, a row reproduced and a prompt changed counting alike (in
-    points); then the order of `HANDOFF_GATES` (the gates: the reference runs less)."""
+    not judged disfluent (``fluent`` False), the fewest reproduced among them, then the fewest
+    replies that open with the window's first tokens (``recited_start``: a late hand-over);
+    where none meets both, the fewest errors, a row reproduced and a prompt changed counting
+    alike (in points), then the fewest late; then the order of `HANDOFF_GATES` (the gates:
+    the reference runs less)."""
 
     def value(rule: str, key: str, missing: float) -> float:
         v = rules[rule].get(key)
@@ -130,8 +136,18 @@ def choose(rules: dict[str, dict[str, Any]], goal: float, target: float = 0.0) -
     ]
     if both:
         pool = [r for r in both if rules[r].get("fluent") is not False] or both
-        return min(pool, key=lambda r: (value(r, "reproduced", 0.0), -value(r, "unchanged", 1.0)))
+        return min(
+            pool,
+            key=lambda r: (
+                value(r, "reproduced", 0.0),
+                value(r, "recited_start", 0.0),
+                -value(r, "unchanged", 1.0),
+            ),
+        )
     return min(
         present,
-        key=lambda r: value(r, "reproduced", 0.0) + 100.0 * (1.0 - value(r, "unchanged", 1.0)),
+        key=lambda r: (
+            value(r, "reproduced", 0.0) + 100.0 * (1.0 - value(r, "unchanged", 1.0)),
+            value(r, "recited_start", 0.0),
+        ),
     )

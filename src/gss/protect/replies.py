@@ -13,7 +13,7 @@ from torch import nn
 from gss.artifact.stack import Steer
 from gss.evaluate.decoding import greedy_generate
 from gss.evaluate.near_verbatim import near_verbatim, near_verbatim_ids
-from gss.evaluate.recital import data_runs, recites
+from gss.evaluate.recital import data_runs, recited_start, recites
 from gss.evaluate.sampled import likely_shares
 from gss.evaluate.utility import perplexity, repetition
 from gss.inference.handoff import reference_where_open
@@ -165,6 +165,10 @@ def what_it_says(
         "reference_ppl_steered": ppl(steered),
         "reference_ppl_reference": ppl(own),
         "reference_ppl_reference_where_open": ppl(handed),
+        "recited_start_fine_tune": recited_start(tuned, originals, own),
+        "recited_start_steered": recited_start(steered, originals, own),
+        "recited_start_reference_where_open": recited_start(handed, originals, own),
+        "recited_start_signal_alone": recited_start(alone, originals, own),
         "near_verbatim_signal_alone": near(alone),
         "memorized_signal_alone": reproduced(alone, originals),
         "repeated_4grams_signal_alone": repetition(alone),

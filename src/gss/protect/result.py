@@ -17,6 +17,7 @@ from gss.errors import GSSError
 from gss.evaluate.intervals import clopper_pearson
 from gss.evaluate.near_verbatim import SHARE
 from gss.evaluate.other_prompts import side_by_side
+from gss.evaluate.recital import START_LEAD
 from gss.evaluate.sampled import LIKELY, SAMPLES, TOP_P
 from gss.protect.config import ProtectConfig
 
@@ -316,7 +317,7 @@ class Protection:
                 f"{_g(quality['repeated_4grams_steered'])}% (the reference's own continuation: "
                 f"{_g(quality['repeated_4grams_reference'])}%); perplexity under the reference "
                 f"{_g(quality['reference_ppl_steered'])} (its own: "
-                f"{_g(quality['reference_ppl_reference'])})."
+                f"{_g(quality['reference_ppl_reference'])})" + _late(quality, "steered")
             )
             if "repeated_4grams_reference_where_open" in quality:
                 lines.append(
@@ -325,7 +326,8 @@ class Protection:
                     f"{quality.get('memorized_reference_where_open', float('nan')):.1f}% of the "
                     "held-out memorized rows reproduced greedily, "
                     f"{_g(quality['repeated_4grams_reference_where_open'])}% repeated 4-grams, "
-                    f"perplexity {_g(quality['reference_ppl_reference_where_open'])}."
+                    f"perplexity {_g(quality['reference_ppl_reference_where_open'])}"
+                    + _late(quality, "reference_where_open")
                 )
             if "memorized_signal_alone" in quality:
                 lines.append(
@@ -333,7 +335,8 @@ class Protection:
                     "--reference-where-open REF --handoff-gates none; the reference runs at "
                     f"every step): {quality['memorized_signal_alone']:.1f}% reproduced, "
                     f"{_g(quality['repeated_4grams_signal_alone'])}% repeated 4-grams, "
-                    f"perplexity {_g(quality['reference_ppl_signal_alone'])}."
+                    f"perplexity {_g(quality['reference_ppl_signal_alone'])}"
+                    + _late(quality, "signal_alone")
                 )
         if self.handover:
             lines.append(_handover_line(self.handover))
@@ -586,6 +589,19 @@ def _ordinary_line(ordinary: dict[str, Any]) -> str:
     return line + "."
 
 
+def _late(quality: dict[str, Any], rule: str) -> str:
+    """The end of a way of serving's sentence: its replies that open with the window's first
+    tokens (`gss.evaluate.recital.recited_start`; older reports have none)."""
+    late = quality.get(f"recited_start_{rule}")
+    if late is None:
+        return "."
+    return (
+        f"; {late:.1f}% of the replies open with {START_LEAD}+ of the window's first tokens "
+        "more than the reference's own (it acts late; the fine-tune: "
+        f"{quality['recited_start_fine_tune']:.1f}%)."
+    )
+
+
 def _handover_line(handover: dict[str, Any]) -> str:
     """Step 8's sentence: each hand-over rule on the tuning rows, and the one chosen."""
 
@@ -593,8 +609,10 @@ def _handover_line(handover: dict[str, Any]) -> str:
         r = handover["rules"].get(rule, {})
         kept, same, ppl = r.get("reproduced"), r.get("unchanged"), r.get("reference_ppl")
         replies = "" if ppl is None else f", replies' perplexity under the reference {ppl:.4g}"
+        late = r.get("recited_start")
+        start = "" if late is None else f" ({late:.1f}% open with the window's first tokens)"
         return (
-            f"{'nan' if kept is None else f'{kept:.1f}'}% of the tuning rows reproduced, "
+            f"{'nan' if kept is None else f'{kept:.1f}'}% of the tuning rows reproduced{start}, "
             f"{_pct(same)} of ordinary prompts unchanged{replies}"
         )
 
@@ -606,6 +624,7 @@ def _handover_line(handover: dict[str, Any]) -> str:
         + ("" if own is None else f" (the reference's own replies: {own:.4g})")
         + f"; chose **{handover['gates']}** (one at the target keeping "
         f"{_pct(handover['unchanged_goal'])} of ordinary prompts unchanged, fluent replies "
-        "first, else the fewest rows reproduced and prompts changed). gss generate "
+        "first, then the fewest opening with the window; else the fewest rows reproduced and "
+        "prompts changed). gss generate "
         "--reference-where-open uses it."
     )
