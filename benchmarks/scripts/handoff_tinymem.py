@@ -33,15 +33,13 @@ from typing import Any
 import torch
 
 from gss import load
-from gss.artifact.stack import SteeringStack
 from gss.evaluate.decoding import greedy_generate
 from gss.evaluate.utility import perplexity, repetition
-from gss.hf.blocks import resolve_layer
 from gss.inference.handoff import reference_where_open
 from gss.protect import protect
 from gss.protect.measure import prompt_and_target
 from gss.report import machine_info, markdown_table, write_json
-from gss.steering.attach import split_block_output
+from gss_bench.gate_reading import reading_gates
 from gss_bench.tinymem import methods as M
 from gss_bench.tinymem.protection import protect_arguments
 from gss_bench.tinymem.train import get_models
@@ -63,23 +61,8 @@ def gates_on_memorized(
 ) -> dict[str, float]:
     """Teacher-forced over each (prompt, window): the share of window positions that choose a
     memorized token (signal > 1 nat) where some gate opens, and of the others."""
-    members = list(steer) if isinstance(steer, SteeringStack) else [steer]
-    hooks = [m.make_hook() for m in members]
-    seen: list[Any] = []
-
-    def reader(hook: Any) -> Any:
-        def read(module: Any, args: Any, output: Any) -> None:
-            hidden = split_block_output(output)[0]
-            seen.append(hook.correction(hidden.detach())[1].reshape(hidden.shape[1], -1).any(-1))
-
-        return read
-
-    handles = [
-        resolve_layer(model, m.layer, m.config.block_path)[1].register_forward_hook(reader(h))
-        for m, h in zip(members, hooks, strict=True)
-    ]
     memorized, opened = [], []
-    try:
+    with reading_gates(model, steer) as seen:
         for prompt, window in windows:
             ids = torch.tensor([list(prompt) + list(window)])
             seen.clear()
@@ -91,9 +74,6 @@ def gates_on_memorized(
             signal = (mine.gather(-1, target) - theirs.gather(-1, target))[start:, 0]
             memorized.append(signal > 1.0)
             opened.append(torch.stack(seen).any(0)[:-1][start:])
-    finally:
-        for handle in handles:
-            handle.remove()
     mem, gate = torch.cat(memorized), torch.cat(opened)
     return {
         "memorized_positions": int(mem.sum()),

@@ -28,9 +28,8 @@ from typing import Any
 import torch
 
 from gss import load
-from gss.artifact.stack import SteeringStack
 from gss.hf.adapters import adapters_off
-from gss.hf.blocks import find_decoder_blocks, resolve_layer
+from gss.hf.blocks import find_decoder_blocks
 from gss.protect.config import Setting, resolve
 from gss.protect.general import general_text
 from gss.protect.handover import handover_rule
@@ -38,7 +37,6 @@ from gss.protect.measure import prompt_and_target
 from gss.protect.search import _read_inputs
 from gss.protect.split import audit_and_split
 from gss.report import machine_info, write_json
-from gss.steering.attach import split_block_output
 from gss_bench.canaries.data import make_canary_data
 from gss_bench.canaries.finetune import FinetuneConfig
 from gss_bench.canaries.protection import protect_arguments
@@ -53,6 +51,7 @@ from gss_bench.canaries.run import (
     finetuned,
     model_path,
 )
+from gss_bench.gate_reading import reading_gates
 
 
 def canary_setting(args: argparse.Namespace) -> tuple[Setting, Any, Any, Any, Any]:
@@ -99,23 +98,8 @@ def first_gates(s: Setting, steer: Any, windows: list[tuple[list[int], list[int]
     open gate sees (None: none opens), with the fine-tune's probability of its choice and the
     memorization signal (nats) at each position before it: where a hand-over at the gates comes
     late, what was said first."""
-    members = list(steer) if isinstance(steer, SteeringStack) else [steer]
-    hooks = [m.make_hook() for m in members]
-    seen: list[torch.Tensor] = []
-
-    def reader(hook: Any) -> Any:
-        def read(module: Any, args: Any, output: Any) -> None:
-            hidden = split_block_output(output)[0]
-            seen.append(hook.correction(hidden.detach())[1].reshape(hidden.shape[1], -1).any(-1))
-
-        return read
-
-    handles = [
-        resolve_layer(s.model, m.layer, m.config.block_path)[1].register_forward_hook(reader(h))
-        for m, h in zip(members, hooks, strict=True)
-    ]
     out: list[Any] = []
-    try:
+    with reading_gates(s.model, steer) as seen:
         for prompt, window in windows:
             ids = torch.tensor([list(prompt) + list(window)])
             seen.clear()
@@ -131,9 +115,6 @@ def first_gates(s: Setting, steer: Any, windows: list[tuple[list[int], list[int]
                 top = mine[j].argmax()
                 before.append([float(mine[j, top].exp()), float(mine[j, top] - theirs[j, top])])
             out.append({"first_open": first, "sure_and_signal_before": before})
-    finally:
-        for handle in handles:
-            handle.remove()
     return out
 
 
