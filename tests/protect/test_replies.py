@@ -417,8 +417,12 @@ def test_the_data_is_dropped_from_the_gates_sources_where_no_point_reaches_the_g
         ({"steer": (0.0, 1.0, False), "none": (0.0, 0.969, False)}, "steer"),  # neither fluent
         ({"steer": (0.0, 1.0, None), "none": (0.0, 0.969, True)}, "steer"),  # not judged
         # both fluent there on the tuning prompts, the gates handing over after the secret's
-        # first digits: the rule that says none of it (results/canaries-lora-protect)
-        ({"steer": (0.0, 1.0, True, 25.0), "none": (0.0, 0.969, True, 0.0)}, "none"),
+        # first digits on all 15, any step on 3: the earlier (results/canaries-lora-protect)
+        ({"steer": (0.0, 1.0, True, 100.0), "none": (0.0, 0.969, True, 20.0)}, "none"),
+        # the plain canaries: 2 and 1 of 16 late, a row apart (none of either held out): a tie
+        ({"steer": (0.0, 1.0, True, 12.5), "none": (0.0, 1.0, True, 6.25)}, "steer"),
+        ({"steer": (0.0, 1.0, True, 12.5), "none": (0.0, 0.99, True, 5.0)}, "steer"),
+        ({"steer": (0.0, 1.0, True, 12.5), "none": (0.0, 0.99, True, 0.0)}, "none"),  # 12.5 apart
         ({"steer": (0.0, 1.0, True, 0.0), "none": (0.0, 0.969, True, 0.0)}, "steer"),
         ({"steer": (0.0, 1.0, False, 0.0), "none": (0.0, 0.969, True, 25.0)}, "none"),  # fluent
         ({"steer": (5.0, 0.99, True, 10.0), "none": (5.0, 0.99, True, 0.0)}, "none"),  # errors

@@ -13,9 +13,10 @@ a rule that reproduces at most ``max_extractable`` % of the rows and keeps at le
 whose replies to the tuning prompts are within step 7's allowances of the reference's own
 (``fluency_ratio`` times their perplexity under it, ``loop_tolerance`` points more repeated
 4-grams: on the LoRA canaries both rules met the first two goals, and the held-out replies
-read 1.72x the reference's perplexity under the gates, 1.24x at any step), and then the one
-whose replies least often open with the window's first tokens (`recited_start`: there every
-reply under the gates said the secret's first digits before the reference spoke); where
+read 1.72x the reference's perplexity under the gates, 1.24x at any step), and then one whose
+replies open with the window's first tokens (`recited_start`) not `LATE_TIE` points more often
+than the other's (there every reply under the gates said the secret's first digits before the
+reference spoke, at any step 3 of 15); where
 neither meets the first two, the one with the fewest errors (a row reproduced and a prompt
 changed alike: on the measured settings this picks the rule that left the held-out rows best,
 `choose`'s tests); ties go to ``"steer"`` (the reference runs only where a gate opens). The
@@ -115,14 +116,21 @@ def _fluent(
     return reply_overshoot(replies, yardstick, space) <= 0
 
 
+LATE_TIE = 10.0
+"""Points of `recited_start` within which two rules count as equally late: a row or so of the
+15-16 tuning prompts is noise (plain canaries: 2 and 1 of 16 tuning replies, none of either
+held out), where the LoRA canaries' gates were late on all 15 and any step on 3."""
+
+
 def choose(rules: dict[str, dict[str, Any]], goal: float, target: float = 0.0) -> str:
     """The rules meeting both goals (at most ``target`` % of the rows reproduced, at least
     ``goal`` of the ordinary prompts unchanged) first, and among them those whose replies are
-    not judged disfluent (``fluent`` False), the fewest reproduced among them, then the fewest
-    replies that open with the window's first tokens (``recited_start``: a late hand-over);
-    where none meets both, the fewest errors, a row reproduced and a prompt changed counting
-    alike (in points), then the fewest late; then the order of `HANDOFF_GATES` (the gates:
-    the reference runs less)."""
+    not judged disfluent (``fluent`` False), the fewest reproduced among them, then those whose
+    replies open with the window's first tokens (``recited_start``: a late hand-over) at most
+    `LATE_TIE` points more often than the fewest, then the most prompts unchanged; where none
+    meets both, the fewest errors, a row reproduced and a prompt changed counting alike (in
+    points), then the fewest late; then the order of `HANDOFF_GATES` (the gates: the reference
+    runs less)."""
 
     def value(rule: str, key: str, missing: float) -> float:
         v = rules[rule].get(key)
@@ -136,14 +144,11 @@ def choose(rules: dict[str, dict[str, Any]], goal: float, target: float = 0.0) -
     ]
     if both:
         pool = [r for r in both if rules[r].get("fluent") is not False] or both
-        return min(
-            pool,
-            key=lambda r: (
-                value(r, "reproduced", 0.0),
-                value(r, "recited_start", 0.0),
-                -value(r, "unchanged", 1.0),
-            ),
-        )
+        fewest = min(value(r, "reproduced", 0.0) for r in pool)
+        pool = [r for r in pool if value(r, "reproduced", 0.0) == fewest]
+        earliest = min(value(r, "recited_start", 0.0) for r in pool)
+        pool = [r for r in pool if value(r, "recited_start", 0.0) <= earliest + LATE_TIE]
+        return min(pool, key=lambda r: -value(r, "unchanged", 1.0))
     return min(
         present,
         key=lambda r: (
