@@ -42,6 +42,7 @@ from gss_bench.canaries.finetune import FinetuneConfig
 from gss_bench.canaries.protection import protect_arguments
 from gss_bench.canaries.run import (
     CALIBRATION_CLEAN_ROWS,
+    CHAT,
     DEFAULT_MODEL,
     PPL_TOLERANCE,
     _load,
@@ -59,13 +60,13 @@ def canary_setting(args: argparse.Namespace) -> tuple[Setting, Any, Any, Any, An
     gave them."""
     base_path = model_path(args.model)
     base, tokenizer = _load(base_path, "cpu")
-    data = make_canary_data(tokenizer, canary_config(tokenizer, 0))
+    data = make_canary_data(tokenizer, canary_config(tokenizer, 0, **(CHAT if args.chat else {})))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     blocks = default_train_blocks(len(find_decoder_blocks(base)))
     cfg = FinetuneConfig(train_blocks=blocks, seed=0, lr=args.lr, lora_rank=args.lora)
     model, info = finetuned(base, base_path, data, cfg, pad, default_cache(), tokenizer)
-    if not info.get("loaded"):
-        raise SystemExit("the fine-tune was not cached: run protect_heldout.py first")
+    if not info.get("loaded"):  # trained now, as the report's run did: the split check says
+        print("the fine-tune was not cached: trained it, as the report's run did", flush=True)
     reference = adapters_off(model) if args.lora else base
     rows = [*data.canary_rows, *data.finetune_rows[:CALIBRATION_CLEAN_ROWS]]
     given = protect_arguments(data, tokenizer, rows, PPL_TOLERANCE, 16)
@@ -125,6 +126,7 @@ def main() -> None:
     parser.add_argument("--lora", type=int, default=0)
     parser.add_argument("--lr", type=float, default=FinetuneConfig.lr)
     parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--chat", action="store_true", help="the chat canaries (--chat)")
     parser.add_argument("--tinymem", help="a TinyMem setting (math_noise, ...): not the canaries")
     parser.add_argument("--seed", type=int, default=0, help="the TinyMem seed")
     args = parser.parse_args()
@@ -147,6 +149,7 @@ def main() -> None:
     command = f"benchmarks/scripts/handover_again.py --report {args.report} --out {args.out}"
     command += f" --lora {args.lora} --lr {args.lr:g}" if args.lora else ""
     command += f" --model {args.model}" if args.model != DEFAULT_MODEL else ""
+    command += " --chat" if args.chat else ""
     command += f" --tinymem {args.tinymem} --seed {args.seed}" if args.tinymem else ""
     write_json(
         args.out,
