@@ -176,21 +176,23 @@ def what_it_says(
         **sampled,
     }
 
-    examples = [
-        {
-            "prompt": text(p),
-            "original": text(r),
-            "fine-tune": text(t),
-            "steered": text(s),
-            "reference": text(o),
-            "reference where open": text(h),
-            "reference at any step": text(a),
-        }
-        for p, r, t, s, o, h, a in list(
-            zip(prompts, originals, tuned, steered, own, handed, alone, strict=True)
-        )[:4]
+    said = {"fine-tune": tuned, "steered": steered, "reference": own}
+    said |= {"reference where open": handed, "reference at any step": alone}
+    return quality, _examples(text, prompts, originals, said)
+
+
+def _examples(
+    text: Any,
+    prompts: list[list[int]],
+    originals: list[list[int]],
+    said: dict[str, list[list[int]]],
+    count: int = 4,
+) -> list[dict[str, Any]]:
+    """The first ``count`` held-out prompts, their windows and each way's reply, as text."""
+    return [
+        {"prompt": text(p), "original": text(o), **{k: text(r[i]) for k, r in said.items()}}
+        for i, (p, o) in enumerate(zip(prompts[:count], originals[:count], strict=True))
     ]
-    return quality, examples
 
 
 def reproduced(replies: Sequence[Sequence[int]], originals: Sequence[Sequence[int]]) -> float:
