@@ -157,7 +157,7 @@ def main() -> None:
             "command": command,
             "machine": machine_info(),
             "seconds": time.perf_counter() - started,
-            "in_the_report": record["handover"],
+            "in_the_report": record.get("handover"),  # None: a report from before step 8
             "now": handover,
             "heldout": held,
             "first_gate": gates,
