@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from gss.data import prompt_end
+
 __all__ = ["RECITED", "START_LEAD", "data_runs", "longest_recited", "recited_start", "recites"]
 
 # tokens in a row: on the canaries' licence prompts every unsteered continuation holding a run
@@ -54,10 +56,7 @@ def recited_start(
     canaries), which no whole-window measure counts."""
 
     def said(reply: Sequence[int], window: Sequence[int]) -> int:
-        return next(
-            (i for i, (a, b) in enumerate(zip(reply, window, strict=False)) if a != b),
-            min(len(reply), len(window)),
-        )
+        return min(prompt_end(reply, window), len(window))  # the tokens both open with
 
     early = [
         said(r, o) >= said(w, o) + lead for r, o, w in zip(replies, originals, own, strict=True)
